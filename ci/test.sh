@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The project's test command (README "Set up"): installs what the tests need into venvs outside
+# the repository, reusing them when their pinned requirements did not change, then runs
+# ruff, mypy and pytest. Fails when anything fails.
+#
+#   bash ci/test.sh            everything: core tests, then the engine tests (marks vllm, sglang)
+#   POF_SKIP_ENGINES=1 ...     core tests only (no multi-GB engine venvs)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+cd "$ROOT"
+
+PY="$(bash ci/core_venv.sh | tail -n 1)"
+BIN="$(dirname "$PY")"
+
+echo "== ruff"
+"$BIN/ruff" check pof_connector tiers adapters tests ci examples
+echo "== mypy"
+"$BIN/mypy"
+
+echo "== pytest (core)"
+"$PY" -m pytest -m "not vllm and not sglang" "$@"
+
+run_marked() {   # run_marked MARK PYTHON: pytest exit 5 (nothing collected) is a failure here too
+    local mark="$1" py="$2"
+    echo "== pytest -m $mark"
+    "$py" -m pytest -m "$mark" "${@:3}"
+}
+
+if [[ "${POF_SKIP_ENGINES:-0}" != "1" ]]; then
+    if ls tests/adapters/test_vllm*.py >/dev/null 2>&1; then
+        VPY="$(bash ci/vllm_venv.sh | tail -n 1)"
+        run_marked vllm "$VPY" "$@"
+    fi
+fi
+echo "== all tests passed"

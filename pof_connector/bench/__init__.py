@@ -1,0 +1,33 @@
+"""Micro-benchmarks behind ``pof bench``.
+
+Each benchmark returns one plain dict (what ``--json`` prints) whose ``ratio`` compares pof with
+the cheapest thing that does the same job on the same machine in the same run, so the figure
+means something on any host: :mod:`.tiers` against ``numpy.copyto`` of the same bytes, and
+:mod:`.index` against one bare Redis round trip.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+Progress = Callable[[str], None]
+"""Where a benchmark reports what it is doing (the CLI sends it to stderr, keeping stdout JSON)."""
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run, or pof returned a wrong answer while being measured."""
+
+
+def quiet(_: str) -> None:
+    """A :data:`Progress` that drops everything (library callers, tests)."""
+
+
+def geomean(values: Sequence[float]) -> float:
+    """Geometric mean: the right average of ratios (a 2x and a 0.5x row cancel out)."""
+    if not values or min(values) <= 0:
+        raise ValueError(f"geomean needs positive values, got {list(values)}")
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+__all__ = ["BenchError", "Progress", "geomean", "quiet"]

@@ -1,0 +1,241 @@
+"""``pof bench index``: prefix-lookup latency and memory cost of the Redis locality index.
+
+A lookup is meant to cost one pipelined round trip whatever the prompt length, so its latency
+is reported against one bare round trip (``PING``) to the same server, measured interleaved
+with the lookups: the ratio says how much the encoding, the server's ``HMGET`` of every page
+and the decoding add on top of the network, and does not depend on how fast this host is.
+Memory is the server's own ``used_memory`` growth per published location.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+
+from pof_connector.bench import BenchError, Progress, quiet
+from pof_connector.index.base import IndexUnavailable, Location, NodeInfo, PrefixMatch
+from pof_connector.index.redis import RedisIndex, loc_key
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import DIGEST_BYTES, Namespace, PageKey, page_keys
+
+PAGE_TOKENS = 64
+WARMUP = 10
+BATCH = 5000
+MEDIUM = "cpu_dram"
+NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, ZRANGE and one "
+        "HMGET of every page as a single pipelined buffer; ratio = lookup p50 / PING p50, measured "
+        "interleaved on the same connection pool")
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """Per-iteration times in milliseconds."""
+
+    lookup_ms: list[float]
+    rtt_ms: list[float]
+
+
+def run(
+    pages: int = 2000,
+    nodes: int = 4,
+    iterations: int = 300,
+    memory_pages: int = 100_000,
+    url: str | None = None,
+    progress: Progress = quiet,
+) -> dict[str, Any]:
+    """Lookup latency, round-trip latency and memory per location, as ``--json`` prints them."""
+    _check_args(pages, nodes, iterations, memory_pages)
+    with _server(url, progress) as server_url:
+        run_id = secrets.token_hex(4)     # fresh node ids and namespaces: safe on a shared --url server
+        clients = [RedisIndex(server_url, f"bench-{run_id}-{k}") for k in range(nodes)]
+        reader = RedisIndex(server_url, None)
+        namespaces: list[bytes] = []
+        try:
+            for client in clients:
+                assert client.node_id is not None
+                client.heartbeat(NodeInfo(client.node_id), ttl_s=60)
+            keys, expected = _publish_chain(clients, pages, run_id, namespaces)
+            progress(f"index: {nodes} nodes hold leading runs of a {pages}-page chain; "
+                     f"{WARMUP} warm-ups + {iterations} lookups")
+            lat = _measure(reader, keys, expected, iterations)
+            progress(f"index: publishing {memory_pages} locations for the memory figure")
+            memory = _memory(clients[0], server_url, memory_pages, run_id, namespaces)
+            version = _server_version(server_url)
+        finally:
+            _cleanup(server_url, reader, clients, namespaces, progress)
+    return _result(lat, memory, pages, nodes, iterations, memory_pages, url, version)
+
+
+def _check_args(pages: int, nodes: int, iterations: int, memory_pages: int) -> None:
+    if nodes < 1 or pages < nodes:
+        raise BenchError(f"need --nodes >= 1 and --pages >= --nodes (every node holds a page), got "
+                         f"pages={pages} nodes={nodes}")
+    if iterations < 1 or memory_pages < 1:
+        raise BenchError(f"--iterations and --memory-pages must be positive, got {iterations} and {memory_pages}")
+
+
+@contextmanager
+def _server(url: str | None, progress: Progress) -> Iterator[str]:
+    """``url`` as given, or a private server in a temporary directory, stopped when done."""
+    if url is not None:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="pof-bench-", dir="/tmp") as tmp:
+        server = RedisServer(tmp).start()
+        progress(f"index: started a private server at {server.url} (pid {server.pid})")
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+def _namespace(run_id: str, part: str) -> bytes:
+    return Namespace("pof-bench", "bfloat16", "mha:kv_heads=8:head_dim=128", PAGE_TOKENS,
+                     extra=f"{run_id}:{part}").digest
+
+
+def _publish_chain(clients: Sequence[RedisIndex], pages: int, run_id: str,
+                   namespaces: list[bytes]) -> tuple[list[PageKey], dict[str, int]]:
+    """Node ``k`` publishes the first ``pages * (nodes - k) // nodes`` pages of one chain."""
+    ns = _namespace(run_id, "chain")
+    namespaces.append(ns)
+    tokens = np.random.default_rng(1).integers(0, 32_000, size=pages * PAGE_TOKENS, dtype=np.uint32)
+    keys = page_keys(ns, tokens, PAGE_TOKENS)
+    n = len(clients)
+    expected: dict[str, int] = {}
+    for k, client in enumerate(clients):
+        assert client.node_id is not None
+        count = pages * (n - k) // n
+        _publish(client, keys[:count])
+        expected[client.node_id] = count
+    return keys, expected
+
+
+def _publish(client: RedisIndex, keys: Sequence[PageKey]) -> None:
+    """Publish ``keys`` at slots 0.. of the client's DRAM tier, in batches of :data:`BATCH`."""
+    assert client.node_id is not None
+    for start in range(0, len(keys), BATCH):
+        batch = keys[start:start + BATCH]
+        client.publish([(key, Location(client.node_id, MEDIUM, start + i, 1)) for i, key in enumerate(batch)])
+
+
+def _measure(reader: RedisIndex, keys: list[PageKey], expected: dict[str, int], iterations: int) -> Latencies:
+    """Lookups after warm-ups, each followed by one PING; every answer is checked."""
+    for _ in range(WARMUP):
+        _verify(reader.longest_prefix(keys), expected)
+    lookup_ms: list[float] = []
+    rtt_ms: list[float] = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        got = reader.longest_prefix(keys)
+        lookup_ms.append((time.perf_counter() - t0) * 1000)
+        _verify(got, expected)
+        rtt_ms.append(reader.ping_ms())
+    return Latencies(lookup_ms, rtt_ms)
+
+
+def _verify(got: dict[str, PrefixMatch], expected: dict[str, int]) -> None:
+    """A wrong answer makes every latency figure meaningless: stop the benchmark."""
+    counts = {node: m.pages for node, m in got.items()}
+    if counts != expected:
+        raise BenchError(f"longest_prefix returned page counts {counts}, expected {expected}")
+    for node, m in got.items():
+        if m.per_tier() != {MEDIUM: expected[node]} or int(m.slots[-1]) != expected[node] - 1:
+            raise BenchError(f"longest_prefix returned wrong locations for {node}: {m.per_tier()}, "
+                             f"last slot {int(m.slots[-1])}")
+
+
+@dataclass(frozen=True)
+class Memory:
+    bytes_per_location: float
+    hash_bytes_per_location: float
+    publish_pages_per_s: float
+
+
+def _memory(client: RedisIndex, url: str, count: int, run_id: str, namespaces: list[bytes]) -> Memory:
+    """Server memory growth and publish throughput for ``count`` locations in a fresh namespace."""
+    ns = _namespace(run_id, "memory")
+    namespaces.append(ns)
+    digests = np.random.default_rng(2).bytes(count * DIGEST_BYTES)
+    keys = [PageKey(ns, digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]) for i in range(count)]
+    r = redis.Redis.from_url(url)
+    try:
+        before = int(r.info("memory")["used_memory"])
+        t0 = time.perf_counter()
+        _publish(client, keys)
+        elapsed = time.perf_counter() - t0
+        after = int(r.info("memory")["used_memory"])
+        hash_bytes = int(r.memory_usage(loc_key(ns), samples=0) or 0)
+    finally:
+        r.close()
+    return Memory((after - before) / count, hash_bytes / count, count / elapsed)
+
+
+def _server_version(url: str) -> str:
+    r = redis.Redis.from_url(url)
+    try:
+        info = r.info("server")
+    finally:
+        r.close()
+    for name in ("valkey_version", "redis_version"):
+        if name in info:
+            return f"{name.split('_')[0]} {info[name]}"
+    return "unknown"
+
+
+def _cleanup(url: str, reader: RedisIndex, clients: Sequence[RedisIndex], namespaces: Sequence[bytes],
+             progress: Progress) -> None:
+    """Leave a shared server as it was: drop the bench's namespaces and deregister its nodes.
+
+    A failure here is reported, not raised: it must not hide the error that ended the run.
+    """
+    r = redis.Redis.from_url(url)
+    try:
+        if namespaces:
+            r.delete(*(loc_key(ns) for ns in namespaces))
+        for client in clients:
+            if client.incarnation is not None:
+                client.leave()
+    except (redis.RedisError, IndexUnavailable) as e:
+        progress(f"index: could not clean up the bench's keys and nodes on {url}: {e}")
+    finally:
+        r.close()
+        reader.close()
+        for client in clients:
+            client.close()
+
+
+def _pct(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 4)
+
+
+def _result(lat: Latencies, memory: Memory, pages: int, nodes: int, iterations: int, memory_pages: int,
+            url: str | None, version: str) -> dict[str, Any]:
+    lookup_p50, rtt_p50 = float(np.percentile(lat.lookup_ms, 50)), float(np.percentile(lat.rtt_ms, 50))
+    return {
+        "bench": "index",
+        "ratio": round(lookup_p50 / rtt_p50, 3),
+        "lookup_p50_ms": round(lookup_p50, 4),
+        "lookup_p90_ms": _pct(lat.lookup_ms, 90),
+        "lookup_p99_ms": _pct(lat.lookup_ms, 99),
+        "rtt_p50_ms": round(rtt_p50, 4),
+        "round_trips_per_lookup": 1,
+        "bytes_per_location": round(memory.bytes_per_location, 1),
+        "hash_bytes_per_location": round(memory.hash_bytes_per_location, 1),
+        "publish_pages_per_s": round(memory.publish_pages_per_s),
+        "pages": pages,
+        "nodes": nodes,
+        "iterations": iterations,
+        "memory_pages": memory_pages,
+        "server": url or "private server on a unix socket",
+        "server_version": version,
+        "note": NOTE,
+    }

@@ -1,0 +1,398 @@
+"""The ``pof`` command: run and inspect the locality index, and benchmark this host.
+
+Commands::
+
+    pof index serve   run this host's embedded index server in the foreground
+    pof index stop    stop it
+    pof index stats   live nodes and index totals (also ``pof stats``)
+    pof bench tiers   page put+get through the tiers vs. plain memcpy
+    pof bench index   prefix-lookup latency and memory per location
+
+Every command returns an exit code instead of raising: 0 on success, 1 when it could not do
+its job (with one line on stderr saying why), 2 for a usage error. ``--json`` output goes to
+stdout alone, so it can be piped; progress and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pof_connector.bench import BenchError
+from pof_connector.bench import index as bench_index
+from pof_connector.bench import tiers as bench_tiers
+from pof_connector.config import ConfigError, PofConfig, format_size, parse_size
+from pof_connector.index.base import IndexUnavailable, NodeInfo
+from pof_connector.index.embedded import PIDFILE, embedded_url, stop_embedded, supervise
+from pof_connector.index.redis import RedisIndex
+from pof_connector.index.server import ping
+
+Handler = Callable[[argparse.Namespace], int]
+PIDFILE_GRACE_S = 2.0
+
+
+class CommandError(RuntimeError):
+    """A command cannot do its job; the message is shown as is and the exit code is 1."""
+
+
+# ---- plumbing -------------------------------------------------------------------------------
+
+
+def _out() -> Console:
+    # Built per call, not at import: tests and pipes swap sys.stdout after this module loads.
+    return Console(file=sys.stdout, highlight=False)
+
+
+def _err() -> Console:
+    return Console(file=sys.stderr, highlight=False)
+
+
+def _progress(message: str) -> None:
+    _err().print(message, style="dim", markup=False, soft_wrap=True)
+
+
+def _print_json(obj: object) -> None:
+    """Exactly one JSON object on stdout, without rich's wrapping or markup."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _size(text: str) -> int:
+    """argparse ``type`` for sizes such as ``256MiB``: the config's parser, the config's words."""
+    try:
+        return parse_size(text, "size")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _sizes(text: str) -> list[int]:
+    return [_size(part) for part in text.split(",") if part.strip()]
+
+
+def _media(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _load_config(path: str | None) -> PofConfig:
+    """The config file's settings, or the defaults (``index_url: embedded``) without one."""
+    return PofConfig() if path is None else PofConfig.from_file(path)
+
+
+def _runtime_dir(args: argparse.Namespace) -> Path:
+    """``--runtime-dir``, else the config's ``runtime_dir``: where the embedded server lives."""
+    if args.runtime_dir:
+        return Path(args.runtime_dir)
+    return Path(_load_config(args.config).runtime_dir)
+
+
+# ---- pof index serve / stop -------------------------------------------------------------------
+
+
+def cmd_index_serve(args: argparse.Namespace) -> int:
+    """Run the embedded index supervisor in this process until ``pof index stop`` or Ctrl-C."""
+    runtime_dir = _runtime_dir(args)
+    runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    url = embedded_url(runtime_dir)
+    idle_s = math.inf if args.idle_s is None else args.idle_s
+    # The lock is the one ensure_embedded() takes: holding it until our server answers keeps a
+    # starting engine from launching a second server on the same socket meanwhile.
+    with open(runtime_dir / "embedded.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ping(url):
+            raise CommandError(f"an index server already answers at {url}; stop it with "
+                               f"`pof index stop --runtime-dir {runtime_dir}`")
+        up = threading.Event()
+        announcer = threading.Thread(target=_announce, args=(url, runtime_dir, lock, up), daemon=True)
+        announcer.start()
+        try:
+            return supervise(runtime_dir, idle_s)
+        except (OSError, RuntimeError, TimeoutError, ValueError) as e:
+            raise CommandError(f"the index server failed: {e}") from e
+        finally:
+            up.set()
+            announcer.join()      # before the lock file closes under it
+
+
+def _announce(url: str, runtime_dir: Path, lock: Any, done: threading.Event) -> None:
+    """Once the server answers: release the start lock and tell the user the URL clients use."""
+    while not done.is_set():
+        if ping(url) and (runtime_dir / PIDFILE).exists():   # stoppable from now on
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            print(f"pof index server running; clients use index_url: {url}\n"
+                  f"(index_url: embedded with runtime_dir: {runtime_dir} finds it too); "
+                  f"stop with `pof index stop --runtime-dir {runtime_dir}` or Ctrl-C", flush=True)
+            return
+        done.wait(0.05)
+
+
+def cmd_index_stop(args: argparse.Namespace) -> int:
+    """Stop the embedded server by its supervisor's PID, but only when a server answers:
+    a stale pidfile's PID may belong to an unrelated process by now."""
+    runtime_dir = _runtime_dir(args)
+    url = embedded_url(runtime_dir)
+    pidfile = runtime_dir / PIDFILE
+    answers = ping(url)
+    if answers and not _wait_for(pidfile, PIDFILE_GRACE_S):
+        raise CommandError(f"a server answers at {url} but {pidfile} is missing; it was not started by "
+                           f"`pof index serve` or ensure_embedded, stop it yourself")
+    if not pidfile.exists():
+        raise CommandError(f"no embedded index server in {runtime_dir} (no {PIDFILE})")
+    if not answers:
+        raise CommandError(f"no index server answers at {url}; {pidfile} is stale (remove it), "
+                           f"no process was signalled")
+    stop_embedded(runtime_dir)
+    _out().print(f"stopped the index server at {url}")
+    return 0
+
+
+def _wait_for(path: Path, timeout_s: float) -> bool:
+    """The supervisor writes its pidfile just after its server answers: give it that moment."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ---- pof index stats --------------------------------------------------------------------------
+
+
+def cmd_index_stats(args: argparse.Namespace) -> int:
+    """Live nodes and totals of a running index; never starts a server to answer."""
+    url = _stats_url(args)
+    index = RedisIndex(url, None)
+    try:
+        nodes, totals = index.nodes(), index.stats()
+    finally:
+        index.close()
+    if args.json:
+        _print_json({"url": url, "nodes": [_node_json(n) for n in nodes], "totals": totals})
+    else:
+        _print_stats(url, nodes, totals)
+    return 0
+
+
+def _stats_url(args: argparse.Namespace) -> str:
+    """The URL of a server that answers now; :class:`CommandError` when there is none."""
+    if args.url:
+        url = str(args.url)
+    else:
+        config = _load_config(args.config)
+        if config.index_url == "local":
+            raise CommandError("index_url is 'local': that index lives inside one engine process and has "
+                               "no server to ask")
+        url = embedded_url(config.runtime_dir) if config.index_url == "embedded" else config.index_url
+    if not ping(url):
+        raise CommandError(f"no index server running at {url}")
+    return url
+
+
+def _node_json(node: NodeInfo) -> dict[str, object]:
+    tiers = {medium: {"capacity_bytes": t.capacity_bytes, "free_bytes": t.free_bytes,
+                      "used_bytes": t.capacity_bytes - t.free_bytes, "domain": t.domain}
+             for medium, t in node.tiers.items()}
+    return {"node_id": node.node_id, "tiers": tiers, "meta": node.meta}
+
+
+def _print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) -> None:
+    table = Table(title=f"live nodes at {url}", title_justify="left")
+    table.add_column("node", no_wrap=True)
+    table.add_column("tier")
+    for name in ("capacity", "used", "free"):
+        table.add_column(name, justify="right")
+    table.add_column("domain", overflow="fold")
+    for node in sorted(nodes, key=lambda n: n.node_id):
+        if not node.tiers:
+            table.add_row(node.node_id, "-", "-", "-", "-", "-")
+        for i, (medium, t) in enumerate(sorted(node.tiers.items())):
+            table.add_row(node.node_id if i == 0 else "", medium, format_size(t.capacity_bytes),
+                          format_size(t.capacity_bytes - t.free_bytes), format_size(t.free_bytes), t.domain)
+    out = _out()
+    out.print(table)
+    summary = Table(title="index totals", title_justify="left", show_header=False)
+    summary.add_column("what")
+    summary.add_column("value", justify="right")
+    summary.add_row("locations", f"{totals.get('locations', 0):,}")
+    summary.add_row("server memory", format_size(totals.get("memory_bytes", 0)))
+    summary.add_row("live nodes", str(totals.get("nodes", len(nodes))))
+    out.print(summary)
+
+
+# ---- pof bench --------------------------------------------------------------------------------
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    result = bench_tiers.run(media=args.media, sizes=args.sizes, tier_size=args.tier_size, repeat=args.repeat,
+                       progress=_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    table = Table(title=f"tier put+get vs. {result['baseline']}", title_justify="left")
+    table.add_column("medium")
+    for name in ("page", "slots", "pages put", "pages got", "ours GB/s", "memcpy GB/s", "ratio"):
+        table.add_column(name, justify="right")
+    for row in result["rows"]:
+        table.add_row(row["medium"], row["page_size"], str(row["slots"]), str(row["pages_put"]),
+                      str(row["pages_got"]), f"{row['ours_gbps']:.2f}", f"{row['memcpy_gbps']:.2f}",
+                      f"{row['ratio']:.3f}")
+    out = _out()
+    out.print(table)
+    out.print(f"ratio (geometric mean of rows) [bold]{result['ratio']:.3f}[/bold], "
+              f"min_ratio {result['min_ratio']:.3f}  (1.0 = as fast as a bare memcpy)")
+    return 0
+
+
+def cmd_bench_index(args: argparse.Namespace) -> int:
+    result = bench_index.run(pages=args.pages, nodes=args.nodes, iterations=args.iterations,
+                       memory_pages=args.memory_pages, url=args.url, progress=_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    table = Table(title=f"index: {args.pages}-page prefix lookup over {args.nodes} nodes "
+                        f"({result['server_version']})", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for label, key, fmt in (
+        ("lookup p50 / p90 / p99", None, ""),
+        ("round trip (PING) p50", "rtt_p50_ms", "{:.3f} ms"),
+        ("ratio lookup p50 / round trip p50", "ratio", "{:.2f}"),
+        ("round trips per lookup", "round_trips_per_lookup", "{}"),
+        ("server memory per location", "bytes_per_location", "{:.1f} B"),
+        ("  of which the location hash", "hash_bytes_per_location", "{:.1f} B"),
+        ("publish throughput", "publish_pages_per_s", "{:,} pages/s"),
+    ):
+        if key is None:
+            value = (f"{result['lookup_p50_ms']:.3f} / {result['lookup_p90_ms']:.3f} / "
+                     f"{result['lookup_p99_ms']:.3f} ms")
+        else:
+            value = fmt.format(result[key])
+        table.add_row(label, value)
+    _out().print(table)
+    return 0
+
+
+# ---- the parser -------------------------------------------------------------------------------
+
+
+def _add_stats_args(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--config", metavar="FILE", help="pof YAML/JSON config (default: index_url embedded)")
+    where.add_argument("--url", help="index server URL, e.g. redis://host:6379/0 or unix:///path.sock")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(handler=cmd_index_stats)
+
+
+def _add_index(sub: Any) -> None:
+    index = sub.add_parser("index", help="run, stop and inspect the locality index",
+                           description="Run, stop and inspect the locality index.")
+    index.set_defaults(handler=_usage(index))
+    isub = index.add_subparsers(title="commands", metavar="COMMAND")
+    serve = isub.add_parser("serve", help="run this host's embedded index server in the foreground",
+                            description="Run the embedded index server (index_url: embedded) in the "
+                                        "foreground and print the URL clients use.")
+    serve.add_argument("--config", metavar="FILE", help="take runtime_dir from this pof config")
+    serve.add_argument("--runtime-dir", metavar="DIR", help="where the socket and pidfile live "
+                                                            "(default: the config's runtime_dir)")
+    serve.add_argument("--idle-s", type=float, metavar="N", default=None,
+                       help="stop after N seconds without clients (default: run until stopped)")
+    serve.set_defaults(handler=cmd_index_serve)
+    stop = isub.add_parser("stop", help="stop this host's embedded index server",
+                           description="Stop the embedded index server of a runtime directory.")
+    stop.add_argument("--config", metavar="FILE", help="take runtime_dir from this pof config")
+    stop.add_argument("--runtime-dir", metavar="DIR", help="default: the config's runtime_dir")
+    stop.set_defaults(handler=cmd_index_stop)
+    _add_stats_args(isub.add_parser("stats", help="live nodes and index totals",
+                                    description="Show live nodes (tier capacity, use, domain) and index "
+                                                "totals of a running index server."))
+
+
+def _add_bench(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmark the tiers and the index on this host",
+                           description="Benchmarks whose ratio compares pof with a bare baseline "
+                                       "measured in the same run.")
+    bench.set_defaults(handler=_usage(bench))
+    bsub = bench.add_subparsers(title="benchmarks", metavar="BENCH")
+    tiers = bsub.add_parser("tiers", help="page put+get through each tier vs. numpy memcpy",
+                            description="Put 2x a tier's slot count of pages (so slots are evicted and "
+                                        "reused), get every page still stored; compare with numpy.copyto "
+                                        "of the same bytes into the same slots.")
+    tiers.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    tiers.add_argument("--sizes", type=_sizes, default=_sizes("64KiB,256KiB,1MiB,2MiB"),
+                       help="page payload sizes, comma-separated (default: 64KiB,256KiB,1MiB,2MiB)")
+    tiers.add_argument("--tier-size", type=_size, default=256 << 20, help="capacity of each tier (default 256MiB)")
+    tiers.add_argument("--media", type=_media, default=["cpu_dram", "cxl"],
+                       help="comma-separated media (default: cpu_dram,cxl; cxl is a file under /dev/shm)")
+    tiers.add_argument("--repeat", type=int, default=3, help="passes of each; the best is kept (default 3)")
+    tiers.set_defaults(handler=cmd_bench_tiers)
+    index = bsub.add_parser("index", help="prefix-lookup latency vs. one round trip, memory per location",
+                            description="Measure longest_prefix latency against one Redis round trip, "
+                                        "and server memory per published location.")
+    index.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    index.add_argument("--pages", type=int, default=2000, help="pages in the looked-up chain (default 2000)")
+    index.add_argument("--nodes", type=int, default=4, help="nodes holding leading runs of it (default 4)")
+    index.add_argument("--iterations", type=int, default=300, help="timed lookups (default 300)")
+    index.add_argument("--memory-pages", type=int, default=100_000,
+                       help="locations published for the memory figure (default 100000)")
+    index.add_argument("--url", help="use this server instead of starting a private one (its data is "
+                                     "left as found)")
+    index.set_defaults(handler=cmd_bench_index)
+
+
+def _usage(parser: argparse.ArgumentParser) -> Handler:
+    """The handler of a command group given no command: its help, and the usage-error code."""
+    def show(_: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+    return show
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pof", description="pof-connector: a cluster-wide KV-cache pool "
+                                                             "for vLLM and SGLang.")
+    parser.set_defaults(handler=_usage(parser))
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_index(sub)
+    _add_stats_args(sub.add_parser("stats", help="same as `pof index stats`",
+                                   description="Show live nodes and index totals (same as `pof index stats`)."))
+    _add_bench(sub)
+    return parser
+
+
+def _exit_code(code: object) -> int:
+    """argparse exits with None, an int or a message; ``main`` returns an int instead."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pof`` console script; returns the exit code rather than exiting."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:            # --help, or a usage error argparse already printed
+        return _exit_code(e.code)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except (CommandError, ConfigError, BenchError, IndexUnavailable, FileNotFoundError) as e:
+        _err().print(f"pof: {e}", markup=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

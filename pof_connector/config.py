@@ -1,0 +1,255 @@
+"""One frozen, validated configuration for every entry point.
+
+The same keys are accepted from vLLM's ``kv_connector_extra_config``, SGLang's
+``--hicache-storage-backend-extra-config``, the ``pof`` CLI's YAML file and ``POF_CONFIG``.
+Validation happens once, at start-up: an unknown key or a bad value raises
+:class:`ConfigError` naming the key and what is allowed, so a typo never turns into a
+silently disabled pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+KNOWN_MEDIA = ("cpu_dram", "cxl")
+"""Tier media this build can use, in the order of the default preference."""
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+SIZE_FORMS = "an integer number of bytes or a string such as '512MiB', '4GiB', '1.5GiB', '64KiB'"
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is not allowed."""
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Bytes from an int or a string like ``"4GiB"``; raises :class:`ConfigError` naming ``key``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {SIZE_FORMS}, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = (match.group(2) or "").lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ConfigError(f"{key}: expected {SIZE_FORMS}, got {value!r}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"{key}: expected {SIZE_FORMS}, got {value!r}")
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One storage medium of this node.
+
+    ``path``: the CXL device (``/dev/daxX.Y``) or file (``/dev/shm/pof.cxl``); ``None`` for DRAM.
+    ``partition``: which writer partition of a shared CXL region this node owns; ``None`` means
+    "claim a free one with a lock" (only works between processes of one host).
+    ``numa_node``: bind the mapping to this NUMA node (CXL memory usually shows up as a CPU-less
+    node); ``None`` leaves placement to the kernel.
+    """
+
+    medium: str
+    size: int
+    path: str | None = None
+    partition: int | None = None
+    partitions: int = 8
+    numa_node: int | None = None
+
+
+_TIER_KEYS: dict[str, tuple[str, ...]] = {
+    "cpu_dram": ("size",),
+    "cxl": ("size", "path", "partition", "partitions", "numa_node"),
+}
+
+
+def _tier(medium: str, options: Any) -> TierConfig:
+    key = f"tiers.{medium}"
+    if medium not in KNOWN_MEDIA:
+        raise ConfigError(f"tiers: unknown medium {medium!r}; allowed: {', '.join(KNOWN_MEDIA)}")
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{key}: expected a mapping of options such as {{'size': '4GiB'}}, got {options!r}")
+    allowed = _TIER_KEYS[medium]
+    for name in options:
+        if name not in allowed:
+            raise ConfigError(f"{key}: unknown option {name!r}; allowed: {', '.join(allowed)}")
+    if "size" not in options:
+        raise ConfigError(f"{key}.size is required ({SIZE_FORMS})")
+    size = parse_size(options["size"], f"{key}.size")
+    if medium != "cxl":
+        return TierConfig(medium=medium, size=size)
+    path = options.get("path")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}.path is required: a devdax device such as /dev/dax0.0 or a file such as "
+                          f"/dev/shm/pof.cxl, got {path!r}")
+    partitions = _int(options.get("partitions", 8), f"{key}.partitions", lo=1, hi=4096)
+    partition = options.get("partition", "auto")
+    part: int | None = None
+    if partition != "auto":
+        part = _int(partition, f"{key}.partition", lo=0, hi=partitions - 1, extra="or 'auto'")
+    numa = options.get("numa_node")
+    numa_node = None if numa is None else _int(numa, f"{key}.numa_node", lo=0, hi=1023)
+    return TierConfig(medium, size, path, part, partitions, numa_node)
+
+
+def _int(value: Any, key: str, lo: int, hi: int | None = None, extra: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        more = f" {extra}" if extra else ""
+        raise ConfigError(f"{key}: expected an integer {bound}{more}, got {value!r}")
+    return value
+
+
+def _float(value: Any, key: str, lo: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
+        raise ConfigError(f"{key}: expected a number >= {lo}, got {value!r}")
+    return float(value)
+
+
+def _default_runtime_dir() -> str:
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"pof-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class PofConfig:
+    """The whole configuration of one pool node.
+
+    ``page_tokens``: tokens per pool page; ``None`` adopts the engine's block (vLLM) or page
+    (SGLang) size. ``index_url``: ``embedded`` (a private Redis-protocol server shared by the
+    processes of this host, started on demand), ``local`` (in-process, single process only) or
+    ``redis://host:port/db`` / ``unix:///path.sock``. ``namespace``: an operator-chosen string
+    mixed into every key, for isolating tenants or deployments that share one index.
+    ``tiers``: preference order — pages are stored in the first; pages evicted from a tier move
+    to the next one.
+    """
+
+    node_id: str = field(default_factory=socket.gethostname)
+    index_url: str = "embedded"
+    page_tokens: int | None = None
+    namespace: str = ""
+    model: str | None = None
+    tiers: tuple[TierConfig, ...] = (TierConfig("cpu_dram", 1 << 30),)
+    runtime_dir: str = field(default_factory=_default_runtime_dir)
+    heartbeat_s: float = 1.0
+    node_ttl_s: float = 5.0
+    io_threads: int = 2
+    load_timeout_s: float = 10.0
+
+    def tier(self, medium: str) -> TierConfig | None:
+        """The options of ``medium``; ``None`` when this node has no such tier."""
+        return next((t for t in self.tiers if t.medium == medium), None)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], *, source: str = "config") -> PofConfig:
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of keys, got {type(raw).__name__}")
+        allowed = tuple(cls.__dataclass_fields__)
+        for key in raw:
+            if key not in allowed:
+                raise ConfigError(f"{source}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+        kw: dict[str, Any] = {}
+        if "node_id" in raw:
+            node_id = raw["node_id"]
+            if not isinstance(node_id, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", node_id):
+                raise ConfigError(f"node_id: expected 1-64 characters of [A-Za-z0-9_.:-], got {node_id!r}")
+            kw["node_id"] = node_id
+        if "index_url" in raw:
+            kw["index_url"] = _index_url(raw["index_url"])
+        if raw.get("page_tokens") is not None:
+            kw["page_tokens"] = _int(raw["page_tokens"], "page_tokens", lo=1, hi=1 << 16, extra="or null")
+        for key in ("namespace", "model", "runtime_dir"):
+            if key in raw and raw[key] is not None:
+                if not isinstance(raw[key], str):
+                    raise ConfigError(f"{key}: expected a string, got {raw[key]!r}")
+                kw[key] = raw[key]
+        if "tiers" in raw:
+            tiers = raw["tiers"]
+            if not isinstance(tiers, Mapping) or not tiers:
+                raise ConfigError("tiers: expected a non-empty mapping medium -> options, e.g. "
+                                  "{'cpu_dram': {'size': '4GiB'}}; allowed media: " + ", ".join(KNOWN_MEDIA))
+            kw["tiers"] = tuple(_tier(str(m), o) for m, o in tiers.items())
+        if "heartbeat_s" in raw:
+            kw["heartbeat_s"] = _float(raw["heartbeat_s"], "heartbeat_s", lo=0.05)
+        if "node_ttl_s" in raw:
+            kw["node_ttl_s"] = _float(raw["node_ttl_s"], "node_ttl_s", lo=0.1)
+        if "load_timeout_s" in raw:
+            kw["load_timeout_s"] = _float(raw["load_timeout_s"], "load_timeout_s", lo=0.01)
+        if "io_threads" in raw:
+            kw["io_threads"] = _int(raw["io_threads"], "io_threads", lo=1, hi=64)
+        config = cls(**kw)
+        if config.node_ttl_s <= config.heartbeat_s:
+            raise ConfigError(f"node_ttl_s ({config.node_ttl_s}) must be larger than heartbeat_s "
+                              f"({config.heartbeat_s}), or nodes expire between heartbeats")
+        return config
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "config") -> PofConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{source}: not valid JSON: {e}") from None
+        return cls.from_mapping(raw, source=source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> PofConfig:
+        """Read a YAML (or JSON, which is YAML) file."""
+        text = Path(path).read_text()
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        return cls.from_mapping(raw, source=str(path))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config as plain data; ``from_mapping(to_mapping())`` gives an equal config."""
+        tiers: dict[str, dict[str, Any]] = {}
+        for t in self.tiers:
+            opts: dict[str, Any] = {"size": t.size}
+            if t.medium == "cxl":
+                opts.update(path=t.path, partition="auto" if t.partition is None else t.partition,
+                            partitions=t.partitions, numa_node=t.numa_node)
+            tiers[t.medium] = opts
+        return {
+            "node_id": self.node_id, "index_url": self.index_url, "page_tokens": self.page_tokens,
+            "namespace": self.namespace, "model": self.model, "tiers": tiers,
+            "runtime_dir": self.runtime_dir, "heartbeat_s": self.heartbeat_s,
+            "node_ttl_s": self.node_ttl_s, "io_threads": self.io_threads,
+            "load_timeout_s": self.load_timeout_s,
+        }
+
+
+INDEX_URL_FORMS = "'embedded', 'local', 'redis://host:port/db', 'rediss://…' or 'unix:///path/to.sock'"
+
+
+def _index_url(value: Any) -> str:
+    if isinstance(value, str) and (
+        value in ("embedded", "local") or value.startswith(("redis://", "rediss://", "unix://"))
+    ):
+        return value
+    raise ConfigError(f"index_url: expected {INDEX_URL_FORMS}, got {value!r}")

@@ -1,0 +1,146 @@
+"""The locality index contract: which node holds which page, in which tier, and who is alive.
+
+An index client is bound to at most one node (the one it publishes for); routers and
+schedulers use an unbound client that only looks up. Entries of a node whose heartbeat expired
+are never returned, and a node that comes back gets a new incarnation: :meth:`heartbeat` then
+returns ``True`` and the node re-publishes what it holds. That is also how lookups recover
+after the index server restarts empty.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pof_connector.keys import PageKey
+
+MEDIA = ("cpu_dram", "cxl", "gpu_hbm", "peer_hbm", "disk")
+"""Media codes stored in the index (position = code). Only append: codes are persistent."""
+
+
+class IndexUnavailable(RuntimeError):
+    """The index could not be reached or answered badly. Callers treat it as a miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """A page's place: ``slot`` of ``node``'s ``medium`` tier, written with ``generation``."""
+
+    node: str
+    medium: str
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    capacity_bytes: int
+    free_bytes: int
+    domain: str
+    """Who can read this tier with plain loads: equal domains on two nodes mean one shared region."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    tiers: dict[str, TierUsage] = field(default_factory=dict)
+    meta: dict[str, str] = field(default_factory=dict)
+    """Free-form facts peers need (e.g. NIXL agent metadata, the engine's URL)."""
+
+    def to_json(self) -> dict[str, object]:
+        return {"node_id": self.node_id, "meta": self.meta,
+                "tiers": {m: [t.capacity_bytes, t.free_bytes, t.domain] for m, t in self.tiers.items()}}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, object]) -> NodeInfo:
+        tiers = raw.get("tiers", {})
+        assert isinstance(tiers, dict)
+        meta = raw.get("meta", {})
+        assert isinstance(meta, dict)
+        return cls(str(raw["node_id"]), {m: TierUsage(int(c), int(f), str(d)) for m, (c, f, d) in tiers.items()},
+                   {str(k): str(v) for k, v in meta.items()})
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """One node's leading run of pages: page ``i`` of the query lives at ``media[i]``,
+    ``slots[i]``, ``generations[i]`` (arrays of length :attr:`pages`; media are codes into
+    :data:`MEDIA`)."""
+
+    node: str
+    media: np.ndarray
+    slots: np.ndarray
+    generations: np.ndarray
+
+    @property
+    def pages(self) -> int:
+        return len(self.slots)
+
+    def location(self, i: int) -> Location:
+        return Location(self.node, MEDIA[int(self.media[i])], int(self.slots[i]), int(self.generations[i]))
+
+    def per_tier(self) -> dict[str, int]:
+        codes, counts = np.unique(self.media, return_counts=True)
+        return {MEDIA[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)}
+
+
+class LocalityIndex(ABC):
+    """Where pages live, cluster-wide."""
+
+    def __init__(self, node_id: str | None) -> None:
+        self.node_id = node_id
+
+    @abstractmethod
+    def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
+        """Keep ``info.node_id`` alive for ``ttl_s`` and store its info.
+
+        Returns ``True`` when this is a new incarnation (first heartbeat, after expiry, or after
+        the index lost its data): everything the node holds must be published again.
+        """
+
+    @abstractmethod
+    def publish(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
+        """Record that this client's node holds each key at its location (replacing an older
+        location of the same key in the same medium)."""
+
+    @abstractmethod
+    def withdraw(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
+        """Forget those exact locations (a later location of the same key stays)."""
+
+    @abstractmethod
+    def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
+        """For each live node holding ``keys[0]``, the run of leading keys it holds.
+
+        Keys share one namespace. Nodes with no leading page are absent.
+        """
+
+    @abstractmethod
+    def nodes(self) -> list[NodeInfo]:
+        """Live nodes and what they last reported."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Deregister this client's node now (its entries stop being returned)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counts for ``pof index stats``: at least ``locations`` and ``memory_bytes`` (0 when unknown)."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+    def _require_node(self) -> str:
+        if self.node_id is None:
+            raise ValueError("this index client is not bound to a node; pass node_id to publish")
+        return self.node_id
+
+
+def check_one_namespace(keys: Sequence[PageKey]) -> bytes:
+    namespaces = set(map(operator.attrgetter("namespace"), keys))
+    if len(namespaces) != 1:
+        raise ValueError("longest_prefix: keys of one query must share a namespace")
+    return keys[0].namespace

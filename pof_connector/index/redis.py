@@ -1,0 +1,356 @@
+"""The locality index on a Redis-protocol server (Redis, Valkey; ``redis://``, ``unix://``, ``embedded``).
+
+Schema (every key carries the hash tag ``{pof}``, so a Redis Cluster keeps them on one shard and
+the Lua scripts may touch several)::
+
+    pof:{pof}:loc:<namespace hex>  HASH   field: the first 16 bytes of a page's chain digest
+                                          value: holder records, 17 bytes each, little-endian
+                                                 u32 incarnation | u8 medium | u32 slot | u64 generation
+    pof:{pof}:node-inc             HASH   node_id -> its current incarnation (decimal)
+    pof:{pof}:inc-node             HASH   incarnation -> node_id
+    pof:{pof}:live                 ZSET   incarnation, score = expiry in ms of the server's clock
+    pof:{pof}:info                 HASH   incarnation -> NodeInfo as JSON (capacity, free bytes per tier)
+    pof:{pof}:seq                  STRING incarnation counter
+
+Liveness uses the server's clock (``TIME`` inside the scripts), so clients' clocks may differ.
+A node's entries carry its incarnation; when its heartbeat lapses, or the server restarts empty,
+its next heartbeat gets a new incarnation and the node re-publishes, while records of dead
+incarnations are ignored by lookups (and dropped by :meth:`RedisIndex.sweep`).
+
+Digests are cut to 16 bytes in the index only: the page header holds the full key, so a
+(2^-64-unlikely) collision costs a miss, never wrong KV.
+
+A lookup is one round trip of three pipelined commands — ``TIME``, ``ZRANGE live WITHSCORES``
+and one ``HMGET`` of all the query's fields — sent as a pre-encoded RESP buffer (encoding 2,000
+arguments one by one costs more than the server's work; a Lua script was measured 3x slower
+than the plain HMGET). Writes go through Lua scripts, which keep a key's record list consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pof_connector.index.base import (
+    MEDIA,
+    IndexUnavailable,
+    LocalityIndex,
+    Location,
+    NodeInfo,
+    PrefixMatch,
+    check_one_namespace,
+)
+from pof_connector.keys import PageKey
+
+_DIGEST = operator.attrgetter("digest")
+PREFIX = "pof:{pof}:"
+K_NODE_INC = PREFIX + "node-inc"
+K_INC_NODE = PREFIX + "inc-node"
+K_LIVE = PREFIX + "live"
+K_INFO = PREFIX + "info"
+K_SEQ = PREFIX + "seq"
+FIELD_BYTES = 16
+RECORD = np.dtype([("inc", "<u4"), ("medium", "u1"), ("slot", "<u4"), ("gen", "<u8")])
+assert RECORD.itemsize == 17
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+_HEARTBEAT = _NOW + """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  redis.call('HDEL', KEYS[4], unpack(expired))
+end
+local inc = redis.call('HGET', KEYS[1], ARGV[1])
+local fresh = 0
+if (not inc) or inc ~= ARGV[2] or not redis.call('ZSCORE', KEYS[3], inc) then
+  inc = tostring(redis.call('INCR', KEYS[5]))
+  redis.call('HSET', KEYS[1], ARGV[1], inc)
+  redis.call('HSET', KEYS[2], inc, ARGV[1])
+  fresh = 1
+end
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), inc)
+redis.call('HSET', KEYS[4], inc, ARGV[4])
+return {inc, fresh}
+"""
+
+# ARGV[1]: concatenated 16-byte fields; ARGV[2]: concatenated 17-byte records, one per field.
+# Publish replaces this incarnation's record for the same medium (a record's first 5 bytes).
+_PUBLISH = """
+local fields, recs = ARGV[1], ARGV[2]
+for k = 0, #fields / 16 - 1 do
+  local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
+  local rec = string.sub(recs, k * 17 + 1, k * 17 + 17)
+  local head = string.sub(rec, 1, 5)
+  local old = redis.call('HGET', KEYS[1], f)
+  if not old then
+    redis.call('HSET', KEYS[1], f, rec)
+  else
+    local out = {}
+    for p = 1, #old, 17 do
+      local r = string.sub(old, p, p + 16)
+      if string.sub(r, 1, 5) ~= head then out[#out + 1] = r end
+    end
+    out[#out + 1] = rec
+    redis.call('HSET', KEYS[1], f, table.concat(out))
+  end
+end
+return #fields / 16
+"""
+
+# Same arguments; removes exactly these records.
+_WITHDRAW = """
+local fields, recs = ARGV[1], ARGV[2]
+for k = 0, #fields / 16 - 1 do
+  local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
+  local rec = string.sub(recs, k * 17 + 1, k * 17 + 17)
+  local old = redis.call('HGET', KEYS[1], f)
+  if old then
+    local out = {}
+    for p = 1, #old, 17 do
+      local r = string.sub(old, p, p + 16)
+      if r ~= rec then out[#out + 1] = r end
+    end
+    if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
+  end
+end
+return #fields / 16
+"""
+
+_LEAVE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+def loc_key(namespace: bytes) -> str:
+    return f"{PREFIX}loc:{namespace.hex()}"
+
+
+def _resp(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+_FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
+
+
+def _hmget(key: bytes, fields: np.ndarray) -> bytes:
+    """``HMGET key f1 f2 …`` in RESP, built with numpy: every field is 16 bytes."""
+    body = np.empty((len(fields), len(_FIELD_RESP)), dtype=np.uint8)
+    body[:] = _FIELD_RESP
+    body[:, 5:5 + FIELD_BYTES] = fields
+    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(fields) + 2, len(key), key) + body.tobytes()
+
+
+class RedisIndex(LocalityIndex):
+    """A :class:`LocalityIndex` client on a Redis-protocol server; thread-safe.
+
+    Every call either succeeds or raises :class:`IndexUnavailable` (server down, timeout), which
+    callers treat as "nothing known": a miss, never an engine error.
+    """
+
+    def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0) -> None:
+        super().__init__(node_id)
+        self.url = url
+        self._r = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1), health_check_interval=0,
+        )
+        self._heartbeat = self._r.register_script(_HEARTBEAT)
+        self._publish = self._r.register_script(_PUBLISH)
+        self._withdraw = self._r.register_script(_WITHDRAW)
+        self._leave = self._r.register_script(_LEAVE)
+        self._inc: int | None = None
+        self._inc_names: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _call(self, what: str, fn, *args, **kw):  # type: ignore[no-untyped-def]
+        try:
+            return fn(*args, **kw)
+        except redis.RedisError as e:
+            raise IndexUnavailable(f"index {self.url}: {what} failed: {e}") from e
+
+    @property
+    def incarnation(self) -> int | None:
+        return self._inc
+
+    def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
+        with self._lock:
+            prev = "" if self._inc is None else str(self._inc)
+            inc, fresh = self._call("heartbeat", self._heartbeat,
+                                    keys=[K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ],
+                                    args=[info.node_id, prev, int(ttl_s * 1000), json.dumps(info.to_json())])
+            self._inc = int(inc)
+            return bool(fresh)
+
+    def _records(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[bytes, tuple[bytes, bytes]]:
+        """Per namespace: (concatenated fields, concatenated records) for the scripts."""
+        self._require_node()
+        assert self._inc is not None
+        grouped: dict[bytes, list[tuple[PageKey, Location]]] = {}
+        for key, loc in entries:
+            grouped.setdefault(key.namespace, []).append((key, loc))
+        out = {}
+        for ns, group in grouped.items():
+            recs = np.zeros(len(group), dtype=RECORD)
+            recs["inc"] = self._inc
+            recs["medium"] = [MEDIA.index(loc.medium) for _, loc in group]
+            recs["slot"] = [loc.slot for _, loc in group]
+            recs["gen"] = [loc.generation for _, loc in group]
+            out[ns] = (b"".join(k.digest[:FIELD_BYTES] for k, _ in group), recs.tobytes())
+        return out
+
+    def publish(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
+        self._require_node()
+        if self._inc is None or not entries:
+            return    # not registered yet: the first heartbeat re-publishes everything
+        for ns, (fields, recs) in self._records(entries).items():
+            self._call("publish", self._publish, keys=[loc_key(ns)], args=[fields, recs])
+
+    def withdraw(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
+        self._require_node()
+        if self._inc is None or not entries:
+            return
+        for ns, (fields, recs) in self._records(entries).items():
+            self._call("withdraw", self._withdraw, keys=[loc_key(ns)], args=[fields, recs])
+
+    def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
+        if not keys:
+            return {}
+        ns = check_one_namespace(keys)
+        digests = np.frombuffer(b"".join(list(map(_DIGEST, keys))), dtype=np.uint8).reshape(len(keys), -1)
+        packed = (_resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
+                  + _hmget(loc_key(ns).encode(), digests[:, :FIELD_BYTES]))
+        now, live, vals = self._call("lookup", self._send, packed, 3)
+        try:
+            held = vals.index(None)
+        except ValueError:
+            held = len(vals)
+        if held == 0:
+            return {}
+        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
+        alive = [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
+        names = self._names(alive)
+        counts = np.fromiter(map(len, vals[:held]), dtype=np.int64, count=held) // RECORD.itemsize
+        recs = np.frombuffer(b"".join(vals[:held]), dtype=RECORD)
+        # Contiguous copies of the packed fields: comparisons on 17-byte strided views are slow.
+        inc = np.ascontiguousarray(recs["inc"])
+        medium = np.ascontiguousarray(recs["medium"])
+        slot = recs["slot"].astype(np.int64)
+        gen = recs["gen"].astype(np.int64)
+        page = np.repeat(np.arange(held), counts)       # records are in page order
+        out: dict[str, PrefixMatch] = {}
+        for node_inc in alive:
+            idx = np.flatnonzero(inc == node_inc)
+            if not len(idx) or page[idx[0]] != 0:
+                continue      # this node does not hold the first page
+            p = page[idx]
+            if len(p) > 1 and not (p[1:] != p[:-1]).all():       # a page in two media of this node
+                idx = idx[np.lexsort((medium[idx], p))]          # per page, the lowest medium code first
+                p = page[idx]
+                first = np.ones(len(p), dtype=bool)
+                first[1:] = p[1:] != p[:-1]
+                idx, p = idx[first], p[first]
+            gaps = np.flatnonzero(p != np.arange(len(p)))
+            idx = idx[: int(gaps[0]) if len(gaps) else len(p)]
+            node = names.get(node_inc)
+            if node is None:
+                continue
+            out[node] = PrefixMatch(node, medium[idx], slot[idx], gen[idx])
+        return out
+
+    def _names(self, incs: list[int]) -> dict[int, str]:
+        """Node ids of incarnations (immutable once assigned, so cached)."""
+        missing = [i for i in incs if i not in self._inc_names]
+        if missing:
+            got = self._call("names", self._r.hmget, K_INC_NODE, missing)
+            for i, name in zip(missing, got, strict=True):
+                if name is not None:
+                    self._inc_names[i] = name.decode()
+        return {i: self._inc_names[i] for i in incs if i in self._inc_names}
+
+    def _send(self, packed: bytes, replies: int) -> list[Any]:
+        """Send pre-encoded pipelined commands on one pooled connection and read the replies."""
+        pool = self._r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([packed], check_health=False)  # type: ignore[no-untyped-call]
+            return [conn.read_response() for _ in range(replies)]
+        except BaseException:
+            conn.disconnect()  # type: ignore[no-untyped-call]  # unread replies: never reuse this socket
+            raise
+        finally:
+            pool.release(conn)
+
+    def nodes(self) -> list[NodeInfo]:
+        live, infos = self._call("nodes", self._nodes_raw)
+        return [NodeInfo.from_json(json.loads(i)) for i in infos if i is not None] if live else []
+
+    def _nodes_raw(self) -> tuple[list[bytes], list[bytes | None]]:
+        t = self._r.time()
+        now_ms = t[0] * 1000 + t[1] // 1000
+        live: list[bytes] = list(self._r.zrangebyscore(K_LIVE, f"({now_ms}", "+inf"))  # type: ignore[arg-type]
+        infos: list[bytes | None] = list(self._r.hmget(K_INFO, live)) if live else []  # type: ignore[arg-type]
+        return live, infos
+
+    def leave(self) -> None:
+        self._require_node()
+        with self._lock:
+            if self._inc is not None:
+                self._call("leave", self._leave, keys=[K_LIVE, K_INFO], args=[self._inc])
+            self._inc = None
+
+    def stats(self) -> dict[str, int]:
+        def collect() -> dict[str, int]:
+            fields = 0
+            for key in self._r.scan_iter(match=PREFIX + "loc:*", count=1000):
+                fields += int(self._r.hlen(key))
+            mem = self._r.info("memory")
+            live, _ = self._nodes_raw()
+            return {"locations": fields, "memory_bytes": int(mem["used_memory"]), "nodes": len(live)}
+        result: dict[str, int] = self._call("stats", collect)
+        return result
+
+    def sweep(self, namespace: bytes, batch: int = 1000) -> int:
+        """Drop records of dead incarnations from one namespace; returns how many were dropped."""
+        def run() -> int:
+            live, _ = self._nodes_raw()
+            alive = {int(i) for i in live}
+            dropped = 0
+            key = loc_key(namespace)
+            for field, val in self._r.hscan_iter(key, count=batch):
+                recs = np.frombuffer(val, dtype=RECORD)
+                keep = np.isin(recs["inc"], list(alive))
+                if keep.all():
+                    continue
+                dropped += int((~keep).sum())
+                if keep.any():
+                    self._r.hset(key, field, recs[keep].tobytes())
+                else:
+                    self._r.hdel(key, field)
+            return dropped
+        dropped: int = self._call("sweep", run)
+        return dropped
+
+    def ping_ms(self) -> float:
+        """One round trip, for benchmarks."""
+        import time
+        t0 = time.perf_counter()
+        self._call("ping", self._r.ping)
+        return (time.perf_counter() - t0) * 1000
+
+    def close(self) -> None:
+        self._r.close()

@@ -1,0 +1,143 @@
+"""Page keys: a chained prefix hash, exactly SGLang HiCache's, plus a namespace.
+
+Page ``i`` of a token sequence has the chain digest
+
+    c_i = sha256(c_{i-1} || tokens of page i as little-endian uint32)
+
+where ``c_{-1}`` is SGLang's storage seed: nothing when the request has neither ``extra_key``
+nor ``cache_salt``, else ``sha256(b"sglang-cache-namespace-v1" + part(extra_key) +
+part(cache_salt))`` with ``part(None) = b"\\x00"`` and ``part(s) = b"\\x01" + len8le(s) + s``.
+Because a digest covers every token before it, page ``i`` exists only as the continuation of
+pages ``0..i-1``; the SGLang adapter takes the engine's hex keys as given and the vLLM adapter
+computes the same chain from token ids.
+
+The namespace (16 bytes) is a digest of what makes KV bytes differ for the same tokens: model,
+KV dtype, page geometry, tensor-parallel rank and size, and the operator's namespace string.
+It is stored beside the chain digest in every key, so two models or two TP ranks never collide.
+Nothing here uses Python's ``hash()``: keys are the same in every process and on every host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NAMESPACE_BYTES = 16
+DIGEST_BYTES = 32
+_SEED_TAG = b"sglang-cache-namespace-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class PageKey:
+    """The identity of one page: ``(namespace, chain digest)``."""
+
+    namespace: bytes
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != NAMESPACE_BYTES or len(self.digest) != DIGEST_BYTES:
+            raise ValueError(f"PageKey needs a {NAMESPACE_BYTES}-byte namespace and a {DIGEST_BYTES}-byte "
+                             f"digest, got {len(self.namespace)} and {len(self.digest)}")
+
+    def hex(self) -> str:
+        return f"{self.namespace.hex()}:{self.digest.hex()}"
+
+    @classmethod
+    def from_hex(cls, text: str) -> PageKey:
+        ns, _, digest = text.partition(":")
+        return cls(bytes.fromhex(ns), bytes.fromhex(digest))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What makes KV bytes of the same tokens differ; its :attr:`digest` prefixes every key.
+
+    ``layout`` names the canonical page geometry (e.g. ``"mha:kv_heads=2:head_dim=64"``).
+    ``tp_rank``/``tp_size`` keep ranks that hold different heads apart; MLA writers whose
+    latent is the same on every rank pass ``tp_rank=0, tp_size=1``.
+    """
+
+    model: str
+    kv_dtype: str
+    layout: str
+    page_tokens: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra: str = ""
+
+    @property
+    def digest(self) -> bytes:
+        canonical = json.dumps(
+            ["pof-namespace-v1", self.model, self.kv_dtype, self.layout, self.page_tokens,
+             self.tp_rank, self.tp_size, self.extra],
+            separators=(",", ":"),
+        ).encode()
+        return hashlib.sha256(canonical).digest()[:NAMESPACE_BYTES]
+
+
+def storage_seed(extra_key: str | None = None, cache_salt: str | None = None) -> bytes | None:
+    """SGLang's ``storage_namespace_seed`` as raw bytes; ``None`` when both parts are absent."""
+    if extra_key is None and cache_salt is None:
+        return None
+    h = hashlib.sha256(_SEED_TAG)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        h.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return h.digest()
+
+
+def chain_digests(
+    tokens: Sequence[int] | np.ndarray,
+    page_tokens: int,
+    seed: bytes | None = None,
+    *,
+    partial: bool = False,
+) -> list[bytes]:
+    """The chain digest of each page of ``tokens``.
+
+    Only full pages are hashed unless ``partial`` is set (SGLang also hashes a trailing partial
+    page; the pool never stores one). ``seed`` is the prior digest of page 0 (see
+    :func:`storage_seed`); ``None`` means page 0 has no prior.
+    """
+    if page_tokens <= 0:
+        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    data = arr.astype("<u4", copy=False).tobytes()
+    n_full = len(arr) // page_tokens
+    n = n_full + (1 if partial and len(arr) % page_tokens else 0)
+    stride = 4 * page_tokens
+    out: list[bytes] = []
+    prior = seed
+    for i in range(n):
+        h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
+        h.update(data[i * stride:(i + 1) * stride])
+        prior = h.digest()
+        out.append(prior)
+    return out
+
+
+def page_keys(
+    namespace: bytes,
+    tokens: Sequence[int] | np.ndarray,
+    page_tokens: int,
+    *,
+    cache_salt: str | None = None,
+    extra_key: str | None = None,
+) -> list[PageKey]:
+    """Keys of the full pages of ``tokens`` under ``namespace`` (a :attr:`Namespace.digest`)."""
+    seed = storage_seed(extra_key, cache_salt)
+    return [PageKey(namespace, d) for d in chain_digests(tokens, page_tokens, seed)]
+
+
+def keys_from_hex(namespace: bytes, hex_digests: Sequence[str]) -> list[PageKey]:
+    """Keys for digests an engine computed itself (SGLang passes hex strings)."""
+    return [PageKey(namespace, bytes.fromhex(h)) for h in hex_digests]

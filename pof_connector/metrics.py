@@ -1,0 +1,100 @@
+"""Counters of one pool, readable as a snapshot (``pof stats``, engine stats hooks) and as
+Prometheus metrics (``pof_*``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+Labels = tuple[tuple[str, str], ...]
+
+COUNTERS: dict[str, str] = {
+    "lookups": "Prefix lookups answered",
+    "lookup_pages": "Pages asked for by lookups",
+    "hit_pages": "Pages a lookup found loadable, by tier",
+    "stored_pages": "Pages written, by tier",
+    "stored_bytes": "Page bytes written, by tier",
+    "loaded_pages": "Pages read and validated, by tier",
+    "loaded_bytes": "Page bytes read and validated, by tier",
+    "load_failures": "Pages rejected or unreadable (the engine recomputes them), by reason",
+    "evicted_pages": "Pages evicted, by tier",
+    "demoted_pages": "Pages moved to the next tier on eviction, by tier",
+    "index_errors": "Failed calls to the locality index, by operation",
+    "load_seconds": "Time spent loading pages",
+}
+
+
+class PoolStats:
+    """Thread-safe named counters with optional labels."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, Labels], float] = {}
+        self._gauges: dict[tuple[str, Labels], float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, value: float = 1, **labels: str) -> None:
+        assert name in COUNTERS, name
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._values[key] = self._values.get(key, 0) + value
+
+    def set_gauge(self, name: str, value: float, **labels: str) -> None:
+        with self._lock:
+            self._gauges[(name, tuple(sorted(labels.items())))] = value
+
+    def get(self, name: str, **labels: str) -> float:
+        """A counter's value summed over the labels not given."""
+        want = set(labels.items())
+        with self._lock:
+            return sum(v for (n, lab), v in self._values.items() if n == name and want <= set(lab))
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"name": total, "name{label=value}": value, ...}`` — plain data for logs and stats."""
+        out: dict[str, Any] = {}
+        with self._lock:
+            items = list(self._values.items()) + list(self._gauges.items())
+        for (name, labels), v in items:
+            out[name] = out.get(name, 0) + v
+            if labels:
+                out[name + "{" + ",".join(f"{k}={val}" for k, val in labels) + "}"] = v
+        return out
+
+    def collect_prometheus(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        with self._lock:
+            values = dict(self._values)
+            gauges = dict(self._gauges)
+        for name, doc in COUNTERS.items():
+            series = [(lab, v) for (n, lab), v in values.items() if n == name]
+            label_names = sorted({k for lab, _ in series for k, _ in lab})
+            fam = CounterMetricFamily(f"pof_{name}", doc, labels=label_names)
+            for lab, v in series:
+                d = dict(lab)
+                fam.add_metric([d.get(k, "") for k in label_names], v)
+            yield fam
+        for name in sorted({n for n, _ in gauges}):
+            series = [(lab, v) for (n, lab), v in gauges.items() if n == name]
+            label_names = sorted({k for lab, _ in series for k, _ in lab})
+            g = GaugeMetricFamily(f"pof_{name}", name.replace("_", " "), labels=label_names)
+            for lab, v in series:
+                d = dict(lab)
+                g.add_metric([d.get(k, "") for k in label_names], v)
+            yield g
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: PoolStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        return self.stats.collect_prometheus()
+
+
+def register_prometheus(stats: PoolStats, registry: CollectorRegistry) -> Collector:
+    """Expose ``stats`` as ``pof_*`` metrics in ``registry``."""
+    collector = _StatsCollector(stats)
+    registry.register(collector)
+    return collector

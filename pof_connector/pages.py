@@ -1,0 +1,219 @@
+"""The canonical page: a header and one contiguous segment per layer.
+
+Byte layout (little-endian)::
+
+    0   magic "POFP"         4s     56  generation         u64
+    4   version              u16    64  num_layers         u32
+    6   kind (0 mha, 1 mla)  u16    68  segment_bytes      u32
+    8   key namespace        16s    72  page_tokens        u32
+    24  key chain digest     32s    76  reserved (0)       u32
+                                    80  header checksum    u64   xxh3 of bytes [0,80) + [88,end)
+    88  segment checksums    u64 × num_layers (xxh3 of each segment)
+    ... zero padding to a multiple of 64 bytes (``header_bytes``)
+    header_bytes + l * segment_bytes: segment of layer l
+
+A segment holds one layer's KV for ``page_tokens`` tokens in the canonical order: MHA is K then
+V, each ``[page_tokens, kv_heads, head_dim]``; MLA is the latent ``[page_tokens, 1, dim]``.
+Engines' native layouts are converted in the adapters. Segments have their own checksums so a
+reader can validate and hand over layer 0 before later layers arrive.
+
+A reader accepts a page only when magic, version, geometry, key, generation and checksums all
+match; :class:`PageError` says which did not. :meth:`PageHeader.parse` raises nothing else, for
+any input.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from pof_connector.keys import PageKey
+
+MAGIC = b"POFP"
+VERSION = 1
+KIND_MHA = 0
+KIND_MLA = 1
+MAX_LAYERS = 1024
+MAX_SEGMENT_BYTES = 1 << 30
+HEADER_ALIGN = 64
+
+_FIXED = struct.Struct("<4sHH16s32sQIIII")   # everything before the header checksum
+_CHECKSUM = struct.Struct("<Q")
+_CHECKSUM_AT = _FIXED.size                   # 80
+_SUMS_AT = _CHECKSUM_AT + _CHECKSUM.size     # 88
+GENERATION_AT = 56
+assert _CHECKSUM_AT == 80 and struct.calcsize("<4sHH16s32s") == GENERATION_AT
+
+
+class PageError(ValueError):
+    """A page was rejected. ``reason`` is one of: bad_header, geometry, wrong_key,
+    stale_generation, bad_checksum."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def header_bytes_for(num_layers: int) -> int:
+    raw = _SUMS_AT + 8 * num_layers
+    return (raw + HEADER_ALIGN - 1) // HEADER_ALIGN * HEADER_ALIGN
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a buffer (bytes, memoryview, contiguous numpy array)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """The geometry every page of one namespace shares."""
+
+    num_layers: int
+    segment_bytes: int
+    page_tokens: int
+    kind: int = KIND_MHA
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_layers <= MAX_LAYERS:
+            raise ValueError(f"num_layers must be 1..{MAX_LAYERS}, got {self.num_layers}")
+        if not 1 <= self.segment_bytes <= MAX_SEGMENT_BYTES:
+            raise ValueError(f"segment_bytes must be 1..{MAX_SEGMENT_BYTES}, got {self.segment_bytes}")
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens must be positive, got {self.page_tokens}")
+
+    @cached_property
+    def header_bytes(self) -> int:
+        return header_bytes_for(self.num_layers)
+
+    @cached_property
+    def page_bytes(self) -> int:
+        return self.header_bytes + self.num_layers * self.segment_bytes
+
+    def segment_offset(self, layer: int) -> int:
+        return self.header_bytes + layer * self.segment_bytes
+
+    def segment(self, page: Any, layer: int) -> Any:
+        """The bytes of ``layer`` inside a page buffer (a slice of the same type)."""
+        start = self.segment_offset(layer)
+        return page[start:start + self.segment_bytes]
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    key: PageKey
+    generation: int
+    kind: int
+    num_layers: int
+    segment_bytes: int
+    page_tokens: int
+    segment_checksums: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, buf: Any) -> PageHeader:
+        """Decode and self-check a header; raises only :class:`PageError`."""
+        mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
+        if len(mv) < _SUMS_AT:
+            raise PageError("bad_header", f"{len(mv)} bytes is shorter than a header")
+        magic, version, kind, ns, digest, gen, layers, seg, tokens, _ = _FIXED.unpack_from(mv, 0)
+        if magic != MAGIC:
+            raise PageError("bad_header", f"magic {magic!r}")
+        if version != VERSION:
+            raise PageError("bad_header", f"version {version}, this build reads {VERSION}")
+        if kind not in (KIND_MHA, KIND_MLA):
+            raise PageError("bad_header", f"kind {kind}")
+        if not 1 <= layers <= MAX_LAYERS or not 1 <= seg <= MAX_SEGMENT_BYTES or tokens < 1:
+            raise PageError("bad_header", f"geometry layers={layers} segment={seg} tokens={tokens}")
+        end = _SUMS_AT + 8 * layers
+        if len(mv) < end:
+            raise PageError("bad_header", f"header of {layers} layers needs {end} bytes, got {len(mv)}")
+        (stored,) = _CHECKSUM.unpack_from(mv, _CHECKSUM_AT)
+        h = xxhash.xxh3_64()
+        h.update(mv[:_CHECKSUM_AT])
+        h.update(mv[_SUMS_AT:end])
+        if h.intdigest() != stored:
+            raise PageError("bad_header", "header checksum mismatch")
+        sums = struct.unpack_from(f"<{layers}Q", mv, _SUMS_AT)
+        return cls(PageKey(ns, digest), gen, kind, layers, seg, tokens, sums)
+
+    def expect(self, spec: PageSpec, key: PageKey, generation: int | None) -> None:
+        """Raise :class:`PageError` unless this header is ``key`` at ``generation`` with ``spec``'s
+        geometry. ``generation=None`` accepts any generation (a reader with no location)."""
+        if (self.num_layers, self.segment_bytes, self.page_tokens, self.kind) != (
+            spec.num_layers, spec.segment_bytes, spec.page_tokens, spec.kind
+        ):
+            raise PageError("geometry", f"page has layers={self.num_layers} segment={self.segment_bytes} "
+                                        f"tokens={self.page_tokens} kind={self.kind}, expected {spec}")
+        if self.key != key:
+            raise PageError("wrong_key", f"page holds {self.key.hex()}, expected {key.hex()}")
+        if generation is not None and self.generation != generation:
+            raise PageError("stale_generation", f"generation {self.generation}, expected {generation}")
+
+
+def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksums: Sequence[int]) -> bytes:
+    if len(segment_checksums) != spec.num_layers:
+        raise ValueError(f"{len(segment_checksums)} segment checksums for {spec.num_layers} layers")
+    fixed = _FIXED.pack(MAGIC, VERSION, spec.kind, key.namespace, key.digest, generation,
+                        spec.num_layers, spec.segment_bytes, spec.page_tokens, 0)
+    sums = struct.pack(f"<{spec.num_layers}Q", *segment_checksums)
+    h = xxhash.xxh3_64()
+    h.update(fixed)
+    h.update(sums)
+    out = bytearray(spec.header_bytes)
+    out[:_CHECKSUM_AT] = fixed
+    out[_CHECKSUM_AT:_SUMS_AT] = _CHECKSUM.pack(h.intdigest())
+    out[_SUMS_AT:_SUMS_AT + len(sums)] = sums
+    return bytes(out)
+
+
+def as_array(buf: Any) -> np.ndarray:
+    """A flat uint8 array over a buffer (numpy array, CPU tensor, bytes, memoryview), no copy."""
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        return buf      # the hot path: checked first, it costs ~0.2 µs instead of ~3 µs
+    if type(buf).__module__ == "torch" and type(buf).__name__ == "Tensor":
+        import torch  # only reached when the caller already uses torch
+
+        buf = buf.view(-1).view(torch.uint8).numpy()   # view(-1) refuses a non-contiguous tensor
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("page segments must be contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def pack_page(spec: PageSpec, key: PageKey, generation: int, layers: Sequence[Any], out: Any) -> None:
+    """Write a whole page (segments, then header) into ``out`` (``spec.page_bytes`` long)."""
+    dst = as_array(out)
+    if len(dst) < spec.page_bytes:
+        raise ValueError(f"page buffer of {len(dst)} bytes, need {spec.page_bytes}")
+    if len(layers) != spec.num_layers:
+        raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
+    sums = []
+    for i, layer in enumerate(layers):
+        src = as_array(layer)
+        if len(src) != spec.segment_bytes:
+            raise ValueError(f"layer {i} segment has {len(src)} bytes, expected {spec.segment_bytes}")
+        start = spec.segment_offset(i)
+        dst[start:start + spec.segment_bytes] = src
+        sums.append(checksum(src))
+    dst[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, generation, sums), dtype=np.uint8)
+
+
+def verify_page(spec: PageSpec, page: Any, key: PageKey, generation: int | None = None) -> PageHeader:
+    """Check a whole page buffer; returns its header or raises :class:`PageError`."""
+    mv = as_array(page)
+    header = PageHeader.parse(mv[:spec.header_bytes])
+    header.expect(spec, key, generation)
+    for layer in range(spec.num_layers):
+        verify_segment(spec, header, layer, spec.segment(mv, layer))
+    return header
+
+
+def verify_segment(spec: PageSpec, header: PageHeader, layer: int, segment: Any) -> None:
+    if checksum(segment) != header.segment_checksums[layer]:
+        raise PageError("bad_checksum", f"layer {layer} of {header.key.hex()}")

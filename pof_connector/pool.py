@@ -1,0 +1,494 @@
+"""The Pool: the one object adapters call.
+
+* :meth:`Pool.lookup` — how many leading pages of a prompt this node can load, and from where
+  (its own tiers, a CXL region it shares with other nodes), asking the locality index;
+* :meth:`Pool.load` — copy those pages into caller buffers on the I/O threads, layer by layer,
+  validating each page; the :class:`LoadHandle` lets the engine wait for one layer at a time;
+* :meth:`Pool.store` — write pages into the first tier (moving evicted pages down the tier
+  list), then publish them to the index and withdraw the evicted ones.
+
+A pool runs in one of two roles. A ``worker`` owns tiers and heartbeats its node into the index.
+A ``client`` (e.g. vLLM's scheduler process, a router) owns nothing; it answers lookups for
+``config.node_id`` from the index alone.
+
+Nothing here raises into an engine for a pool failure: an unreachable index answers "no pages",
+a page that fails validation is reported in :attr:`LoadHandle.failed`, and every such event is
+counted in :attr:`Pool.stats` and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+
+from pof_connector.config import PofConfig
+from pof_connector.index import (
+    MEDIA,
+    IndexUnavailable,
+    LocalityIndex,
+    Location,
+    NodeInfo,
+    PrefixMatch,
+    TierUsage,
+    open_index,
+)
+from pof_connector.keys import PageKey, page_keys
+from pof_connector.metrics import PoolStats
+from pof_connector.pages import PageError, PageHeader, PageSpec, as_array
+from pof_connector.tiers import SlotRef, Tier, make_tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Role = Literal["worker", "client"]
+
+
+@dataclass
+class Lookup:
+    """The answer to "which leading pages of ``keys`` can this node load?".
+
+    ``sources[i]`` is where page ``i`` will be read from, for ``i < pages``. ``elsewhere`` counts,
+    per node, leading pages that exist on that node but that this node cannot read (yet):
+    routers use it, loaders ignore it.
+    """
+
+    keys: list[PageKey]
+    sources: list[Location]
+    elsewhere: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def pages(self) -> int:
+        return len(self.sources)
+
+    def per_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.sources:
+            out[s.medium] = out.get(s.medium, 0) + 1
+        return out
+
+
+class LoadHandle:
+    """Progress of one :meth:`Pool.load`.
+
+    Layers complete in order; after :meth:`wait_layer` returns ``True`` for layer ``l``, segment
+    ``l`` of every page not in :attr:`failed` is in its buffer and was validated. A failed page's
+    buffer content is undefined: the engine must recompute it.
+    """
+
+    def __init__(self, num_pages: int, num_layers: int) -> None:
+        self.num_pages = num_pages
+        self._layers = [threading.Event() for _ in range(num_layers)]
+        self._done = threading.Event()
+        self._failed: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait until ``layer`` of every page arrived; ``False`` on timeout."""
+        return self._layers[layer].wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def failed(self) -> dict[int, str]:
+        """Page index → reason, for pages the engine must recompute."""
+        with self._lock:
+            return dict(self._failed)
+
+    def _fail(self, page: int, reason: str) -> None:
+        with self._lock:
+            self._failed.setdefault(page, reason)
+
+    def _is_failed(self, page: int) -> bool:
+        with self._lock:
+            return page in self._failed
+
+    def _finish(self, reason: str = "aborted") -> None:
+        """Release every waiter; pages whose layers did not all arrive count as failed."""
+        for i, ev in enumerate(self._layers):
+            if not ev.is_set():
+                for p in range(self.num_pages):
+                    self._fail(p, reason)
+                for later in self._layers[i:]:
+                    later.set()
+                break
+        self._done.set()
+
+
+class Pool:
+    def __init__(self, config: PofConfig, spec: PageSpec, namespace: bytes, *, role: Role = "worker",
+                 index: LocalityIndex | None = None, meta: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.spec = spec
+        self.namespace = namespace
+        self.node_id = config.node_id
+        self.role = role
+        self.meta = dict(meta or {})
+        self.stats = PoolStats()
+        self._logged: set[str] = set()
+        self.tiers: list[Tier] = []
+        if role == "worker":
+            self.tiers = [make_tier(t, spec, config.runtime_dir) for t in config.tiers]
+        self._by_medium = {t.medium: t for t in self.tiers}
+        if index is None:
+            index = open_index(config, self.node_id if role == "worker" else None)
+        self.index = index
+        self._index_down_until = 0.0
+        self._index_failing = False
+        self._republish = False
+        self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
+        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pof-io")
+        self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
+        self._staging = np.empty(spec.page_bytes, dtype=np.uint8)    # store thread only
+        self._closed = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        if role == "worker":
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="pof-heartbeat",
+                                                      daemon=True)
+            self._heartbeat_thread.start()
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    def keys_for(self, tokens: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> list[PageKey]:
+        """Keys of the full pages of ``tokens`` in this pool's namespace."""
+        return page_keys(self.namespace, tokens, self.spec.page_tokens, cache_salt=cache_salt)
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[PageKey]) -> Lookup:
+        """Leading pages of ``keys`` this node can load (own tiers first, then the index)."""
+        keys = list(keys)
+        self.stats.add("lookups")
+        self.stats.add("lookup_pages", len(keys))
+        sources: list[Location | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            loc = self._find_own(key)
+            if loc is None:
+                break
+            sources[i] = loc
+        for key in reversed(keys[:i + 1] if keys else []):
+            self._touch_own(key)       # the prefix head ends most recently used
+        elsewhere: dict[str, int] = {}
+        if keys and sources[-1] is None:
+            matches = self._index_call("lookup", self.index.longest_prefix, keys, default={})
+            self._merge(matches, sources, elsewhere)
+        run = next((i for i, s in enumerate(sources) if s is None), len(sources))
+        result = Lookup(keys, [s for s in sources[:run] if s is not None], elsewhere)
+        for medium, n in result.per_tier().items():
+            self.stats.add("hit_pages", n, tier=medium)
+        return result
+
+    def _find_own(self, key: PageKey) -> Location | None:
+        for tier in self.tiers:
+            ref = tier.find(key, touch=False)
+            if ref is not None:
+                return Location(self.node_id, tier.medium, ref.slot, ref.generation)
+        return None
+
+    def _touch_own(self, key: PageKey) -> None:
+        for tier in self.tiers:
+            if tier.find(key) is not None:
+                return
+
+    def _merge(self, matches: dict[str, PrefixMatch], sources: list[Location | None],
+               elsewhere: dict[str, int]) -> None:
+        for node, match in matches.items():
+            readable = [self._readable(node, MEDIA[c]) for c in range(len(MEDIA))]
+            usable = 0
+            for i in range(min(match.pages, len(sources))):
+                if not readable[int(match.media[i])]:
+                    break
+                usable = i + 1
+                if sources[i] is None:
+                    sources[i] = match.location(i)
+            if usable < match.pages:
+                elsewhere[node] = match.pages
+
+    def _readable(self, node: str, medium: str) -> bool:
+        """Can this node read ``node``'s ``medium`` tier with plain loads?"""
+        if node == self.node_id:
+            return True
+        mine = self._domains(self.node_id)
+        theirs = self._domains(node)
+        return medium in mine and mine[medium] == theirs.get(medium)
+
+    def _domains(self, node: str) -> dict[str, str]:
+        if node == self.node_id and self.tiers:
+            return {t.medium: t.domain for t in self.tiers}
+        stamp, cache = self._nodes_cache
+        if time.monotonic() - stamp > min(1.0, self.config.heartbeat_s):
+            nodes = self._index_call("nodes", self.index.nodes, default=None)
+            if nodes is not None:
+                cache = {n.node_id: n for n in nodes}
+                self._nodes_cache = (time.monotonic(), cache)
+        info = cache.get(node)
+        return {} if info is None else {m: t.domain for m, t in info.tiers.items()}
+
+    # ---- load --------------------------------------------------------------------------------
+
+    def load(self, keys: Sequence[PageKey], sources: Sequence[Location], into: Sequence[Any]) -> LoadHandle:
+        """Start copying page ``i`` of ``keys`` from ``sources[i]`` into ``into[i]`` (a writable
+        buffer of ``spec.page_bytes``). Returns at once; the handle tracks progress."""
+        if not len(keys) == len(sources) == len(into):
+            raise ValueError(f"load: {len(keys)} keys, {len(sources)} sources, {len(into)} buffers")
+        handle = LoadHandle(len(keys), self.spec.num_layers)
+        if not keys:
+            handle._finish()
+            return handle
+        try:
+            self._io.submit(self._load, handle, list(keys), list(sources), list(into))
+        except RuntimeError:    # executor shut down: the pool is closing
+            handle._finish("closed")
+        return handle
+
+    def _load(self, handle: LoadHandle, keys: list[PageKey], sources: list[Location], into: list[Any]) -> None:
+        t0 = time.perf_counter()
+        spec = self.spec
+        plan: list[tuple[int, Tier, SlotRef, PageHeader, np.ndarray, bool]] = []
+        try:
+            for i, (key, src, buf) in enumerate(zip(keys, sources, into, strict=True)):
+                try:
+                    tier, ref, pinned = self._resolve(key, src)
+                    mv = as_array(buf)
+                    try:
+                        header = tier.read_header(ref, key, mv)
+                    except BaseException:
+                        if pinned:
+                            tier.unpin(ref.slot)
+                        raise
+                    plan.append((i, tier, ref, header, mv, pinned))
+                except PageError as e:
+                    self._load_failed(handle, i, e.reason, e)
+            for layer in range(spec.num_layers):
+                for i, tier, ref, header, mv, _ in plan:
+                    if handle._is_failed(i):
+                        continue
+                    try:
+                        tier.read_segment(ref, header, layer, spec.segment(mv, layer))
+                    except PageError as e:
+                        self._load_failed(handle, i, e.reason, e)
+                handle._layers[layer].set()
+        except Exception as e:   # a bug or a broken buffer: fail this load loudly, keep the engine alive
+            self._log_once("load-crash", logging.ERROR, "pof: load failed unexpectedly; pages will be recomputed",
+                           exc_info=e)
+            self.stats.add("load_failures", len(keys), reason="error")
+        finally:
+            for i, tier, ref, _, _, pinned in plan:
+                if pinned:
+                    tier.unpin(ref.slot)
+                if not handle._is_failed(i):
+                    self.stats.add("loaded_pages", tier=tier.medium)
+                    self.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
+            handle._finish("error")
+            self.stats.add("load_seconds", time.perf_counter() - t0)
+
+    def _resolve(self, key: PageKey, src: Location) -> tuple[Tier, SlotRef, bool]:
+        tier = self._by_medium.get(src.medium)
+        if tier is None:
+            raise PageError("unreachable", f"this node has no {src.medium} tier")
+        if src.node == self.node_id:
+            ref = tier.find(key, pin=True)
+            if ref is None:
+                raise PageError("evicted", f"{key.hex()} is no longer in {src.medium}")
+            return tier, ref, True
+        if not self._readable(src.node, src.medium):
+            raise PageError("unreachable", f"{src.node}'s {src.medium} is not shared with this node")
+        return tier, SlotRef(src.slot, src.generation), False
+
+    def _load_failed(self, handle: LoadHandle, page: int, reason: str, err: Exception) -> None:
+        handle._fail(page, reason)
+        self.stats.add("load_failures", reason=reason)
+        self._log_once(f"load-{reason}", logging.WARNING,
+                       "pof: rejected a page (%s); it will be recomputed. Further rejections are counted in "
+                       "pof_load_failures_total", err)
+
+    # ---- store -------------------------------------------------------------------------------
+
+    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]]) -> Future[int]:
+        """Write pages (key, per-layer segments in canonical layout) in the background.
+
+        The segment buffers must stay unchanged until the future completes. The result is the
+        number of pages written (keys already stored are skipped).
+        """
+        if not self.tiers:
+            raise RuntimeError("a client pool has no tiers to store into")
+        return self._store.submit(self._store_batch, list(items))
+
+    def contains(self, key: PageKey) -> bool:
+        """True when this node stores (or is storing) ``key``: storing it again is pointless."""
+        return any(t.contains(key) for t in self.tiers)
+
+    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]]) -> int:
+        events: list[tuple[bool, PageKey, Location]] = []
+        first = self.tiers[0]
+        written = 0
+        try:
+            # Tail pages first: LRU then evicts a chain from its end and keeps the shared head longest.
+            for key, layers in reversed(items):
+                if self.contains(key):
+                    continue
+                self._make_room(0, events)
+                got = first.prepare_store(key)
+                if got is None:
+                    continue
+                ref, evicted = got
+                if evicted is not None:
+                    events.append((False, evicted, Location(self.node_id, first.medium, ref.slot, ref.generation - 1)))
+                    self.stats.add("evicted_pages", tier=first.medium)
+                ok = False
+                try:
+                    first.write(ref, key, layers)
+                    ok = True
+                finally:
+                    first.complete_store(key, ok)
+                events.append((True, key, Location(self.node_id, first.medium, ref.slot, ref.generation)))
+                self.stats.add("stored_pages", tier=first.medium)
+                self.stats.add("stored_bytes", self.spec.page_bytes, tier=first.medium)
+                written += 1
+        finally:
+            self._publish(events)
+        return written
+
+    def _make_room(self, level: int, events: list[tuple[bool, PageKey, Location]]) -> None:
+        """Free one slot of ``tiers[level]`` by moving its LRU page to the next tier (or dropping it)."""
+        tier = self.tiers[level]
+        if tier.free_slots > 0:
+            return
+        victim = tier.lru_victim()
+        if victim is None:
+            return
+        key, ref = victim
+        if level + 1 < len(self.tiers):
+            lower = self.tiers[level + 1]
+            try:
+                tier.read(ref, key, self._staging)
+                self._make_room(level + 1, events)
+                got = lower.prepare_store(key)
+                if got is not None:
+                    ref2, evicted2 = got
+                    if evicted2 is not None:
+                        events.append((False, evicted2, Location(self.node_id, lower.medium, ref2.slot,
+                                                                 ref2.generation - 1)))
+                        self.stats.add("evicted_pages", tier=lower.medium)
+                    ok = False
+                    try:
+                        lower.write_page(ref2, self._staging)
+                        ok = True
+                    finally:
+                        lower.complete_store(key, ok)
+                    events.append((True, key, Location(self.node_id, lower.medium, ref2.slot, ref2.generation)))
+                    self.stats.add("demoted_pages", tier=tier.medium)
+            except PageError as e:
+                self._log_once("demote", logging.WARNING, "pof: could not move a page down a tier: %s", e)
+        removed = tier.remove(key)
+        if removed is not None:
+            events.append((False, key, Location(self.node_id, tier.medium, removed.slot, removed.generation)))
+            self.stats.add("evicted_pages", tier=tier.medium)
+
+    def _publish(self, events: list[tuple[bool, PageKey, Location]]) -> None:
+        """Send (publish?, key, location) events; within a batch only the last per key and medium
+        counts (a page may be stored and then evicted by the same batch)."""
+        final: dict[tuple[PageKey, str], tuple[bool, Location]] = {}
+        for pub, key, loc in events:
+            final[(key, loc.medium)] = (pub, loc)
+        out = [(k, loc) for (k, _), (pub, loc) in final.items() if not pub]
+        put = [(k, loc) for (k, _), (pub, loc) in final.items() if pub]
+        if out and self._index_call("withdraw", self.index.withdraw, out, default=False) is False:
+            self._republish = True
+        if put and self._index_call("publish", self.index.publish, put, default=False) is False:
+            self._republish = True
+
+    # ---- node liveness -----------------------------------------------------------------------
+
+    def node_info(self) -> NodeInfo:
+        tiers = {t.medium: TierUsage(t.capacity_slots * t.slot_bytes, t.free_slots * t.slot_bytes, t.domain)
+                 for t in self.tiers}
+        for t in self.tiers:
+            self.stats.set_gauge("tier_used_bytes", t.used_slots * t.slot_bytes, tier=t.medium)
+            self.stats.set_gauge("tier_capacity_bytes", t.capacity_slots * t.slot_bytes, tier=t.medium)
+        return NodeInfo(self.node_id, tiers, self.meta)
+
+    def heartbeat(self) -> None:
+        """One heartbeat; re-publishes everything when the index asks for it."""
+        fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
+                                 default=None)
+        if fresh is None:
+            return
+        if fresh or self._republish:
+            self._republish = False
+            entries = [(key, Location(self.node_id, t.medium, ref.slot, ref.generation))
+                       for t in self.tiers for key, ref in t.stored()]
+            for start in range(0, len(entries), 1000):
+                if self._index_call("publish", self.index.publish, entries[start:start + 1000],
+                                    default=False) is False:
+                    self._republish = True
+                    break
+            if entries:
+                log.info("pof: published %d pages to the index (%s)", len(entries),
+                         "new registration" if fresh else "after an index outage")
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.heartbeat()
+            except Exception as e:   # keep heartbeating; a bug here must not silently stop liveness
+                self._log_once("heartbeat", logging.ERROR, "pof: heartbeat failed", exc_info=e)
+            self._closed.wait(self.config.heartbeat_s)
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _index_call(self, op: str, fn: Callable[..., T], *args: Any, default: Any) -> Any:
+        """Call the index; on failure count it, log the outage once, back off 1 s, return ``default``."""
+        if time.monotonic() < self._index_down_until:
+            return default
+        try:
+            result = fn(*args)
+        except IndexUnavailable as e:
+            self.stats.add("index_errors", op=op)
+            self._index_down_until = time.monotonic() + 1.0
+            if not self._index_failing:
+                self._index_failing = True
+                log.error("pof: locality index unavailable (%s); serving only what this node finds itself, "
+                          "engines recompute the rest", e)
+            return default
+        if self._index_failing:
+            self._index_failing = False
+            log.warning("pof: locality index reachable again")
+        return result
+
+    def _log_once(self, what: str, level: int, msg: str, *args: Any, exc_info: BaseException | None = None) -> None:
+        if what in self._logged:
+            return
+        self._logged.add(what)
+        log.log(level, msg, *args, exc_info=exc_info)
+
+    def close(self) -> None:
+        """Stop threads, leave the index, release tiers. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+        self._store.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        if self.role == "worker":
+            self._index_call("leave", self.index.leave, default=None)
+        self.index.close()
+        for t in self.tiers:
+            t.close()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

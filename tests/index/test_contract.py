@@ -1,0 +1,116 @@
+"""The locality-index contract, run against the in-process index and a real Redis-protocol server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from pof_connector.index import LocalIndex, LocalityIndex, LocalTable, Location, NodeInfo, TierUsage
+from pof_connector.index.redis import RedisIndex
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import PageKey, page_keys
+
+Factory = Callable[[str | None], LocalityIndex]
+
+
+@pytest.fixture(params=["local", "redis"])
+def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
+    clients: list[LocalityIndex] = []
+    if request.param == "local":
+        table = LocalTable()
+
+        def factory(node: str | None) -> LocalityIndex:
+            clients.append(LocalIndex(node, table))
+            return clients[-1]
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+
+        def factory(node: str | None) -> LocalityIndex:
+            clients.append(RedisIndex(server.url, node))
+            return clients[-1]
+    yield factory
+    for c in clients:
+        c.close()
+
+
+def keys(namespace: bytes, n: int) -> list[PageKey]:
+    return page_keys(namespace, list(range(16 * n)), 16)
+
+
+def loc(node: str, i: int, medium: str = "cpu_dram", gen: int = 1) -> Location:
+    return Location(node, medium, i, gen)
+
+
+def test_longest_prefix_per_node(make: Factory, namespace: bytes) -> None:
+    a, b, reader = make("a"), make("b"), make(None)
+    assert a.heartbeat(NodeInfo("a"), 10) is True and b.heartbeat(NodeInfo("b"), 10) is True
+    assert a.heartbeat(NodeInfo("a"), 10) is False          # same incarnation
+    ks = keys(namespace, 10)
+    a.publish([(k, loc("a", i)) for i, k in enumerate(ks[:6])])
+    b.publish([(k, loc("b", 100 + i, "cxl", 5)) for i, k in enumerate(ks[:3])])
+    b.publish([(ks[4], loc("b", 200))])                      # a hole at page 3: b's run is 3
+    m = reader.longest_prefix(ks)
+    assert {n: x.pages for n, x in m.items()} == {"a": 6, "b": 3}
+    assert m["a"].location(5) == loc("a", 5) and m["b"].location(2) == loc("b", 102, "cxl", 5)
+    assert m["b"].per_tier() == {"cxl": 3}
+    assert reader.longest_prefix(ks[1:]) == {} or set(reader.longest_prefix(ks[1:])) <= {"a", "b"}
+    assert reader.longest_prefix(keys(b"\x01" * 16, 3)) == {}
+
+
+def test_same_node_two_media_prefers_faster(make: Factory, namespace: bytes) -> None:
+    a, reader = make("a"), make(None)
+    a.heartbeat(NodeInfo("a"), 10)
+    ks = keys(namespace, 4)
+    a.publish([(k, loc("a", i, "cxl")) for i, k in enumerate(ks)])
+    a.publish([(ks[1], loc("a", 9, "cpu_dram"))])
+    m = reader.longest_prefix(ks)["a"]
+    assert m.pages == 4 and m.location(1) == loc("a", 9) and m.per_tier() == {"cxl": 3, "cpu_dram": 1}
+
+
+def test_publish_replaces_and_withdraw_is_exact(make: Factory, namespace: bytes) -> None:
+    a, reader = make("a"), make(None)
+    a.heartbeat(NodeInfo("a"), 10)
+    ks = keys(namespace, 2)
+    a.publish([(ks[0], loc("a", 1, gen=1)), (ks[1], loc("a", 2, gen=1))])
+    a.publish([(ks[0], loc("a", 7, gen=3))])                 # moved within the same medium
+    assert reader.longest_prefix(ks)["a"].location(0) == loc("a", 7, gen=3)
+    a.withdraw([(ks[0], loc("a", 1, gen=1))])                # a late withdraw of the old place
+    assert reader.longest_prefix(ks)["a"].pages == 2
+    a.withdraw([(ks[0], loc("a", 7, gen=3))])
+    assert reader.longest_prefix(ks) == {}
+
+
+def test_expired_node_is_never_returned(make: Factory, namespace: bytes) -> None:
+    a, reader = make("a"), make(None)
+    a.heartbeat(NodeInfo("a"), 0.3)
+    ks = keys(namespace, 3)
+    a.publish([(k, loc("a", i)) for i, k in enumerate(ks)])
+    assert reader.longest_prefix(ks)["a"].pages == 3
+    time.sleep(0.5)
+    assert reader.longest_prefix(ks) == {} and [n.node_id for n in reader.nodes()] == []
+    assert a.heartbeat(NodeInfo("a"), 10) is True            # a new incarnation: must re-publish
+    assert reader.longest_prefix(ks) == {}                   # old entries stay invisible
+    a.publish([(k, loc("a", i)) for i, k in enumerate(ks)])
+    assert reader.longest_prefix(ks)["a"].pages == 3
+
+
+def test_node_registry_and_capacity(make: Factory) -> None:
+    a, b, reader = make("a"), make("b"), make(None)
+    a.heartbeat(NodeInfo("a", {"cpu_dram": TierUsage(100, 40, "dram:1")}, {"url": "http://a"}), 10)
+    b.heartbeat(NodeInfo("b", {"cxl": TierUsage(1000, 900, "cxl:x")}), 10)
+    nodes = {n.node_id: n for n in reader.nodes()}
+    assert nodes["a"].tiers["cpu_dram"].free_bytes == 40 and nodes["a"].meta == {"url": "http://a"}
+    assert nodes["b"].tiers["cxl"] == TierUsage(1000, 900, "cxl:x")
+    b.leave()
+    assert [n.node_id for n in reader.nodes()] == ["a"]
+    with pytest.raises(ValueError):
+        reader.publish([])
+
+
+def test_query_must_share_a_namespace(make: Factory, namespace: bytes) -> None:
+    reader = make(None)
+    mixed = keys(namespace, 1) + keys(b"\x02" * 16, 1)
+    with pytest.raises(ValueError):
+        reader.longest_prefix(mixed)

@@ -1,0 +1,118 @@
+"""Redis specifics: restart recovery, outage behaviour, the embedded server."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pof_connector.config import PofConfig
+from pof_connector.index import IndexUnavailable, Location, NodeInfo
+from pof_connector.index.embedded import PIDFILE, ensure_embedded, stop_embedded
+from pof_connector.index.redis import RedisIndex
+from pof_connector.index.server import RedisServer, ping
+from pof_connector.keys import page_keys
+from pof_connector.pages import PageSpec
+from pof_connector.pool import Pool
+
+
+def test_restart_owners_republish_and_lookups_recover(runtime_dir: str, namespace: bytes) -> None:
+    """Kill the index server, start an empty one on the same socket: the pool's heartbeat sees a
+    new registration and re-publishes what it holds."""
+    server = RedisServer(Path(runtime_dir) / "r").start()
+    spec = PageSpec(2, 1024, 16)
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": server.url, "heartbeat_s": 0.1,
+                                  "node_ttl_s": 1.0, "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "1MiB"}}})
+    pool = Pool(cfg, spec, namespace)
+    reader = RedisIndex(server.url, None)
+    try:
+        ks = page_keys(namespace, list(range(16 * 8)), 16)
+        pool.store([(k, [np.full(1024, i, np.uint8)] * 2) for i, k in enumerate(ks)]).result()
+        deadline = time.monotonic() + 5
+        while not reader.longest_prefix(ks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reader.longest_prefix(ks)["a"].pages == 8
+        server.stop()
+        with pytest.raises(IndexUnavailable):
+            reader.longest_prefix(ks)
+        assert pool.lookup(ks).pages == 8      # own pages need no index
+        server.start()
+        assert reader.longest_prefix(ks) == {}          # empty after the restart
+        deadline = time.monotonic() + 10
+        while not reader.longest_prefix(ks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reader.longest_prefix(ks)["a"].pages == 8
+        assert pool.stats.get("index_errors") >= 1
+    finally:
+        reader.close()
+        pool.close()
+        server.stop()
+
+
+def test_unreachable_index_raises_index_unavailable_fast(runtime_dir: str, namespace: bytes) -> None:
+    idx = RedisIndex(f"unix://{runtime_dir}/nothing.sock", "a", timeout_s=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(IndexUnavailable):
+        idx.heartbeat(NodeInfo("a"), 1)
+    with pytest.raises(IndexUnavailable):
+        idx.longest_prefix(page_keys(namespace, list(range(16)), 16))
+    assert time.monotonic() - t0 < 2
+
+
+def test_memory_per_location(redis_server: RedisServer, namespace: bytes) -> None:
+    a = RedisIndex(redis_server.url, "a")
+    a.heartbeat(NodeInfo("a"), 30)
+    before = int(a._r.info("memory")["used_memory"])
+    ks = page_keys(namespace, np.arange(16 * 20000), 16)
+    for s in range(0, len(ks), 5000):
+        a.publish([(k, Location("a", "cpu_dram", s + i, 1)) for i, k in enumerate(ks[s:s + 5000])])
+    per = (int(a._r.info("memory")["used_memory"]) - before) / len(ks)
+    assert per <= 200, f"{per:.0f} bytes per location"
+    a.close()
+
+
+def test_sweep_drops_dead_incarnations(redis_server: RedisServer, namespace: bytes) -> None:
+    a = RedisIndex(redis_server.url, "a")
+    a.heartbeat(NodeInfo("a"), 0.2)
+    ks = page_keys(namespace, list(range(16 * 5)), 16)
+    a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+    time.sleep(0.3)
+    b = RedisIndex(redis_server.url, "b")
+    b.heartbeat(NodeInfo("b"), 10)            # expires a's incarnation in the server's books
+    b.publish([(ks[0], Location("b", "cxl", 3, 1))])
+    assert b.sweep(namespace) == 5
+    assert b.stats()["locations"] == 1
+    a.close()
+    b.close()
+
+
+def test_embedded_server_is_shared_and_stopped_by_pid(runtime_dir: str) -> None:
+    url = ensure_embedded(runtime_dir, idle_s=60)
+    try:
+        assert ping(url) and ensure_embedded(runtime_dir) == url     # a second caller reuses it
+        pids = [int(p) for p in (Path(runtime_dir) / PIDFILE).read_text().split()]
+        assert all(os.path.exists(f"/proc/{p}") for p in pids)
+    finally:
+        assert stop_embedded(runtime_dir)
+    assert not ping(url)
+    for p in pids:
+        assert not os.path.exists(f"/proc/{p}") or Path(f"/proc/{p}/stat").read_text().split()[2] == "Z"
+
+
+def test_embedded_supervisor_exits_when_idle(runtime_dir: str) -> None:
+    url = ensure_embedded(runtime_dir, idle_s=1)
+    pids = [int(p) for p in (Path(runtime_dir) / PIDFILE).read_text().split()]
+    deadline = time.monotonic() + 15
+    while ping(url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        assert not ping(url)
+    finally:
+        stop_embedded(runtime_dir)
+        for p in pids:
+            if os.path.exists(f"/proc/{p}"):
+                os.kill(p, 9)

@@ -1,0 +1,158 @@
+"""The ``pof`` command, called in-process through ``main(argv)`` (``serve`` runs as a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pof_connector.cli import main
+from pof_connector.index.base import NodeInfo, TierUsage
+from pof_connector.index.redis import RedisIndex
+from pof_connector.index.server import RedisServer, ping
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A private directory with a short path: unix socket paths must stay under ~100 characters."""
+    d = tempfile.mkdtemp(prefix="pof-cli-", dir="/tmp")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def server(short_dir: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(short_dir / "redis").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """stdout must be exactly one JSON object (progress goes to stderr)."""
+    out = capsys.readouterr().out
+    obj = json.loads(out)
+    assert isinstance(obj, dict)
+    return obj
+
+
+def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("index", "stats", "bench"):
+        assert command in out
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["bench"]) == 2
+    assert main(["bench", "tiers", "--sizes", "lots"]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_bench_tiers_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "tiers", "--json", "--sizes", "64KiB", "--tier-size", "8MiB", "--repeat", "1"]) == 0
+    result = _json(capsys)
+    assert result["bench"] == "tiers"
+    ratio = result["ratio"]
+    assert isinstance(ratio, float) and ratio > 0
+    assert isinstance(result["min_ratio"], float) and 0 < result["min_ratio"] <= ratio
+    rows = result["rows"]
+    assert isinstance(rows, list)
+    assert sorted(r["medium"] for r in rows) == ["cpu_dram", "cxl"]
+    for row in rows:
+        assert row["page_bytes"] == 64 << 10
+        assert row["pages_put"] == 2 * row["slots"] and row["pages_got"] == row["slots"]
+        assert row["ours_gbps"] > 0 and row["memcpy_gbps"] > 0
+    assert "numpy.copyto" in str(result["baseline"])
+
+
+def test_bench_tiers_rejects_unknown_medium(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "tiers", "--media", "tape", "--sizes", "64KiB", "--tier-size", "8MiB"]) == 1
+    assert "tape" in capsys.readouterr().err
+
+
+def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "index", "--json", "--pages", "200", "--iterations", "20", "--memory-pages", "2000"]) == 0
+    result = _json(capsys)
+    assert result["bench"] == "index"
+    for field in ("ratio", "lookup_p50_ms", "lookup_p90_ms", "lookup_p99_ms", "rtt_p50_ms",
+                  "bytes_per_location", "publish_pages_per_s"):
+        value = result[field]
+        assert isinstance(value, (int, float)) and value > 0, field
+    assert result["pages"] == 200 and result["nodes"] == 4
+    assert result["round_trips_per_lookup"] == 1
+    assert result["lookup_p50_ms"] <= result["lookup_p99_ms"]
+
+
+def test_bench_index_on_given_server_leaves_it_clean(server: RedisServer,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "index", "--json", "--pages", "40", "--iterations", "3", "--memory-pages", "100",
+                 "--url", server.url]) == 0
+    assert _json(capsys)["server"] == server.url
+    reader = RedisIndex(server.url, None)
+    try:
+        assert reader.stats()["locations"] == 0
+        assert reader.nodes() == []
+    finally:
+        reader.close()
+
+
+def test_index_stats_shows_a_heartbeated_node(server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
+    node = RedisIndex(server.url, "node-a")
+    try:
+        node.heartbeat(NodeInfo("node-a", {"cpu_dram": TierUsage(1 << 30, 1 << 28, "dram:test")}), ttl_s=30)
+        assert main(["index", "stats", "--url", server.url]) == 0
+        out = capsys.readouterr().out
+        assert "node-a" in out and "cpu_dram" in out and "1GiB" in out
+        assert main(["stats", "--url", server.url, "--json"]) == 0
+        result = _json(capsys)
+    finally:
+        node.close()
+    nodes = result["nodes"]
+    assert isinstance(nodes, list) and [n["node_id"] for n in nodes] == ["node-a"]
+    assert nodes[0]["tiers"]["cpu_dram"]["used_bytes"] == (1 << 30) - (1 << 28)
+    assert result["totals"] == {"locations": 0, "memory_bytes": result["totals"]["memory_bytes"],
+                                "nodes": 1}
+
+
+def test_index_stats_does_not_start_a_server(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = short_dir / "pof.yaml"
+    config.write_text(f"runtime_dir: {short_dir / 'rt'}\n")
+    assert main(["index", "stats", "--config", str(config)]) == 1
+    assert "no index server running" in capsys.readouterr().err
+    assert not (short_dir / "rt").exists()
+
+
+def test_serve_then_stop(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runtime_dir = short_dir / "rt"
+    url = f"unix://{runtime_dir / 'index.sock'}"
+    proc = subprocess.Popen([sys.executable, "-m", "pof_connector.cli", "index", "serve", "--runtime-dir",
+                             str(runtime_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not ping(url) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert ping(url), "pof index serve did not bring a server up"
+        # no waiting for the pidfile here: `pof index stop` must cope with a server that just came up
+        assert main(["index", "serve", "--runtime-dir", str(runtime_dir)]) == 1   # one server per directory
+        assert "already answers" in capsys.readouterr().err
+        assert main(["index", "stop", "--runtime-dir", str(runtime_dir)]) == 0
+        assert proc.wait(timeout=15) == 0
+        out, _ = proc.communicate()
+        assert url in out
+        assert not ping(url)
+        assert main(["index", "stop", "--runtime-dir", str(runtime_dir)]) == 1
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=15)

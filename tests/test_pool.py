@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pof_connector.config import PofConfig
+from pof_connector.index import LocalIndex, LocalTable
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import PageKey
+from pof_connector.pages import PageSpec
+from pof_connector.pool import Pool
+
+SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
+
+
+def content(k: PageKey) -> list[np.ndarray]:
+    rng = np.random.default_rng(int.from_bytes(k.digest[:8], "little"))
+    return [rng.integers(0, 255, SPEC.segment_bytes, dtype=np.uint8) for _ in range(SPEC.num_layers)]
+
+
+def cfg(node: str, runtime_dir: str, index_url: str = "local", **tiers: dict[str, object]) -> PofConfig:
+    return PofConfig.from_mapping({"node_id": node, "index_url": index_url, "runtime_dir": runtime_dir,
+                                   "heartbeat_s": 0.05, "node_ttl_s": 2.0,
+                                   "tiers": tiers or {"cpu_dram": {"size": "1MiB"}}})
+
+
+def wait_for(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def load_all(pool: Pool, keys: list[PageKey]) -> tuple[list[np.ndarray], dict[int, str], int]:
+    lk = pool.lookup(keys)
+    bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(lk.pages)]
+    h = pool.load(keys[:lk.pages], lk.sources, bufs)
+    assert h.wait(10)
+    return bufs, h.failed, lk.pages
+
+
+def assert_pages(bufs: list[np.ndarray], keys: list[PageKey], skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    for i, (buf, k) in enumerate(zip(bufs, keys, strict=False)):
+        if i in skip:
+            continue
+        for layer, data in enumerate(content(k)):
+            assert bytes(SPEC.segment(memoryview(buf), layer)) == data.tobytes(), (i, layer)
+
+
+@pytest.fixture
+def pool(runtime_dir: str, namespace: bytes) -> Iterator[Pool]:
+    p = Pool(cfg("a", runtime_dir), SPEC, namespace)
+    yield p
+    p.close()
+
+
+def test_store_lookup_load_layer_by_layer(pool: Pool) -> None:
+    keys = pool.keys_for(np.arange(16 * 20 + 5))      # 20 full pages; the partial one is never stored
+    assert len(keys) == 20
+    assert pool.store([(k, content(k)) for k in keys[:12]]).result() == 12
+    assert pool.store([(k, content(k)) for k in keys[:12]]).result() == 0     # already there
+    lk = pool.lookup(keys)
+    assert lk.pages == 12 and lk.per_tier() == {"cpu_dram": 12}
+    bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(12)]
+    h = pool.load(keys[:12], lk.sources, bufs)
+    for layer in range(SPEC.num_layers):
+        assert h.wait_layer(layer, 5)
+        for buf, k in zip(bufs, keys, strict=False):          # this layer is complete now
+            assert bytes(SPEC.segment(memoryview(buf), layer)) == content(k)[layer].tobytes()
+    assert h.wait(5) and h.failed == {}
+    assert pool.stats.get("loaded_pages") == 12 and pool.stats.get("hit_pages", tier="cpu_dram") == 12
+
+
+def test_corrupted_or_evicted_pages_are_reported_not_returned(pool: Pool) -> None:
+    keys = pool.keys_for(np.arange(16 * 4))
+    pool.store([(k, content(k)) for k in keys]).result()
+    lk = pool.lookup(keys)
+    tier = pool.tiers[0]
+    ref = tier.find(keys[1])
+    assert ref is not None
+    tier.region[tier.slot_offset(ref.slot) + SPEC.segment_offset(2) + 7] ^= 0xFF     # a flipped bit
+    tier.remove(keys[3])                                                              # evicted meanwhile
+    bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(4)]
+    h = pool.load(keys, lk.sources, bufs)
+    assert h.wait(5)
+    assert h.failed == {1: "bad_checksum", 3: "evicted"}
+    assert_pages(bufs, keys, skip={1, 3})
+    assert pool.stats.get("load_failures") == 2
+
+
+def test_eviction_demotes_then_withdraws(runtime_dir: str, namespace: bytes, shm_path: str) -> None:
+    table = LocalTable()
+    tiers = {"cpu_dram": {"size": 4 * 8192}, "cxl": {"path": shm_path, "size": "1MiB", "partitions": 2}}
+    pool = Pool(cfg("a", runtime_dir, **tiers), SPEC, namespace, index=LocalIndex("a", table))
+    reader = LocalIndex(None, table)
+    try:
+        dram, cxl = pool.tiers
+        keys = pool.keys_for(np.arange(16 * (dram.capacity_slots + cxl.capacity_slots + 10)))
+        wait_for(lambda: pool.index.nodes() != [])
+        pool.store([(k, content(k)) for k in keys]).result()
+        kept = dram.capacity_slots + cxl.capacity_slots
+        lk = pool.lookup(keys)
+        assert lk.pages == kept            # the chain's head stays; its tail was evicted first
+        assert lk.per_tier() == {"cpu_dram": dram.capacity_slots, "cxl": cxl.capacity_slots}
+        assert reader.longest_prefix(keys)["a"].pages == kept
+        assert reader.longest_prefix(keys[kept:]) == {}            # evicted pages were withdrawn
+        bufs, failed, n = load_all(pool, keys)
+        assert failed == {} and n == kept
+        assert_pages(bufs, keys)
+        assert pool.stats.get("demoted_pages") > 0
+    finally:
+        pool.close()
+
+
+def test_two_nodes_share_a_cxl_region_through_redis(runtime_dir: str, namespace: bytes, shm_path: str,
+                                                    redis_server: RedisServer) -> None:
+    tiers = {"cxl": {"path": shm_path, "size": "2MiB", "partitions": 4}}
+    a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    c = Pool(cfg("c", runtime_dir, redis_server.url, cpu_dram={"size": "1MiB"}), SPEC, namespace)
+    try:
+        keys = a.keys_for(np.arange(16 * 10))
+        a.store([(k, content(k)) for k in keys[:7]]).result()
+        c.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: b.lookup(keys).pages == 7)
+        lk = b.lookup(keys)
+        assert {s.node for s in lk.sources} == {"a"} and lk.elsewhere == {"c": 10}   # c's DRAM: not readable
+        bufs, failed, n = load_all(b, keys)
+        assert failed == {} and n == 7
+        assert_pages(bufs, keys)
+        # a evicts everything; b's plan made before that must fail validation, never return a page.
+        for k in keys[:7]:
+            a.tiers[0].remove(k)
+        bufs2 = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(7)]
+        h = b.load(keys[:7], lk.sources, bufs2)
+        assert h.wait(5) and set(h.failed) == set(range(7))
+    finally:
+        for p in (a, b, c):
+            p.close()
+
+
+def test_client_role_answers_for_its_worker(runtime_dir: str, namespace: bytes, redis_server: RedisServer) -> None:
+    worker = Pool(cfg("n1", runtime_dir, redis_server.url), SPEC, namespace)
+    client = Pool(cfg("n1", runtime_dir, redis_server.url), SPEC, namespace, role="client")
+    try:
+        keys = worker.keys_for(np.arange(16 * 5))
+        worker.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: client.lookup(keys).pages == 5)
+        lk = client.lookup(keys)
+        bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(5)]
+        h = worker.load(keys, lk.sources, bufs)       # the plan crosses processes in adapters
+        assert h.wait(5) and h.failed == {}
+        assert_pages(bufs, keys)
+        with pytest.raises(RuntimeError):
+            client.store([])
+    finally:
+        worker.close()
+        client.close()
+
+
+def test_index_down_means_fewer_hits_never_errors(runtime_dir: str, namespace: bytes) -> None:
+    url = f"unix://{runtime_dir}/absent.sock"
+    pool = Pool(cfg("a", runtime_dir, url), SPEC, namespace)
+    client = Pool(cfg("a", runtime_dir, url), SPEC, namespace, role="client")
+    try:
+        keys = pool.keys_for(np.arange(16 * 3))
+        assert pool.store([(k, content(k)) for k in keys]).result() == 3
+        assert pool.lookup(keys).pages == 3          # from its own books
+        assert client.lookup(keys).pages == 0        # nothing known: the engine recomputes
+        wait_for(lambda: pool.stats.get("index_errors") >= 1)
+    finally:
+        pool.close()
+        client.close()

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pof_connector.config import ConfigError
+from pof_connector.keys import PageKey
+from pof_connector.pages import PageError, PageSpec
+from pof_connector.tiers import CpuDramTier
+
+
+def key(i: int) -> PageKey:
+    return PageKey(bytes(16), i.to_bytes(32, "little"))
+
+
+def layers_for(spec: PageSpec, i: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(i)
+    return [rng.integers(0, 255, spec.segment_bytes, dtype=np.uint8) for _ in range(spec.num_layers)]
+
+
+def store(tier: CpuDramTier, spec: PageSpec, i: int) -> PageKey | None:
+    got = tier.prepare_store(key(i))
+    assert got is not None
+    ref, evicted = got
+    tier.write(ref, key(i), layers_for(spec, i))
+    tier.complete_store(key(i), ok=True)
+    return evicted
+
+
+def test_write_read_evict_reuse(spec: PageSpec) -> None:
+    tier = CpuDramTier(spec, 4 * spec.page_bytes + 100)
+    assert tier.capacity_slots == 4
+    for i in range(4):
+        assert store(tier, spec, i) is None
+    out = np.empty(spec.page_bytes, np.uint8)
+    old = tier.find(key(0))
+    assert old is not None
+    tier.read(old, key(0), out)
+    for layer, data in enumerate(layers_for(spec, 0)):
+        assert bytes(spec.segment(memoryview(out), layer)) == data.tobytes()
+    assert store(tier, spec, 4) == key(1)        # 0 was touched by find: 1 is the LRU page
+    # The evicted page's slot now holds key 4 with a newer generation: the old ref is refused.
+    stale = next(r for k, r in tier.stored() if k == key(4))
+    with pytest.raises(PageError) as e:
+        tier.read(type(stale)(stale.slot, stale.generation - 1), key(1), out)
+    assert e.value.reason in ("stale_generation", "wrong_key")
+
+
+def test_layer_by_layer_read(spec: PageSpec) -> None:
+    tier = CpuDramTier(spec, 2 * spec.page_bytes)
+    store(tier, spec, 9)
+    ref = tier.find(key(9))
+    assert ref is not None
+    page = np.empty(spec.page_bytes, np.uint8)
+    header = tier.read_header(ref, key(9), page)
+    expected = layers_for(spec, 9)
+    for layer in reversed(range(spec.num_layers)):      # any order, one segment at a time
+        seg = np.empty(spec.segment_bytes, np.uint8)
+        tier.read_segment(ref, header, layer, seg)
+        assert (seg == expected[layer]).all()
+    tier.remove(key(9))
+    with pytest.raises(PageError):
+        tier.read_segment(ref, header, 0, np.empty(spec.segment_bytes, np.uint8))
+
+
+def test_too_small_names_key(spec: PageSpec) -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.cpu_dram\.size"):
+        CpuDramTier(spec, 100)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pof_connector.keys import PageKey
+from pof_connector.tiers.slot_table import SlotTable
+
+
+def key(i: int) -> PageKey:
+    return PageKey(bytes(16), i.to_bytes(32, "little"))
+
+
+def test_two_phase_store_and_lru() -> None:
+    t = SlotTable(range(3))
+    for i in range(3):
+        got = t.prepare_store(key(i))
+        assert got is not None and got[1] is None
+        assert t.lookup(key(i)) is None           # pending pages are invisible
+        t.complete_store(key(i), ok=True)
+    assert t.prepare_store(key(1)) is None        # already stored
+    t.lookup(key(0))                              # 0 becomes most recent; 1 is now the LRU page
+    slot, evicted = t.prepare_store(key(3))       # type: ignore[misc]
+    assert evicted == key(1) and t.lookup(key(1)) is None
+    t.complete_store(key(3), ok=False)            # a failed write frees the slot again
+    assert t.used == 2 and t.prepare_store(key(4)) == (slot, None)
+
+
+def test_pinned_pages_are_not_evicted() -> None:
+    t = SlotTable(range(2))
+    for i in range(2):
+        t.prepare_store(key(i))
+        t.complete_store(key(i), ok=True)
+    s0 = t.lookup(key(0), pin=True)
+    s1 = t.lookup(key(1), pin=True)
+    assert s0 is not None and s1 is not None
+    assert not t.can_allocate() and t.prepare_store(key(2)) is None
+    t.unpin(s0)
+    got = t.prepare_store(key(2))
+    assert got is not None and got[1] == key(0)

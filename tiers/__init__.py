@@ -1,0 +1,20 @@
+"""Tiers: the media a pool node stores pages in (import path ``pof_connector.tiers``)."""
+
+from __future__ import annotations
+
+from pof_connector.config import TierConfig
+from pof_connector.pages import PageSpec
+from pof_connector.tiers.base import SlotRef, Tier
+from pof_connector.tiers.cpu_dram import CpuDramTier
+from pof_connector.tiers.cxl import CxlTier
+
+__all__ = ["CpuDramTier", "CxlTier", "SlotRef", "Tier", "make_tier"]
+
+
+def make_tier(config: TierConfig, spec: PageSpec, runtime_dir: str) -> Tier:
+    """Build the tier ``config`` describes for pages of ``spec``."""
+    if config.medium == "cpu_dram":
+        return CpuDramTier(spec, config.size)
+    if config.medium == "cxl":
+        return CxlTier(spec, config, runtime_dir)
+    raise ValueError(f"no tier implementation for medium {config.medium!r}")

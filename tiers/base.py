@@ -1,0 +1,259 @@
+"""The Tier contract: one medium of fixed-size page slots.
+
+A tier owns a byte region split into slots of ``slot_bytes`` and a table of per-slot
+generations. It writes and reads pages with a seqlock-like protocol that lets readers in other
+processes (a shared CXL region) or on other hosts (a NIXL READ of the same bytes) detect a slot
+that was reused under them:
+
+* writer: bump the slot's generation in the table, zero the generation field of the slot's page
+  header, write the segments, write the header (which carries the new generation) last;
+* reader: copy the header and check magic, key, generation and header checksum; copy each
+  segment and check its checksum; then re-read the live generation field: if it changed, the
+  copy may be torn and the page is rejected.
+
+Books (which key is where, LRU, pins) are kept by a :class:`SlotTable` for the slots this
+process may write; reads may target any slot of the region.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pof_connector.keys import PageKey
+from pof_connector.pages import (
+    GENERATION_AT,
+    PageError,
+    PageHeader,
+    PageSpec,
+    as_array,
+    checksum,
+    encode_header,
+)
+from pof_connector.tiers.slot_table import SlotTable
+
+SLOT_ALIGN = 64
+
+
+def slot_bytes_for(spec: PageSpec) -> int:
+    return (spec.page_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """Where a page sits in a tier: its slot and the generation it was written with."""
+
+    slot: int
+    generation: int
+
+
+class Tier(ABC):
+    """A medium of page slots. Subclasses provide the region; this class moves the bytes."""
+
+    medium: ClassVar[str]
+
+    def __init__(self, spec: PageSpec, region: np.ndarray, generations: np.ndarray,
+                 slot_bytes: int, own_slots: range) -> None:
+        if slot_bytes < spec.page_bytes:
+            raise ValueError(f"{self.medium}: slot of {slot_bytes} bytes cannot hold a {spec.page_bytes}-byte page")
+        self.spec = spec
+        self.slot_bytes = slot_bytes
+        self.num_slots = len(generations)
+        self._region = region
+        self._generations = generations
+        self._books = SlotTable(own_slots)
+        self._gen_lock = threading.Lock()
+
+    # ---- books -----------------------------------------------------------------------------
+
+    @property
+    def capacity_slots(self) -> int:
+        """Slots this process may write."""
+        return self._books.capacity
+
+    @property
+    def used_slots(self) -> int:
+        return self._books.used
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity_slots - self.used_slots
+
+    def find(self, key: PageKey, *, pin: bool = False, touch: bool = True) -> SlotRef | None:
+        """Where this process stored ``key``; ``None`` when it did not (or evicted it).
+
+        With ``pin`` the slot stays put until :meth:`unpin`; a local reader uses that.
+        """
+        slot = self._books.lookup(key, pin=pin, touch=touch)
+        return None if slot is None else SlotRef(slot, int(self._generations[slot]))
+
+    def contains(self, key: PageKey) -> bool:
+        return self._books.contains(key)
+
+    def can_allocate(self) -> bool:
+        return self._books.can_allocate()
+
+    def prepare_store(self, key: PageKey) -> tuple[SlotRef, PageKey | None] | None:
+        """Reserve and invalidate a slot for ``key``; returns its ref and the evicted key.
+
+        ``None`` means nothing to do: ``key`` is stored or in flight, or no slot can be freed.
+        """
+        got = self._books.prepare_store(key)
+        if got is None:
+            return None
+        slot, evicted = got
+        with self._gen_lock:
+            generation = int(self._generations[slot]) + 1
+            self._generations[slot] = generation
+        self._set_live_generation(slot, 0)
+        return SlotRef(slot, generation), evicted
+
+    def complete_store(self, key: PageKey, ok: bool) -> None:
+        self._books.complete_store(key, ok)
+
+    def remove(self, key: PageKey) -> SlotRef | None:
+        """Drop ``key`` and invalidate its slot; returns where it was."""
+        slot = self._books.remove(key)
+        if slot is None:
+            return None
+        generation = int(self._generations[slot])
+        self._set_live_generation(slot, 0)
+        return SlotRef(slot, generation)
+
+    def lru_victim(self) -> tuple[PageKey, SlotRef] | None:
+        """The page eviction would drop next (left in place); ``None`` when every page is pinned."""
+        got = self._books.victim()
+        if got is None:
+            return None
+        key, slot = got
+        return key, SlotRef(slot, int(self._generations[slot]))
+
+    def pin(self, slot: int) -> None:
+        self._books.pin(slot)
+
+    def unpin(self, slot: int) -> None:
+        self._books.unpin(slot)
+
+    def stored(self) -> Iterator[tuple[PageKey, SlotRef]]:
+        """Every page this process stored here (for re-publishing after an index restart)."""
+        for key, slot in self._books.items():
+            yield key, SlotRef(slot, int(self._generations[slot]))
+
+    # ---- bytes -----------------------------------------------------------------------------
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of ``slot`` inside :attr:`region` (a remote reader's descriptor)."""
+        return slot * self.slot_bytes
+
+    @property
+    def region(self) -> np.ndarray:
+        """The whole slot region, for registration with a NIXL agent."""
+        return self._region
+
+    def _slot(self, slot: int) -> np.ndarray:
+        start = slot * self.slot_bytes
+        return self._region[start:start + self.spec.page_bytes]
+
+    def _set_live_generation(self, slot: int, generation: int) -> None:
+        start = slot * self.slot_bytes + GENERATION_AT
+        self._region[start:start + 8].view(np.uint64)[0] = generation
+
+    def live_generation(self, slot: int) -> int:
+        start = slot * self.slot_bytes + GENERATION_AT
+        return int(self._region[start:start + 8].view(np.uint64)[0])
+
+    def write(self, ref: SlotRef, key: PageKey, layers: Sequence[Any]) -> None:
+        """Write a page from per-layer segments (canonical layout) into a prepared slot."""
+        spec = self.spec
+        if len(layers) != spec.num_layers:
+            raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
+        dst = self._slot(ref.slot)
+        seg = spec.segment_bytes
+        sums = []
+        for i, layer in enumerate(layers):
+            src = as_array(layer)
+            if len(src) != seg:
+                raise ValueError(f"layer {i}: {len(src)} bytes, expected {seg}")
+            start = spec.segment_offset(i)
+            np.copyto(dst[start:start + seg], src)
+            sums.append(checksum(src))      # of the source: it is hot in cache right now
+        self._write_header(dst, encode_header(spec, key, ref.generation, sums))
+
+    def write_page(self, ref: SlotRef, page: Any) -> None:
+        """Write an already packed and verified page, re-stamped with ``ref.generation``."""
+        spec = self.spec
+        src = as_array(page)
+        header = PageHeader.parse(src[:spec.header_bytes])
+        dst = self._slot(ref.slot)
+        np.copyto(dst[spec.header_bytes:], src[spec.header_bytes:spec.page_bytes])
+        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums))
+
+    def _write_header(self, dst: np.ndarray, header: bytes) -> None:
+        # The generation field goes last: until it is stored, readers see generation 0.
+        raw = np.frombuffer(header, dtype=np.uint8)
+        dst[:GENERATION_AT] = raw[:GENERATION_AT]
+        dst[GENERATION_AT + 8:len(raw)] = raw[GENERATION_AT + 8:]
+        gen = raw[GENERATION_AT:GENERATION_AT + 8].view(np.uint64)[0]
+        dst[GENERATION_AT:GENERATION_AT + 8].view(np.uint64)[0] = gen
+
+    def read_header(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
+        """Copy and check the header of the page at ``ref`` into the head of ``into``;
+        raises :class:`PageError`."""
+        spec = self.spec
+        self._check_slot(ref.slot)
+        dst = as_array(into)[:spec.header_bytes]
+        np.copyto(dst, self._slot(ref.slot)[:spec.header_bytes])
+        header = PageHeader.parse(dst)
+        header.expect(spec, key, ref.generation)
+        return header
+
+    def read_segment(self, ref: SlotRef, header: PageHeader, layer: int, into: Any) -> None:
+        """Copy one layer segment into ``into`` and check it; raises :class:`PageError`."""
+        spec = self.spec
+        start = spec.segment_offset(layer)
+        dst = as_array(into)
+        if len(dst) != spec.segment_bytes:
+            raise ValueError(f"segment buffer of {len(dst)} bytes, expected {spec.segment_bytes}")
+        np.copyto(dst, self._slot(ref.slot)[start:start + spec.segment_bytes])
+        if checksum(dst) != header.segment_checksums[layer]:
+            raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if self.live_generation(ref.slot) != ref.generation:
+            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+
+    def read(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
+        """Copy and check a whole page into ``into`` (``spec.page_bytes`` long): one copy, then
+        the header, every segment checksum, and the live generation once."""
+        spec = self.spec
+        self._check_slot(ref.slot)
+        dst = as_array(into)[:spec.page_bytes]
+        np.copyto(dst, self._slot(ref.slot))
+        header = PageHeader.parse(dst[:spec.header_bytes])
+        header.expect(spec, key, ref.generation)
+        seg = spec.segment_bytes
+        for layer, expected in enumerate(header.segment_checksums):
+            start = spec.segment_offset(layer)
+            if checksum(dst[start:start + seg]) != expected:
+                raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if self.live_generation(ref.slot) != ref.generation:
+            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+        return header
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise PageError("bad_header", f"slot {slot} outside 0..{self.num_slots - 1}")
+
+    # ---- identity --------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def domain(self) -> str:
+        """Who else can read this tier's slots with plain loads: a unique id of a shared region
+        (CXL) or of this process's private memory (DRAM)."""
+
+    def close(self) -> None:
+        """Release the region. Reads and writes after close are errors."""

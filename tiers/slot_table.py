@@ -1,0 +1,120 @@
+"""The books of one tier: which key sits in which slot, LRU order and pins. Moves no bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+
+from pof_connector.keys import PageKey
+
+
+class SlotTable:
+    """Slot bookkeeping with a two-phase store.
+
+    ``prepare_store`` reserves a slot (evicting the least recently used unpinned page when none is
+    free); the page becomes visible to :meth:`lookup` only after ``complete_store(ok=True)``.
+    A pinned slot is never evicted, so a local reader can copy from it safely.
+    """
+
+    def __init__(self, slots: range) -> None:
+        self._free = list(reversed(slots))
+        self._capacity = len(slots)
+        self._ready: OrderedDict[PageKey, int] = OrderedDict()   # LRU order: oldest first
+        self._pending: dict[PageKey, int] = {}
+        self._pins: Counter[int] = Counter()
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return len(self._ready) + len(self._pending)
+
+    def lookup(self, key: PageKey, *, touch: bool = True, pin: bool = False) -> int | None:
+        """The slot holding ``key``; ``None`` when it is absent or still being written.
+
+        ``pin`` pins the slot in the same step, so it cannot be evicted before the caller reads.
+        """
+        with self._lock:
+            slot = self._ready.get(key)
+            if slot is not None:
+                if touch:
+                    self._ready.move_to_end(key)
+                if pin:
+                    self._pins[slot] += 1
+            return slot
+
+    def contains(self, key: PageKey) -> bool:
+        """True when ``key`` is stored or being stored (so storing it again is pointless)."""
+        with self._lock:
+            return key in self._ready or key in self._pending
+
+    def can_allocate(self) -> bool:
+        with self._lock:
+            return bool(self._free) or self._victim() is not None
+
+    def prepare_store(self, key: PageKey) -> tuple[int, PageKey | None] | None:
+        """Reserve a slot for ``key``.
+
+        Returns ``(slot, evicted)``, where ``evicted`` is the key whose page was dropped to make
+        room (the caller withdraws it from the index), or ``None`` when ``key`` is already
+        stored or in flight, or every slot is pinned or pending.
+        """
+        with self._lock:
+            if key in self._ready or key in self._pending:
+                return None
+            evicted = None
+            if self._free:
+                slot = self._free.pop()
+            else:
+                evicted = self._victim()
+                if evicted is None:
+                    return None
+                slot = self._ready.pop(evicted)
+            self._pending[key] = slot
+            return slot, evicted
+
+    def complete_store(self, key: PageKey, ok: bool) -> None:
+        with self._lock:
+            slot = self._pending.pop(key, None)
+            if slot is None:
+                return
+            if ok:
+                self._ready[key] = slot
+            else:
+                self._free.append(slot)
+
+    def remove(self, key: PageKey) -> int | None:
+        """Forget ``key``; returns its former slot, or ``None`` when it was not stored."""
+        with self._lock:
+            slot = self._ready.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+            return slot
+
+    def pin(self, slot: int) -> None:
+        with self._lock:
+            self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        with self._lock:
+            self._pins[slot] -= 1
+            if self._pins[slot] <= 0:
+                del self._pins[slot]
+
+    def victim(self) -> tuple[PageKey, int] | None:
+        """The least recently used unpinned page, left in place; ``None`` when all are pinned."""
+        with self._lock:
+            key = self._victim()
+            return None if key is None else (key, self._ready[key])
+
+    def items(self) -> list[tuple[PageKey, int]]:
+        """Every stored page, oldest first."""
+        with self._lock:
+            return list(self._ready.items())
+
+    def _victim(self) -> PageKey | None:
+        return next((k for k, s in self._ready.items() if s not in self._pins), None)
