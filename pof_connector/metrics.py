@@ -24,6 +24,7 @@ COUNTERS: dict[str, str] = {
     "evicted_pages": "Pages evicted, by tier",
     "demoted_pages": "Pages moved to the next tier on eviction, by tier",
     "index_errors": "Failed calls to the locality index, by operation",
+    "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
     "load_seconds": "Time spent loading pages",
 }
 

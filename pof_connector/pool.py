@@ -140,6 +140,8 @@ class Pool:
         if role == "worker":
             self.tiers = [make_tier(t, spec, config.runtime_dir) for t in config.tiers]
         self._by_medium = {t.medium: t for t in self.tiers}
+        self._broken: set[str] = set()           # media lost while running: never read or written again
+        self._next_index_restart = 0.0
         if index is None:
             index = open_index(config, self.node_id if role == "worker" else None)
         self.index = index
@@ -188,15 +190,18 @@ class Pool:
             self.stats.add("hit_pages", n, tier=medium)
         return result
 
+    def _live_tiers(self) -> list[Tier]:
+        return [t for t in self.tiers if t.medium not in self._broken]
+
     def _find_own(self, key: PageKey) -> Location | None:
-        for tier in self.tiers:
+        for tier in self._live_tiers():
             ref = tier.find(key, touch=False)
             if ref is not None:
                 return Location(self.node_id, tier.medium, ref.slot, ref.generation)
         return None
 
     def _touch_own(self, key: PageKey) -> None:
-        for tier in self.tiers:
+        for tier in self._live_tiers():
             if tier.find(key) is not None:
                 return
 
@@ -269,6 +274,7 @@ class Pool:
                     plan.append((i, tier, ref, header, mv, pinned))
                 except PageError as e:
                     self._load_failed(handle, i, e.reason, e)
+                    self._drop_if_corrupt(key, src, e)
             for layer in range(spec.num_layers):
                 for i, tier, ref, header, mv, _ in plan:
                     if handle._is_failed(i):
@@ -277,6 +283,7 @@ class Pool:
                         tier.read_segment(ref, header, layer, spec.segment(mv, layer))
                     except PageError as e:
                         self._load_failed(handle, i, e.reason, e)
+                        self._drop_if_corrupt(keys[i], sources[i], e)
                 handle._layers[layer].set()
         except Exception as e:   # a bug or a broken buffer: fail this load loudly, keep the engine alive
             self._log_once("load-crash", logging.ERROR, "pof: load failed unexpectedly; pages will be recomputed",
@@ -294,8 +301,8 @@ class Pool:
 
     def _resolve(self, key: PageKey, src: Location) -> tuple[Tier, SlotRef, bool]:
         tier = self._by_medium.get(src.medium)
-        if tier is None:
-            raise PageError("unreachable", f"this node has no {src.medium} tier")
+        if tier is None or src.medium in self._broken:
+            raise PageError("unreachable", f"this node has no usable {src.medium} tier")
         if src.node == self.node_id:
             ref = tier.find(key, pin=True)
             if ref is None:
@@ -304,6 +311,17 @@ class Pool:
         if not self._readable(src.node, src.medium):
             raise PageError("unreachable", f"{src.node}'s {src.medium} is not shared with this node")
         return tier, SlotRef(src.slot, src.generation), False
+
+    def _drop_if_corrupt(self, key: PageKey, src: Location, err: PageError) -> None:
+        """A page of our own that fails its checksums is garbage: forget it so nobody is offered it
+        again (a stale or evicted page is merely gone and needs nothing)."""
+        if err.reason not in ("bad_checksum", "bad_header") or src.node != self.node_id:
+            return
+        tier = self._by_medium.get(src.medium)
+        ref = tier.remove(key) if tier is not None else None
+        if ref is not None:
+            self._index_call("withdraw", self.index.withdraw,
+                             [(key, Location(self.node_id, src.medium, ref.slot, ref.generation))], default=None)
 
     def _load_failed(self, handle: LoadHandle, page: int, reason: str, err: Exception) -> None:
         handle._fail(page, reason)
@@ -326,18 +344,22 @@ class Pool:
 
     def contains(self, key: PageKey) -> bool:
         """True when this node stores (or is storing) ``key``: storing it again is pointless."""
-        return any(t.contains(key) for t in self.tiers)
+        return any(t.contains(key) for t in self._live_tiers())
 
     def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]]) -> int:
         events: list[tuple[bool, PageKey, Location]] = []
-        first = self.tiers[0]
+        live = self._live_tiers()
+        if not live:
+            return 0
+        first = live[0]
+        level = self.tiers.index(first)
         written = 0
         try:
             # Tail pages first: LRU then evicts a chain from its end and keeps the shared head longest.
             for key, layers in reversed(items):
                 if self.contains(key):
                     continue
-                self._make_room(0, events)
+                self._make_room(level, events)
                 got = first.prepare_store(key)
                 if got is None:
                     continue
@@ -368,7 +390,7 @@ class Pool:
         if victim is None:
             return
         key, ref = victim
-        if level + 1 < len(self.tiers):
+        if level + 1 < len(self.tiers) and self.tiers[level + 1].medium not in self._broken:
             lower = self.tiers[level + 1]
             try:
                 tier.read(ref, key, self._staging)
@@ -412,22 +434,24 @@ class Pool:
 
     def node_info(self) -> NodeInfo:
         tiers = {t.medium: TierUsage(t.capacity_slots * t.slot_bytes, t.free_slots * t.slot_bytes, t.domain)
-                 for t in self.tiers}
+                 for t in self._live_tiers()}
         for t in self.tiers:
             self.stats.set_gauge("tier_used_bytes", t.used_slots * t.slot_bytes, tier=t.medium)
             self.stats.set_gauge("tier_capacity_bytes", t.capacity_slots * t.slot_bytes, tier=t.medium)
         return NodeInfo(self.node_id, tiers, self.meta)
 
     def heartbeat(self) -> None:
-        """One heartbeat; re-publishes everything when the index asks for it."""
+        """One heartbeat: check the tiers, keep the node alive, re-publish when the index asks."""
+        self._check_tiers()
         fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
                                  default=None)
         if fresh is None:
+            self._restart_embedded_index()
             return
         if fresh or self._republish:
             self._republish = False
             entries = [(key, Location(self.node_id, t.medium, ref.slot, ref.generation))
-                       for t in self.tiers for key, ref in t.stored()]
+                       for t in self._live_tiers() for key, ref in t.stored()]
             for start in range(0, len(entries), 1000):
                 if self._index_call("publish", self.index.publish, entries[start:start + 1000],
                                     default=False) is False:
@@ -436,6 +460,32 @@ class Pool:
             if entries:
                 log.info("pof: published %d pages to the index (%s)", len(entries),
                          "new registration" if fresh else "after an index outage")
+
+    def _check_tiers(self) -> None:
+        for tier in self.tiers:
+            if tier.medium in self._broken or tier.healthy():
+                continue
+            self._broken.add(tier.medium)
+            self.stats.add("tier_errors", tier=tier.medium)
+            entries = [(key, Location(self.node_id, tier.medium, ref.slot, ref.generation))
+                       for key, ref in tier.stored()]
+            log.error("pof: the %s tier was lost (%s); dropping its %d pages, engines recompute them",
+                      tier.medium, getattr(tier, "path", tier.domain), len(entries))
+            self._index_call("withdraw", self.index.withdraw, entries, default=None)
+
+    def _restart_embedded_index(self) -> None:
+        """The embedded server is this host's to run: if it died, start it again (every 5 s at most)."""
+        if self.config.index_url != "embedded" or time.monotonic() < self._next_index_restart:
+            return
+        self._next_index_restart = time.monotonic() + 5.0
+        from pof_connector.index.embedded import ensure_embedded
+
+        try:
+            ensure_embedded(self.config.runtime_dir)
+        except (OSError, TimeoutError, RuntimeError) as e:
+            self._log_once("embedded-restart", logging.ERROR, "pof: could not restart the embedded index: %s", e)
+            return
+        self._index_down_until = 0.0       # try it at once
 
     def _heartbeat_loop(self) -> None:
         while not self._closed.is_set():

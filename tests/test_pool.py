@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +176,62 @@ def test_index_down_means_fewer_hits_never_errors(runtime_dir: str, namespace: b
     finally:
         pool.close()
         client.close()
+
+
+def test_a_removed_cxl_region_is_dropped_not_fatal(runtime_dir: str, namespace: bytes, shm_path: str,
+                                                   redis_server: RedisServer) -> None:
+    tiers = {"cxl": {"path": shm_path, "size": "1MiB", "partitions": 2}, "cpu_dram": {"size": "1MiB"}}
+    pool = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    client = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace, role="client")
+    try:
+        keys = pool.keys_for(np.arange(16 * 4))
+        pool.store([(k, content(k)) for k in keys[:2]]).result()
+        wait_for(lambda: client.lookup(keys).pages == 2)
+        plan = client.lookup(keys)
+        os.unlink(shm_path)                                  # somebody removes the region file
+        wait_for(lambda: pool.stats.get("tier_errors", tier="cxl") == 1)
+        wait_for(lambda: client.lookup(keys).pages == 0)     # its pages left the index
+        bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(2)]
+        h = pool.load(keys[:2], plan.sources, bufs)
+        assert h.wait(5) and set(h.failed.values()) == {"unreachable"}
+        assert pool.store([(k, content(k)) for k in keys]).result() == 4     # now into DRAM
+        assert pool.lookup(keys).per_tier() == {"cpu_dram": 4}
+        bufs, failed, n = load_all(pool, keys)
+        assert failed == {} and n == 4
+        assert_pages(bufs, keys)
+    finally:
+        pool.close()
+        client.close()
+
+
+def test_embedded_index_is_restarted_by_its_host(runtime_dir: str, namespace: bytes) -> None:
+    from pof_connector.index.embedded import PIDFILE, stop_embedded
+
+    pool = Pool(cfg("a", runtime_dir, "embedded"), SPEC, namespace)
+    client = Pool(cfg("a", runtime_dir, "embedded"), SPEC, namespace, role="client")
+    try:
+        keys = pool.keys_for(np.arange(16 * 3))
+        pool.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: client.lookup(keys).pages == 3)
+        first_pid = (Path(runtime_dir) / PIDFILE).read_text().split()[0]
+        assert stop_embedded(runtime_dir)                    # the index server dies
+        wait_for(lambda: pool.stats.get("index_errors") >= 1, timeout=10)
+        # The worker's heartbeat starts a new server and re-publishes what it holds.
+        wait_for(lambda: client.lookup(keys).pages == 3, timeout=20)
+        assert (Path(runtime_dir) / PIDFILE).read_text().split()[0] != first_pid
+    finally:
+        pool.close()
+        client.close()
+        stop_embedded(runtime_dir)
+
+
+def test_corrupt_own_pages_are_dropped(pool: Pool) -> None:
+    keys = pool.keys_for(np.arange(16 * 2))
+    pool.store([(k, content(k)) for k in keys]).result()
+    tier = pool.tiers[0]
+    ref = tier.find(keys[0])
+    assert ref is not None
+    tier.region[tier.slot_offset(ref.slot) + SPEC.segment_offset(0)] ^= 1
+    _, failed, _ = load_all(pool, keys)
+    assert failed == {0: "bad_checksum"}
+    assert tier.find(keys[0]) is None and pool.lookup(keys).pages == 0   # never offered again

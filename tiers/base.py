@@ -255,5 +255,9 @@ class Tier(ABC):
         """Who else can read this tier's slots with plain loads: a unique id of a shared region
         (CXL) or of this process's private memory (DRAM)."""
 
+    def healthy(self) -> bool:
+        """False once the medium was lost under us (e.g. a CXL region's file was removed)."""
+        return True
+
     def close(self) -> None:
         """Release the region. Reads and writes after close are errors."""

@@ -61,6 +61,7 @@ class CxlTier(Tier):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)     # one process formats a new region at a time
             st = os.fstat(fd)
+            self._identity = (st.st_dev, st.st_ino)
             is_device = stat.S_ISCHR(st.st_mode)
             if not is_device and st.st_size == 0:
                 os.ftruncate(fd, config.size)
@@ -126,6 +127,14 @@ class CxlTier(Tier):
     @property
     def domain(self) -> str:
         return f"cxl:{self.region_id}"
+
+    def healthy(self) -> bool:
+        """The path still names the region we mapped (not removed, not replaced by a new file)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
 
     def close(self) -> None:
         if self._lock_fd is not None:

@@ -1,0 +1,191 @@
+"""``PoFConnector``: the pool in a stock vLLM server, with one flag::
+
+    --kv-transfer-config '{"kv_connector": "PoFConnector",
+                           "kv_connector_module_path": "pof_connector.adapters.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"node_id": "a", "tiers": {"cpu_dram": {"size": "1GiB"}}}}'
+
+``kv_connector_extra_config`` is pof's config (README, "Configuration"). Set
+``kv_load_failure_policy`` to ``recompute``: with vLLM's default (``fail``) a page the pool
+rejects aborts the request instead of being recomputed.
+
+vLLM creates one instance per role: the SCHEDULER instance (EngineCore process) keeps books in
+:class:`PoFScheduler`; the WORKER instance (Worker process) moves bytes in :class:`PoFWorker`.
+They share nothing but the per-step :class:`PoFConnectorMetadata`. This class only translates
+vLLM's calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pof_connector.adapters.vllm_geometry import geometry, pof_config
+from pof_connector.adapters.vllm_metadata import PoFConnectorMetadata
+from pof_connector.adapters.vllm_scheduler import PoFScheduler
+from pof_connector.adapters.vllm_stats import PoFConnectorStats, PoFPromMetrics, counter_delta
+from pof_connector.adapters.vllm_worker import PoFWorker
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+
+log = logging.getLogger("pof_connector.vllm")
+
+
+def _log_like_vllm() -> None:
+    """Send pof's INFO logs where vLLM's go (vLLM configures only its own logger tree)."""
+    ours, theirs = logging.getLogger("pof_connector"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+# Where vLLM's hit-source metrics put each pool medium: CPU DRAM and CXL are host memory.
+_SOURCE = {"cpu_dram": CacheHitSource.HOST, "cxl": CacheHitSource.HOST, "peer_hbm": CacheHitSource.P2P,
+           "gpu_hbm": CacheHitSource.P2P, "disk": CacheHitSource.DISK}
+
+
+class PoFConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_like_vllm()
+        config = pof_config(vllm_config)          # a bad config stops start-up here, naming the key
+        geo = geometry(vllm_config, config)
+        self._scheduler: PoFScheduler | None = None
+        self._worker: PoFWorker | None = None
+        self._last_snapshot: dict[str, Any] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning("pof: kv_load_failure_policy is %r: a page the pool rejects will fail its request. "
+                            "Set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config so vLLM "
+                            "recomputes it instead.", self._kv_transfer_config.kv_load_failure_policy)
+            self._scheduler = PoFScheduler(config, geo)
+        else:
+            self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), hnd_preferred=_hnd_preferred())
+
+    # ---- scheduler side ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        out: dict[CacheHitSource, int] = {}
+        for medium, n in self._scheduler.hit_tiers(request).items():
+            src = _SOURCE.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + n
+        return out if sum(out.values()) == num_external_tokens else super().get_external_cache_hit_sources(
+            request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves were copied out of the blocks during the forward: vLLM may free them now.
+        assert self._scheduler is not None
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    # ---- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, PoFConnectorMetadata):
+            self._worker.prepare_saves(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PoFConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counter deltas since the last call; vLLM asks both roles (lookups and hits come from the
+        scheduler's pool, loads and stores from the worker's)."""
+        pool = self._worker.pool if self._worker is not None else self._scheduler.pool if self._scheduler else None
+        if pool is None:
+            return None
+        now = pool.stats.snapshot()
+        delta = counter_delta(now, self._last_snapshot)
+        self._last_snapshot = now
+        latencies: list[float] = []
+        if self._worker is not None:
+            latencies, self._worker.load_latencies = self._worker.load_latencies, []
+        stats = PoFConnectorStats(data={"counters": delta, "load_seconds": latencies})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PoFConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return PoFPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):    # no TP group (single process tests)
+        return 0
+
+
+def _hnd_preferred() -> bool:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
+
+        return bool(get_kv_cache_layout() == "HND")
+    except ImportError:
+        return False

@@ -1,0 +1,111 @@
+"""What both halves of the vLLM connector derive from ``vllm_config`` identically: the pool
+config, page size and key namespace. Kept in one place so the scheduler process and the worker
+process can never disagree on keys."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pof_connector.config import ConfigError, PofConfig
+from pof_connector.keys import Namespace
+
+
+@dataclass(frozen=True)
+class VllmGeometry:
+    model: str
+    kv_dtype: str
+    kv_heads: int
+    head_dim: int
+    num_layers: int
+    is_mla: bool
+    block_size: int
+    page_tokens: int
+    tp_size: int
+    layout_tag: str = "canonical"
+    """``canonical`` when pages hold real per-token K/V (shareable with any engine); otherwise the
+    name of an engine-specific block format, which then keeps those pages in a namespace of their own."""
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.page_tokens // self.block_size
+
+    @property
+    def layout(self) -> str:
+        kind = "mla" if self.is_mla else "mha"
+        tag = "" if self.layout_tag == "canonical" else f":{self.layout_tag}"
+        return f"{kind}:kv_heads={self.kv_heads}:head_dim={self.head_dim}:layers={self.num_layers}{tag}"
+
+    def namespace(self, config: PofConfig, tp_rank: int) -> bytes:
+        # MLA latents are identical on every rank: one namespace for all of them.
+        rank, size = (0, 1) if self.is_mla else (tp_rank, self.tp_size)
+        return Namespace(self.model, self.kv_dtype, self.layout, self.page_tokens, rank, size,
+                         config.namespace).digest
+
+
+def pof_config(vllm_config: Any) -> PofConfig:
+    """The pool config from ``kv_connector_extra_config`` (raises :class:`ConfigError`)."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    return PofConfig.from_mapping(extra, source="kv_connector_extra_config")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``; strings pass through."""
+    return str(dtype).removeprefix("torch.")
+
+
+def geometry(vllm_config: Any, config: PofConfig) -> VllmGeometry:
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    block_size = int(cache.block_size)
+    page_tokens = config.page_tokens or block_size
+    if page_tokens % block_size:
+        raise ConfigError(
+            f"page_tokens: {page_tokens} is not a multiple of vLLM's block size {block_size}; allowed: "
+            f"{block_size}, {2 * block_size}, {4 * block_size}, … (or leave page_tokens unset to use "
+            f"{block_size})")
+    cache_dtype = str(cache.cache_dtype)
+    kv_dtype = dtype_name(model_config.dtype) if cache_dtype == "auto" else cache_dtype
+    geo = VllmGeometry(
+        model=config.model or str(model_config.model),
+        kv_dtype=kv_dtype,
+        kv_heads=int(model_config.get_num_kv_heads(parallel)),
+        head_dim=int(model_config.get_head_size()),
+        num_layers=int(model_config.get_num_layers(parallel)),
+        is_mla=bool(model_config.use_mla),
+        block_size=block_size,
+        page_tokens=page_tokens,
+        tp_size=int(parallel.tensor_parallel_size),
+    )
+    if cache_dtype == "auto" and _on_cpu():
+        order = cpu_block_order(geo.kv_heads, block_size, geo.head_dim, model_config.dtype)
+        if order is None:
+            geo = replace(geo, layout_tag=f"opaque-cpu-{_cpu_isa(model_config.dtype, block_size, geo.head_dim)}")
+    elif _on_cpu():
+        geo = replace(geo, layout_tag=f"opaque-cpu-{cache_dtype}")
+    return geo
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # the backend's own choice
+
+    return str(_get_attn_isa(dtype, block_size, head_dim, "auto"))
+
+
+@functools.lru_cache(maxsize=8)
+def cpu_block_order(kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The CPU backend's in-block order (see ``vllm_layout.probe_cpu_block``), probed once per
+    process; the scheduler and the worker both run it, so they agree on ``layout_tag``."""
+    from pof_connector.adapters.vllm_layout import probe_cpu_block
+
+    return probe_cpu_block(kv_heads, block_size, head_dim, dtype, _cpu_isa(dtype, block_size, head_dim))

@@ -1,0 +1,40 @@
+"""What the scheduler half tells the worker half each step (pickled across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pof_connector.index import Location
+from pof_connector.keys import PageKey
+
+
+@dataclass
+class LoadJob:
+    """Load ``keys[i]`` from ``sources[i]`` into ``block_ids[i]`` (one page = several blocks).
+
+    ``skip_blocks`` leading blocks of the first page already hold the engine's own prefix-cache
+    KV; they are left alone.
+    """
+
+    req_id: str
+    keys: list[PageKey]
+    sources: list[Location]
+    block_ids: list[list[int]]
+    skip_blocks: int = 0
+
+
+@dataclass
+class SaveJob:
+    """Copy the pages ``keys`` out of ``block_ids`` once this step wrote them."""
+
+    req_id: str
+    keys: list[PageKey]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class PoFConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)

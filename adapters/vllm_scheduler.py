@@ -1,0 +1,172 @@
+"""The scheduler half of the vLLM connector (EngineCore process): keeps books, moves no bytes.
+
+Loading is **synchronous and layer-wise**: ``get_num_new_matched_tokens`` answers ``(n, False)``,
+so vLLM schedules the request in the same step, calls ``start_load_kv`` before the forward, and
+every attention layer waits only for its own layer (``wait_for_layer_load``) while the pool
+copies later layers. Pool pages are host memory (DRAM, CXL) that copies in milliseconds; an
+asynchronous load would park the request for at least one extra scheduler step and gain nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pof_connector.adapters.vllm_geometry import VllmGeometry
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
+from pof_connector.config import PofConfig
+from pof_connector.index import Location
+from pof_connector.keys import PageKey, chain_digests, storage_seed
+from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pool import Pool
+
+log = logging.getLogger("pof_connector.vllm")
+
+
+@dataclass
+class _Plan:
+    """A lookup answer waiting for vLLM's block allocation."""
+
+    first_page: int
+    num_computed: int
+    keys: list[PageKey]
+    sources: list[Location]
+
+
+class _Chain:
+    """A request's page keys, extended as its tokens grow."""
+
+    def __init__(self, namespace: bytes, cache_salt: str | None) -> None:
+        self.namespace = namespace
+        self.seed = storage_seed(None, cache_salt)
+        self.keys: list[PageKey] = []
+
+    def upto(self, tokens: list[int], pages: int, page_tokens: int) -> list[PageKey]:
+        have = len(self.keys)
+        if pages > have:
+            prior = self.keys[-1].digest if self.keys else self.seed
+            more = chain_digests(tokens[have * page_tokens:pages * page_tokens], page_tokens, prior)
+            self.keys += [PageKey(self.namespace, d) for d in more]
+        return self.keys[:pages]
+
+
+class PoFScheduler:
+    def __init__(self, config: PofConfig, geo: VllmGeometry) -> None:
+        self.config = config
+        self.geo = geo
+        # Only page_tokens matters on this side: the client pool never touches bytes.
+        spec = PageSpec(geo.num_layers, 1, geo.page_tokens, KIND_MLA if geo.is_mla else KIND_MHA)
+        self.pool = Pool(config, spec, geo.namespace(config, tp_rank=0), role="client")
+        self._chains: dict[str, _Chain] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._requests: dict[str, Any] = {}
+        self._blocks: dict[str, list[int]] = {}
+        self._saved_pages: dict[str, int] = {}
+        self._loads: list[LoadJob] = []
+        self._hit_tiers: dict[str, dict[str, int]] = {}
+
+    def _chain(self, request: Any) -> _Chain:
+        chain = self._chains.get(request.request_id)
+        if chain is None:
+            chain = self._chains[request.request_id] = _Chain(self.pool.namespace, request.cache_salt)
+        return chain
+
+    # ---- get_num_new_matched_tokens ------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed: int) -> int:
+        """Tokens beyond ``num_computed`` the pool can load: whole pages only, never the
+        prompt's last token (vLLM must compute it to produce logits)."""
+        P = self.geo.page_tokens
+        tokens = request.all_token_ids
+        limit = (len(tokens) - 1) // P
+        first = num_computed // P
+        self._plans.pop(request.request_id, None)
+        if limit <= first:
+            return 0
+        keys = self._chain(request).upto(tokens, limit, P)[first:]
+        found = self.pool.lookup(keys)
+        if found.pages == 0 or (first + found.pages) * P <= num_computed:
+            return 0
+        self._plans[request.request_id] = _Plan(first, num_computed, keys[:found.pages], found.sources)
+        return (first + found.pages) * P - num_computed
+
+    def hit_tiers(self, request: Any) -> dict[str, int]:
+        """Tokens per medium of the last plan for ``request`` (for vLLM's hit-source metrics)."""
+        return dict(self._hit_tiers.get(request.request_id, {}))
+
+    # ---- update_state_after_alloc ----------------------------------------------------------
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        req_id = request.request_id
+        self._requests[req_id] = request
+        self._blocks[req_id] = list(block_ids)
+        plan = self._plans.pop(req_id, None)
+        num_computed = plan.num_computed if plan else request.num_computed_tokens
+        # Pages this request had or loads are in the pool already: save only what it computes.
+        self._saved_pages[req_id] = (num_computed + num_external) // self.geo.page_tokens
+        if num_external <= 0 or plan is None:
+            return
+        P, bpp = self.geo.page_tokens, self.geo.blocks_per_page
+        n_pages = (plan.num_computed + num_external) // P - plan.first_page
+        pages = range(plan.first_page, plan.first_page + n_pages)
+        job = LoadJob(req_id, plan.keys[:n_pages], plan.sources[:n_pages],
+                      [block_ids[p * bpp:(p + 1) * bpp] for p in pages],
+                      skip_blocks=(plan.num_computed - plan.first_page * P) // self.geo.block_size)
+        self._loads.append(job)
+        tiers: dict[str, int] = {}
+        for src in job.sources:
+            tiers[src.medium] = tiers.get(src.medium, 0) + P
+        first_tokens = job.skip_blocks * self.geo.block_size
+        first_medium = job.sources[0].medium
+        tiers[first_medium] -= first_tokens          # the locally cached head of the first page
+        self._hit_tiers[req_id] = {m: n for m, n in tiers.items() if n > 0}
+        nodes = sorted({s.node for s in job.sources})
+        log.info("pof: request %s: %d prompt tokens, %d from the engine's prefix cache, %d from the pool (%s; "
+                 "node %s), %d to compute", req_id, len(request.prompt_token_ids or ()), plan.num_computed,
+                 num_external, ", ".join(f"{m}: {n}" for m, n in self._hit_tiers[req_id].items()),
+                 ",".join(nodes), request.num_tokens - plan.num_computed - num_external)
+
+    # ---- build_connector_meta ----------------------------------------------------------------
+
+    def build_meta(self, so: Any) -> PoFConnectorMetadata:
+        meta = PoFConnectorMetadata(loads=self._loads)
+        self._loads = []
+        for new in so.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            self._plan_saves(new.req_id, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], meta)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    self._blocks[req_id] = list(new_ids[0])
+                else:
+                    self._blocks.setdefault(req_id, []).extend(new_ids[0])
+            self._plan_saves(req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _plan_saves(self, req_id: str, computed_after: int, meta: PoFConnectorMetadata) -> None:
+        request = self._requests.get(req_id)
+        if request is None:
+            return
+        P, bpp = self.geo.page_tokens, self.geo.blocks_per_page
+        tokens = request.all_token_ids
+        blocks = self._blocks.get(req_id, [])
+        full = min(computed_after, len(tokens), len(blocks) * self.geo.block_size) // P
+        start = self._saved_pages.get(req_id, 0)
+        if full <= start:
+            return
+        keys = self._chain(request).upto(tokens, full, P)
+        page_blocks = [blocks[p * bpp:(p + 1) * bpp] for p in range(start, full)]
+        meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks))
+        self._saved_pages[req_id] = full
+
+    # ---- request_finished ----------------------------------------------------------------------
+
+    def finished(self, req_id: str) -> None:
+        for books in (self._chains, self._plans, self._requests, self._blocks, self._saved_pages, self._hit_tiers):
+            books.pop(req_id, None)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.pool.close()

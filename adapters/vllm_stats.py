@@ -1,0 +1,94 @@
+"""pof's counters on vLLM's own stats path: the worker returns a :class:`PoFConnectorStats`
+each step (counter deltas and load latencies), vLLM aggregates them into its periodic log line
+and calls :class:`PoFPromMetrics` to export them on the server's ``/metrics`` as ``vllm:pof_*``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from pof_connector.metrics import COUNTERS
+
+_SERIES = re.compile(r"^(\w+)\{(\w+)=([^}]*)\}$")
+EXPORTED = {   # pool counter -> the label it carries
+    "hit_pages": "tier", "loaded_pages": "tier", "loaded_bytes": "tier", "stored_pages": "tier", "stored_bytes": "tier",
+    "evicted_pages": "tier", "load_failures": "reason", "index_errors": "op",
+    "tier_errors": "tier",
+}
+
+
+def counter_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
+    """Labelled series that moved since ``before`` (snapshots of :class:`PoolStats`)."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if "{" in k and v != before.get(k, 0)}
+
+
+@dataclass
+class PoFConnectorStats(KVConnectorStats):
+    """``data = {"counters": {"loaded_pages{tier=cxl}": 3, ...}, "load_seconds": [0.01, ...]}``."""
+
+    def __post_init__(self) -> None:
+        data: dict[str, Any] = self.data
+        data.setdefault("counters", {})
+        data.setdefault("load_seconds", [])
+
+    def reset(self) -> None:
+        fresh: dict[str, Any] = {"counters": {}, "load_seconds": []}
+        self.data = fresh
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        mine: dict[str, Any] = self.data
+        theirs: dict[str, Any] = other.data
+        for k, v in theirs.get("counters", {}).items():
+            mine["counters"][k] = mine["counters"].get(k, 0) + v
+        mine["load_seconds"] = list(mine["load_seconds"]) + list(theirs.get("load_seconds", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        data: dict[str, Any] = self.data
+        for k, v in data["counters"].items():
+            m = _SERIES.match(k)
+            name = m.group(1) if m else k
+            out[f"pof_{name}"] = out.get(f"pof_{name}", 0) + v
+        lat = sorted(data["load_seconds"])
+        if lat:
+            out["pof_loads"] = len(lat)
+            out["pof_load_ms_p50"] = round(lat[len(lat) // 2] * 1e3, 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data["counters"] and not self.data["load_seconds"]
+
+
+class PoFPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"vllm:pof_{name}", documentation=f"pof: {COUNTERS[name]}",
+                                    labelnames=[*labelnames, label])
+            for name, label in EXPORTED.items()
+        }
+        hist = self._histogram_cls(name="vllm:pof_load_seconds", documentation="pof: time to load one request's "
+                                   "pages from the pool", labelnames=labelnames,
+                                   buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5])
+        self._load_seconds = create_metric_per_engine(hist, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        base = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.get("counters", {}).items():
+            m = _SERIES.match(key)
+            if m is None or m.group(1) not in self._counters or m.group(2) != EXPORTED[m.group(1)]:
+                continue
+            self._counters[m.group(1)].labels(*base, m.group(3)).inc(value)
+        for s in transfer_stats_data.get("load_seconds", []):
+            self._load_seconds[engine_idx].observe(s)

@@ -1,0 +1,194 @@
+"""The worker half of the vLLM connector (Worker process): moves bytes, keeps no books.
+
+Loads: ``start`` asks the pool to copy pages into host staging buffers; ``wait_layer(l)`` waits
+for layer ``l`` only and scatters it into vLLM's blocks, so layer 0 computes while later layers
+are still being copied. Pages the pool rejects are reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes them (``kv_load_failure_policy:
+recompute``). Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into
+staging right after attention wrote them; ``end_step`` hands the staged pages to the pool,
+which writes them on its own thread — the forward never waits for a tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
+from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
+from pof_connector.config import PofConfig
+from pof_connector.keys import PageKey
+from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pool import LoadHandle, Pool
+
+log = logging.getLogger("pof_connector.vllm")
+
+
+@dataclass
+class _ActiveLoad:
+    job: LoadJob
+    buffers: list[np.ndarray]
+    handle: LoadHandle
+    failed: set[int] = field(default_factory=set)
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _PendingSave:
+    keys: list[PageKey]
+    block_ids: torch.Tensor           # every block of these pages, page after page
+    staging: list[np.ndarray]         # one buffer of num_layers segments per page
+
+
+class PoFWorker:
+    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False) -> None:
+        self.config = config
+        self.geo = geo
+        self.tp_rank = tp_rank
+        self.hnd_preferred = hnd_preferred
+        self.pool: Pool | None = None
+        self.layout: BlockLayout | None = None
+        self.kv: list[torch.Tensor] = []
+        self.layer_index: dict[str, int] = {}
+        self._loads: list[_ActiveLoad] = []
+        self._saves: list[_PendingSave] = []
+        self._load_errors: set[int] = set()
+        self._inflight: list[tuple[Future[int], list[np.ndarray]]] = []
+        self.load_latencies: list[float] = []
+
+    # ---- register_kv_caches --------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = list(kv_caches)
+        self.kv = [kv_caches[n] for n in names]
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        geo = self.geo
+        order = None
+        if self.kv[0].device.type == "cpu" and geo.layout_tag == "canonical" and self.kv[0].dim() == 4:
+            order = cpu_block_order(geo.kv_heads, geo.block_size, geo.head_dim, self.kv[0].dtype)
+        self.layout = infer_layout(self.kv[0], block_size=geo.block_size, kv_heads=geo.kv_heads,
+                                   head_dim=geo.head_dim, is_mla=geo.is_mla, hnd_preferred=self.hnd_preferred,
+                                   cpu_order=order)
+        if (self.layout.name == "cpu_opaque") != geo.layout_tag.startswith("opaque"):
+            raise ValueError(f"pof: the worker's KV layout {self.layout.name} disagrees with the scheduler's "
+                             f"{geo.layout_tag}; keys would not match")
+        if any(t.shape != self.kv[0].shape or t.dtype != self.kv[0].dtype for t in self.kv):
+            raise ValueError("pof: all attention layers must share one KV shape and dtype (hybrid models are "
+                             "not supported)")
+        spec = PageSpec(len(names), self.layout.segment_bytes(geo.page_tokens), geo.page_tokens,
+                        KIND_MLA if geo.is_mla else KIND_MHA)
+        config = self.config
+        if geo.tp_size > 1:    # each rank stores its own heads; the scheduler looks up rank 0's pages
+            config = replace(config, node_id=f"{config.node_id}-tp{self.tp_rank}" if self.tp_rank else config.node_id)
+        self.pool = Pool(config, spec, geo.namespace(config, self.tp_rank),
+                         meta={"engine": "vllm", "model": geo.model})
+        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s", len(names),
+                 self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
+                 ", ".join(f"{t.medium}" for t in self.pool.tiers))
+
+    # ---- loads ----------------------------------------------------------------------------------
+
+    def start(self, meta: PoFConnectorMetadata) -> None:
+        assert self.pool is not None
+        for job in meta.loads:
+            buffers = [np.empty(self.pool.spec.page_bytes, dtype=np.uint8) for _ in job.keys]
+            handle = self.pool.load(job.keys, job.sources, buffers)
+            self._loads.append(_ActiveLoad(job, buffers, handle))
+
+    def wait_layer(self, layer_name: str) -> None:
+        if not self._loads:
+            return
+        layer = self.layer_index[layer_name]
+        for active in self._loads:
+            if not active.handle.wait_layer(layer, self.config.load_timeout_s):
+                active.failed.update(range(len(active.job.keys)))
+            active.failed.update(active.handle.failed)
+            self._scatter(active, layer)
+
+    def _scatter(self, active: _ActiveLoad, layer: int) -> None:
+        assert self.layout is not None and self.pool is not None
+        job, spec, lay = active.job, self.pool.spec, self.layout
+        P, n = self.geo.page_tokens, self.geo.block_size
+        parts, blocks = [], []
+        for i, buf in enumerate(active.buffers):
+            if i in active.failed:
+                continue
+            seg = torch.from_numpy(spec.segment(buf, layer)).view(lay.dtype).view(lay.canonical_shape(P))
+            skip = job.skip_blocks if i == 0 else 0
+            parts.append(seg[:, skip * n:])
+            blocks += job.block_ids[i][skip:]
+        if blocks:
+            lay.scatter(self.kv[layer], torch.tensor(blocks, dtype=torch.long, device=self.kv[layer].device),
+                        torch.cat(parts, dim=1))
+
+    def _finish_loads(self) -> None:
+        """After the forward: every layer was waited for; report failed pages' blocks."""
+        for active in self._loads:
+            if not active.handle.wait(self.config.load_timeout_s):
+                active.failed.update(range(len(active.job.keys)))
+            active.failed.update(active.handle.failed)
+            for i in active.failed:
+                self._load_errors.update(active.job.block_ids[i][active.job.skip_blocks if i == 0 else 0:])
+            self.load_latencies.append(time.perf_counter() - active.started)
+            if active.failed:
+                log.warning("pof: request %s: %d of %d pages failed to load; vLLM recomputes them",
+                            active.job.req_id, len(active.failed), len(active.job.keys))
+        self._loads = []
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ----------------------------------------------------------------------------------
+
+    def prepare_saves(self, meta: PoFConnectorMetadata) -> None:
+        """Pick the pages to save this step (skipping those this node stores already)."""
+        assert self.pool is not None
+        seg_total = self.pool.spec.num_layers * self.pool.spec.segment_bytes
+        for job in meta.saves:
+            keep = [i for i, k in enumerate(job.keys) if not self.pool.contains(k)]
+            if not keep:
+                continue
+            blocks = [b for i in keep for b in job.block_ids[i]]
+            self._saves.append(_PendingSave([job.keys[i] for i in keep],
+                                            torch.tensor(blocks, dtype=torch.long, device=self.kv[0].device),
+                                            [np.empty(seg_total, dtype=np.uint8) for _ in keep]))
+
+    def save_layer(self, layer_name: str) -> None:
+        if not self._saves:
+            return
+        assert self.layout is not None and self.pool is not None
+        layer = self.layer_index[layer_name]
+        lay, seg, P = self.layout, self.pool.spec.segment_bytes, self.geo.page_tokens
+        for save in self._saves:
+            canonical = lay.gather(self.kv[layer], save.block_ids)      # [2|1, pages*P, H|1, D]
+            for i, staging in enumerate(save.staging):
+                dst = torch.from_numpy(staging[layer * seg:(layer + 1) * seg]).view(lay.dtype)
+                dst.view(lay.canonical_shape(P)).copy_(canonical[:, i * P:(i + 1) * P])
+
+    def end_step(self) -> None:
+        """After the forward: report loads, hand staged pages to the pool's store thread."""
+        self._finish_loads()
+        if not self._saves:
+            return
+        assert self.pool is not None
+        seg, layers = self.pool.spec.segment_bytes, self.pool.spec.num_layers
+        items: list[tuple[PageKey, list[np.ndarray]]] = []
+        buffers: list[np.ndarray] = []
+        for save in self._saves:
+            for key, staging in zip(save.keys, save.staging, strict=True):
+                items.append((key, [staging[i * seg:(i + 1) * seg] for i in range(layers)]))
+                buffers.append(staging)
+        self._saves = []
+        self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
+        self._inflight.append((self.pool.store(items), buffers))   # buffers live until the write ends
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

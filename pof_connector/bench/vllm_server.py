@@ -1,0 +1,175 @@
+"""A real vLLM OpenAI server run as a subprocess (tests, ``pof bench vllm``, the quickstart),
+stopped by its PID. Imports no vLLM: it only needs a Python that has vLLM installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+MODEL_CACHE = Path(os.environ.get("POF_MODEL_CACHE", Path.home() / ".cache" / "pof" / "models"))
+
+
+def build_model(preset: str = "tiny") -> Path:
+    """A locally built Llama (no hub), reused when already built (make_model keeps a marker)."""
+    out = MODEL_CACHE / preset
+    subprocess.run([sys.executable, "-m", "pof_connector.bench.make_model", "--preset", preset, "--out", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def connector_config(extra: dict[str, Any], policy: str = "recompute") -> dict[str, Any]:
+    return {"kv_connector": "PoFConnector", "kv_connector_module_path": "pof_connector.adapters.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
+
+
+class VllmServer:
+    def __init__(self, model: Path, workdir: Path, *, kv_transfer: dict[str, Any] | None = None,
+                 max_model_len: int = 4096, kv_cache_gib: int = 1, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.kv_transfer = kv_transfer
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.extra_args = extra_args or []
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / f"vllm-{self.port}.log"
+
+    def start(self, timeout_s: float = 400) -> VllmServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        scratch = self.workdir / "scratch"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
+                   VLLM_CACHE_ROOT=str(MODEL_CACHE.parent / "vllm-cache"),
+                   TORCHINDUCTOR_CACHE_DIR=str(MODEL_CACHE.parent / "inductor-cache"),
+                   TMPDIR=str(scratch), PYTHONUNBUFFERED="1", **self.env)
+        scratch.mkdir(exist_ok=True)
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                "--max-model-len", str(self.max_model_len), "--seed", "0", *self.extra_args]
+        if self.kv_transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vLLM did not come up in {timeout_s}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group (API server, EngineCore, workers), then SIGKILL."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)     # stragglers of the group, if any
+        except ProcessLookupError:
+            pass
+        self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # ---- HTTP ----------------------------------------------------------------------------
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> dict[str, Any]:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else {}
+
+    def complete(self, prompt: list[int], max_tokens: int = 16, cache_salt: str | None = None) -> list[int]:
+        """Greedy completion of a token-id prompt; returns the generated token ids."""
+        body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "return_token_ids": True, "ignore_eos": True}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        out = self.post("/v1/completions", body)
+        return list(out["choices"][0]["token_ids"])
+
+    def timed_complete(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, list[int]]:
+        """Time to first token (a one-token completion's latency, as the client sees it)."""
+        t0 = time.perf_counter()
+        tokens = self.complete(prompt, max_tokens)
+        return time.perf_counter() - t0, tokens
+
+    def reset_prefix_cache(self) -> None:
+        self.post("/reset_prefix_cache")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples summed over label sets: ``{"vllm:x_total": v, 'vllm:x_total{a="b"}': v}``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            series, _, value = line.rpartition(" ")
+            name = series.split("{", 1)[0]
+            out[series] = float(value)
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its processes."""
+        assert self.proc is not None
+        total = 0
+        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except FileNotFoundError:
+                pass
+        return total
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return out
+    for c in children:
+        out.append(int(c))
+        out += _descendants(int(c))
+    return out

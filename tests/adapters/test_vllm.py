@@ -1,0 +1,217 @@
+"""PoFConnector in real vLLM CPU servers (no mocks): greedy outputs with the pool must equal the
+outputs of a server without it, hits must show in vLLM's own metrics, failures must recompute."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
+from pof_connector.index.embedded import stop_embedded
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 128          # vLLM's CPU default block size = the pool's page size here
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1900) for _ in range(n)]
+
+
+def pool_tokens(n: int) -> int:
+    """Tokens a pool hit covers for an n-token prompt: whole pages, never the last token."""
+    return (n - 1) // BLOCK * BLOCK
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="pof-vllm-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Reference:
+    """Greedy completions of a server without the connector, computed once per prompt."""
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+        self.cache: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, p: list[int]) -> list[int]:
+        key = tuple(p)
+        if key not in self.cache:
+            self.cache[key] = self.server.complete(p)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, workdir: Path) -> Iterator[Reference]:
+    server = VllmServer(model, workdir / "baseline").start()
+    yield Reference(server)
+    server.stop()
+
+
+def pool_server(model: Path, workdir: Path, name: str, runtime_dir: Path, tiers: dict[str, Any],
+                **extra: Any) -> VllmServer:
+    cfg = {"node_id": name, "index_url": "embedded", "runtime_dir": str(runtime_dir), "tiers": tiers, **extra}
+    return VllmServer(model, workdir / name, kv_transfer=connector_config(cfg))
+
+
+def test_pool_hit_after_prefix_reset_equals_baseline(model: Path, workdir: Path, reference: Reference) -> None:
+    rt = workdir / "rt1"
+    server = pool_server(model, workdir, "solo", rt, {"cpu_dram": {"size": "256MiB"}}).start()
+    try:
+        p = prompt(1000, seed=1)
+        first = server.complete(p)
+        time.sleep(1.0)                          # the store thread publishes the pages
+        server.reset_prefix_cache()              # the engine forgets; only the pool can serve now
+        before = server.metrics()[HITS]
+        second = server.complete(p)
+        assert server.metrics()[HITS] - before == pool_tokens(1000) == 896
+        assert first == second == reference(p)
+        other = p.copy()
+        other[0] = other[0] + 1                  # control: a different prefix gives a different answer
+        assert reference(other) != reference(p)
+        log = server.log.read_text()
+        assert re.search(r"pof: request \S+: 1000 prompt tokens, 0 from the engine's prefix cache, 896 from the "
+                         r"pool \(cpu_dram: 896; node solo\), 104 to compute", log), server.tail()
+        m = server.metrics()
+        assert m['vllm:pof_loaded_pages_total'] >= 7 and m['vllm:pof_stored_pages_total'] >= 7
+    finally:
+        server.stop()
+        stop_embedded(rt)
+
+
+def test_two_servers_share_a_cxl_region(model: Path, workdir: Path, reference: Reference) -> None:
+    rt = workdir / "rt2"
+    region = Path(tempfile.mkdtemp(prefix="pof-vllm-", dir="/dev/shm")) / "cxl.region"
+    tiers = {"cxl": {"path": str(region), "size": "512MiB", "partitions": 4}}
+    a = pool_server(model, workdir, "a", rt, tiers)
+    b = pool_server(model, workdir, "b", rt, tiers)
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(lambda s: s.start(), (a, b)))
+    try:
+        lengths = [1000, 777, 300, 129]                      # none a multiple of the page size
+        prompts = [prompt(n, seed=10 + n) for n in lengths]
+
+        def run(server: VllmServer, salt: str) -> list[list[int]]:
+            with ThreadPoolExecutor(len(prompts)) as ex:     # several concurrent requests
+                return list(ex.map(lambda p: server.complete(p, cache_salt=salt), prompts))
+
+        assert run(a, "tenant-1") == [reference(p) for p in prompts]
+        time.sleep(1.5)
+        hits = b.metrics()[HITS]
+        assert run(b, "tenant-2") == [reference(p) for p in prompts]
+        assert b.metrics()[HITS] == hits                     # another salt: no cross-salt hit
+        assert run(b, "tenant-1") == [reference(p) for p in prompts]
+        assert b.metrics()[HITS] - hits == sum(pool_tokens(n) for n in lengths) == 2048
+        assert re.search(r"from the pool \(cxl: 896; node a\)", b.log.read_text()), b.tail()
+    finally:
+        a.stop()
+        b.stop()
+        stop_embedded(rt)
+        shutil.rmtree(region.parent, ignore_errors=True)
+
+
+def corrupt_region(path: Path) -> int:
+    """Flip one byte in every slot's first segment of a CXL region file; returns slots touched."""
+    import mmap
+
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        _, _, _, slot_bytes, num_slots, _, data_at, _ = struct.unpack_from("<8sIIQQQQ16s", mm, 0)
+        for slot in range(num_slots):
+            at = data_at + slot * slot_bytes + 4096 + 17     # well inside segment 0 of any page here
+            mm[at] = mm[at] ^ 0xFF
+        return int(num_slots)
+
+
+def test_pool_failures_recompute_and_never_crash(model: Path, workdir: Path, reference: Reference) -> None:
+    rt = workdir / "rt3"
+    region = Path(tempfile.mkdtemp(prefix="pof-vllm-", dir="/dev/shm")) / "cxl.region"
+    server = pool_server(model, workdir, "faulty", rt, {"cxl": {"path": str(region), "size": "256MiB"}}).start()
+    try:
+        p1, p2, p3 = prompt(900, seed=21), prompt(700, seed=22), prompt(500, seed=23)
+        assert server.complete(p1) == reference(p1)
+        time.sleep(1.0)
+
+        # 1. Corrupted pages: rejected by their checksums, recomputed by vLLM.
+        corrupt_region(region)
+        server.reset_prefix_cache()
+        before = server.metrics()[HITS]
+        assert server.complete(p1) == reference(p1)
+        assert server.metrics()[HITS] - before == pool_tokens(900)       # offered by the pool ...
+        wait_for(lambda: server.metrics().get('vllm:pof_load_failures_total{engine="0",model_name="m",'
+                                              'reason="bad_checksum"}', 0) >= 7)   # ... and refused
+
+        # 2. The tier's file disappears.
+        assert server.complete(p2) == reference(p2)
+        time.sleep(1.0)
+        region.unlink()
+        wait_for(lambda: "the cxl tier was lost" in server.log.read_text())
+        server.reset_prefix_cache()
+        assert server.complete(p2) == reference(p2)
+
+        # 3. The index server dies mid-run.
+        assert stop_embedded(rt)
+        server.reset_prefix_cache()
+        assert server.complete(p3) == reference(p3)
+        assert server.complete(p1) == reference(p1)
+        wait_for(lambda: server.metrics().get("vllm:pof_index_errors_total", 0) >= 1)
+
+        assert server.alive()
+        log = server.log.read_text()
+        assert log.count("the cxl tier was lost") == 1
+        assert 1 <= log.count("locality index unavailable") <= 2          # once per process (scheduler, worker)
+        assert log.count("rejected a page (bad_checksum") == 1
+    finally:
+        server.stop()
+        stop_embedded(rt)
+        shutil.rmtree(region.parent, ignore_errors=True)
+
+
+def test_memory_overhead_is_bounded(model: Path, workdir: Path, reference: Reference) -> None:
+    """The connector adds at most its tier sizes + 100 MiB of resident memory."""
+    rt = workdir / "rt4"
+    tier_bytes = 256 << 20
+    server = pool_server(model, workdir, "mem", rt, {"cpu_dram": {"size": tier_bytes}}).start()
+    try:
+        prompts = [prompt(1500, seed=40 + i) for i in range(6)]
+        for p in prompts:
+            assert server.complete(p) == reference(p)
+        time.sleep(1.0)
+        server.reset_prefix_cache()
+        reference.server.reset_prefix_cache()
+        for p in prompts:
+            server.complete(p)
+            reference.server.complete(p)
+        extra = server.rss_bytes() - reference.server.rss_bytes()
+        print(f"\nRSS with the pool {server.rss_bytes() >> 20} MiB, without {reference.server.rss_bytes() >> 20} MiB, "
+              f"difference {extra >> 20} MiB (allowed {(tier_bytes >> 20) + 100} MiB)")
+        assert extra <= tier_bytes + (100 << 20)
+    finally:
+        server.stop()
+        stop_embedded(rt)

@@ -1,0 +1,102 @@
+"""Layout conversions, on CPU tensors shaped like every backend's KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pof_connector.adapters.vllm_layout import LayoutError, infer_layout
+
+pytestmark = pytest.mark.vllm
+
+B, N, H, D = 12, 16, 2, 8
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    return {
+        "kv_first_nhd": (2, B, N, H, D),
+        "kv_first_hnd": (2, B, H, N, D),
+        "blocks_first": (B, 2, N, H, D),
+        "blocks_first_hnd": (B, 2, H, N, D),
+    }
+
+
+def token_kv(kv: torch.Tensor, name: str, block: int, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ([H, D]) of one token, read straight from the backend layout."""
+    if name == "kv_first_nhd":
+        return kv[0, block, tok], kv[1, block, tok]
+    if name == "kv_first_hnd":
+        return kv[0, block, :, tok], kv[1, block, :, tok]
+    if name == "blocks_first":
+        return kv[block, 0, tok], kv[block, 1, tok]
+    return kv[block, 0, :, tok], kv[block, 1, :, tok]
+
+
+@pytest.mark.parametrize("name", list(shapes()))
+def test_gather_is_canonical_and_scatter_inverts_it(name: str) -> None:
+    kv = torch.randn(shapes()[name], dtype=torch.float32).to(torch.bfloat16)
+    lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False, hnd_preferred="hnd" in name)
+    assert lay.name == name
+    blocks = torch.tensor([7, 2, 9])
+    c = lay.gather(kv, blocks)
+    assert c.shape == (2, 3 * N, H, D)
+    for j, b in enumerate(blocks.tolist()):
+        for t in (0, N - 1):
+            k, v = token_kv(kv, name, b, t)
+            assert torch.equal(c[0, j * N + t], k) and torch.equal(c[1, j * N + t], v)
+    out = torch.zeros_like(kv)
+    lay.scatter(out, blocks, c)
+    assert torch.equal(lay.gather(out, blocks), c)
+    untouched = [i for i in range(B) if i not in blocks.tolist()]
+    assert torch.count_nonzero(lay.gather(out, torch.tensor(untouched))) == 0
+    assert lay.segment_bytes(N) == 2 * N * H * D * 2
+
+
+def test_cpu_blocks_without_a_probe_move_as_opaque_bytes() -> None:
+    kv = torch.randn(B, H, N, 2 * D).to(torch.bfloat16)
+    lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False)
+    assert lay.name == "cpu_opaque" and lay.segment_bytes(N) == 2 * N * H * D * 2
+    c = lay.gather(kv, torch.tensor([4, 0]))
+    assert c.shape == lay.canonical_shape(2 * N)
+    out = torch.zeros_like(kv)
+    lay.scatter(out, torch.tensor([4, 0]), c)
+    assert torch.equal(out[4], kv[4]) and torch.equal(out[0], kv[0]) and torch.count_nonzero(out[1]) == 0
+
+
+def test_mla_and_unknown_shapes() -> None:
+    kv = torch.randn(B, N, 40)
+    lay = infer_layout(kv, block_size=N, kv_heads=1, head_dim=40, is_mla=True)
+    blocks = torch.tensor([3, 1])
+    c = lay.gather(kv, blocks)
+    assert c.shape == (1, 2 * N, 1, 40) and torch.equal(c[0, N + 5, 0], kv[1, 5])
+    out = torch.zeros_like(kv)
+    lay.scatter(out, blocks, c)
+    assert torch.equal(out[3], kv[3]) and torch.count_nonzero(out[0]) == 0
+    with pytest.raises(LayoutError, match="supported layouts"):
+        infer_layout(torch.zeros(B, N, H, D), block_size=N, kv_heads=H, head_dim=D, is_mla=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_blocks_convert_to_real_per_token_kv(dtype: torch.dtype) -> None:
+    """Write K/V with the CPU backend's own kernel; the probed layout must give them back per token."""
+    from vllm import _custom_ops as ops
+
+    from pof_connector.adapters.vllm_geometry import _cpu_isa
+    from pof_connector.adapters.vllm_layout import probe_cpu_block
+
+    h, n, d, blocks = 2, 32, 32, 5
+    isa = _cpu_isa(dtype, n, d)
+    order = probe_cpu_block(h, n, d, dtype, isa)
+    assert order is not None
+    kv = torch.zeros(blocks, h, n, 2 * d, dtype=dtype)
+    lay = infer_layout(kv, block_size=n, kv_heads=h, head_dim=d, is_mla=False, cpu_order=order)
+    assert lay.name == "cpu_probed"
+    key, value = torch.randn(2 * n, h, d).to(dtype), torch.randn(2 * n, h, d).to(dtype)
+    slots = torch.cat([torch.arange(3 * n, 4 * n), torch.arange(1 * n, 2 * n)])      # blocks 3 then 1
+    kc, vc = kv.view(blocks, h, 2 * n, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
+    c = lay.gather(kv, torch.tensor([3, 1]))
+    assert torch.equal(c[0], key) and torch.equal(c[1], value)          # true K and V, token by token
+    out = torch.zeros_like(kv)
+    lay.scatter(out, torch.tensor([3, 1]), c)
+    assert torch.equal(out, kv)                                         # and back, byte for byte
