@@ -25,7 +25,7 @@ from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
 from pof_connector.config import PofConfig
 from pof_connector.keys import PageKey
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
-from pof_connector.pool import LoadHandle, Pool
+from pof_connector.pool import LoadHandle, PageViews, Pool
 
 log = logging.getLogger("pof_connector.vllm")
 
@@ -33,7 +33,8 @@ log = logging.getLogger("pof_connector.vllm")
 @dataclass
 class _ActiveLoad:
     job: LoadJob
-    buffers: list[np.ndarray]
+    segments: np.ndarray              # [layers, pages, segment_bytes]: layer l of all pages side by side
+    headers: np.ndarray
     handle: LoadHandle
     failed: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.perf_counter)
@@ -43,7 +44,7 @@ class _ActiveLoad:
 class _PendingSave:
     keys: list[PageKey]
     block_ids: torch.Tensor           # every block of these pages, page after page
-    staging: list[np.ndarray]         # one buffer of num_layers segments per page
+    segments: np.ndarray              # [layers, pages, segment_bytes]
 
 
 class PoFWorker:
@@ -96,15 +97,20 @@ class PoFWorker:
 
     def start(self, meta: PoFConnectorMetadata) -> None:
         assert self.pool is not None
+        spec = self.pool.spec
         for job in meta.loads:
-            buffers = [np.empty(self.pool.spec.page_bytes, dtype=np.uint8) for _ in job.keys]
-            handle = self.pool.load(job.keys, job.sources, buffers)
-            self._loads.append(_ActiveLoad(job, buffers, handle))
+            n = len(job.keys)
+            segments = np.empty((spec.num_layers, n, spec.segment_bytes), dtype=np.uint8)
+            headers = np.empty((n, spec.header_bytes), dtype=np.uint8)
+            views = [PageViews(headers[i], [segments[layer, i] for layer in range(spec.num_layers)])
+                     for i in range(n)]
+            handle = self.pool.load(job.keys, job.sources, views)
+            self._loads.append(_ActiveLoad(job, segments, headers, handle))
 
     def wait_layer(self, layer_name: str) -> None:
-        if not self._loads:
+        layer = self.layer_index.get(layer_name)
+        if not self._loads or layer is None:      # not a layer whose KV the pool holds
             return
-        layer = self.layer_index[layer_name]
         for active in self._loads:
             if not active.handle.wait_layer(layer, self.config.load_timeout_s):
                 active.failed.update(range(len(active.job.keys)))
@@ -112,20 +118,25 @@ class PoFWorker:
             self._scatter(active, layer)
 
     def _scatter(self, active: _ActiveLoad, layer: int) -> None:
-        assert self.layout is not None and self.pool is not None
-        job, spec, lay = active.job, self.pool.spec, self.layout
-        P, n = self.geo.page_tokens, self.geo.block_size
-        parts, blocks = [], []
-        for i, buf in enumerate(active.buffers):
-            if i in active.failed:
-                continue
-            seg = torch.from_numpy(spec.segment(buf, layer)).view(lay.dtype).view(lay.canonical_shape(P))
-            skip = job.skip_blocks if i == 0 else 0
-            parts.append(seg[:, skip * n:])
-            blocks += job.block_ids[i][skip:]
-        if blocks:
-            lay.scatter(self.kv[layer], torch.tensor(blocks, dtype=torch.long, device=self.kv[layer].device),
-                        torch.cat(parts, dim=1))
+        """Copy layer ``layer`` of every page that arrived into vLLM's blocks: one engine-side
+        copy for all pages (their segments are contiguous in staging)."""
+        assert self.layout is not None
+        job, lay, bpp = active.job, self.layout, self.geo.blocks_per_page
+        n = len(job.keys)
+        pages = torch.from_numpy(active.segments[layer]).view(lay.dtype).view(n, *lay.canonical_shape(
+            self.geo.page_tokens))
+        ok = [i for i in range(n) if i not in active.failed]
+        if not ok:
+            return
+        if len(ok) < n:
+            pages = pages[ok]
+        blocks = lay.pages_to_blocks(pages, bpp)
+        ids = [b for i in ok for b in job.block_ids[i]]
+        skip = job.skip_blocks if ok[0] == 0 else 0      # the first page's head is the engine's own
+        if skip:
+            blocks, ids = blocks[skip:], ids[skip:]
+        kv = self.kv[layer]
+        lay.scatter(kv, torch.tensor(ids, dtype=torch.long, device=kv.device), blocks)
 
     def _finish_loads(self) -> None:
         """After the forward: every layer was waited for; report failed pages' blocks."""
@@ -150,7 +161,7 @@ class PoFWorker:
     def prepare_saves(self, meta: PoFConnectorMetadata) -> None:
         """Pick the pages to save this step (skipping those this node stores already)."""
         assert self.pool is not None
-        seg_total = self.pool.spec.num_layers * self.pool.spec.segment_bytes
+        spec = self.pool.spec
         for job in meta.saves:
             keep = [i for i, k in enumerate(job.keys) if not self.pool.contains(k)]
             if not keep:
@@ -158,19 +169,18 @@ class PoFWorker:
             blocks = [b for i in keep for b in job.block_ids[i]]
             self._saves.append(_PendingSave([job.keys[i] for i in keep],
                                             torch.tensor(blocks, dtype=torch.long, device=self.kv[0].device),
-                                            [np.empty(seg_total, dtype=np.uint8) for _ in keep]))
+                                            np.empty((spec.num_layers, len(keep), spec.segment_bytes), np.uint8)))
 
     def save_layer(self, layer_name: str) -> None:
-        if not self._saves:
+        layer = self.layer_index.get(layer_name)
+        if not self._saves or layer is None:
             return
         assert self.layout is not None and self.pool is not None
-        layer = self.layer_index[layer_name]
-        lay, seg, P = self.layout, self.pool.spec.segment_bytes, self.geo.page_tokens
+        lay, P = self.layout, self.geo.page_tokens
         for save in self._saves:
-            canonical = lay.gather(self.kv[layer], save.block_ids)      # [2|1, pages*P, H|1, D]
-            for i, staging in enumerate(save.staging):
-                dst = torch.from_numpy(staging[layer * seg:(layer + 1) * seg]).view(lay.dtype)
-                dst.view(lay.canonical_shape(P)).copy_(canonical[:, i * P:(i + 1) * P])
+            pages = lay.blocks_to_pages(lay.gather(self.kv[layer], save.block_ids), self.geo.blocks_per_page)
+            dst = torch.from_numpy(save.segments[layer]).view(lay.dtype).view(len(save.keys), *lay.canonical_shape(P))
+            dst.copy_(pages)
 
     def end_step(self) -> None:
         """After the forward: report loads, hand staged pages to the pool's store thread."""
@@ -178,13 +188,13 @@ class PoFWorker:
         if not self._saves:
             return
         assert self.pool is not None
-        seg, layers = self.pool.spec.segment_bytes, self.pool.spec.num_layers
+        layers = self.pool.spec.num_layers
         items: list[tuple[PageKey, list[np.ndarray]]] = []
         buffers: list[np.ndarray] = []
         for save in self._saves:
-            for key, staging in zip(save.keys, save.staging, strict=True):
-                items.append((key, [staging[i * seg:(i + 1) * seg] for i in range(layers)]))
-                buffers.append(staging)
+            for i, key in enumerate(save.keys):
+                items.append((key, [save.segments[layer, i] for layer in range(layers)]))
+            buffers.append(save.segments)
         self._saves = []
         self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
         self._inflight.append((self.pool.store(items), buffers))   # buffers live until the write ends

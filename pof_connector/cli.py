@@ -32,6 +32,7 @@ from rich.table import Table
 from pof_connector.bench import BenchError
 from pof_connector.bench import index as bench_index
 from pof_connector.bench import tiers as bench_tiers
+from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.config import ConfigError, PofConfig, format_size, parse_size
 from pof_connector.index.base import IndexUnavailable, NodeInfo
 from pof_connector.index.embedded import PIDFILE, embedded_url, stop_embedded, supervise
@@ -283,6 +284,26 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
+                            dtype=args.dtype, block_size=args.block_size, progress=_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    table = Table(title=f"vLLM TTFT, {args.prompt_tokens}-token prompts ({result['model']}, {args.dtype})",
+                  title_justify="left")
+    for name in ("server", "median TTFT s", "runs s", "tokens from connector"):
+        table.add_column(name, justify="right" if name != "server" else "left")
+    tokens = {"recompute": "-", "pof": str(result["pool_tokens"]), "example": str(result["example_tokens"])}
+    for name, ttft in result["ttft_s"].items():
+        table.add_row(name, f"{ttft:.3f}", " ".join(f"{x:.3f}" for x in result["ttft_runs_s"][name]), tokens[name])
+    out = _out()
+    out.print(table)
+    out.print(f"ratio pof / recompute [bold]{result['ratio']:.4f}[/bold], pof / ExampleConnector "
+              f"{result['pof_vs_example']:.3f}")
+    return 0
+
+
 # ---- the parser -------------------------------------------------------------------------------
 
 
@@ -348,6 +369,17 @@ def _add_bench(sub: Any) -> None:
     index.add_argument("--url", help="use this server instead of starting a private one (its data is "
                                      "left as found)")
     index.set_defaults(handler=cmd_bench_index)
+    vllm = bsub.add_parser("vllm", help="TTFT from the pool vs. recompute vs. vLLM's ExampleConnector",
+                           description="Start three vLLM servers in turn (no connector, PoFConnector, "
+                                       "ExampleConnector) and time long prompts served by each. Needs vLLM.")
+    vllm.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    vllm.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'bench' model)")
+    vllm.add_argument("--prompt-tokens", type=int, default=6000, help="tokens per prompt (default 6000)")
+    vllm.add_argument("--prompts", type=int, default=3, help="distinct prompts timed per server (default 3)")
+    vllm.add_argument("--dtype", default="float32",
+                      help="model dtype (default float32: bf16 is emulated, and slow, on CPUs without AVX512-BF16)")
+    vllm.add_argument("--block-size", type=int, default=128, help="vLLM block size = page size (default 128)")
+    vllm.set_defaults(handler=cmd_bench_vllm)
 
 
 def _usage(parser: argparse.ArgumentParser) -> Handler:

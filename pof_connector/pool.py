@@ -73,6 +73,16 @@ class Lookup:
         return out
 
 
+@dataclass(frozen=True)
+class PageViews:
+    """Where one loaded page goes when its layers should not sit side by side: a header buffer
+    (``spec.header_bytes``) and one buffer per layer segment. Lets a caller stage layer ``l`` of
+    many pages contiguously, ready for one engine-side copy per layer."""
+
+    header: np.ndarray
+    segments: Sequence[np.ndarray]
+
+
 class LoadHandle:
     """Progress of one :meth:`Pool.load`.
 
@@ -243,7 +253,8 @@ class Pool:
 
     def load(self, keys: Sequence[PageKey], sources: Sequence[Location], into: Sequence[Any]) -> LoadHandle:
         """Start copying page ``i`` of ``keys`` from ``sources[i]`` into ``into[i]`` (a writable
-        buffer of ``spec.page_bytes``). Returns at once; the handle tracks progress."""
+        buffer of ``spec.page_bytes``, or :class:`PageViews`). Returns at once; the handle tracks
+        progress."""
         if not len(keys) == len(sources) == len(into):
             raise ValueError(f"load: {len(keys)} keys, {len(sources)} sources, {len(into)} buffers")
         handle = LoadHandle(len(keys), self.spec.num_layers)
@@ -259,28 +270,28 @@ class Pool:
     def _load(self, handle: LoadHandle, keys: list[PageKey], sources: list[Location], into: list[Any]) -> None:
         t0 = time.perf_counter()
         spec = self.spec
-        plan: list[tuple[int, Tier, SlotRef, PageHeader, np.ndarray, bool]] = []
+        plan: list[tuple[int, Tier, SlotRef, PageHeader, PageViews, bool]] = []
         try:
             for i, (key, src, buf) in enumerate(zip(keys, sources, into, strict=True)):
                 try:
                     tier, ref, pinned = self._resolve(key, src)
-                    mv = as_array(buf)
+                    views = buf if isinstance(buf, PageViews) else self._views(buf)
                     try:
-                        header = tier.read_header(ref, key, mv)
+                        header = tier.read_header(ref, key, views.header)
                     except BaseException:
                         if pinned:
                             tier.unpin(ref.slot)
                         raise
-                    plan.append((i, tier, ref, header, mv, pinned))
+                    plan.append((i, tier, ref, header, views, pinned))
                 except PageError as e:
                     self._load_failed(handle, i, e.reason, e)
                     self._drop_if_corrupt(key, src, e)
             for layer in range(spec.num_layers):
-                for i, tier, ref, header, mv, _ in plan:
+                for i, tier, ref, header, views, _ in plan:
                     if handle._is_failed(i):
                         continue
                     try:
-                        tier.read_segment(ref, header, layer, spec.segment(mv, layer))
+                        tier.read_segment(ref, header, layer, views.segments[layer])
                     except PageError as e:
                         self._load_failed(handle, i, e.reason, e)
                         self._drop_if_corrupt(keys[i], sources[i], e)
@@ -298,6 +309,11 @@ class Pool:
                     self.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
             handle._finish("error")
             self.stats.add("load_seconds", time.perf_counter() - t0)
+
+    def _views(self, page: Any) -> PageViews:
+        arr = as_array(page)
+        spec = self.spec
+        return PageViews(arr[:spec.header_bytes], [spec.segment(arr, layer) for layer in range(spec.num_layers)])
 
     def _resolve(self, key: PageKey, src: Location) -> tuple[Tier, SlotRef, bool]:
         tier = self._by_medium.get(src.medium)

@@ -180,8 +180,9 @@ class Tier(ABC):
             if len(src) != seg:
                 raise ValueError(f"layer {i}: {len(src)} bytes, expected {seg}")
             start = spec.segment_offset(i)
-            np.copyto(dst[start:start + seg], src)
-            sums.append(checksum(src))      # of the source: it is hot in cache right now
+            out = dst[start:start + seg]
+            np.copyto(out, src)
+            sums.append(checksum(out))      # of the copy, while it is still in cache
         self._write_header(dst, encode_header(spec, key, ref.generation, sums))
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
@@ -231,13 +232,16 @@ class Tier(ABC):
         spec = self.spec
         self._check_slot(ref.slot)
         dst = as_array(into)[:spec.page_bytes]
-        np.copyto(dst, self._slot(ref.slot))
-        header = PageHeader.parse(dst[:spec.header_bytes])
+        src = self._slot(ref.slot)
+        hb, seg = spec.header_bytes, spec.segment_bytes
+        np.copyto(dst[:hb], src[:hb])
+        header = PageHeader.parse(dst[:hb])
         header.expect(spec, key, ref.generation)
-        seg = spec.segment_bytes
         for layer, expected in enumerate(header.segment_checksums):
             start = spec.segment_offset(layer)
-            if checksum(dst[start:start + seg]) != expected:
+            out = dst[start:start + seg]
+            np.copyto(out, src[start:start + seg])    # segment by segment: each is checked while cached
+            if checksum(out) != expected:
                 raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")

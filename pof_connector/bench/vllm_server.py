@@ -132,6 +132,27 @@ class VllmServer:
         tokens = self.complete(prompt, max_tokens)
         return time.perf_counter() - t0, tokens
 
+    def stream(self, prompt: list[int], max_tokens: int = 16, cache_salt: str | None = None) -> tuple[float, str]:
+        """Stream a greedy completion; returns (time to the first token in seconds, the text)."""
+        body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "stream": True, "ignore_eos": True}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        ttft, text = 0.0, []
+        with urllib.request.urlopen(req, timeout=300) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                piece = json.loads(line[6:])["choices"][0].get("text", "")
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                text.append(piece)
+        return ttft, "".join(text)
+
     def reset_prefix_cache(self) -> None:
         self.post("/reset_prefix_cache")
 

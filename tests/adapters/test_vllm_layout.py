@@ -39,11 +39,11 @@ def test_gather_is_canonical_and_scatter_inverts_it(name: str) -> None:
     assert lay.name == name
     blocks = torch.tensor([7, 2, 9])
     c = lay.gather(kv, blocks)
-    assert c.shape == (2, 3 * N, H, D)
+    assert c.shape == (3, 2, N, H, D) == (3, *lay.block_shape())
     for j, b in enumerate(blocks.tolist()):
         for t in (0, N - 1):
             k, v = token_kv(kv, name, b, t)
-            assert torch.equal(c[0, j * N + t], k) and torch.equal(c[1, j * N + t], v)
+            assert torch.equal(c[j, 0, t], k) and torch.equal(c[j, 1, t], v)
     out = torch.zeros_like(kv)
     lay.scatter(out, blocks, c)
     assert torch.equal(lay.gather(out, blocks), c)
@@ -57,7 +57,7 @@ def test_cpu_blocks_without_a_probe_move_as_opaque_bytes() -> None:
     lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False)
     assert lay.name == "cpu_opaque" and lay.segment_bytes(N) == 2 * N * H * D * 2
     c = lay.gather(kv, torch.tensor([4, 0]))
-    assert c.shape == lay.canonical_shape(2 * N)
+    assert c.shape == (2, *lay.block_shape())
     out = torch.zeros_like(kv)
     lay.scatter(out, torch.tensor([4, 0]), c)
     assert torch.equal(out[4], kv[4]) and torch.equal(out[0], kv[0]) and torch.count_nonzero(out[1]) == 0
@@ -68,7 +68,7 @@ def test_mla_and_unknown_shapes() -> None:
     lay = infer_layout(kv, block_size=N, kv_heads=1, head_dim=40, is_mla=True)
     blocks = torch.tensor([3, 1])
     c = lay.gather(kv, blocks)
-    assert c.shape == (1, 2 * N, 1, 40) and torch.equal(c[0, N + 5, 0], kv[1, 5])
+    assert c.shape == (2, 1, N, 1, 40) and torch.equal(c[1, 0, 5, 0], kv[1, 5])
     out = torch.zeros_like(kv)
     lay.scatter(out, blocks, c)
     assert torch.equal(out[3], kv[3]) and torch.count_nonzero(out[0]) == 0
@@ -90,13 +90,30 @@ def test_cpu_blocks_convert_to_real_per_token_kv(dtype: torch.dtype) -> None:
     assert order is not None
     kv = torch.zeros(blocks, h, n, 2 * d, dtype=dtype)
     lay = infer_layout(kv, block_size=n, kv_heads=h, head_dim=d, is_mla=False, cpu_order=order)
-    assert lay.name == "cpu_probed"
+    assert lay.name in ("cpu_kt", "cpu_probed")
     key, value = torch.randn(2 * n, h, d).to(dtype), torch.randn(2 * n, h, d).to(dtype)
     slots = torch.cat([torch.arange(3 * n, 4 * n), torch.arange(1 * n, 2 * n)])      # blocks 3 then 1
     kc, vc = kv.view(blocks, h, 2 * n, d).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
-    c = lay.gather(kv, torch.tensor([3, 1]))
-    assert torch.equal(c[0], key) and torch.equal(c[1], value)          # true K and V, token by token
+    c = lay.gather(kv, torch.tensor([3, 1]))                            # [2 blocks, K|V, N, H, D]
+    assert torch.equal(c[:, 0].reshape(2 * n, h, d), key)              # true K and V, token by token
+    assert torch.equal(c[:, 1].reshape(2 * n, h, d), value)
     out = torch.zeros_like(kv)
     lay.scatter(out, torch.tensor([3, 1]), c)
     assert torch.equal(out, kv)                                         # and back, byte for byte
+    generic = infer_layout(kv, block_size=n, kv_heads=h, head_dim=d, is_mla=False, cpu_order=order,
+                           structured=False)
+    assert generic.name == "cpu_probed" and torch.equal(generic.gather(kv, torch.tensor([3, 1])), c)
+    out2 = torch.zeros_like(kv)
+    generic.scatter(out2, torch.tensor([3, 1]), c)
+    assert torch.equal(out2, kv)
+
+
+def test_pages_of_several_blocks() -> None:
+    kv = torch.randn(B, 2, N, H, D)
+    lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False)
+    blocks = lay.gather(kv, torch.tensor([1, 2, 3, 4]))
+    pages = lay.blocks_to_pages(blocks, 2)                  # 2 pages of 2 blocks: [2, 2, 2N, H, D]
+    assert pages.shape == (2, *lay.canonical_shape(2 * N))
+    assert torch.equal(pages[1, 0, N:], kv[4, 0]) and torch.equal(pages[0, 1, :N], kv[1, 1])
+    assert torch.equal(lay.pages_to_blocks(pages, 2), blocks)
