@@ -117,25 +117,52 @@ class PoFConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, PoFConnectorMetadata):
-            self._worker.prepare_saves(connector_metadata)
+            self._worker.report_failed_blocks(connector_metadata.fail_blocks)
+            self._safely("bind_connector_metadata", self._worker.prepare_saves, connector_metadata,
+                         on_error=self._worker.drop_saves)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PoFConnectorMetadata)
-        self._worker.start(meta)
+        worker = self._worker
+
+        def fail() -> None:
+            worker.abort_loads()
+            worker.fail_jobs(meta.loads)
+
+        self._safely("start_load_kv", worker.start, meta, on_error=fail)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        self._worker.wait_layer(layer_name)
+        self._safely("wait_for_layer_load", self._worker.wait_layer, layer_name, on_error=self._worker.abort_loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.save_layer(layer_name)
+        self._safely("save_kv_layer", self._worker.save_layer, layer_name, on_error=self._worker.drop_saves)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.end_step()
+        worker = self._worker
+
+        def fail() -> None:
+            worker.abort_loads()
+            worker.drop_saves()
+
+        self._safely("wait_for_save", worker.end_step, on_error=fail)
+
+    def _safely(self, hook: str, fn: Any, *args: Any, on_error: Any) -> None:
+        """Run a worker hook; an unexpected error is logged (once, with its traceback), counted, and
+        turned into recompute by ``on_error`` — a pool bug must not take the engine down."""
+        try:
+            fn(*args)
+        except Exception as e:
+            pool = self._worker.pool if self._worker is not None else None
+            if pool is not None:
+                pool.report_adapter_error(hook, e)
+            else:
+                log.exception("pof: unexpected error in %s; the engine recomputes instead", hook)
+            on_error()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -38,3 +38,6 @@ class SaveJob:
 class PoFConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    fail_blocks: list[int] = field(default_factory=list)
+    """Blocks vLLM was promised but that will not be loaded (the scheduler half failed after its
+    answer): the worker reports them as load errors so vLLM recomputes them."""

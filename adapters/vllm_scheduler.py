@@ -64,6 +64,7 @@ class PoFScheduler:
         self._blocks: dict[str, list[int]] = {}
         self._saved_pages: dict[str, int] = {}
         self._loads: list[LoadJob] = []
+        self._fail_blocks: list[int] = []
         self._hit_tiers: dict[str, dict[str, int]] = {}
 
     def _chain(self, request: Any) -> _Chain:
@@ -98,6 +99,17 @@ class PoFScheduler:
     # ---- update_state_after_alloc ----------------------------------------------------------
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        plan = self._plans.get(request.request_id)
+        try:
+            self._after_alloc(request, block_ids, num_external)
+        except Exception as e:     # vLLM was promised these tokens: have the worker report them for recompute
+            self.pool.report_adapter_error("update_state_after_alloc", e)
+            if num_external > 0:
+                bs = self.geo.block_size
+                start = (plan.num_computed if plan else 0) // bs
+                self._fail_blocks += block_ids[start:start + -(-num_external // bs)]
+
+    def _after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         req_id = request.request_id
         self._requests[req_id] = request
         self._blocks[req_id] = list(block_ids)
@@ -130,8 +142,16 @@ class PoFScheduler:
     # ---- build_connector_meta ----------------------------------------------------------------
 
     def build_meta(self, so: Any) -> PoFConnectorMetadata:
-        meta = PoFConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = PoFConnectorMetadata(loads=self._loads, fail_blocks=self._fail_blocks)
+        self._loads, self._fail_blocks = [], []
+        try:
+            self._plan_step_saves(so, meta)
+        except Exception as e:     # saving is best effort: this step's pages are simply not stored
+            self.pool.report_adapter_error("build_connector_meta", e)
+            meta.saves = []
+        return meta
+
+    def _plan_step_saves(self, so: Any, meta: PoFConnectorMetadata) -> None:
         for new in so.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[0])
             self._plan_saves(new.req_id, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], meta)
@@ -144,7 +164,6 @@ class PoFScheduler:
                 else:
                     self._blocks.setdefault(req_id, []).extend(new_ids[0])
             self._plan_saves(req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], meta)
-        return meta
 
     def _plan_saves(self, req_id: str, computed_after: int, meta: PoFConnectorMetadata) -> None:
         request = self._requests.get(req_id)

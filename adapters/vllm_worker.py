@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -26,6 +25,7 @@ from pof_connector.config import PofConfig
 from pof_connector.keys import PageKey
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import LoadHandle, PageViews, Pool
+from pof_connector.staging import StagingPool
 
 log = logging.getLogger("pof_connector.vllm")
 
@@ -33,8 +33,8 @@ log = logging.getLogger("pof_connector.vllm")
 @dataclass
 class _ActiveLoad:
     job: LoadJob
+    buffer: np.ndarray                # from the staging pool; segments and headers are views of it
     segments: np.ndarray              # [layers, pages, segment_bytes]: layer l of all pages side by side
-    headers: np.ndarray
     handle: LoadHandle
     failed: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.perf_counter)
@@ -60,7 +60,7 @@ class PoFWorker:
         self._loads: list[_ActiveLoad] = []
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
-        self._inflight: list[tuple[Future[int], list[np.ndarray]]] = []
+        self.staging = StagingPool()
         self.load_latencies: list[float] = []
 
     # ---- register_kv_caches --------------------------------------------------------------------
@@ -100,12 +100,14 @@ class PoFWorker:
         spec = self.pool.spec
         for job in meta.loads:
             n = len(job.keys)
-            segments = np.empty((spec.num_layers, n, spec.segment_bytes), dtype=np.uint8)
-            headers = np.empty((n, spec.header_bytes), dtype=np.uint8)
+            seg_bytes = spec.num_layers * n * spec.segment_bytes
+            buffer = self.staging.take(seg_bytes + n * spec.header_bytes)
+            segments = buffer[:seg_bytes].reshape(spec.num_layers, n, spec.segment_bytes)
+            headers = buffer[seg_bytes:].reshape(n, spec.header_bytes)
             views = [PageViews(headers[i], [segments[layer, i] for layer in range(spec.num_layers)])
                      for i in range(n)]
             handle = self.pool.load(job.keys, job.sources, views)
-            self._loads.append(_ActiveLoad(job, segments, headers, handle))
+            self._loads.append(_ActiveLoad(job, buffer, segments, handle))
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
@@ -150,7 +152,26 @@ class PoFWorker:
             if active.failed:
                 log.warning("pof: request %s: %d of %d pages failed to load; vLLM recomputes them",
                             active.job.req_id, len(active.failed), len(active.job.keys))
+            if active.handle.done:       # a load that timed out may still write: never reuse its buffer
+                self.staging.give(active.buffer)
         self._loads = []
+
+    def fail_jobs(self, jobs: list[LoadJob]) -> None:
+        """Report every block these loads promised as a load error (vLLM recomputes them)."""
+        for job in jobs:
+            for i, blocks in enumerate(job.block_ids):
+                self._load_errors.update(blocks[job.skip_blocks if i == 0 else 0:])
+
+    def report_failed_blocks(self, blocks: list[int]) -> None:
+        self._load_errors.update(blocks)
+
+    def abort_loads(self) -> None:
+        """Give up on this step's loads after an unexpected error: all their blocks are recomputed."""
+        self.fail_jobs([a.job for a in self._loads])
+        self._loads = []           # their buffers are not reused: a copy may still be under way
+
+    def drop_saves(self) -> None:
+        self._saves = []
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -167,9 +188,10 @@ class PoFWorker:
             if not keep:
                 continue
             blocks = [b for i in keep for b in job.block_ids[i]]
+            buffer = self.staging.take(spec.num_layers * len(keep) * spec.segment_bytes)
             self._saves.append(_PendingSave([job.keys[i] for i in keep],
                                             torch.tensor(blocks, dtype=torch.long, device=self.kv[0].device),
-                                            np.empty((spec.num_layers, len(keep), spec.segment_bytes), np.uint8)))
+                                            buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes)))
 
     def save_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
@@ -196,8 +218,11 @@ class PoFWorker:
                 items.append((key, [save.segments[layer, i] for layer in range(layers)]))
             buffers.append(save.segments)
         self._saves = []
-        self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
-        self._inflight.append((self.pool.store(items), buffers))   # buffers live until the write ends
+        def release(_: object) -> None:      # the buffers are reusable once the pool wrote them
+            for b in buffers:
+                self.staging.give(b)
+
+        self.pool.store(items).add_done_callback(release)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -294,9 +294,10 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
                   title_justify="left")
     for name in ("server", "median TTFT s", "runs s", "tokens from connector"):
         table.add_column(name, justify="right" if name != "server" else "left")
-    tokens = {"recompute": "-", "pof": str(result["pool_tokens"]), "example": str(result["example_tokens"])}
+    tokens = {"pof": str(result["pool_tokens"]), "example": str(result["example_tokens"])}
     for name, ttft in result["ttft_s"].items():
-        table.add_row(name, f"{ttft:.3f}", " ".join(f"{x:.3f}" for x in result["ttft_runs_s"][name]), tokens[name])
+        runs = result["ttft_runs_s"].get(name, [])
+        table.add_row(name, f"{ttft:.3f}", " ".join(f"{x:.3f}" for x in runs), tokens.get(name, "-"))
     out = _out()
     out.print(table)
     out.print(f"ratio pof / recompute [bold]{result['ratio']:.4f}[/bold], pof / ExampleConnector "

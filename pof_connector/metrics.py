@@ -25,6 +25,7 @@ COUNTERS: dict[str, str] = {
     "demoted_pages": "Pages moved to the next tier on eviction, by tier",
     "index_errors": "Failed calls to the locality index, by operation",
     "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
+    "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",
     "load_seconds": "Time spent loading pages",
 }
 

@@ -358,6 +358,10 @@ class Pool:
             raise RuntimeError("a client pool has no tiers to store into")
         return self._store.submit(self._store_batch, list(items))
 
+    def flush(self) -> None:
+        """Wait until every store submitted so far is written and published."""
+        self._store.submit(lambda: None).result()
+
     def contains(self, key: PageKey) -> bool:
         """True when this node stores (or is storing) ``key``: storing it again is pointless."""
         return any(t.contains(key) for t in self._live_tiers())
@@ -531,6 +535,13 @@ class Pool:
             self._index_failing = False
             log.warning("pof: locality index reachable again")
         return result
+
+    def report_adapter_error(self, hook: str, err: BaseException) -> None:
+        """An engine adapter hit an unexpected error in ``hook`` and fell back to recompute: count it,
+        and log it once per hook with its traceback (a bug must be visible, not fatal)."""
+        self.stats.add("adapter_errors", hook=hook)
+        self._log_once(f"adapter-{hook}", logging.ERROR, "pof: unexpected error in %s; the engine recomputes "
+                       "instead (further errors are counted in pof_adapter_errors_total)", hook, exc_info=err)
 
     def _log_once(self, what: str, level: int, msg: str, *args: Any, exc_info: BaseException | None = None) -> None:
         if what in self._logged:

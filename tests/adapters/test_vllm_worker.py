@@ -1,0 +1,96 @@
+"""The worker half of the vLLM connector on real CPU KV tensors (laid out by vLLM's own kernel),
+with a real pool — no server: saves, layer-wise loads, and errors turned into recompute."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pof_connector.adapters.vllm import PoFConnector
+from pof_connector.adapters.vllm_geometry import VllmGeometry
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
+from pof_connector.adapters.vllm_worker import PoFWorker
+from pof_connector.config import PofConfig
+from pof_connector.index import Location
+
+pytestmark = pytest.mark.vllm
+
+H, N, D, LAYERS, BLOCKS = 2, 32, 32, 2, 16
+GEO = VllmGeometry(model="m", kv_dtype="float32", kv_heads=H, head_dim=D, num_layers=LAYERS, is_mla=False,
+                   block_size=N, page_tokens=2 * N, tp_size=1)
+
+
+def make_worker(runtime_dir: str) -> tuple[PoFWorker, dict[str, torch.Tensor]]:
+    cfg = PofConfig.from_mapping({"node_id": "w", "index_url": "local", "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "16MiB"}}})
+    worker = PoFWorker(cfg, GEO, tp_rank=0)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, H, N, 2 * D) for i in range(LAYERS)}
+    worker.register(kv)
+    return worker, kv
+
+
+@pytest.fixture
+def worker(runtime_dir: str) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
+    w, kv = make_worker(runtime_dir)
+    yield w, kv
+    w.close()
+
+
+def step(worker: PoFWorker, kv: dict[str, torch.Tensor], meta: PoFConnectorMetadata) -> set[int]:
+    """One forward as vLLM drives it; returns the blocks reported as load errors."""
+    worker.prepare_saves(meta)
+    worker.start(meta)
+    for name in kv:
+        worker.wait_layer(name)
+        worker.save_layer(name)
+    worker.end_step()
+    return worker.take_load_errors()
+
+
+def test_save_then_load_moves_blocks_exactly(worker: Any) -> None:
+    w, kv = worker
+    assert w.layout.name in ("cpu_kt", "cpu_probed")
+    for t in kv.values():
+        t.copy_(torch.randn_like(t))
+    keys = w.pool.keys_for(list(range(4 * N)))              # 2 pages of 2 blocks
+    assert step(w, kv, PoFConnectorMetadata(saves=[SaveJob("r1", keys, [[3, 4], [7, 8]])])) == set()
+    w.pool.flush()
+    original = {name: t.clone() for name, t in kv.items()}
+    for t in kv.values():
+        t.zero_()
+    lookup = w.pool.lookup(keys)
+    assert lookup.pages == 2
+    load = LoadJob("r2", keys, lookup.sources, [[10, 11], [12, 13]], skip_blocks=1)
+    assert step(w, kv, PoFConnectorMetadata(loads=[load])) == set()
+    for name in kv:
+        assert torch.count_nonzero(kv[name][10]) == 0                       # the skipped head block
+        assert torch.equal(kv[name][11], original[name][4])
+        assert torch.equal(kv[name][12:14], original[name][7:9])
+
+
+def test_unexpected_errors_become_recompute(worker: Any) -> None:
+    """A bug (here: block ids past the end of the cache) must not escape into the engine: the
+    connector reports every promised block for recompute and counts the error."""
+    w, kv = worker
+    keys = w.pool.keys_for(list(range(4 * N)))
+    w.pool.store([(keys[0], [torch.zeros(2, 2 * N, H, D).numpy().view("uint8").reshape(-1)] * LAYERS)]).result()
+    lookup = w.pool.lookup(keys)
+    connector = PoFConnector.__new__(PoFConnector)    # the real hooks around a real worker
+    connector._worker = w
+    connector._scheduler = None
+    bad = LoadJob("r", keys[:1], lookup.sources, [[5, BLOCKS + 7]])
+    meta = PoFConnectorMetadata(loads=[bad], fail_blocks=[9])
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv(None)
+    for name in kv:
+        connector.wait_for_layer_load(name)
+        connector.save_kv_layer(name, kv[name], None)
+    connector.wait_for_save()
+    assert connector.get_block_ids_with_load_errors() == {5, BLOCKS + 7, 9}
+    assert w.pool.stats.get("adapter_errors", hook="wait_for_layer_load") == 1
+    lost = Location("w", "cpu_dram", 0, 0)
+    gone = LoadJob("r3", keys[1:2], [lost], [[6, 7]])                       # a page the pool does not hold
+    assert step(w, kv, PoFConnectorMetadata(loads=[gone])) == {6, 7}
