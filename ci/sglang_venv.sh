@@ -12,12 +12,13 @@
 # so do the classes a storage backend meets: StorageBackendFactory, HiCacheStorageConfig and the host
 # KV pools (MHA/MLA, every layout, pin_memory=False). The tests drive those.
 #
-# torch: sglang 0.5.23 pins torch==2.14.1 exactly. pip's global cap here (/etc/xdg/pip/constraints.txt,
-# torch<=2.14.1) admits it, so there is no conflict, but the only 2.14.1 reachable is PyPI's CUDA 13
-# build (with nvidia-*, triton, cuda-*: first build ~5 min, ~11 GB). The CPU wheel on local disk
-# (/opt/wheels, torch 2.13.0+cpu) does not satisfy sglang's pin. The CUDA build imports and computes
-# on the CPU without a driver. Should the cap ever drop below 2.14.1, this install fails with
-# ResolutionImpossible: raise the cap (or unset it for this venv) rather than loosen the pin.
+# torch: sglang 0.5.23 pins torch==2.14.1 exactly. pip's global cap here
+# (/etc/xdg/pip/constraints.txt: torch<=2.14.1) admits it, so there is no conflict, but the only
+# 2.14.1 reachable is PyPI's CUDA 13 build (with nvidia-*, triton, cuda-*: first build 5-9 min on
+# 2 cores, ~11 GB). The CPU wheel on local disk (/opt/wheels, torch 2.13.0+cpu) does not satisfy
+# sglang's pin. The CUDA build imports and computes on the CPU without a driver. Should the cap ever
+# drop below 2.14.1, this install fails with ResolutionImpossible: raise the cap (or unset it for
+# this venv) rather than loosen the pin.
 #
 # Reuse: the venv holds a stamp with the sha256 of requirements-sglang.txt + this script. When it
 # matches, nothing is installed. When it does not, `pip install -r` runs again in the existing venv
@@ -35,6 +36,8 @@ EDITABLE_STAMP="$VENV/.pof-editable.sha256"
 # Must equal sglang's own pin (see above); held by a constraints file so that the editable install
 # of the repo can never move it.
 TORCH_PIN="torch==2.14.1"
+# Unlike the vLLM venv, nothing is uninstalled afterwards: torchvision 0.29.1 here is the CUDA build
+# that matches this torch, so `import transformers` works (pip check is clean as well).
 
 log() { printf '[sglang_venv] %s\n' "$*" >&2; }
 
@@ -82,10 +85,10 @@ else
     fi
     rm -f "$STAMP" "$EDITABLE_STAMP"
     make_constraints
-    log "pip install -r $(basename "$REQ") (first time: ~5 min, ~11 GB: CUDA torch)"
+    log "pip install -r $(basename "$REQ") (first time: 5-9 min, ~11 GB: CUDA torch)"
     quiet_pip install -c "$cons" -r "$REQ"
     log "checking imports and a host KV pool"
-    "$VENV/bin/python" - >&2 <<'PYEOF'
+    "$VENV/bin/python" -W ignore::UserWarning - >&2 <<'PYEOF'
 import importlib.metadata as md
 
 import torch
