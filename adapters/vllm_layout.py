@@ -115,6 +115,18 @@ class BlockLayout:
         else:
             kv.index_copy_(0, block_ids, c.transpose(2, 3))
 
+    def write_blocks(self, kv: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """:meth:`scatter` for a few blocks: straight strided copies where the layout allows, so
+        a page goes from tier memory to the engine in one copy, with no index tensor."""
+        if self.name == "cpu_kt":
+            n, h, d = self.block_size, self.kv_heads, self.head_dim
+            for j, block in enumerate(block_ids):
+                dst = kv[block].view(h, 2, n * d)
+                dst[:, 0].view(h, d, n).copy_(blocks[j, 0].permute(1, 2, 0))    # K [N,H,D] -> K^T [H,D,N]
+                dst[:, 1].view(h, n, d).copy_(blocks[j, 1].permute(1, 0, 2))    # V [N,H,D] -> [H,N,D]
+        elif block_ids:
+            self.scatter(kv, torch.tensor(block_ids, dtype=torch.long, device=kv.device), blocks)
+
     def pages_to_blocks(self, pages: torch.Tensor, blocks_per_page: int) -> torch.Tensor:
         """``[np, *canonical_shape(P)]`` page segments → ``[np * bpp, *block_shape()]`` (a view when a
         page is one block)."""

@@ -1,11 +1,15 @@
 """The worker half of the vLLM connector (Worker process): moves bytes, keeps no books.
 
-Loads: ``start`` asks the pool to copy pages into host staging buffers; ``wait_layer(l)`` waits
-for layer ``l`` only and scatters it into vLLM's blocks, so layer 0 computes while later layers
-are still being copied. Pages the pool rejects are reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes them (``kv_load_failure_policy:
-recompute``). Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into
-staging right after attention wrote them; ``end_step`` hands the staged pages to the pool,
+Loads: ``start`` opens a zero-copy read of the pages (headers checked, slots pinned);
+``wait_layer(l)``, called right before layer ``l``'s attention, copies that layer of every page
+straight from tier memory into vLLM's blocks (converting the layout on the way) and then checks
+the copied bytes' checksum and the slot's generation. One copy per byte, on the forward's own
+thread: no staging buffer, no I/O thread competing for cores. Pages that fail are reported
+through ``get_block_ids_with_load_errors`` in the same step and vLLM recomputes them
+(``kv_load_failure_policy: recompute``).
+
+Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into staging right
+after attention wrote them; ``end_step`` hands the staged pages to the pool,
 which writes them on its own thread — the forward never waits for a tier.
 """
 
@@ -23,8 +27,9 @@ from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
 from pof_connector.config import PofConfig
 from pof_connector.keys import PageKey
+from pof_connector.page_reader import PageReader
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
-from pof_connector.pool import LoadHandle, PageViews, Pool
+from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
 
 log = logging.getLogger("pof_connector.vllm")
@@ -33,10 +38,7 @@ log = logging.getLogger("pof_connector.vllm")
 @dataclass
 class _ActiveLoad:
     job: LoadJob
-    buffer: np.ndarray                # from the staging pool; segments and headers are views of it
-    segments: np.ndarray              # [layers, pages, segment_bytes]: layer l of all pages side by side
-    handle: LoadHandle
-    failed: set[int] = field(default_factory=set)
+    reader: PageReader
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -97,64 +99,42 @@ class PoFWorker:
 
     def start(self, meta: PoFConnectorMetadata) -> None:
         assert self.pool is not None
-        spec = self.pool.spec
         for job in meta.loads:
-            n = len(job.keys)
-            seg_bytes = spec.num_layers * n * spec.segment_bytes
-            buffer = self.staging.take(seg_bytes + n * spec.header_bytes)
-            segments = buffer[:seg_bytes].reshape(spec.num_layers, n, spec.segment_bytes)
-            headers = buffer[seg_bytes:].reshape(n, spec.header_bytes)
-            views = [PageViews(headers[i], [segments[layer, i] for layer in range(spec.num_layers)])
-                     for i in range(n)]
-            handle = self.pool.load(job.keys, job.sources, views)
-            self._loads.append(_ActiveLoad(job, buffer, segments, handle))
+            self._loads.append(_ActiveLoad(job, self.pool.open_read(job.keys, job.sources)))
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
         if not self._loads or layer is None:      # not a layer whose KV the pool holds
             return
-        for active in self._loads:
-            if not active.handle.wait_layer(layer, self.config.load_timeout_s):
-                active.failed.update(range(len(active.job.keys)))
-            active.failed.update(active.handle.failed)
-            self._scatter(active, layer)
-
-    def _scatter(self, active: _ActiveLoad, layer: int) -> None:
-        """Copy layer ``layer`` of every page that arrived into vLLM's blocks: one engine-side
-        copy for all pages (their segments are contiguous in staging)."""
         assert self.layout is not None
-        job, lay, bpp = active.job, self.layout, self.geo.blocks_per_page
-        n = len(job.keys)
-        pages = torch.from_numpy(active.segments[layer]).view(lay.dtype).view(n, *lay.canonical_shape(
-            self.geo.page_tokens))
-        ok = [i for i in range(n) if i not in active.failed]
-        if not ok:
-            return
-        if len(ok) < n:
-            pages = pages[ok]
-        blocks = lay.pages_to_blocks(pages, bpp)
-        ids = [b for i in ok for b in job.block_ids[i]]
-        skip = job.skip_blocks if ok[0] == 0 else 0      # the first page's head is the engine's own
-        if skip:
-            blocks, ids = blocks[skip:], ids[skip:]
-        kv = self.kv[layer]
-        lay.scatter(kv, torch.tensor(ids, dtype=torch.long, device=kv.device), blocks)
+        lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
+        for active in self._loads:
+            job, reader = active.job, active.reader
+            for i, blocks in enumerate(job.block_ids):
+                seg = reader.segment(i, layer)
+                if seg is None:
+                    continue
+                page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
+                skip = job.skip_blocks if i == 0 else 0      # the first page's head is the engine's own
+                lay.write_blocks(kv, blocks[skip:], lay.pages_to_blocks(page, bpp)[skip:])
+                reader.check(i, layer)          # after the copy: were those bytes the page's?
 
     def _finish_loads(self) -> None:
-        """After the forward: every layer was waited for; report failed pages' blocks."""
+        """After the forward: report the blocks of every page that failed, for recompute."""
         for active in self._loads:
-            if not active.handle.wait(self.config.load_timeout_s):
-                active.failed.update(range(len(active.job.keys)))
-            active.failed.update(active.handle.failed)
-            for i in active.failed:
+            active.reader.close()
+            failed = active.reader.failed
+            for i in failed:
                 self._load_errors.update(active.job.block_ids[i][active.job.skip_blocks if i == 0 else 0:])
             self.load_latencies.append(time.perf_counter() - active.started)
-            if active.failed:
+            if failed:
                 log.warning("pof: request %s: %d of %d pages failed to load; vLLM recomputes them",
-                            active.job.req_id, len(active.failed), len(active.job.keys))
-            if active.handle.done:       # a load that timed out may still write: never reuse its buffer
-                self.staging.give(active.buffer)
+                            active.job.req_id, len(failed), len(active.job.keys))
         self._loads = []
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def fail_jobs(self, jobs: list[LoadJob]) -> None:
         """Report every block these loads promised as a load error (vLLM recomputes them)."""
@@ -168,16 +148,12 @@ class PoFWorker:
     def abort_loads(self) -> None:
         """Give up on this step's loads after an unexpected error: all their blocks are recomputed."""
         self.fail_jobs([a.job for a in self._loads])
-        self._loads = []           # their buffers are not reused: a copy may still be under way
+        for active in self._loads:
+            active.reader.close()
+        self._loads = []
 
     def drop_saves(self) -> None:
         self._saves = []
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    # ---- saves ----------------------------------------------------------------------------------
 
     def prepare_saves(self, meta: PoFConnectorMetadata) -> None:
         """Pick the pages to save this step (skipping those this node stores already)."""

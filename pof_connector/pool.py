@@ -41,6 +41,7 @@ from pof_connector.index import (
 )
 from pof_connector.keys import PageKey, page_keys
 from pof_connector.metrics import PoolStats
+from pof_connector.page_reader import PageReader
 from pof_connector.pages import PageError, PageHeader, PageSpec, as_array
 from pof_connector.tiers import SlotRef, Tier, make_tier
 
@@ -339,12 +340,22 @@ class Pool:
             self._index_call("withdraw", self.index.withdraw,
                              [(key, Location(self.node_id, src.medium, ref.slot, ref.generation))], default=None)
 
-    def _load_failed(self, handle: LoadHandle, page: int, reason: str, err: Exception) -> None:
+    def _load_failed(self, handle: LoadHandle, page: int, reason: str, err: PageError) -> None:
         handle._fail(page, reason)
-        self.stats.add("load_failures", reason=reason)
-        self._log_once(f"load-{reason}", logging.WARNING,
+        self._count_load_failure(err)
+
+    def _count_load_failure(self, err: PageError) -> None:
+        self.stats.add("load_failures", reason=err.reason)
+        self._log_once(f"load-{err.reason}", logging.WARNING,
                        "pof: rejected a page (%s); it will be recomputed. Further rejections are counted in "
                        "pof_load_failures_total", err)
+
+    def open_read(self, keys: Sequence[PageKey], sources: Sequence[Location]) -> PageReader:
+        """Start a zero-copy read on the caller's thread (see :mod:`pof_connector.page_reader`);
+        only for sources this node maps. Close the reader when done."""
+        if len(keys) != len(sources):
+            raise ValueError(f"open_read: {len(keys)} keys, {len(sources)} sources")
+        return PageReader(self, list(keys), list(sources))
 
     # ---- store -------------------------------------------------------------------------------
 

@@ -235,3 +235,45 @@ def test_corrupt_own_pages_are_dropped(pool: Pool) -> None:
     _, failed, _ = load_all(pool, keys)
     assert failed == {0: "bad_checksum"}
     assert tier.find(keys[0]) is None and pool.lookup(keys).pages == 0   # never offered again
+
+
+def test_zero_copy_reader_checks_what_was_copied(pool: Pool) -> None:
+    keys = pool.keys_for(np.arange(16 * 3))
+    pool.store([(k, content(k)) for k in keys]).result()
+    lk = pool.lookup(keys)
+    reader = pool.open_read(keys, lk.sources)
+    copies = {}
+    for layer in range(SPEC.num_layers):
+        for i in range(3):
+            seg = reader.segment(i, layer)
+            if seg is None:                      # a failed page offers no more segments
+                assert i == 2 and layer > 1
+                continue
+            copies[(i, layer)] = seg.copy()
+            if (i, layer) == (1, 1):
+                tier = pool.tiers[0]
+                victim = tier.find(keys[2])
+                assert victim is not None
+                tier.region[tier.slot_offset(victim.slot) + SPEC.segment_offset(layer) + 3] ^= 0xFF   # corrupt page 2
+            ok = reader.check(i, layer)
+            assert ok == (not (i == 2 and layer >= 1))
+    assert reader.failed == {2: "bad_checksum"}
+    for i in range(2):
+        for layer in range(SPEC.num_layers):
+            assert copies[(i, layer)].tobytes() == content(keys[i])[layer].tobytes()
+    reader.close()
+    assert pool.stats.get("loaded_pages") == 2 and pool.lookup(keys).pages == 2   # the corrupt page was dropped
+
+
+def test_zero_copy_reader_rejects_a_slot_rewritten_mid_read(pool: Pool) -> None:
+    keys = pool.keys_for(np.arange(16 * 2))
+    pool.store([(k, content(k)) for k in keys[:1]]).result()
+    reader = pool.open_read(keys[:1], pool.lookup(keys[:1]).sources)
+    seg = reader.segment(0, 0)
+    assert seg is not None
+    tier = pool.tiers[0]
+    ref = tier.find(keys[0])
+    assert ref is not None
+    tier._set_live_generation(ref.slot, 0)       # what a writer does first when it reuses the slot
+    assert not reader.check(0, 0) and reader.failed == {0: "stale_generation"}
+    reader.close()

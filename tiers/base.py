@@ -226,6 +226,22 @@ class Tier(ABC):
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
 
+    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
+        """Layer ``layer`` of the page at ``ref``, in place in tier memory (zero-copy read, step 1).
+
+        Whatever the caller copies out of it is trusted only after :meth:`check_segment` passed."""
+        start = self.spec.segment_offset(layer)
+        return self._slot(ref.slot)[start:start + self.spec.segment_bytes]
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+        """Zero-copy read, step 2: after the caller copied :meth:`segment_view`, check the checksum
+        of those same bytes and that the slot was not rewritten meanwhile (a writer zeroes the
+        generation before touching any byte). Raises :class:`PageError`."""
+        if checksum(self.segment_view(ref, layer)) != header.segment_checksums[layer]:
+            raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if self.live_generation(ref.slot) != ref.generation:
+            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+
     def read(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
         """Copy and check a whole page into ``into`` (``spec.page_bytes`` long): one copy, then
         the header, every segment checksum, and the live generation once."""

@@ -1,0 +1,103 @@
+"""Zero-copy, layer-by-layer reads of pages that this process maps (its own tiers, a shared CXL
+region), driven by the caller's thread.
+
+An engine adapter copies each layer straight from tier memory into its KV blocks, converting the
+layout on the way, so a page is copied once instead of twice (tier → staging → engine) and no
+I/O thread competes with the forward pass for cores. Safety is the same as for a staged read:
+
+1. :meth:`Pool.open_read` copies and checks every page header (key, generation, geometry) and
+   pins this node's slots;
+2. :meth:`PageReader.segment` gives layer ``l`` of page ``i`` in place; the caller copies it;
+3. :meth:`PageReader.check` then verifies the checksum of those same bytes and that the slot's
+   live generation did not change (a writer zeroes it before touching any byte). A page that
+   fails is reported in :attr:`failed`; the caller must have the engine recompute it — the bytes
+   it copied are not to be used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pof_connector.index import Location
+from pof_connector.keys import PageKey
+from pof_connector.pages import PageError, PageHeader
+from pof_connector.tiers import SlotRef, Tier
+
+if TYPE_CHECKING:
+    from pof_connector.pool import Pool
+
+log = logging.getLogger(__name__)
+
+
+class PageReader:
+    def __init__(self, pool: Pool, keys: list[PageKey], sources: list[Location]) -> None:
+        self._pool = pool
+        self.keys = keys
+        self.sources = sources
+        self.failed: dict[int, str] = {}
+        self._pages: list[tuple[Tier, SlotRef, PageHeader, bool] | None] = []
+        self._started = time.perf_counter()
+        header_buf = np.empty(pool.spec.header_bytes, dtype=np.uint8)
+        for i, (key, src) in enumerate(zip(keys, sources, strict=True)):
+            try:
+                tier, ref, pinned = pool._resolve(key, src)
+            except PageError as e:
+                self._fail(i, e)
+                self._pages.append(None)
+                continue
+            try:
+                header = tier.read_header(ref, key, header_buf)
+            except PageError as e:
+                if pinned:
+                    tier.unpin(ref.slot)
+                self._fail(i, e)
+                self._pages.append(None)
+                continue
+            self._pages.append((tier, ref, header, pinned))
+
+    def segment(self, page: int, layer: int) -> np.ndarray | None:
+        """Layer ``layer`` of page ``page`` in tier memory; ``None`` when the page already failed."""
+        entry = self._pages[page]
+        if entry is None or page in self.failed:
+            return None
+        tier, ref, _, _ = entry
+        return tier.segment_view(ref, layer)
+
+    def check(self, page: int, layer: int) -> bool:
+        """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?"""
+        entry = self._pages[page]
+        if entry is None or page in self.failed:
+            return False
+        tier, ref, header, _ = entry
+        try:
+            tier.check_segment(ref, header, layer)
+        except PageError as e:
+            self._fail(page, e)
+            return False
+        return True
+
+    def _fail(self, page: int, err: PageError) -> None:
+        if page in self.failed:
+            return
+        self.failed[page] = err.reason
+        self._pool._count_load_failure(err)
+        self._pool._drop_if_corrupt(self.keys[page], self.sources[page], err)
+
+    def close(self) -> None:
+        """Unpin and count. Idempotent."""
+        spec = self._pool.spec
+        for i, entry in enumerate(self._pages):
+            if entry is None:
+                continue
+            tier, ref, _, pinned = entry
+            if pinned:
+                tier.unpin(ref.slot)
+            if i not in self.failed:
+                self._pool.stats.add("loaded_pages", tier=tier.medium)
+                self._pool.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
+        self._pages = [None] * len(self._pages)
+        self._pool.stats.add("load_seconds", time.perf_counter() - self._started)
