@@ -21,16 +21,17 @@ echo "== mypy"
 echo "== pytest (core)"
 "$PY" -m pytest -m "not vllm and not sglang" "$@"
 
-run_marked() {   # run_marked MARK PYTHON: pytest exit 5 (nothing collected) is a failure here too
+run_marked() {   # run_marked MARK PYTHON [ARGS]: pytest exit 5 (nothing collected) fails here too
     local mark="$1" py="$2"
-    echo "== pytest -m $mark"
+    echo "== pytest -m $mark ($py)"
     "$py" -m pytest -m "$mark" "${@:3}"
 }
 
 if [[ "${POF_SKIP_ENGINES:-0}" != "1" ]]; then
-    if ls tests/adapters/test_vllm*.py >/dev/null 2>&1; then
-        VPY="$(bash ci/vllm_venv.sh | tail -n 1)"
-        run_marked vllm "$VPY" "$@"
-    fi
+    VPY="$(bash ci/vllm_venv.sh | tail -n 1)"
+    run_marked vllm "$VPY" "$@"
+    SPY="$(bash ci/sglang_venv.sh | tail -n 1)"
+    # The cross-engine test starts a vLLM server from the vLLM venv while it runs in SGLang's.
+    POF_VLLM_PYTHON="$VPY" run_marked sglang "$SPY" -W ignore::UserWarning "$@"
 fi
 echo "== all tests passed"

@@ -17,11 +17,14 @@ from typing import Any
 MODEL_CACHE = Path(os.environ.get("POF_MODEL_CACHE", Path.home() / ".cache" / "pof" / "models"))
 
 
-def build_model(preset: str = "tiny") -> Path:
-    """A locally built Llama (no hub), reused when already built (make_model keeps a marker)."""
+def build_model(preset: str = "tiny", python: str | None = None) -> Path:
+    """A locally built Llama (no hub), reused when already built (make_model keeps a marker).
+
+    ``python`` must have the pinned transformers/tokenizers of the vLLM venv (the default is
+    this interpreter): the files depend on their versions."""
     out = MODEL_CACHE / preset
-    subprocess.run([sys.executable, "-m", "pof_connector.bench.make_model", "--preset", preset, "--out", str(out)],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([python or sys.executable, "-m", "pof_connector.bench.make_model", "--preset", preset,
+                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -41,7 +44,8 @@ def connector_config(extra: dict[str, Any], policy: str = "recompute") -> dict[s
 class VllmServer:
     def __init__(self, model: Path, workdir: Path, *, kv_transfer: dict[str, Any] | None = None,
                  max_model_len: int = 4096, kv_cache_gib: int = 1, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python: str | None = None) -> None:
+        """``python``: an interpreter with vLLM installed (default: this one)."""
         self.model = model
         self.workdir = workdir
         self.port = free_port()
@@ -51,6 +55,7 @@ class VllmServer:
         self.kv_cache_gib = kv_cache_gib
         self.extra_args = extra_args or []
         self.env = env or {}
+        self.python = python or sys.executable
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / f"vllm-{self.port}.log"
 
@@ -63,7 +68,7 @@ class VllmServer:
                    TORCHINDUCTOR_CACHE_DIR=str(MODEL_CACHE.parent / "inductor-cache"),
                    TMPDIR=str(scratch), PYTHONUNBUFFERED="1", **self.env)
         scratch.mkdir(exist_ok=True)
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                 "--max-model-len", str(self.max_model_len), "--seed", "0", *self.extra_args]
         if self.kv_transfer is not None:

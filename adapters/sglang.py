@@ -1,0 +1,210 @@
+"""``PoFHiCacheStorage``: the pool as a HiCache storage backend of a stock SGLang server::
+
+    --enable-hierarchical-cache --page-size 64 --hicache-mem-layout page_first_direct \\
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name":"pof","module_path":"pof_connector.adapters.sglang","class_name":"PoFHiCacheStorage",
+        "interface_v1":1,"node_id":"s1","index_url":"redis://127.0.0.1:6379/0","tiers":{"cpu_dram":{"size":"4GiB"}}}'
+
+The extra config is pof's config (README, "Configuration") plus SGLang's own keys. SGLang hands
+over its page keys (chained sha256 hex digests of the page tokens, seeded by ``cache_salt`` /
+``extra_key``): they are taken as given and put in pof's namespace (model, dtype, page geometry,
+TP rank), which is the one vLLM's adapter uses — so a prefix one engine stored is found and
+loaded by the other when both run the same model and dtype with the same page size (SGLang
+``--page-size`` = vLLM ``--block-size`` × n with pof ``page_tokens`` equal to it) and the same
+``model`` string in pof's config.
+
+Every batch call runs on SGLang's storage threads, is thread-safe, never raises and never
+returns ``None``: a failure is logged once, counted, and answered as a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from pof_connector.adapters.sglang_layout import HostPages
+from pof_connector.config import ConfigError, PofConfig
+from pof_connector.keys import Namespace, PageKey, keys_from_hex
+from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pool import Pool
+from pof_connector.staging import StagingPool
+
+log = logging.getLogger("pof_connector.sglang")
+
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+"""Keys of the extra config that belong to SGLang's loader, not to pof."""
+STORE_TIMEOUT_S = 30.0
+
+
+class PoFHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = {k: v for k, v in (storage_config.extra_config or {}).items() if k not in SGLANG_KEYS}
+        self.config = PofConfig.from_mapping(extra, source="hicache-storage-backend-extra-config")
+        self.storage_config = storage_config
+        self.pool: Pool | None = None
+        self.pages: HostPages | None = None
+        self.namespace = b""
+        self.staging = StagingPool(keep_bytes=256 << 20)
+
+    # ---- set-up (errors here fail SGLang's start-up, with the key named) --------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pages = HostPages(mem_pool_host)
+        if self.config.page_tokens not in (None, pages.page_size):
+            raise ConfigError(f"page_tokens: {self.config.page_tokens} differs from SGLang's --page-size "
+                              f"{pages.page_size}; allowed: {pages.page_size} (or unset)")
+        sc = self.storage_config
+        tp_rank, tp_size = (0, 1) if pages.is_mla else (int(sc.tp_rank), int(sc.tp_size))
+        model = self.config.model or str(sc.model_name)
+        self.namespace = Namespace(model, str(pages.dtype).removeprefix("torch."), pages.layout_name,
+                                   pages.page_size, tp_rank, tp_size, self.config.namespace).digest
+        spec = PageSpec(pages.num_layers, pages.segment_bytes, pages.page_size,
+                        KIND_MLA if pages.is_mla else KIND_MHA)
+        config = self.config
+        if int(sc.tp_size) > 1 and not pages.is_mla:    # every rank is a pool node of its own
+            config = replace(config, node_id=f"{config.node_id}-tp{sc.tp_rank}")
+        self.pages = pages
+        self.pool = Pool(config, spec, self.namespace, meta={"engine": "sglang", "model": model})
+        log.info("pof: SGLang host pool %s, %d layers, pages of %d tokens = %d KiB, model %s", pages.layout,
+                 pages.num_layers, pages.page_size, spec.page_bytes >> 10, model)
+
+    def _keys(self, keys: list[str]) -> list[PageKey]:
+        return keys_from_hex(self.namespace, keys)
+
+    def _failed(self, hook: str, err: Exception) -> None:
+        if self.pool is not None:
+            self.pool.report_adapter_error(hook, err)
+        else:
+            log.exception("pof: %s called before register_mem_pool_host", hook)
+
+    # ---- the zero-copy (v1) interface ----------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages the pool can load (this node's tiers and what it can read)."""
+        try:
+            assert self.pool is not None
+            return int(self.pool.lookup(self._keys(list(keys))).pages)
+        except Exception as e:
+            self._failed("batch_exists", e)
+            return 0
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        try:
+            ps = self._pages().page_size
+            return self._store([(k, int(host_indices[i * ps])) for i, k in enumerate(keys)], flat=None)
+        except Exception as e:
+            self._failed("batch_set_v1", e)
+            return [False] * len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        try:
+            pages = self._pages()
+            ps = pages.page_size
+            starts = [int(host_indices[i * ps]) for i in range(len(keys))]
+            return self._load(list(keys), lambda i, layer: pages.layer(starts[i], layer))
+        except Exception as e:
+            self._failed("batch_get_v1", e)
+            return [False] * len(keys)
+
+    # ---- the legacy interface (flat pages) ------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        try:
+            return all(self._store([(k, 0) for k in keys], flat=list(values or [])))
+        except Exception as e:
+            self._failed("batch_set", e)
+            return False
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        try:
+            pages = self._pages()
+            targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page()
+                       for t in (target_locations or [None] * len(keys))]
+            ok = self._load(list(keys), lambda i, layer: pages.flat_layer(targets[i], layer))
+            return [t if good else None for t, good in zip(targets, ok, strict=True)]
+        except Exception as e:
+            self._failed("batch_get", e)
+            return [None] * len(keys)
+
+    def clear(self) -> None:
+        """Pages belong to the cluster pool, not to this server: nothing is deleted."""
+        log.info("pof: clear() ignored: the pool is shared; pages age out by LRU")
+
+    def get_stats(self) -> None:
+        return None       # pof's counters are Prometheus metrics (pof_*), not SGLang StorageMetrics
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    # ---- translation ----------------------------------------------------------------------------
+
+    def _pages(self) -> HostPages:
+        if self.pages is None or self.pool is None:
+            raise RuntimeError("register_mem_pool_host was not called")
+        return self.pages
+
+    def _store(self, pages_at: list[tuple[str, int]], flat: list[Any] | None) -> list[bool]:
+        """Copy pages (host pool page starts, or legacy flat pages) into canonical staging, then
+        into the pool; a page this node already stores counts as stored."""
+        pages, pool = self._pages(), self.pool
+        assert pool is not None
+        keys = self._keys([k for k, _ in pages_at])
+        todo = [i for i, k in enumerate(keys) if not pool.contains(k)]
+        if not todo:
+            return [True] * len(keys)
+        L, seg = pages.num_layers, pages.segment_bytes
+        buf = self.staging.take(len(todo) * L * seg).reshape(len(todo), L, seg)
+        try:
+            items = []
+            for j, i in enumerate(todo):
+                for layer in range(L):
+                    src = pages.flat_layer(flat[i], layer) if flat is not None else pages.layer(pages_at[i][1], layer)
+                    torch.from_numpy(buf[j, layer]).view(pages.dtype).view(pages.canonical_shape).copy_(src)
+                items.append((keys[i], [buf[j, layer] for layer in range(L)]))
+            pool.store(items).result(timeout=STORE_TIMEOUT_S)
+        finally:
+            self.staging.give(buf.reshape(-1))
+        return [pool.contains(k) for k in keys]
+
+    def _load(self, hex_keys: list[str], dest: Any) -> list[bool]:
+        """Copy the leading pages the pool has, layer by layer, straight from tier memory into
+        ``dest(page, layer)`` (a canonical view into SGLang's memory), checking each copy."""
+        pages, pool = self._pages(), self.pool
+        assert pool is not None
+        keys = self._keys(hex_keys)
+        found = pool.lookup(keys)
+        ok = [False] * len(keys)
+        reader = pool.open_read(keys[:found.pages], found.sources)
+        try:
+            for i in range(found.pages):
+                good = True
+                for layer in range(pages.num_layers):
+                    seg = reader.segment(i, layer)
+                    if seg is None:
+                        good = False
+                        break
+                    dest(i, layer).copy_(torch.from_numpy(seg).view(pages.dtype).view(pages.canonical_shape))
+                    if not reader.check(i, layer):
+                        good = False
+                        break
+                ok[i] = good
+        finally:
+            reader.close()
+        return ok

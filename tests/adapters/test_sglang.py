@@ -1,0 +1,215 @@
+"""PoFHiCacheStorage through SGLang's real factory, config and host KV pools (on the CPU).
+
+SGLang cannot serve a model on this CPU machine (its kernels need CUDA), so its HiCache
+controller is what these tests stand in for: they call the backend the way the controller does
+(batch_exists with all page keys, batch_set_v1 / batch_get_v1 with token-level host indices).
+Everything else is real: sglang's classes, its page keys, pof's pool and a Redis-protocol index.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
+
+from pof_connector.adapters.sglang import PoFHiCacheStorage
+from pof_connector.index.server import RedisServer
+
+pytestmark = pytest.mark.sglang
+
+PS, L, H, D = 4, 3, 2, 8
+
+
+def host_pool(kind: str, layout: str, dtype: torch.dtype = torch.bfloat16, ps: int = PS, layers: int = L,
+              heads: int = H, dim: int = D, tokens: int = 64) -> Any:
+    """A real SGLang host pool on the CPU (ENGINES.md recipe)."""
+    with host_memory_budget_scope(1 << 30):
+        if kind == "mha":
+            dev = MHATokenToKVPool(size=tokens, page_size=ps, dtype=dtype, head_num=heads, head_dim=dim,
+                                   layer_num=layers, device="cpu", enable_memory_saver=False)
+            return MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, ps, layout,
+                                        pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                        start_layer=dev.start_layer, end_layer=dev.end_layer)
+        dev = MLATokenToKVPool(size=tokens, page_size=ps, dtype=dtype, kv_lora_rank=12, qk_rope_head_dim=4,
+                               layer_num=layers, device="cpu", enable_memory_saver=False)
+        return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, ps, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=dev.start_layer, end_layer=dev.end_layer, target_layer_num=layers)
+
+
+def storage_config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                   layout: str = "page_first_direct", model: str = "tests/model") -> HiCacheStorageConfig:
+    cfg = {"backend_name": "pof", "module_path": "pof_connector.adapters.sglang",
+           "class_name": "PoFHiCacheStorage", "interface_v1": 1, **extra}
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=layout == "page_first", model_name=model, extra_config=cfg)
+
+
+def backend(pool: Any, extra: dict[str, Any], **kw: Any) -> PoFHiCacheStorage:
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra, **kw), pool)
+    b.register_mem_pool_host(pool)
+    b.on_host_pools_registered()
+    assert isinstance(b, PoFHiCacheStorage)
+    return b
+
+
+def page_keys(tokens: list[int], ps: int = PS, salt: str | None = None) -> list[str]:
+    class Key:     # what SGLang passes: token ids with optional extra_key / cache_salt
+        def __init__(self) -> None:
+            self.token_ids, self.extra_key, self.cache_salt = tokens, None, salt
+
+        def __len__(self) -> int:
+            return len(tokens)
+
+    if salt is None:
+        return list(get_hash_str(tokens, None, page_size=ps))
+    return list(get_storage_hash_str(Key(), None, page_size=ps))
+
+
+def indices(pages: list[int], ps: int = PS) -> torch.Tensor:
+    return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages]).to(torch.int64)
+
+
+def fill(pool: Any, pages: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in pages:
+        flat = pool.get_data_page(p * pool.page_size, flat=True)
+        pool.set_from_flat_data_page(p * pool.page_size, torch.randn(flat.shape, generator=g).to(flat.dtype))
+
+
+def same_pages(pool: Any, a: list[int], b: list[int]) -> bool:
+    return all(torch.equal(pool.get_data_page(x * pool.page_size, flat=True),
+                           pool.get_data_page(y * pool.page_size, flat=True)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def extra(runtime_dir: str, redis_server: RedisServer) -> dict[str, Any]:
+    return {"node_id": "s1", "index_url": redis_server.url, "runtime_dir": runtime_dir,
+            "tiers": {"cpu_dram": {"size": "64MiB"}}}
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_v1_round_trip_through_the_factory(kind: str, layout: str, extra: dict[str, Any]) -> None:
+    pool = host_pool(kind, layout)
+    b = backend(pool, extra, mla=kind == "mla", layout=layout)
+    try:
+        keys = page_keys(list(range(100, 100 + 3 * PS)))
+        fill(pool, [2, 3, 4], seed=1)
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set_v1(keys, indices([2, 3, 4])) == [True, True, True]
+        assert b.batch_exists(keys) == 3 and b.batch_exists([*keys[:2], "00" * 32]) == 2
+        assert b.batch_get_v1(keys, indices([9, 10, 11])) == [True, True, True]
+        assert same_pages(pool, [2, 3, 4], [9, 10, 11])
+        # The legacy interface reads and writes the same canonical pages.
+        got = b.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        assert all(g is not None and torch.equal(g, pool.get_data_page(p * PS, flat=True))
+                   for g, p in zip(got, [2, 3, 4], strict=True))
+        other = page_keys(list(range(500, 500 + PS)))
+        fill(pool, [5], seed=2)
+        assert b.batch_set(other, [pool.get_data_page(5 * PS, flat=True)])
+        assert b.batch_get_v1(other, indices([12])) == [True] and same_pages(pool, [5], [12])
+        assert b.get_stats() is None
+    finally:
+        b.close()
+
+
+def test_keys_are_sglangs_own_and_salted(extra: dict[str, Any]) -> None:
+    pool = host_pool("mha", "page_first")
+    b = backend(pool, extra, layout="page_first")
+    try:
+        tokens = list(range(7, 7 + 2 * PS))
+        fill(pool, [1, 2], seed=3)
+        assert b.batch_set_v1(page_keys(tokens, salt="tenant-a"), indices([1, 2])) == [True, True]
+        assert b.batch_exists(page_keys(tokens, salt="tenant-a")) == 2
+        assert b.batch_exists(page_keys(tokens, salt="tenant-b")) == 0       # another salt: no hit
+        assert b.batch_exists(page_keys(tokens)) == 0
+    finally:
+        b.close()
+
+
+def test_tp_ranks_keep_distinct_keys_and_mla_shares(extra: dict[str, Any]) -> None:
+    keys = page_keys(list(range(40, 40 + PS)))
+    pools = [host_pool("mha", "page_first_direct") for _ in range(2)]
+    ranks = [backend(p, extra, tp_rank=r, tp_size=2) for r, p in enumerate(pools)]
+    try:
+        fill(pools[0], [1], seed=4)
+        assert ranks[0].batch_set_v1(keys, indices([1])) == [True]
+        assert ranks[0].batch_exists(keys) == 1 and ranks[1].batch_exists(keys) == 0   # rank 1's heads differ
+    finally:
+        for r in ranks:
+            r.close()
+    mla_pools = [host_pool("mla", "page_first_direct") for _ in range(2)]
+    mla = [backend(p, {**extra, "node_id": f"m{r}"}, mla=True, tp_rank=r, tp_size=2)
+           for r, p in enumerate(mla_pools)]
+    try:
+        fill(mla_pools[0], [1], seed=5)
+        assert mla[0].batch_set_v1(keys, indices([1])) == [True]                 # only the writer rank stores
+        assert mla[1].batch_exists(keys) == 0       # m0's DRAM is not m1's: found in the index, not readable
+    finally:
+        for m in mla:
+            m.close()
+
+
+def test_failures_are_misses_never_exceptions(runtime_dir: str, shm_path: str) -> None:
+    region = shm_path
+    extra = {"node_id": "s1", "index_url": f"unix://{runtime_dir}/nothing.sock", "runtime_dir": runtime_dir,
+             "tiers": {"cxl": {"path": region, "size": "16MiB", "partitions": 2}}}
+    pool = host_pool("mha", "page_first_direct")
+    b = backend(pool, extra)
+    try:
+        keys = page_keys(list(range(60, 60 + 2 * PS)))
+        fill(pool, [1, 2], seed=6)
+        assert b.batch_set_v1(keys, indices([1, 2])) == [True, True]       # the index is down: local books
+        assert b.batch_exists(keys) == 2
+        assert b.pool is not None and b.pool.stats.get("index_errors") >= 1
+        tier = b.pool.tiers[0]                                              # corrupt page 2 in the region
+        ref = tier.find(b._keys(keys)[1])
+        assert ref is not None
+        tier.region[tier.slot_offset(ref.slot) + b.pool.spec.segment_offset(1) + 5] ^= 0xFF
+        assert b.batch_get_v1(keys, indices([5, 6])) == [True, False]
+        assert b.pool.stats.get("load_failures", reason="bad_checksum") == 1
+        assert b.batch_exists(keys) == 1                                    # the corrupt page was dropped
+        os.unlink(region)                                                   # the tier's file disappears
+        b.pool.heartbeat()
+        assert b.batch_exists(keys) == 0 and b.pool.stats.get("tier_errors", tier="cxl") == 1
+        assert b.batch_get_v1(keys, indices([5, 6])) == [False, False]
+        assert b.batch_set_v1(["zz"], indices([7])) == [False]              # a malformed key: a miss
+        assert b.pool.stats.get("adapter_errors", hook="batch_set_v1") == 1
+    finally:
+        b.close()
+    unregistered = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+    assert unregistered.batch_exists(["00" * 32]) == 0                      # called too early: still no raise
+    assert unregistered.batch_get_v1(["00" * 32], indices([1])) == [False]
+
+
+def test_bad_config_fails_at_start_up(runtime_dir: str) -> None:
+    from pof_connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tiers"):
+        StorageBackendFactory.create_backend("dynamic", storage_config({"tiers": {"gpu": {}}}),
+                                             host_pool("mha", "page_first"))
+    pool = host_pool("mha", "page_first")
+    with pytest.raises(ConfigError, match="page_tokens"):
+        backend(pool, {"index_url": "local", "runtime_dir": runtime_dir, "page_tokens": 8})
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="pof-sgl-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
