@@ -184,12 +184,11 @@ class Pool:
         self.stats.add("lookups")
         self.stats.add("lookup_pages", len(keys))
         sources: list[Location | None] = [None] * len(keys)
-        for i, key in enumerate(keys):
-            loc = self._find_own(key)
-            if loc is None:
-                break
-            sources[i] = loc
-        for key in reversed(keys[:i + 1] if keys else []):
+        own = 0
+        while own < len(keys) and (loc := self._find_own(keys[own])) is not None:
+            sources[own] = loc
+            own += 1
+        for key in reversed(keys[:own]):
             self._touch_own(key)       # the prefix head ends most recently used
         elsewhere: dict[str, int] = {}
         if keys and sources[-1] is None:
