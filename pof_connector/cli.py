@@ -116,6 +116,8 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
         up = threading.Event()
         announcer = threading.Thread(target=_announce, args=(url, runtime_dir, lock, up), daemon=True)
         announcer.start()
+        if args.http_port:
+            _start_api(url, args)
         try:
             return supervise(runtime_dir, idle_s)
         except (OSError, RuntimeError, TimeoutError, ValueError) as e:
@@ -123,6 +125,42 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
         finally:
             up.set()
             announcer.join()      # before the lock file closes under it
+
+
+def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
+    """Serve the locality API (pof_connector.router.api) on a thread of this process."""
+    import uvicorn
+
+    from pof_connector.router.api import load_tokenizer, make_app
+
+    tokenizers = {}
+    for item in args.tokenizer or []:
+        model, _, path = item.partition("=")
+        if not path:
+            raise CommandError(f"--tokenizer expects MODEL=DIR, got {item!r}")
+        tokenizers[model] = load_tokenizer(path)
+    app = make_app(RedisIndex(index_url, None), token=args.token, tokenizers=tokenizers)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.http_host, port=args.http_port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="pof-api", daemon=True)
+    thread.start()
+    _err().print(f"locality API on http://{args.http_host}:{args.http_port} (docs at /docs)", style="dim")
+    return thread
+
+
+def cmd_index_api(args: argparse.Namespace) -> int:
+    """Serve the locality API for an index this process does not run (e.g. a Redis cluster's)."""
+    if not ping(args.url):
+        raise CommandError(f"no index server answers at {args.url}")
+    _start_api(args.url, args).join()
+    return 0
+
+
+def _add_api_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--http-host", default="127.0.0.1", help="address of the locality API (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=port, help=f"its port; 0 disables it (default {port})")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on the API (not on /healthz)")
+    p.add_argument("--tokenizer", action="append", metavar="MODEL=DIR",
+                   help="accept text prompts for MODEL, tokenized with DIR/tokenizer.json (repeatable)")
 
 
 def _announce(url: str, runtime_dir: Path, lock: Any, done: threading.Event) -> None:
@@ -329,7 +367,14 @@ def _add_index(sub: Any) -> None:
                                                             "(default: the config's runtime_dir)")
     serve.add_argument("--idle-s", type=float, metavar="N", default=None,
                        help="stop after N seconds without clients (default: run until stopped)")
+    _add_api_args(serve, 8470)
     serve.set_defaults(handler=cmd_index_serve)
+    api = isub.add_parser("api", help="serve the locality API for a running index (e.g. redis://...)",
+                          description="Serve POST /v1/locality, GET /v1/nodes, /metrics and /healthz for the "
+                                      "index at --url.")
+    api.add_argument("--url", required=True, help="index server URL")
+    _add_api_args(api, 8470)
+    api.set_defaults(handler=cmd_index_api)
     stop = isub.add_parser("stop", help="stop this host's embedded index server",
                            description="Stop the embedded index server of a runtime directory.")
     stop.add_argument("--config", metavar="FILE", help="take runtime_dir from this pof config")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,13 +138,25 @@ def test_index_stats_does_not_start_a_server(short_dir: Path, capsys: pytest.Cap
 def test_serve_then_stop(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     runtime_dir = short_dir / "rt"
     url = f"unix://{runtime_dir / 'index.sock'}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "pof_connector.cli", "index", "serve", "--runtime-dir",
-                             str(runtime_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(runtime_dir), "--http-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
         while not ping(url) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert ping(url), "pof index serve did not bring a server up"
+        health = None
+        while health is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    health = json.loads(r.read())
+            except OSError:
+                time.sleep(0.1)
+        assert health == {"ok": True, "nodes": 0}          # the locality API serves the same index
         # no waiting for the pidfile here: `pof index stop` must cope with a server that just came up
         assert main(["index", "serve", "--runtime-dir", str(runtime_dir)]) == 1   # one server per directory
         assert "already answers" in capsys.readouterr().err

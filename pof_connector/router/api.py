@@ -1,0 +1,187 @@
+"""The locality query API: where does a prompt's prefix live?
+
+``POST /v1/locality`` takes a prompt (token ids, or text when a tokenizer for the model was
+given) and answers, per live node, how many leading tokens it holds and in which tiers, with the
+node's free capacity. ``GET /v1/nodes`` lists live nodes, ``/metrics`` is Prometheus,
+``/healthz`` says whether the index answers, ``/docs`` and ``/openapi.json`` describe it all.
+
+A prompt becomes page keys the way pool nodes make them: every node publishes, with its
+heartbeat, the namespace digest and page size of what it stores (``Pool.meta``); the API
+computes the prompt's chain for each namespace of the asked model and asks the index for the
+longest prefix. Served by ``pof index serve`` on 127.0.0.1 by default; a bearer token can be
+required (``/healthz`` stays open for probes).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, Field, model_validator
+
+from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
+from pof_connector.keys import PageKey, page_keys
+
+MAX_TOKENS = 1 << 20          # a 1M-token prompt is 4 MiB of JSON: beyond that, refuse
+MAX_TOKEN_ID = 0xFFFFFFFF
+Tokenizer = Callable[[str], list[int]]
+
+
+class LocalityQuery(BaseModel):
+    model: str | None = Field(None, description="model as the engines' pof config names it; optional when "
+                                                "the index holds exactly one model")
+    tokens: list[int] | None = Field(None, max_length=MAX_TOKENS, description="prompt token ids")
+    text: str | None = Field(None, max_length=8 * MAX_TOKENS, description="prompt text (needs a tokenizer)")
+    cache_salt: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def one_prompt(self) -> LocalityQuery:
+        if (self.tokens is None) == (self.text is None):
+            raise ValueError("give exactly one of 'tokens' and 'text'")
+        if self.tokens is not None and any(t < 0 or t > MAX_TOKEN_ID for t in self.tokens):
+            raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}")
+        return self
+
+
+class TierTokens(BaseModel):
+    tokens: int
+    capacity_bytes: int = 0
+    free_bytes: int = 0
+
+
+class NodeLocality(BaseModel):
+    node_id: str
+    matched_tokens: int = Field(description="leading prompt tokens this node holds")
+    tiers: dict[str, int] = Field(description="matched tokens per tier")
+    free_bytes: dict[str, int] = Field(description="free capacity per tier")
+    meta: dict[str, str]
+
+
+class LocalityAnswer(BaseModel):
+    model: str
+    prompt_tokens: int
+    page_tokens: int
+    nodes: list[NodeLocality] = Field(description="nodes holding a prefix, longest first")
+
+
+class NodeView(BaseModel):
+    node_id: str
+    tiers: dict[str, TierTokens]
+    meta: dict[str, str]
+
+
+def make_app(index: LocalityIndex, *, token: str | None = None,
+             tokenizers: dict[str, Tokenizer] | None = None) -> FastAPI:
+    """The API over ``index``; ``token`` requires ``Authorization: Bearer <token>``."""
+    app = FastAPI(title="pof locality API", version="1", description=__doc__)
+    registry = CollectorRegistry()
+    requests = Counter("pof_api_requests", "Locality API requests", ["endpoint", "status"], registry=registry)
+    tokenizers = dict(tokenizers or {})
+
+    def authorized(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            requests.labels(request.url.path, "401").inc()
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    def live_nodes() -> list[NodeInfo]:
+        try:
+            return index.nodes()
+        except IndexUnavailable as e:
+            raise HTTPException(503, f"the locality index is unreachable: {e}") from None
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        try:
+            n = len(index.nodes())
+        except IndexUnavailable as e:
+            raise HTTPException(503, f"the locality index is unreachable: {e}") from None
+        return {"ok": True, "nodes": n}
+
+    @app.get("/v1/nodes", dependencies=[Depends(authorized)])
+    def nodes() -> list[NodeView]:
+        requests.labels("/v1/nodes", "200").inc()
+        return [NodeView(node_id=n.node_id, meta=n.meta,
+                         tiers={m: TierTokens(tokens=0, capacity_bytes=t.capacity_bytes, free_bytes=t.free_bytes)
+                                for m, t in n.tiers.items()})
+                for n in live_nodes()]
+
+    @app.post("/v1/locality", dependencies=[Depends(authorized)])
+    def locality(query: LocalityQuery) -> LocalityAnswer:
+        live = live_nodes()
+        spaces = _namespaces(live)
+        model = query.model
+        if model is None:
+            if len(spaces) != 1:
+                raise HTTPException(422, f"'model' is required; the index holds: {sorted(spaces) or 'no model yet'}")
+            model = next(iter(spaces))
+        if model not in spaces:
+            raise HTTPException(404, f"no live node stores model {model!r}; known: {sorted(spaces)}")
+        if query.tokens is not None:
+            tokens = query.tokens
+        elif model in tokenizers:
+            tokens = tokenizers[model](query.text or "")
+        else:
+            raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens', or start it with "
+                                     f"--tokenizer {model}=DIR")
+        by_node: dict[str, NodeLocality] = {}
+        page = 0
+        info = {n.node_id: n for n in live}
+        for ns, page_tokens in spaces[model]:
+            page = page_tokens
+            keys: list[PageKey] = page_keys(ns, tokens, page_tokens, cache_salt=query.cache_salt)
+            if not keys:
+                continue
+            try:
+                matches = index.longest_prefix(keys)
+            except IndexUnavailable as e:
+                raise HTTPException(503, f"the locality index is unreachable: {e}") from None
+            for node, match in matches.items():
+                tiers = {medium: n * page_tokens for medium, n in match.per_tier().items()}
+                best = by_node.get(node)
+                if best is None or best.matched_tokens < match.pages * page_tokens:
+                    node_info = info.get(node)
+                    by_node[node] = NodeLocality(
+                        node_id=node, matched_tokens=match.pages * page_tokens, tiers=tiers,
+                        free_bytes={m: t.free_bytes for m, t in node_info.tiers.items()} if node_info else {},
+                        meta=node_info.meta if node_info else {})
+        requests.labels("/v1/locality", "200").inc()
+        return LocalityAnswer(model=model, prompt_tokens=len(tokens), page_tokens=page,
+                              nodes=sorted(by_node.values(), key=lambda n: -n.matched_tokens))
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _namespaces(nodes: list[NodeInfo]) -> dict[str, list[tuple[bytes, int]]]:
+    """model -> distinct (namespace digest, page tokens) that live nodes store it under."""
+    out: dict[str, list[tuple[bytes, int]]] = {}
+    for n in nodes:
+        model, ns, page = n.meta.get("model"), n.meta.get("namespace"), n.meta.get("page_tokens")
+        if not (model and ns and page):
+            continue
+        entry = (bytes.fromhex(ns), int(page))
+        if entry not in out.setdefault(model, []):
+            out[model].append(entry)
+    return out
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A ``tokenizers`` tokenizer from a model directory (its tokenizer.json) or a file."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    p = Path(path)
+    tok = HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    return lambda text: list(tok.encode(text, add_special_tokens=False).ids)
+
