@@ -24,6 +24,14 @@ class LoadJob:
     block_ids: list[list[int]]
     skip_blocks: int = 0
 
+    def first_block(self, page: int) -> int:
+        """Position, within page ``page``'s blocks, of the first block the pool writes."""
+        return self.skip_blocks if page == 0 else 0
+
+    def blocks_to_load(self, page: int) -> list[int]:
+        """The blocks page ``page`` writes (and vLLM must recompute if it fails)."""
+        return self.block_ids[page][self.first_block(page):]
+
 
 @dataclass
 class SaveJob:

@@ -110,13 +110,13 @@ class PoFWorker:
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         for active in self._loads:
             job, reader = active.job, active.reader
-            for i, blocks in enumerate(job.block_ids):
+            for i in range(len(job.keys)):
                 seg = reader.segment(i, layer)
                 if seg is None:
                     continue
                 page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
-                skip = job.skip_blocks if i == 0 else 0      # the first page's head is the engine's own
-                lay.write_blocks(kv, blocks[skip:], lay.pages_to_blocks(page, bpp)[skip:])
+                skip = job.first_block(i)          # the first page's head is the engine's own
+                lay.write_blocks(kv, job.blocks_to_load(i), lay.pages_to_blocks(page, bpp)[skip:])
                 reader.check(i, layer)          # after the copy: were those bytes the page's?
 
     def _finish_loads(self) -> None:
@@ -125,7 +125,7 @@ class PoFWorker:
             active.reader.close()
             failed = active.reader.failed
             for i in failed:
-                self._load_errors.update(active.job.block_ids[i][active.job.skip_blocks if i == 0 else 0:])
+                self._load_errors.update(active.job.blocks_to_load(i))
             self.load_latencies.append(time.perf_counter() - active.started)
             if failed:
                 log.warning("pof: request %s: %d of %d pages failed to load; vLLM recomputes them",
@@ -139,8 +139,8 @@ class PoFWorker:
     def fail_jobs(self, jobs: list[LoadJob]) -> None:
         """Report every block these loads promised as a load error (vLLM recomputes them)."""
         for job in jobs:
-            for i, blocks in enumerate(job.block_ids):
-                self._load_errors.update(blocks[job.skip_blocks if i == 0 else 0:])
+            for i in range(len(job.keys)):
+                self._load_errors.update(job.blocks_to_load(i))
 
     def report_failed_blocks(self, blocks: list[int]) -> None:
         self._load_errors.update(blocks)

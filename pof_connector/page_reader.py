@@ -34,15 +34,18 @@ log = logging.getLogger(__name__)
 
 
 class PageReader:
-    def __init__(self, pool: Pool, keys: list[PageKey], sources: list[Location]) -> None:
+    def __init__(self, pool: Pool, keys: list[PageKey], sources: list[Location],
+                 headers: list[np.ndarray] | None = None) -> None:
+        """``headers[i]``, when given, receives page ``i``'s header (else a scratch buffer does)."""
         self._pool = pool
         self.keys = keys
         self.sources = sources
         self.failed: dict[int, str] = {}
         self._pages: list[tuple[Tier, SlotRef, PageHeader, bool] | None] = []
         self._started = time.perf_counter()
-        header_buf = np.empty(pool.spec.header_bytes, dtype=np.uint8)
+        scratch = np.empty(pool.spec.header_bytes, dtype=np.uint8)
         for i, (key, src) in enumerate(zip(keys, sources, strict=True)):
+            header_buf = headers[i] if headers is not None else scratch
             try:
                 tier, ref, pinned = pool._resolve(key, src)
             except PageError as e:

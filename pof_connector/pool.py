@@ -42,7 +42,7 @@ from pof_connector.index import (
 from pof_connector.keys import PageKey, page_keys
 from pof_connector.metrics import PoolStats
 from pof_connector.page_reader import PageReader
-from pof_connector.pages import PageError, PageHeader, PageSpec, as_array
+from pof_connector.pages import PageError, PageSpec, as_array
 from pof_connector.tiers import SlotRef, Tier, make_tier
 
 log = logging.getLogger(__name__)
@@ -72,16 +72,6 @@ class Lookup:
         for s in self.sources:
             out[s.medium] = out.get(s.medium, 0) + 1
         return out
-
-
-@dataclass(frozen=True)
-class PageViews:
-    """Where one loaded page goes when its layers should not sit side by side: a header buffer
-    (``spec.header_bytes``) and one buffer per layer segment. Lets a caller stage layer ``l`` of
-    many pages contiguously, ready for one engine-side copy per layer."""
-
-    header: np.ndarray
-    segments: Sequence[np.ndarray]
 
 
 class LoadHandle:
@@ -119,10 +109,6 @@ class LoadHandle:
     def _fail(self, page: int, reason: str) -> None:
         with self._lock:
             self._failed.setdefault(page, reason)
-
-    def _is_failed(self, page: int) -> bool:
-        with self._lock:
-            return page in self._failed
 
     def _finish(self, reason: str = "aborted") -> None:
         """Release every waiter; pages whose layers did not all arrive count as failed."""
@@ -254,7 +240,7 @@ class Pool:
 
     def load(self, keys: Sequence[PageKey], sources: Sequence[Location], into: Sequence[Any]) -> LoadHandle:
         """Start copying page ``i`` of ``keys`` from ``sources[i]`` into ``into[i]`` (a writable
-        buffer of ``spec.page_bytes``, or :class:`PageViews`). Returns at once; the handle tracks
+        buffer of ``spec.page_bytes``) on an I/O thread. Returns at once; the handle tracks
         progress."""
         if not len(keys) == len(sources) == len(into):
             raise ValueError(f"load: {len(keys)} keys, {len(sources)} sources, {len(into)} buffers")
@@ -269,52 +255,30 @@ class Pool:
         return handle
 
     def _load(self, handle: LoadHandle, keys: list[PageKey], sources: list[Location], into: list[Any]) -> None:
-        t0 = time.perf_counter()
+        """The I/O-thread flavour of a :class:`PageReader` read: each layer of each page is copied
+        into its buffer and checked, and the handle releases a layer once every page has it."""
         spec = self.spec
-        plan: list[tuple[int, Tier, SlotRef, PageHeader, PageViews, bool]] = []
+        reader: PageReader | None = None
         try:
-            for i, (key, src, buf) in enumerate(zip(keys, sources, into, strict=True)):
-                try:
-                    tier, ref, pinned = self._resolve(key, src)
-                    views = buf if isinstance(buf, PageViews) else self._views(buf)
-                    try:
-                        header = tier.read_header(ref, key, views.header)
-                    except BaseException:
-                        if pinned:
-                            tier.unpin(ref.slot)
-                        raise
-                    plan.append((i, tier, ref, header, views, pinned))
-                except PageError as e:
-                    self._load_failed(handle, i, e.reason, e)
-                    self._drop_if_corrupt(key, src, e)
+            pages = [as_array(buf) for buf in into]
+            reader = PageReader(self, keys, sources, headers=[p[:spec.header_bytes] for p in pages])
             for layer in range(spec.num_layers):
-                for i, tier, ref, header, views, _ in plan:
-                    if handle._is_failed(i):
-                        continue
-                    try:
-                        tier.read_segment(ref, header, layer, views.segments[layer])
-                    except PageError as e:
-                        self._load_failed(handle, i, e.reason, e)
-                        self._drop_if_corrupt(keys[i], sources[i], e)
+                for i, page in enumerate(pages):
+                    seg = reader.segment(i, layer)
+                    if seg is not None:
+                        np.copyto(spec.segment(page, layer), seg)
+                        reader.check(i, layer)
+                for i, reason in reader.failed.items():
+                    handle._fail(i, reason)
                 handle._layers[layer].set()
         except Exception as e:   # a bug or a broken buffer: fail this load loudly, keep the engine alive
             self._log_once("load-crash", logging.ERROR, "pof: load failed unexpectedly; pages will be recomputed",
                            exc_info=e)
             self.stats.add("load_failures", len(keys), reason="error")
         finally:
-            for i, tier, ref, _, _, pinned in plan:
-                if pinned:
-                    tier.unpin(ref.slot)
-                if not handle._is_failed(i):
-                    self.stats.add("loaded_pages", tier=tier.medium)
-                    self.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
+            if reader is not None:
+                reader.close()
             handle._finish("error")
-            self.stats.add("load_seconds", time.perf_counter() - t0)
-
-    def _views(self, page: Any) -> PageViews:
-        arr = as_array(page)
-        spec = self.spec
-        return PageViews(arr[:spec.header_bytes], [spec.segment(arr, layer) for layer in range(spec.num_layers)])
 
     def _resolve(self, key: PageKey, src: Location) -> tuple[Tier, SlotRef, bool]:
         tier = self._by_medium.get(src.medium)
@@ -339,10 +303,6 @@ class Pool:
         if ref is not None:
             self._index_call("withdraw", self.index.withdraw,
                              [(key, Location(self.node_id, src.medium, ref.slot, ref.generation))], default=None)
-
-    def _load_failed(self, handle: LoadHandle, page: int, reason: str, err: PageError) -> None:
-        handle._fail(page, reason)
-        self._count_load_failure(err)
 
     def _count_load_failure(self, err: PageError) -> None:
         self.stats.add("load_failures", reason=err.reason)

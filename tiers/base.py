@@ -8,8 +8,9 @@ that was reused under them:
 * writer: bump the slot's generation in the table, zero the generation field of the slot's page
   header, write the segments, write the header (which carries the new generation) last;
 * reader: copy the header and check magic, key, generation and header checksum; copy each
-  segment and check its checksum; then re-read the live generation field: if it changed, the
-  copy may be torn and the page is rejected.
+  segment (:meth:`Tier.segment_view`), then check the checksum of those bytes and re-read the
+  live generation field (:meth:`Tier.check_segment`): if it changed, the copy may be torn and
+  the page is rejected.
 
 Books (which key is where, LRU, pins) are kept by a :class:`SlotTable` for the slots this
 process may write; reads may target any slot of the region.
@@ -212,19 +213,6 @@ class Tier(ABC):
         header = PageHeader.parse(dst)
         header.expect(spec, key, ref.generation)
         return header
-
-    def read_segment(self, ref: SlotRef, header: PageHeader, layer: int, into: Any) -> None:
-        """Copy one layer segment into ``into`` and check it; raises :class:`PageError`."""
-        spec = self.spec
-        start = spec.segment_offset(layer)
-        dst = as_array(into)
-        if len(dst) != spec.segment_bytes:
-            raise ValueError(f"segment buffer of {len(dst)} bytes, expected {spec.segment_bytes}")
-        np.copyto(dst, self._slot(ref.slot)[start:start + spec.segment_bytes])
-        if checksum(dst) != header.segment_checksums[layer]:
-            raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
-        if self.live_generation(ref.slot) != ref.generation:
-            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
 
     def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
         """Layer ``layer`` of the page at ``ref``, in place in tier memory (zero-copy read, step 1).
