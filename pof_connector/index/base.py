@@ -17,8 +17,9 @@ import numpy as np
 
 from pof_connector.keys import PageKey
 
-MEDIA = ("cpu_dram", "cxl", "gpu_hbm", "peer_hbm", "disk")
-"""Media codes stored in the index (position = code). Only append: codes are persistent."""
+MEDIA = ("cpu_dram", "cxl", "gpu_hbm", "peer_hbm", "disk", "engine")
+"""Media codes stored in the index (position = code). Only append: codes are persistent.
+"engine" is an engine's own prefix cache (published by `pof relay`): no pool reads it."""
 
 
 class IndexUnavailable(RuntimeError):

@@ -5,17 +5,14 @@ given) and answers, per live node, how many leading tokens it holds and in which
 node's free capacity. ``GET /v1/nodes`` lists live nodes, ``/metrics`` is Prometheus,
 ``/healthz`` says whether the index answers, ``/docs`` and ``/openapi.json`` describe it all.
 
-A prompt becomes page keys the way pool nodes make them: every node publishes, with its
-heartbeat, the namespace digest and page size of what it stores (``Pool.meta``); the API
-computes the prompt's chain for each namespace of the asked model and asks the index for the
-longest prefix. Served by ``pof index serve`` on 127.0.0.1 by default; a bearer token can be
+The answer comes from :class:`~pof_connector.router.locator.Locator`, which `pof router` uses
+too. Served by ``pof index serve`` on 127.0.0.1 by default; a bearer token can be
 required (``/healthz`` stays open for probes).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -24,11 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field, model_validator
 
 from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
-from pof_connector.keys import PageKey, page_keys
+from pof_connector.router.locator import Locator, ModelRequired, Tokenizer, UnknownModel
 
 MAX_TOKENS = 1 << 20          # a 1M-token prompt is 4 MiB of JSON: beyond that, refuse
 MAX_TOKEN_ID = 0xFFFFFFFF
-Tokenizer = Callable[[str], list[int]]
 
 
 class LocalityQuery(BaseModel):
@@ -55,8 +51,10 @@ class TierTokens(BaseModel):
 
 class NodeLocality(BaseModel):
     node_id: str
-    matched_tokens: int = Field(description="leading prompt tokens this node holds")
-    tiers: dict[str, int] = Field(description="matched tokens per tier")
+    matched_tokens: int = Field(description="leading prompt tokens this node holds (pool or engine)")
+    tiers: dict[str, int] = Field(description="held tokens per tier; 'engine' is the engine's own prefix cache")
+    usable_tokens: int = Field(description="leading tokens this node's pool can load, own or shared tiers")
+    usable: dict[str, int] = Field(description="usable tokens per tier they come from")
     free_bytes: dict[str, int] = Field(description="free capacity per tier")
     meta: dict[str, str]
 
@@ -80,7 +78,7 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
     app = FastAPI(title="pof locality API", version="1", description=__doc__)
     registry = CollectorRegistry()
     requests = Counter("pof_api_requests", "Locality API requests", ["endpoint", "status"], registry=registry)
-    tokenizers = dict(tokenizers or {})
+    locator = Locator(index, tokenizers=tokenizers, nodes_ttl_s=0.0)
 
     def authorized(request: Request) -> None:
         if token is None:
@@ -114,65 +112,34 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
 
     @app.post("/v1/locality", dependencies=[Depends(authorized)])
     def locality(query: LocalityQuery) -> LocalityAnswer:
-        live = live_nodes()
-        spaces = _namespaces(live)
-        model = query.model
-        if model is None:
-            if len(spaces) != 1:
-                raise HTTPException(422, f"'model' is required; the index holds: {sorted(spaces) or 'no model yet'}")
-            model = next(iter(spaces))
-        if model not in spaces:
-            raise HTTPException(404, f"no live node stores model {model!r}; known: {sorted(spaces)}")
-        if query.tokens is not None:
-            tokens = query.tokens
-        elif model in tokenizers:
-            tokens = tokenizers[model](query.text or "")
-        else:
-            raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens', or start it with "
-                                     f"--tokenizer {model}=DIR")
-        by_node: dict[str, NodeLocality] = {}
-        page = 0
-        info = {n.node_id: n for n in live}
-        for ns, page_tokens in spaces[model]:
-            page = page_tokens
-            keys: list[PageKey] = page_keys(ns, tokens, page_tokens, cache_salt=query.cache_salt)
-            if not keys:
-                continue
-            try:
-                matches = index.longest_prefix(keys)
-            except IndexUnavailable as e:
-                raise HTTPException(503, f"the locality index is unreachable: {e}") from None
-            for node, match in matches.items():
-                tiers = {medium: n * page_tokens for medium, n in match.per_tier().items()}
-                best = by_node.get(node)
-                if best is None or best.matched_tokens < match.pages * page_tokens:
-                    node_info = info.get(node)
-                    by_node[node] = NodeLocality(
-                        node_id=node, matched_tokens=match.pages * page_tokens, tiers=tiers,
-                        free_bytes={m: t.free_bytes for m, t in node_info.tiers.items()} if node_info else {},
-                        meta=node_info.meta if node_info else {})
+        try:
+            model = locator.pick_model(query.model)
+            tokens = query.tokens if query.tokens is not None else locator.tokenize(model, query.text or "")
+            if tokens is None:
+                raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens', or start it "
+                                         f"with --tokenizer {model}=DIR")
+            found = locator.locate(tokens, model, query.cache_salt)
+        except ModelRequired as e:
+            raise HTTPException(422, str(e)) from None
+        except UnknownModel as e:
+            raise HTTPException(404, str(e)) from None
+        except IndexUnavailable as e:
+            raise HTTPException(503, f"the locality index is unreachable: {e}") from None
+        answer = [NodeLocality(node_id=n.node_id, matched_tokens=max(n.held_tokens, n.engine_tokens),
+                               tiers={**n.held, **({"engine": n.engine_tokens} if n.engine_tokens else {})},
+                               usable_tokens=n.usable_tokens, usable=n.usable,
+                               free_bytes={m: t.free_bytes for m, t in n.info.tiers.items()} if n.info else {},
+                               meta=n.info.meta if n.info else {})
+                  for n in found.nodes.values() if n.held_tokens or n.engine_tokens or n.usable_tokens]
         requests.labels("/v1/locality", "200").inc()
-        return LocalityAnswer(model=model, prompt_tokens=len(tokens), page_tokens=page,
-                              nodes=sorted(by_node.values(), key=lambda n: -n.matched_tokens))
+        return LocalityAnswer(model=found.model, prompt_tokens=found.prompt_tokens, page_tokens=found.page_tokens,
+                              nodes=sorted(answer, key=lambda n: (-n.matched_tokens, -n.usable_tokens, n.node_id)))
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def _namespaces(nodes: list[NodeInfo]) -> dict[str, list[tuple[bytes, int]]]:
-    """model -> distinct (namespace digest, page tokens) that live nodes store it under."""
-    out: dict[str, list[tuple[bytes, int]]] = {}
-    for n in nodes:
-        model, ns, page = n.meta.get("model"), n.meta.get("namespace"), n.meta.get("page_tokens")
-        if not (model and ns and page):
-            continue
-        entry = (bytes.fromhex(ns), int(page))
-        if entry not in out.setdefault(model, []):
-            out[model].append(entry)
-    return out
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -1,0 +1,177 @@
+"""Where a prompt's prefix lives, per node: what the locality API answers and `pof router` routes on.
+
+For every live pool node the :class:`Locator` tells
+
+- ``held``: the leading pages the node itself stores, per tier (what ``POST /v1/locality`` shows);
+- ``engine_tokens``: the leading tokens sitting in the node's engine prefix cache, known from the
+  engine's own KV events (a relay publishes them under the index node ``<node>:engine``, whose
+  meta ``engine_of`` names the pool node);
+- ``usable``: the leading pages the node's pool can *load*, per tier: its own pages, and pages of
+  other nodes in a tier it shares with them (equal ``domain``, e.g. one CXL region), taken page
+  by page from the first readable holder, the way :meth:`Pool.lookup` takes them.
+
+Keys are computed per namespace: every node publishes the namespace digest and page size of
+what it stores, and a node is answered with keys of its own namespace.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pof_connector.index import LocalityIndex, NodeInfo, PrefixMatch
+from pof_connector.index.base import MEDIA
+from pof_connector.keys import page_keys
+
+Tokenizer = Callable[[str], list[int]]
+ENGINE_MEDIUM = "engine"
+"""The medium of an engine's own prefix cache in the index (published by `pof relay`)."""
+
+
+class UnknownModel(LookupError):
+    """No live node stores the asked model (the message lists the known ones)."""
+
+
+class ModelRequired(ValueError):
+    """The query names no model and the index holds several (or none)."""
+
+
+@dataclass
+class NodeLocality:
+    node_id: str
+    page_tokens: int
+    held: dict[str, int] = field(default_factory=dict)
+    """Leading tokens this node stores, per tier."""
+    engine_tokens: int = 0
+    """Leading tokens in this node's engine prefix cache (0 when no relay reports it)."""
+    usable: dict[str, int] = field(default_factory=dict)
+    """Leading tokens this node's pool can load, per tier they come from."""
+    info: NodeInfo | None = None
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(self.held.values())
+
+    @property
+    def usable_tokens(self) -> int:
+        return sum(self.usable.values())
+
+
+@dataclass(frozen=True)
+class Locality:
+    model: str
+    prompt_tokens: int
+    page_tokens: int
+    nodes: dict[str, NodeLocality]
+    """Every live pool node of the model, also those holding nothing of this prompt."""
+
+
+class Locator:
+    """Answers :meth:`locate` from an index client that is bound to no node."""
+
+    def __init__(self, index: LocalityIndex, *, tokenizers: dict[str, Tokenizer] | None = None,
+                 nodes_ttl_s: float = 0.5) -> None:
+        self.index = index
+        self.tokenizers = dict(tokenizers or {})
+        self._nodes_ttl_s = nodes_ttl_s
+        self._nodes: tuple[float, list[NodeInfo]] = (-1e9, [])
+        self._lock = threading.Lock()
+
+    def nodes(self, *, fresh: bool = False) -> list[NodeInfo]:
+        """Live nodes, cached for ``nodes_ttl_s``. Raises ``IndexUnavailable``."""
+        with self._lock:
+            stamp, cached = self._nodes
+            if fresh or time.monotonic() - stamp > self._nodes_ttl_s:
+                cached = self.index.nodes()
+                self._nodes = (time.monotonic(), cached)
+            return cached
+
+    def tokenize(self, model: str, text: str) -> list[int] | None:
+        """Token ids of ``text``, or ``None`` when no tokenizer for ``model`` was given."""
+        tok = self.tokenizers.get(model)
+        return tok(text) if tok is not None else None
+
+    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None) -> Locality:
+        """Per node of ``model``, what it holds, has in its engine and can load of ``tokens``.
+
+        Raises :class:`ModelRequired`, :class:`UnknownModel` or ``IndexUnavailable``."""
+        live = self.nodes()
+        model = _pick_model(live, model)
+        pools = [n for n in live if n.meta.get("model") == model and "engine_of" not in n.meta
+                 and _space(n) is not None]
+        engines = {n.meta["engine_of"]: n for n in live if "engine_of" in n.meta and _space(n) is not None}
+        matches: dict[tuple[bytes, int], dict[str, PrefixMatch]] = {}
+        for n in [*pools, *engines.values()]:
+            space = _space(n)
+            assert space is not None
+            if space not in matches:
+                keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
+                matches[space] = self.index.longest_prefix(keys) if keys else {}
+        domains = {n.node_id: {m: t.domain for m, t in n.tiers.items()} for n in pools}
+        out: dict[str, NodeLocality] = {}
+        page = 0
+        for n in pools:
+            space = _space(n)
+            assert space is not None
+            page = space[1]
+            found = matches[space]
+            loc = NodeLocality(n.node_id, page, info=n)
+            own = found.get(n.node_id)
+            if own is not None:
+                loc.held = {m: p * page for m, p in own.per_tier().items()}
+            loc.usable = {m: p * page for m, p in _usable(n.node_id, found, domains).items()}
+            eng = engines.get(n.node_id)
+            if eng is not None:
+                em = matches[_space(eng)].get(eng.node_id)  # type: ignore[index]
+                loc.engine_tokens = em.pages * page if em is not None else 0
+            out[n.node_id] = loc
+        return Locality(model, len(tokens), page, out)
+
+    def pick_model(self, model: str | None) -> str:
+        """``model`` when a live node stores it; the only model when ``None``. Raises
+        :class:`ModelRequired` or :class:`UnknownModel`."""
+        return _pick_model(self.nodes(), model)
+
+
+def _pick_model(live: list[NodeInfo], model: str | None) -> str:
+    known = sorted({n.meta["model"] for n in live if n.meta.get("model") and "engine_of" not in n.meta})
+    if model is None:
+        if len(known) != 1:
+            raise ModelRequired(f"'model' is required; the index holds: {known or 'no model yet'}")
+        return known[0]
+    if model not in known:
+        raise UnknownModel(f"no live node stores model {model!r}; known: {known}")
+    return model
+
+
+def _space(n: NodeInfo) -> tuple[bytes, int] | None:
+    ns, page = n.meta.get("namespace"), n.meta.get("page_tokens")
+    if not (ns and page):
+        return None
+    return bytes.fromhex(ns), int(page)
+
+
+def _usable(me: str, found: dict[str, PrefixMatch], domains: dict[str, dict[str, str]]) -> dict[str, int]:
+    """Pages per tier that node ``me`` can load: page by page from the first readable holder,
+    its own pages first, stopping at the first page nobody readable holds."""
+    mine = domains.get(me, {})
+
+    def readable(holder: str, medium: str) -> bool:
+        if medium == ENGINE_MEDIUM:
+            return False
+        if holder == me:
+            return True
+        return medium in mine and mine[medium] == domains.get(holder, {}).get(medium)
+
+    order = sorted(found.values(), key=lambda m: m.node != me)
+    per_tier: dict[str, int] = {}
+    i = 0
+    while True:
+        source = next((MEDIA[int(m.media[i])] for m in order
+                       if i < m.pages and readable(m.node, MEDIA[int(m.media[i])])), None)
+        if source is None:
+            return per_tier
+        per_tier[source] = per_tier.get(source, 0) + 1
+        i += 1

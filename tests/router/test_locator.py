@@ -1,0 +1,81 @@
+"""The Locator over a real Redis-protocol index and real pool nodes: held, usable (shared tiers
+count, private ones of other nodes do not) and engine residency published under `<node>:engine`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pof_connector.index import Location, NodeInfo
+from pof_connector.index.redis import RedisIndex
+from pof_connector.index.server import RedisServer
+from pof_connector.router.locator import Locator, ModelRequired, UnknownModel
+from tests.router.test_api import node
+
+SEG = [np.zeros(512, np.uint8)] * 2
+
+
+@pytest.fixture
+def cluster(redis_server: RedisServer, runtime_dir: str, shm_path: str) -> Iterator[dict[str, Any]]:
+    cxl = {"path": shm_path, "size": "1MiB", "partitions": 2}
+    a = node("a", redis_server.url, runtime_dir)                              # private DRAM only
+    b = node("b", redis_server.url, runtime_dir, cxl=cxl)                     # b and c share one CXL region
+    c = node("c", redis_server.url, runtime_dir, cxl=cxl, cpu_dram={"size": "1MiB"})
+    tokens = list(range(2000, 2000 + 16 * 8))
+    keys = a.keys_for(tokens)
+    a.store([(k, SEG) for k in keys[:6]]).result()
+    b.store([(k, SEG) for k in keys[:3]]).result()
+    c.store([(k, SEG) for k in keys[:4]]).result()
+    reader = RedisIndex(redis_server.url, None)
+    deadline = time.monotonic() + 5
+    while len(reader.longest_prefix(keys)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield {"tokens": tokens, "keys": keys, "index": reader, "url": redis_server.url, "pools": (a, b, c)}
+    for p in (a, b, c):
+        p.close()
+    reader.close()
+
+
+def test_held_and_usable_per_node(cluster: dict[str, Any]) -> None:
+    found = Locator(cluster["index"]).locate(cluster["tokens"])
+    assert found.model == "org/model-a" and found.page_tokens == 16 and set(found.nodes) == {"a", "b", "c"}
+    a, b, c = (found.nodes[n] for n in "abc")
+    assert a.held == {"cpu_dram": 96} and a.usable == {"cpu_dram": 96}      # a reads nobody else's memory
+    # b reads its own pages 0-2, then page 3 from c's partition of the shared region
+    assert b.held == {"cxl": 48} and b.usable == {"cxl": 64}
+    assert c.held == {"cxl": 64} and c.usable == {"cxl": 64}
+    assert a.engine_tokens == b.engine_tokens == 0
+
+
+def test_engine_residency_merges_into_its_node(cluster: dict[str, Any]) -> None:
+    a_meta = next(n.meta for n in cluster["index"].nodes() if n.node_id == "a")
+    engine = RedisIndex(cluster["url"], "a:engine")
+    try:
+        engine.heartbeat(NodeInfo("a:engine", {}, {**a_meta, "engine_of": "a"}), ttl_s=5.0)
+        engine.publish([(k, Location("a:engine", "engine", 0, 0)) for k in cluster["keys"][:7]])
+        found = Locator(cluster["index"]).locate(cluster["tokens"])
+        assert set(found.nodes) == {"a", "b", "c"}                # the engine is not a node of its own
+        assert found.nodes["a"].engine_tokens == 112 and found.nodes["b"].engine_tokens == 0
+        assert found.nodes["a"].usable == {"cpu_dram": 96}        # engine pages are never loadable
+        # and pools never take an engine location as a source
+        lookup = cluster["pools"][1].lookup(cluster["keys"])
+        assert {loc.medium for loc in lookup.sources} == {"cxl"} and len(lookup.sources) == 4
+        assert "a:engine" not in {loc.node for loc in lookup.sources}
+    finally:
+        engine.leave()
+        engine.close()
+
+
+def test_model_errors(cluster: dict[str, Any]) -> None:
+    loc = Locator(cluster["index"])
+    with pytest.raises(UnknownModel, match="org/model-a"):
+        loc.locate([1, 2, 3], model="other")
+    assert loc.pick_model(None) == "org/model-a"
+    for p in cluster["pools"]:
+        p.close()
+    with pytest.raises(ModelRequired, match="no model yet"):
+        Locator(cluster["index"], nodes_ttl_s=0).locate([1])
