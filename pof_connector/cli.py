@@ -7,6 +7,7 @@ Commands::
     pof index stats   live nodes and index totals (also ``pof stats``)
     pof bench tiers   page put+get through the tiers vs. plain memcpy
     pof bench index   prefix-lookup latency and memory per location
+    pof router        OpenAI-compatible proxy routing by estimated time to first token
 
 Every command returns an exit code instead of raising: 0 on success, 1 when it could not do
 its job (with one line on stderr saying why), 2 for a usage error. ``--json`` output goes to
@@ -38,6 +39,7 @@ from pof_connector.index.base import IndexUnavailable, NodeInfo
 from pof_connector.index.embedded import PIDFILE, embedded_url, stop_embedded, supervise
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import ping
+from pof_connector.router import serve as router_serve
 
 Handler = Callable[[argparse.Namespace], int]
 PIDFILE_GRACE_S = 2.0
@@ -445,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stats_args(sub.add_parser("stats", help="same as `pof index stats`",
                                    description="Show live nodes and index totals (same as `pof index stats`)."))
     _add_bench(sub)
+    router_serve.add_parser(sub)
     return parser
 
 

@@ -131,7 +131,8 @@ class Pool:
         self.node_id = config.node_id
         self.role = role
         # Routers turn a prompt into this pool's keys from these (see pof_connector.router.api).
-        self.meta = {"namespace": namespace.hex(), "page_tokens": str(spec.page_tokens), **(meta or {})}
+        self.meta = {"namespace": namespace.hex(), "page_tokens": str(spec.page_tokens),
+                     "page_bytes": str(spec.page_bytes), **(meta or {})}
         self.stats = PoolStats()
         self._logged: set[str] = set()
         self.tiers: list[Tier] = []

@@ -1,0 +1,236 @@
+"""`pof router`: an OpenAI-compatible proxy in front of vLLM or SGLang servers.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not) go to the backend that
+:class:`~pof_connector.router.router.Router` picks; the body is forwarded unchanged and the
+answer streamed back with a header ``x-pof-backend`` naming the backend. A backend that refuses
+the connection is taken out and the request goes to the next best one. ``GET /v1/models``,
+``/health``, ``/metrics`` (Prometheus) and ``/pof/backends`` (the router's view) complete it.
+
+Prompt tokens: token-id prompts are used as given; text and chat messages are tokenized by a
+backend's ``POST /tokenize`` (vLLM's; exact, chat template included) unless a local tokenizer
+was configured. Without tokens the request still goes through, to the least loaded backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.router import Decision, NoBackend, Router
+
+log = logging.getLogger("pof.router")
+Tokenizer = Callable[[str], list[int]]
+_FORWARD_HEADERS = ("content-type", "authorization", "accept")
+
+
+class _Metrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pof_router_requests", "Requests routed", ["backend", "reason"],
+                                registry=self.registry)
+        self.errors = Counter("pof_router_backend_errors", "Requests a backend failed", ["backend"],
+                              registry=self.registry)
+        self.ttft = Histogram("pof_router_ttft_seconds", "Time to first streamed chunk", ["backend"],
+                              registry=self.registry,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8))
+        healthy = Gauge("pof_router_backend_healthy", "1 when the backend is in service", ["backend"],
+                        registry=self.registry)
+        for b in router.backends:
+            healthy.labels(b.name).set_function(_healthy_of(b))
+        Gauge("pof_router_prefill_seconds_per_token", "The cost model's learnt prefill speed",
+              registry=self.registry).set_function(lambda: router.cost.s_per_token)
+
+
+def _healthy_of(b: Backend) -> Callable[[], float]:
+    return lambda: float(b.healthy)
+
+
+def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
+    cfg = router.config
+    metrics = _Metrics(router)
+    state: dict[str, httpx.AsyncClient] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), limits=limits)
+        checker = asyncio.create_task(_health_loop(router, state["client"]))
+        try:
+            yield
+        finally:
+            checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checker
+            await state["client"].aclose()
+
+    app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
+
+    async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
+        if path.endswith("/completions") and "chat" not in path:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+                prompt = prompt[0]            # a batch: route on its first prompt
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                return None
+            if tokenizer is not None:
+                return tokenizer(prompt)
+            return await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        return await _tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
+
+    async def proxy(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return _error(400, f"the request body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        tokens = await prompt_tokens(path, body)
+        session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        tried: set[str] = set()
+        while True:
+            try:
+                decision = await asyncio.to_thread(router.choose, tokens, cache_salt=salt, session=session,
+                                                   exclude=frozenset(tried))
+            except NoBackend as e:
+                return _error(503, str(e))
+            b = decision.backend
+            ticket = b.admit(decision.prefill_tokens)
+            running = b.running - 1
+            sent = time.perf_counter()
+            try:
+                req = state["client"].build_request("POST", b.url + path, content=raw, headers=headers)
+                resp = await state["client"].send(req, stream=True)
+            except httpx.TransportError as e:
+                b.finish(ticket)
+                b.check_failed(f"{type(e).__name__}: {e}", now=True)
+                metrics.errors.labels(b.name).inc()
+                tried.add(b.name)
+                continue
+            metrics.requests.labels(b.name, decision.reason).inc()
+            out_headers = {"x-pof-backend": b.name, "x-pof-reason": decision.reason}
+            if decision.estimate is not None:
+                out_headers["x-pof-estimated-ttft"] = f"{decision.estimate.ttft_s:.4f}"
+            return StreamingResponse(_relay(resp, decision, ticket, sent, running), status_code=resp.status_code,
+                                     headers=out_headers, media_type=resp.headers.get("content-type"))
+
+    async def _relay(resp: httpx.Response, decision: Decision, ticket: Ticket, sent: float,
+                     running: int) -> AsyncIterator[bytes]:
+        b = decision.backend
+        try:
+            async for chunk in resp.aiter_raw():
+                if not ticket.first_token_seen:
+                    ttft = time.perf_counter() - sent
+                    b.first_token(ticket)
+                    metrics.ttft.labels(b.name).observe(ttft)
+                    if decision.estimate is not None and resp.status_code == 200:
+                        router.cost.observe(decision.estimate, ttft, running)
+                yield chunk
+        except httpx.TransportError as e:
+            b.check_failed(f"broken response: {e}", now=True)
+            metrics.errors.labels(b.name).inc()
+        finally:
+            b.finish(ticket)
+            await resp.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for b in router.healthy():
+            try:
+                r = await state["client"].get(b.url + "/v1/models")
+                return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+            except httpx.TransportError as e:
+                b.check_failed(str(e), now=True)
+        return _error(503, "no healthy backend")
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        n = len(router.healthy())
+        return JSONResponse({"ok": n > 0, "healthy_backends": n}, status_code=200 if n else 503)
+
+    @app.get("/pof/backends")
+    def backends() -> dict[str, Any]:
+        return {"policy": cfg.policy, "prefill_s_per_token": router.cost.s_per_token,
+                "backends": [b.state() for b in router.backends]}
+
+    @app.get("/metrics")
+    def prom() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _tokenize(router: Router, client: httpx.AsyncClient, body: dict[str, Any]) -> list[int] | None:
+    """Token ids from the least busy healthy backend's ``/tokenize``; ``None`` when none answers."""
+    for b in sorted(router.healthy(), key=lambda b: b.running):
+        try:
+            r = await client.post(b.url + "/tokenize", json=body, timeout=10.0)
+        except httpx.TransportError:
+            continue
+        if r.status_code == 200:
+            tokens = r.json().get("tokens")
+            if isinstance(tokens, list):
+                return tokens
+        return None            # the backend understood the request and refused it: others will too
+    return None
+
+
+async def _health_loop(router: Router, client: httpx.AsyncClient) -> None:
+    h = router.config.health
+    while True:
+        await asyncio.gather(*(_check(b, client, h.timeout_s) for b in router.backends))
+        await asyncio.sleep(h.interval_s)
+
+
+async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> None:
+    try:
+        r = await client.get(b.url + "/health", timeout=timeout_s)
+    except httpx.TransportError as e:
+        b.check_failed(f"health check: {type(e).__name__}")
+        log.debug("health check of %s failed: %s", b.name, e)
+        return
+    if r.status_code == 200:
+        b.check_passed()
+    else:
+        b.check_failed(f"health check answered {r.status_code}")
+
+
+def local_tokenizer(path: str) -> Tokenizer:
+    """Token ids as the engine makes them for a completions prompt (special tokens added)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    p = Path(path)
+    tok = HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    return lambda text: list(tok.encode(text, add_special_tokens=True).ids)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "pof_router", "code": status}}, status_code=status)

@@ -1,0 +1,127 @@
+"""`pof router` configuration: one frozen, validated object from a YAML file.
+
+Validated with pydantic (unknown keys are refused); a bad file raises
+:class:`~pof_connector.config.ConfigError` naming the key (``backends.1.url``) and what is
+allowed. See ``examples/router/pof-router.yaml`` for every key with its default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pof_connector.config import ConfigError
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendConfig(_Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    url: str = Field(pattern=r"^https?://", description="the engine's OpenAI server, e.g. http://10.0.0.5:8000")
+    node_id: str | None = Field(None, description="node_id of this engine's pool in the index; None: same as name")
+
+    @field_validator("url")
+    @classmethod
+    def no_trailing_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+    @property
+    def pool_node(self) -> str:
+        return self.node_id or self.name
+
+
+class CostConfig(_Frozen):
+    """The time-to-first-token estimate (see :mod:`pof_connector.router.cost_model`)."""
+
+    prefill_s_per_token: float = Field(2e-4, gt=0, description="start value; learnt from observed TTFTs")
+    learn: bool = Field(True, description="update prefill_s_per_token from streamed requests' TTFT")
+    request_overhead_s: float = Field(0.005, ge=0, description="fixed cost of a request on a node")
+    decode_s_per_running: float = Field(0.002, ge=0, description="delay a running request adds to a prefill")
+    tier_gbps: dict[str, float] = Field(
+        default_factory=lambda: {"cpu_dram": 8.0, "cxl": 6.0, "peer_hbm": 100.0, "remote": 3.0},
+        description="load bandwidth per tier, GB/s (pof bench tiers / pof bench fabric measure them)")
+
+    @field_validator("tier_gbps")
+    @classmethod
+    def positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, g in v.items() if g <= 0]
+        if bad:
+            raise ValueError(f"bandwidths must be > 0 GB/s: {bad}")
+        return v
+
+
+class HealthConfig(_Frozen):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    failures_to_remove: int = Field(2, ge=1, description="failed checks before a backend is taken out")
+
+
+class RouterConfig(_Frozen):
+    listen: str = Field("127.0.0.1:8080", pattern=r"^[^:]+:\d+$", description="host:port")
+    index_url: str | None = Field(None, description="redis://... of the pool's locality index; None: no "
+                                                     "locality, least-loaded routing")
+    model: str | None = Field(None, description="the pof model name (pool config 'model'); None: the only one")
+    policy: Literal["pof", "least_loaded", "round_robin"] = "pof"
+    sticky_header: str | None = Field(None, description="a request header naming a session: its requests stay "
+                                                        "on one backend while it is healthy")
+    tokenizer: str | None = Field(None, description="tokenizer.json or model dir for text prompts; None: ask "
+                                                     "the backend's /tokenize")
+    request_timeout_s: float = Field(600.0, gt=0)
+    backends: list[BackendConfig] = Field(min_length=1)
+    cost: CostConfig = CostConfig()
+    health: HealthConfig = HealthConfig()
+
+    @model_validator(mode="after")
+    def unique_names(self) -> RouterConfig:
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backends: names must be unique, got {names}")
+        return self
+
+    @property
+    def host(self) -> str:
+        return self.listen.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])
+
+    @classmethod
+    def from_mapping(cls, raw: Any, *, source: str = "router config") -> RouterConfig:
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            allowed = ""
+            if first["type"] == "extra_forbidden":
+                allowed = f"; allowed keys here: {', '.join(_allowed_keys(first['loc']))}"
+            raise ConfigError(f"{source}: {key}: {first['msg']}{allowed}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> RouterConfig:
+        p = Path(path)
+        try:
+            raw = yaml.safe_load(p.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{p}: cannot read the router config: {e}") from None
+        return cls.from_mapping(raw, source=str(p))
+
+
+def _allowed_keys(loc: tuple[int | str, ...]) -> list[str]:
+    model: type[BaseModel] = RouterConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        ann = model.model_fields[str(part)].annotation
+        inner = getattr(ann, "__args__", (ann,))
+        nested = [a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested:
+            break
+        model = nested[0]
+    return sorted(model.model_fields)

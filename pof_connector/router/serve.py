@@ -1,0 +1,62 @@
+"""`pof router --config FILE`: run the proxy with uvicorn until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from pof_connector.config import ConfigError
+from pof_connector.index.redis import RedisIndex
+from pof_connector.router.locator import Locator
+from pof_connector.router.router import Router
+from pof_connector.router.router_config import RouterConfig
+
+log = logging.getLogger("pof.router")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("router", help="OpenAI-compatible proxy routing by estimated time to first token",
+                       description="Route completions and chat requests to the vLLM / SGLang backend with the "
+                                   "lowest estimated time to first token, from the pool's locality index. "
+                                   "See examples/router/pof-router.yaml.")
+    p.add_argument("--config", required=True, metavar="FILE", help="router YAML (examples/router/pof-router.yaml)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="override the config's listen address")
+    p.add_argument("--policy", choices=("pof", "least_loaded", "round_robin"), help="override the config's policy")
+    p.set_defaults(handler=run)
+
+
+def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
+    """The router and its index client (``None`` without ``index_url``; the caller closes it)."""
+    index = RedisIndex(config.index_url, None) if config.index_url else None
+    return Router(config, Locator(index) if index is not None else None), index
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pof_connector.router.proxy import local_tokenizer, make_app
+
+    config = RouterConfig.from_file(args.config)
+    override: dict[str, Any] = {}
+    if args.listen:
+        override["listen"] = args.listen
+    if args.policy:
+        override["policy"] = args.policy
+    if override:
+        config = RouterConfig.from_mapping({**config.model_dump(), **override}, source=args.config)
+    if config.policy == "pof" and not config.index_url:
+        raise ConfigError(f"{args.config}: index_url: policy 'pof' needs the locality index "
+                          f"(redis://... or unix://...); or set policy: least_loaded")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    router, index = build(config)
+    tok = local_tokenizer(config.tokenizer) if config.tokenizer else None
+    names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
+    log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
+             config.index_url or "none", names)
+    try:
+        uvicorn.run(make_app(router, tokenizer=tok), host=config.host, port=config.port, log_level="warning")
+    finally:
+        if index is not None:
+            index.close()
+    return 0

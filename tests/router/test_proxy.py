@@ -1,0 +1,183 @@
+"""`pof router` end to end on CPU: real pool nodes and a real Redis-protocol index; the engines
+are stand-ins (small HTTP servers speaking the part of vLLM's OpenAI API the router uses:
+/health, /tokenize, /v1/completions, /v1/chat/completions). The same router in front of real
+vLLM servers is tested in tests/adapters/test_vllm_router.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
+
+from pof_connector.bench.vllm_server import free_port
+from pof_connector.config import ConfigError
+from pof_connector.index.server import RedisServer
+from pof_connector.router.proxy import make_app
+from pof_connector.router.router_config import RouterConfig
+from pof_connector.router.serve import build
+from tests.router.test_api import node
+
+SEG = [np.zeros(512, np.uint8)] * 2
+
+
+class StandInEngine:
+    """Stands in for a vLLM OpenAI server: answers with its name and the prompt length, tokenizes
+    text as one token per character (code point)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.prompts: list[Any] = []
+        app = FastAPI()
+
+        @app.get("/health")
+        def health() -> dict[str, bool]:
+            return {"ok": True}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> dict[str, Any]:
+            body = await request.json()
+            text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
+            return {"tokens": [ord(c) for c in text], "count": len(text)}
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def complete(request: Request) -> Any:
+            body = await request.json()
+            self.prompts.append(body.get("prompt", body.get("messages")))
+            text = f"{self.name}:{len(json.dumps(self.prompts[-1]))}"
+            if not body.get("stream"):
+                return {"choices": [{"text": text}]}
+
+            async def chunks() -> Any:
+                for part in (text[:2], text[2:]):
+                    yield f"data: {json.dumps({'choices': [{'text': part}]})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> StandInEngine:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "stand-in engine did not start"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def engines() -> Iterator[dict[str, StandInEngine]]:
+    es = {n: StandInEngine(n).start() for n in ("a", "b")}
+    yield es
+    for e in es.values():
+        e.stop()
+
+
+def router_config(engines: dict[str, StandInEngine], **kw: Any) -> RouterConfig:
+    raw: dict[str, Any] = {"backends": [{"name": n, "url": e.url} for n, e in engines.items()],
+                           "health": {"interval_s": 0.1, "failures_to_remove": 1}, **kw}
+    return RouterConfig.from_mapping(raw)
+
+
+def post(client: TestClient, tokens: Any, **kw: Any) -> tuple[str, Any]:
+    r = client.post("/v1/completions", json={"model": "m", "prompt": tokens, "max_tokens": 4, **kw})
+    assert r.status_code == 200, r.text
+    return r.headers["x-pof-backend"], r
+
+
+def test_routes_each_prefix_to_its_holder(engines: dict[str, StandInEngine], redis_server: RedisServer,
+                                          runtime_dir: str) -> None:
+    a = node("a", redis_server.url, runtime_dir)
+    b = node("b", redis_server.url, runtime_dir)
+    try:
+        tenants = {name: list(range(100 * i, 100 * i + 16 * 6)) for i, name in enumerate(("a", "b"), start=1)}
+        for pool, name in ((a, "a"), (b, "b")):
+            pool.store([(k, SEG) for k in pool.keys_for(tenants[name])]).result()
+        router, index = build(router_config(engines, index_url=redis_server.url))
+        with TestClient(make_app(router)) as client:
+            time.sleep(0.3)
+            for turn in range(3):
+                for name, prefix in tenants.items():
+                    served, r = post(client, [*prefix, 7, 8, turn])
+                    assert served == name and r.headers["x-pof-reason"] == "pof"
+                    assert r.json()["choices"][0]["text"].startswith(f"{name}:")
+            # text prompts are tokenized by a backend (one token per character here)
+            text = "".join(chr(t) for t in tenants["b"])
+            assert post(client, text + "?")[0] == "b"
+            # streaming passes through unchanged, and a new prefix still gets served
+            _, r = post(client, [5] * 40, stream=True)
+            assert r.text.count("data:") == 3 and r.text.endswith("data: [DONE]\n\n")
+            state = client.get("/pof/backends").json()
+            assert sum(x["served"] for x in state["backends"]) == 8
+            assert all(x["running"] == 0 and x["queued_tokens"] == 0 for x in state["backends"])
+            assert 'pof_router_requests_total{backend="a",reason="pof"} 3.0' in client.get("/metrics").text
+        assert index is not None
+        index.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_dead_backend_is_removed_and_requests_fail_over(engines: dict[str, StandInEngine]) -> None:
+    router, _ = build(router_config(engines, policy="round_robin"))
+    with TestClient(make_app(router)) as client:
+        engines["b"].stop()
+        served = {post(client, [1, 2, 3])[0] for _ in range(4)}
+        assert served == {"a"}                             # refused connections go to the next backend
+        assert client.get("/pof/backends").json()["backends"][1]["healthy"] is False
+        assert client.get("/health").json() == {"ok": True, "healthy_backends": 1}
+        engines["a"].stop()
+        r = client.post("/v1/completions", json={"prompt": [1]})
+        assert r.status_code == 503 and "no healthy backend" in r.json()["error"]["message"]
+
+
+def test_index_down_means_least_loaded(engines: dict[str, StandInEngine], runtime_dir: str) -> None:
+    router, index = build(router_config(engines, index_url=f"unix://{runtime_dir}/nothing.sock"))
+    with TestClient(make_app(router)) as client:
+        served = [post(client, list(range(64))) for _ in range(2)]
+        assert {r.headers["x-pof-reason"] for _, r in served} == {"fallback:IndexUnavailable"}
+        assert {name for name, _ in served} == {"a", "b"}  # idle backends take turns
+    assert index is not None
+    index.close()
+
+
+def test_sticky_sessions_and_bad_requests(engines: dict[str, StandInEngine]) -> None:
+    router, _ = build(router_config(engines, policy="round_robin", sticky_header="x-session"))
+    with TestClient(make_app(router)) as client:
+        first = client.post("/v1/chat/completions", headers={"x-session": "s1"},
+                            json={"messages": [{"role": "user", "content": "hi"}]})
+        again = [client.post("/v1/chat/completions", headers={"x-session": "s1"},
+                             json={"messages": [{"role": "user", "content": "more"}]}) for _ in range(3)]
+        assert {r.headers["x-pof-backend"] for r in again} == {first.headers["x-pof-backend"]}
+        assert {r.headers["x-pof-reason"] for r in again} == {"sticky"}
+        bad = client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw,words", [
+    ({}, "backends"),
+    ({"backends": []}, "backends"),
+    ({"backends": [{"name": "a", "url": "ftp://x"}]}, "backends.0.url"),
+    ({"backends": [{"name": "a", "url": "http://x"}], "policy": "fastest"}, "'round_robin'"),
+    ({"backends": [{"name": "a", "url": "http://x"}], "cost": {"speed": 1}}, "allowed keys here: decode_s"),
+    ({"backends": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}, "unique"),
+])
+def test_bad_config_names_the_key(raw: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
+        RouterConfig.from_mapping(raw)
