@@ -139,24 +139,7 @@ class VllmServer:
 
     def stream(self, prompt: list[int], max_tokens: int = 16, cache_salt: str | None = None) -> tuple[float, str]:
         """Stream a greedy completion; returns (time to the first token in seconds, the text)."""
-        body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                "stream": True, "ignore_eos": True}
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        ttft, text = 0.0, []
-        with urllib.request.urlopen(req, timeout=300) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                piece = json.loads(line[6:])["choices"][0].get("text", "")
-                if not ttft:
-                    ttft = time.perf_counter() - t0
-                text.append(piece)
-        return ttft, "".join(text)
+        return stream_completion(self.url, prompt, max_tokens, cache_salt)
 
     def reset_prefix_cache(self) -> None:
         self.post("/reset_prefix_cache")
@@ -187,6 +170,30 @@ class VllmServer:
             except FileNotFoundError:
                 pass
         return total
+
+
+def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
+                      cache_salt: str | None = None) -> tuple[float, str]:
+    """Stream a greedy completion from an OpenAI server (or a router) at ``url``; returns (seconds
+    to the first streamed token, the text)."""
+    body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "ignore_eos": True}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, text = 0.0, []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("text", "")
+            if not ttft:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+    return ttft, "".join(text)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,98 @@
+"""`pof router` in front of two real vLLM CPU servers whose pools publish to a real Redis-protocol
+index: a seeded multi-tenant workload lands where each tenant's prefix lives, and the greedy
+outputs through the router equal the engines' own outputs."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pof_connector.bench.router_process import RouterProcess
+from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
+from pof_connector.index.server import RedisServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="pof-route-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def workload(seed: int, tenants: int, turns: int, system_tokens: int) -> list[tuple[int, list[int]]]:
+    """(tenant, prompt) pairs: each tenant's system prompt plus a fresh user turn; tenants take
+    turns so that a tenant's pages are published before its next request arrives."""
+    rnd = random.Random(seed)
+    systems = [[rnd.randrange(3, 1900) for _ in range(system_tokens)] for _ in range(tenants)]
+    out: list[tuple[int, list[int]]] = []
+    for _ in range(turns):
+        order = list(range(tenants))
+        rnd.shuffle(order)
+        if out and order[0] == out[-1][0]:
+            order.reverse()
+        for t in order:
+            out.append((t, systems[t] + [rnd.randrange(3, 1900) for _ in range(rnd.randrange(20, 90))]))
+    return out
+
+
+def complete(url: str, prompt: list[int]) -> tuple[str, list[int]]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        served = r.headers.get("x-pof-backend", "")
+        return served, list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def test_requests_land_where_their_prefix_lives(workdir: Path, redis_server: RedisServer) -> None:
+    model = build_model("tiny")
+    servers: dict[str, VllmServer] = {}
+    for name in ("a", "b"):
+        cfg = {"node_id": name, "index_url": redis_server.url, "runtime_dir": str(workdir / "rt"),
+               "tiers": {"cpu_dram": {"size": "256MiB"}}}
+        servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg))
+    router: RouterProcess | None = None
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: s.start(), servers.values()))
+        config: dict[str, Any] = {"index_url": redis_server.url,
+                                  "backends": [{"name": n, "url": s.url} for n, s in servers.items()]}
+        router = RouterProcess.pof(workdir, config).start()
+        jobs = workload(seed=7, tenants=4, turns=3, system_tokens=700)
+        holder: dict[int, str] = {}
+        routed: list[tuple[str, list[int], list[int]]] = []
+        for tenant, p in jobs:
+            served, out = complete(router.url, p)
+            if tenant in holder:
+                assert served == holder[tenant], f"tenant {tenant} went to {served}, its prefix is on " \
+                                                 f"{holder[tenant]}:\n{router.tail()}"
+            holder.setdefault(tenant, served)
+            routed.append((served, p, out))
+        assert set(holder.values()) == {"a", "b"}, holder          # new prefixes spread over the nodes
+        # greedy outputs equal the engines' own, asked directly (the other engine: computed afresh)
+        for served, p, out in routed:
+            other = servers["b" if served == "a" else "a"]
+            assert complete(other.url, p)[1] == out
+        # the holders served their tenants' later turns from cache (engine or pool), not by recompute
+        for name, s in servers.items():
+            m = s.metrics()
+            assert m["vllm:prefix_cache_hits_total"] + m.get("vllm:external_prefix_cache_hits_total", 0) >= 640, name
+        log = router.tail(200)
+        assert "pof router on http://" in log
+    finally:
+        if router is not None:
+            router.stop()
+        for s in servers.values():
+            s.stop()
