@@ -8,6 +8,7 @@ Commands::
     pof bench tiers   page put+get through the tiers vs. plain memcpy
     pof bench index   prefix-lookup latency and memory per location
     pof router        OpenAI-compatible proxy routing by estimated time to first token
+    pof relay         feed a KV-event router (vllm-router kv_aware) an engine's cache and its pool
 
 Every command returns an exit code instead of raising: 0 on success, 1 when it could not do
 its job (with one line on stderr saying why), 2 for a usage error. ``--json`` output goes to
@@ -32,6 +33,7 @@ from rich.table import Table
 
 from pof_connector.bench import BenchError
 from pof_connector.bench import index as bench_index
+from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.config import ConfigError, PofConfig, format_size, parse_size
@@ -345,6 +347,28 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_router(args: argparse.Namespace) -> int:
+    result = bench_router.run(model=args.model, tenants=args.tenants, system_tokens=args.system_tokens,
+                              requests=args.requests, clients=args.clients, hot_share=args.hot_share,
+                              kv_tokens=args.kv_tokens, seed=args.seed, progress=_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    w = result["workload"]
+    table = Table(title=f"routers, {w['requests']} requests of {w['tenants']} tenants (hot share {w['hot_share']}), "
+                        f"{w['clients']} clients", title_justify="left")
+    for name in ("router", "mean TTFT s", "p90 TTFT s", "hit rate", "of first-touch bound", "pool tokens"):
+        table.add_column(name, justify="right" if name != "router" else "left")
+    for name, row in result["policies"].items():
+        table.add_row(name, f"{row['mean_ttft_s']:.3f}", f"{row['p90_ttft_s']:.3f}", f"{row['hit_rate']:.3f}",
+                      str(row["hit_vs_first_touch_bound"]), str(row["pool_hit_tokens"]))
+    out = _out()
+    out.print(table)
+    out.print(f"ratio pof / vllm-router cache_aware [bold]{result['ratio']:.3f}[/bold], pof / round_robin "
+              f"{result['pof_vs_round_robin']:.3f}; first-touch bound hit rate {result['first_touch_bound_hit_rate']}")
+    return 0
+
+
 # ---- the parser -------------------------------------------------------------------------------
 
 
@@ -428,6 +452,71 @@ def _add_bench(sub: Any) -> None:
                       help="model dtype (default float32: bf16 is emulated, and slow, on CPUs without AVX512-BF16)")
     vllm.add_argument("--block-size", type=int, default=128, help="vLLM block size = page size (default 128)")
     vllm.set_defaults(handler=cmd_bench_vllm)
+    router = bsub.add_parser("router", help="pof router + pool vs vllm-router round_robin / cache_aware",
+                             description="A multi-tenant workload (one hot tenant, concurrent clients, KV-limited "
+                                         "servers) through vllm-router round_robin and cache_aware (plain vLLM "
+                                         "servers) and pof router (servers sharing a pool). Needs vLLM and "
+                                         "vllm-router.")
+    router.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    router.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
+    router.add_argument("--tenants", type=int, default=8, help="tenants, each with its system prompt (default 8)")
+    router.add_argument("--system-tokens", type=int, default=2900, help="system prompt tokens (default 2900)")
+    router.add_argument("--requests", type=int, default=96, help="requests per router (default 96)")
+    router.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    router.add_argument("--hot-share", type=float, default=0.5, help="the hot tenant's share (default 0.5)")
+    router.add_argument("--kv-tokens", type=int, default=16384, help="KV cache tokens per server (default 16384)")
+    router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
+    router.set_defaults(handler=cmd_bench_router)
+
+
+# ---- pof relay --------------------------------------------------------------------------------
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """Run a :class:`~pof_connector.router.relay.Relay` until SIGTERM or Ctrl-C."""
+    import logging
+    import signal
+
+    import zmq
+
+    from pof_connector.router.relay import Relay
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    config = PofConfig.from_file(args.config)
+    try:
+        relay = Relay(config, args.engine_events, args.bind, replay_bind=args.replay_bind,
+                      engine_topic=args.engine_topic, advertise_engine_events=args.advertise_engine_events,
+                      pool_residency=not args.no_pool_residency, poll_s=args.poll_s, refresh_s=args.refresh_s)
+    except zmq.ZMQError as e:            # e.g. the bind address is taken
+        raise CommandError(f"relay: {e}") from e
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    relay.run(stop)
+    return 0
+
+
+def _add_relay(sub: Any) -> None:
+    p = sub.add_parser("relay", help="feed a KV-event router an engine's prefix cache and its pool",
+                       description="Subscribe to a vLLM server's KV events; publish its prefix cache into the "
+                                   "index (node <node_id>:engine) and re-publish its events plus the pages its "
+                                   "pool can load (medium CPU) for vllm-router --policy kv_aware "
+                                   "(--kv-event-source WORKER_URL=BIND).")
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="the engine's pof config (its node_id, index_url), JSON or YAML")
+    p.add_argument("--engine-events", required=True, metavar="ENDPOINT",
+                   help="the engine's KV event publisher, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--bind", required=True, metavar="ENDPOINT", help="where routers connect, e.g. tcp://*:5657")
+    p.add_argument("--replay-bind", metavar="ENDPOINT",
+                   help="serve vLLM's replay protocol here (for --kv-event-replay-source)")
+    p.add_argument("--engine-topic", default="", help="the engine's KV event topic (default: empty)")
+    p.add_argument("--advertise-engine-events", metavar="ENDPOINT",
+                   help="the engine endpoint as other hosts' relays reach it (default --engine-events)")
+    p.add_argument("--no-pool-residency", action="store_true", help="forward the engine's events only")
+    p.add_argument("--poll-s", type=float, default=0.5, help="how often the pool view is refreshed (default 0.5)")
+    p.add_argument("--refresh-s", type=float, default=30.0,
+                   help="how often the whole pool view is re-sent, for routers that joined late (default 30)")
+    p.set_defaults(handler=cmd_relay)
 
 
 def _usage(parser: argparse.ArgumentParser) -> Handler:
@@ -448,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Show live nodes and index totals (same as `pof index stats`)."))
     _add_bench(sub)
     router_serve.add_parser(sub)
+    _add_relay(sub)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""A stock ``vllm-router --policy kv_aware`` fed by pof relays prefers the node whose *pool* holds a
+prefix that its engine has dropped. Real vLLM CPU servers with the pof connector and KV events on,
+real relays (``pof relay`` processes), real router binaries; which server served a request is read
+from the servers' own metrics. The control is the same router fed by relays that forward only the
+engines' events (``--no-pool-residency``): after the reset it has no reason to prefer node a.
+Every process is stopped by its PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pof_connector.bench.router_process import RouterProcess
+from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port
+from pof_connector.index.redis import RedisIndex
+from pof_connector.index.server import RedisServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 128
+REPO = Path(__file__).resolve().parents[2]
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1900) for _ in range(n)]
+
+
+def wait_for(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
+        time.sleep(0.2)
+
+
+class Proc:
+    """A subprocess in its own session, logged to a file, stopped by its PID."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def complete(base: str, p: list[int]) -> list[int]:
+    body = {"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    return list(post(base + "/v1/completions", body)["choices"][0]["token_ids"])
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="pof-vrr-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path,
+                                                                   redis_server: RedisServer) -> None:
+    model = build_model("tiny")
+    servers: dict[str, VllmServer] = {}
+    events: dict[str, str] = {}
+    configs: dict[str, Path] = {}
+    for name in ("a", "b"):
+        port = free_port()
+        events[name] = f"tcp://127.0.0.1:{port}"
+        cfg = {"node_id": name, "index_url": redis_server.url, "tiers": {"cpu_dram": {"size": "256MiB"}}}
+        configs[name] = workdir / f"{name}.json"
+        configs[name].write_text(json.dumps(cfg))
+        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": ""}
+        servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg),
+                                   extra_args=["--kv-events-config", json.dumps(kv_events)],
+                                   env={"PYTHONPATH": str(REPO)})
+    procs: list[Proc] = []
+    routers: list[RouterProcess] = []
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: s.start(), servers.values()))
+        a, b = servers["a"], servers["b"]
+
+        def relay(name: str, pool: bool) -> str:
+            bind = f"tcp://127.0.0.1:{free_port()}"
+            args = [sys.executable, "-m", "pof_connector.cli", "relay", "--config", str(configs[name]),
+                    "--engine-events", events[name], "--bind", bind, "--poll-s", "0.2", "--refresh-s", "2"]
+            if not pool:
+                args.append("--no-pool-residency")
+            procs.append(Proc(args, workdir / f"relay-{name}-{'pool' if pool else 'engine'}.log"))
+            return bind
+
+        def router(relays: dict[str, str], tag: str) -> str:
+            # b first: with nothing to tell the workers apart, the router's tie goes to the first one.
+            extra = ["--kv-event-block-size", str(BLOCK), "--kv-event-model", "m"]
+            for name in ("b", "a"):
+                extra += ["--kv-event-source", f"{servers[name].url}={relays[name]}"]
+            r = RouterProcess.vllm_router(workdir, [b.url, a.url], "kv_aware", extra, name=f"router-{tag}")
+            routers.append(r.start(timeout_s=120))
+            return r.url
+
+        with_pool = router({n: relay(n, True) for n in ("a", "b")}, "pool")
+        engine_only = router({n: relay(n, False) for n in ("a", "b")}, "engine")
+        index = RedisIndex(redis_server.url, None)
+        wait_for(lambda: {"a:engine", "b:engine"} <= {n.node_id for n in index.nodes()}, 30, "relays registered")
+        time.sleep(3)                                     # ZMQ subscribers join; relays re-send every 2 s anyway
+
+        def served_by(router_url: str, p: list[int]) -> tuple[str, list[int]]:
+            before = {n: s.metrics()[PROMPT_TOKENS] for n, s in servers.items()}
+            out = complete(router_url, p)
+            grew = [n for n, s in servers.items() if s.metrics()[PROMPT_TOKENS] > before[n]]
+            assert len(grew) == 1, grew
+            return grew[0], out
+
+        p = prompt(1000, seed=3)
+        direct = complete(a.url, p)                        # a computes the prefix; its pool stores 7 pages
+        complete(b.url, p[:400])                           # b's engine holds its first 3 blocks
+        keys_a = next(n for n in index.nodes() if n.node_id == "a")
+        assert keys_a.meta["page_tokens"] == str(BLOCK)
+        time.sleep(3)                                      # store threads publish; relays announce
+
+        # a's engine forgets; a's pool still holds all 7 pages. Seen by the engines alone, b (3 blocks
+        # in its engine) is the better node; counting the pool (7 blocks at host credit), a is.
+        a.reset_prefix_cache()
+        time.sleep(2)
+        hits = a.metrics()[HITS]
+        node, out = served_by(with_pool, p)
+        assert node == "a", "the router fed by pof's relay did not prefer the node whose pool holds the prefix"
+        assert out == direct
+        assert a.metrics()[HITS] - hits == 896             # and a served it from its pool
+
+        a.reset_prefix_cache()
+        time.sleep(2)
+        node, out = served_by(engine_only, p)
+        assert node == "b", "control: fed by the engines' events only, the router should prefer b"
+        assert out == direct
+        index.close()
+    finally:
+        for r in routers:
+            r.stop()
+        for proc in procs:
+            proc.stop()
+        for s in servers.values():
+            s.stop()
+    for proc in procs:
+        if "relay" in proc.log.name:
+            assert proc.proc.returncode == 0, proc.tail()
