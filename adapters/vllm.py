@@ -75,7 +75,10 @@ class PoFConnector(KVConnectorBase_V1):
                 log.warning("pof: kv_load_failure_policy is %r: a page the pool rejects will fail its request. "
                             "Set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config so vLLM "
                             "recomputes it instead.", self._kv_transfer_config.kv_load_failure_policy)
-            self._scheduler = PoFScheduler(config, geo)
+            # kv_role as vLLM defines it: a producer only stores, a consumer only loads.
+            kv_role = self._kv_transfer_config.kv_role
+            self._scheduler = PoFScheduler(config, geo, loads=kv_role != "kv_producer",
+                                           saves=kv_role != "kv_consumer")
         else:
             self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), hnd_preferred=_hnd_preferred())
 

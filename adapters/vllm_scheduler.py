@@ -52,9 +52,13 @@ class _Chain:
 
 
 class PoFScheduler:
-    def __init__(self, config: PofConfig, geo: VllmGeometry) -> None:
+    def __init__(self, config: PofConfig, geo: VllmGeometry, *, loads: bool = True, saves: bool = True) -> None:
+        """``loads`` / ``saves``: whether requests take pages from the pool / give their pages to it
+        (vLLM's ``kv_role``: ``kv_producer`` never loads, ``kv_consumer`` never saves)."""
         self.config = config
         self.geo = geo
+        self.loads = loads
+        self.saves = saves
         # Only page_tokens matters on this side: the client pool never touches bytes.
         spec = PageSpec(geo.num_layers, 1, geo.page_tokens, KIND_MLA if geo.is_mla else KIND_MHA)
         self.pool = Pool(config, spec, geo.namespace(config, tp_rank=0), role="client")
@@ -83,7 +87,7 @@ class PoFScheduler:
         limit = (len(tokens) - 1) // P
         first = num_computed // P
         self._plans.pop(request.request_id, None)
-        if limit <= first:
+        if limit <= first or not self.loads:
             return 0
         keys = self._chain(request).upto(tokens, limit, P)[first:]
         found = self.pool.lookup(keys)
@@ -167,7 +171,7 @@ class PoFScheduler:
 
     def _plan_saves(self, req_id: str, computed_after: int, meta: PoFConnectorMetadata) -> None:
         request = self._requests.get(req_id)
-        if request is None:
+        if request is None or not self.saves:
             return
         P, bpp = self.geo.page_tokens, self.geo.blocks_per_page
         tokens = request.all_token_ids
