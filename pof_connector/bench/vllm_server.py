@@ -36,9 +36,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def connector_config(extra: dict[str, Any], policy: str = "recompute") -> dict[str, Any]:
+def connector_config(extra: dict[str, Any], policy: str = "recompute", role: str = "kv_both") -> dict[str, Any]:
     return {"kv_connector": "PoFConnector", "kv_connector_module_path": "pof_connector.adapters.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
+            "kv_role": role, "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
 
 
 class VllmServer:
