@@ -47,6 +47,8 @@ from pof_connector.tiers import SlotRef, Tier, make_tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NODES_MISS_REFRESH_S = 0.05
+"""Least age of the node list before an unknown node triggers a refresh."""
 Role = Literal["worker", "client"]
 
 
@@ -229,11 +231,14 @@ class Pool:
         if node == self.node_id and self.tiers:
             return {t.medium: t.domain for t in self.tiers}
         stamp, cache = self._nodes_cache
-        if time.monotonic() - stamp > min(1.0, self.config.heartbeat_s):
+        age = time.monotonic() - stamp
+        # A node we have not heard of yet (the scheduler's lookup may have seen it first) is worth
+        # an early refresh: otherwise its pages would be refused as unreachable for up to a second.
+        if age > min(1.0, self.config.heartbeat_s) or (node not in cache and age > NODES_MISS_REFRESH_S):
             nodes = self._index_call("nodes", self.index.nodes, default=None)
             if nodes is not None:
                 cache = {n.node_id: n for n in nodes}
-                self._nodes_cache = (time.monotonic(), cache)
+            self._nodes_cache = (time.monotonic(), cache)
         info = cache.get(node)
         return {} if info is None else {m: t.domain for m, t in info.tiers.items()}
 

@@ -144,6 +144,31 @@ def test_two_nodes_share_a_cxl_region_through_redis(runtime_dir: str, namespace:
             p.close()
 
 
+def test_a_peer_that_joined_after_the_last_node_refresh_is_readable_at_once(
+        runtime_dir: str, namespace: bytes, shm_path: str, redis_server: RedisServer) -> None:
+    """A scheduler plans a load from a peer it just learnt of; the worker's node list may be older
+    (slow heartbeats): it must refresh rather than refuse the peer's pages as unreachable."""
+    tiers = {"cxl": {"path": shm_path, "size": "2MiB", "partitions": 4}}
+    slow = PofConfig.from_mapping({"node_id": "b", "index_url": redis_server.url, "runtime_dir": runtime_dir,
+                                   "heartbeat_s": 30.0, "node_ttl_s": 60.0, "tiers": tiers})
+    b = Pool(slow, SPEC, namespace)
+    a = None
+    try:
+        b.lookup(b.keys_for(np.arange(16)))          # b's node list is fresh now, without a
+        assert not b._readable("a", "cxl")
+        a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+        keys = a.keys_for(np.arange(16 * 4))
+        a.store([(k, content(k)) for k in keys]).result()
+        time.sleep(0.1)
+        bufs, failed, n = load_all(b, keys)
+        assert failed == {} and n == 4
+        assert_pages(bufs, keys)
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.close()
+
+
 def test_client_role_answers_for_its_worker(runtime_dir: str, namespace: bytes, redis_server: RedisServer) -> None:
     worker = Pool(cfg("n1", runtime_dir, redis_server.url), SPEC, namespace)
     client = Pool(cfg("n1", runtime_dir, redis_server.url), SPEC, namespace, role="client")
