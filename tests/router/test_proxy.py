@@ -181,3 +181,15 @@ def test_sticky_sessions_and_bad_requests(engines: dict[str, StandInEngine]) -> 
 def test_bad_config_names_the_key(raw: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
         RouterConfig.from_mapping(raw)
+
+
+def test_example_config_documents_the_defaults() -> None:
+    from pathlib import Path
+
+    from pof_connector.router.router_config import CostConfig, HealthConfig
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "router" / "pof-router.yaml"
+    cfg = RouterConfig.from_file(path)
+    assert [b.pool_node for b in cfg.backends] == ["a", "b"]
+    assert cfg.cost == CostConfig() and cfg.health == HealthConfig()     # the file shows the real defaults
+    assert (cfg.policy, cfg.listen, cfg.sticky_header) == ("pof", "127.0.0.1:8080", None)
