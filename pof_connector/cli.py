@@ -349,14 +349,15 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
     result = bench_router.run(model=args.model, tenants=args.tenants, system_tokens=args.system_tokens,
-                              requests=args.requests, clients=args.clients, hot_share=args.hot_share,
+                              requests=args.requests, clients=args.clients, rate=args.rate, hot_share=args.hot_share,
                               kv_tokens=args.kv_tokens, seed=args.seed, progress=_progress)
     if args.json:
         _print_json(result)
         return 0
     w = result["workload"]
+    how = f"{w['rate']:g} requests/s" if w["rate"] > 0 else f"{w['clients']} clients"
     table = Table(title=f"routers, {w['requests']} requests of {w['tenants']} tenants (hot share {w['hot_share']}), "
-                        f"{w['clients']} clients", title_justify="left")
+                        f"{how}", title_justify="left")
     for name in ("router", "mean TTFT s", "p90 TTFT s", "hit rate", "of first-touch bound", "pool tokens"):
         table.add_column(name, justify="right" if name != "router" else "left")
     for name, row in result["policies"].items():
@@ -462,7 +463,9 @@ def _add_bench(sub: Any) -> None:
     router.add_argument("--tenants", type=int, default=8, help="tenants, each with its system prompt (default 8)")
     router.add_argument("--system-tokens", type=int, default=2900, help="system prompt tokens (default 2900)")
     router.add_argument("--requests", type=int, default=96, help="requests per router (default 96)")
-    router.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    router.add_argument("--rate", type=float, default=3.0,
+                        help="open-loop Poisson arrivals per second; 0: closed loop with --clients (default 3)")
+    router.add_argument("--clients", type=int, default=4, help="closed-loop clients when --rate is 0 (default 4)")
     router.add_argument("--hot-share", type=float, default=0.5, help="the hot tenant's share (default 0.5)")
     router.add_argument("--kv-tokens", type=int, default=16384, help="KV cache tokens per server (default 16384)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")

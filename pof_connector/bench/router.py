@@ -1,8 +1,10 @@
 """``pof bench router``: a multi-tenant workload through three routers, same run, same model.
 
 Tenants share long system prompts; one hot tenant takes ``hot_share`` of the requests, more than
-one server can serve alone; ``clients`` send concurrently; each server's KV cache is limited with
-``--num-gpu-blocks-override`` so it cannot keep every tenant. Three set-ups, one after another:
+one server can serve alone; requests arrive open-loop (Poisson, ``rate`` per second, as from many
+users) or from ``clients`` closed-loop clients; each server's KV cache is limited with
+``--num-gpu-blocks-override`` so it cannot keep every tenant, and each server computes on its own
+half of the CPU cores (``VLLM_CPU_OMP_THREADS_BIND``), as two hosts would. Three set-ups, one after another:
 
 - ``round_robin`` and ``cache_aware``: the stock ``vllm-router`` in front of two vLLM servers
   whose connector only stores (``kv_role: kv_producer``, private pools): they run the same engine
@@ -21,6 +23,7 @@ token). ``ratio`` = pof mean TTFT / cache_aware mean TTFT. Needs vLLM and vllm-r
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import statistics
@@ -87,10 +90,29 @@ def make_workload(tokenize: Callable[[str], list[int]], *, tenants: int, system_
     return Workload(prompts, [tokenize(p) for p in prompts], chosen)
 
 
-def _drive(url: str, work: Workload, clients: int) -> tuple[list[float], list[str], float]:
-    """Send every prompt, ``clients`` at a time, in order; (TTFTs, answers, wall seconds)."""
+def _drive(url: str, work: Workload, clients: int, rate: float, seed: int) -> tuple[list[float], list[str], float]:
+    """Send every prompt in order; (TTFTs, answers, wall seconds). ``rate`` > 0: open loop, Poisson
+    arrivals at ``rate`` per second (a request never waits for another's answer, as with many
+    users); otherwise ``clients`` closed-loop clients."""
     ttfts = [0.0] * len(work.prompts)
     answers = [""] * len(work.prompts)
+    t0 = time.perf_counter()
+    if rate > 0:
+        rnd = random.Random(seed)
+        arrivals: list[float] = []
+        at = 0.0
+        for _ in work.prompts:
+            at += rnd.expovariate(rate)
+            arrivals.append(at)
+
+        def one(i: int) -> None:
+            time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8)
+
+        with ThreadPoolExecutor(len(work.prompts)) as ex:
+            for f in [ex.submit(one, i) for i in range(len(work.prompts))]:
+                f.result()
+        return ttfts, answers, time.perf_counter() - t0
     nxt = iter(range(len(work.prompts)))
     lock = threading.Lock()
 
@@ -102,7 +124,6 @@ def _drive(url: str, work: Workload, clients: int) -> tuple[list[float], list[st
                 return
             ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8)
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as ex:
         for f in [ex.submit(client) for _ in range(clients)]:
             f.result()
@@ -118,13 +139,14 @@ def _counters(servers: list[VllmServer]) -> dict[str, float]:
     return out
 
 
-def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clients: int,
-           progress: Progress) -> dict[str, Any]:
+def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clients: int, rate: float,
+           seed: int, progress: Progress) -> dict[str, Any]:
     for s in servers:
         s.reset_prefix_cache()
     before = _counters(servers)
-    progress(f"  {name}: {len(work.prompts)} requests, {clients} clients ...")
-    ttfts, answers, wall = _drive(url, work, clients)
+    how = f"{rate:g} requests/s" if rate > 0 else f"{clients} clients"
+    progress(f"  {name}: {len(work.prompts)} requests, {how} ...")
+    ttfts, answers, wall = _drive(url, work, clients, rate, seed)
     after = _counters(servers)
     delta = {k: after[k] - before[k] for k in METRICS}
     hits = delta["vllm:prefix_cache_hits_total"] + delta["vllm:external_prefix_cache_hits_total"]
@@ -143,8 +165,8 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
     return row
 
 
-def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, clients: int, hot_share: float,
-        kv_tokens: int, seed: int, progress: Progress) -> dict[str, Any]:
+def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, clients: int, rate: float,
+        hot_share: float, kv_tokens: int, seed: int, progress: Progress) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
     from pof_connector.router.proxy import local_tokenizer
@@ -163,8 +185,9 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
     results: dict[str, dict[str, Any]] = {}
     redis = RedisServer(tmp / "redis").start()
     try:
+        how = f"Poisson arrivals at {rate:g}/s" if rate > 0 else f"{clients} closed-loop clients"
         progress(f"workload: {requests} requests, {tenants} tenants (hot share {hot_share}), system prompts "
-                 f"~{system_tokens} tokens, {clients} clients; KV {blocks * BLOCK} tokens per server")
+                 f"~{system_tokens} tokens, {how}; KV {blocks * BLOCK} tokens per server")
         store_only = {"index_url": "local", "tiers": {"cpu_dram": {"size": "1GiB"}}}
         baseline = _start_pair(model_dir, tmp, "store-only", store_only, max_len, common, progress,
                                role="kv_producer")
@@ -174,7 +197,7 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                 router = RouterProcess.vllm_router(tmp, [s.url for s in baseline], policy, name=f"vllm-router-{policy}")
                 router.start()
                 try:
-                    results[policy] = _phase(policy, router.url, baseline, work, clients, progress)
+                    results[policy] = _phase(policy, router.url, baseline, work, clients, rate, seed, progress)
                 finally:
                     router.stop()
         finally:
@@ -190,7 +213,7 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                           "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
                 router = RouterProcess.pof(tmp, config).start()
                 try:
-                    results["pof"] = _phase("pof", router.url, pooled, work, clients, progress)
+                    results["pof"] = _phase("pof", router.url, pooled, work, clients, rate, seed, progress)
                 finally:
                     router.stop()
             finally:
@@ -216,7 +239,7 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
         "pof_vs_round_robin": round(results["pof"]["mean_ttft_s"] / results["round_robin"]["mean_ttft_s"], 4),
         "policies": results,
         "first_touch_bound_hit_rate": round(bound / prompt_tokens, 4),
-        "workload": {"requests": requests, "tenants": tenants, "hot_share": hot_share, "clients": clients,
+        "workload": {"requests": requests, "tenants": tenants, "hot_share": hot_share, "clients": clients, "rate": rate,
                      "system_tokens": system_tokens, "prompt_tokens": prompt_tokens, "kv_tokens_per_server":
                      blocks * BLOCK, "seed": seed, "model": str(model_dir)},
         "note": "ratio = pof router + pool mean TTFT / vllm-router cache_aware mean TTFT (same servers, store-only "
@@ -232,7 +255,7 @@ def _start_pair(model_dir: Path, tmp: Path, name: str, pool: dict[str, Any], max
     for i in range(2):
         kv = connector_config({"node_id": f"n{i}", "runtime_dir": str(tmp / f"rt-{name}{i}"), **pool}, role=role)
         servers.append(VllmServer(model_dir, tmp / f"{name}{i}", kv_transfer=kv, max_model_len=max_len,
-                                  extra_args=common))
+                                  extra_args=common, env=_own_cores(i)))
     try:
         with ThreadPoolExecutor(2) as ex:
             list(ex.map(lambda s: s.start(), servers))
@@ -241,6 +264,17 @@ def _start_pair(model_dir: Path, tmp: Path, name: str, pool: dict[str, Any], max
             s.stop()
         raise
     return servers
+
+
+def _own_cores(i: int) -> dict[str, str]:
+    """Server ``i`` of two computes on its own half of the cores, as two hosts would: sharing
+    them, each server's OpenMP threads spin while the other computes, and TTFTs measure that."""
+    n = os.cpu_count() or 1
+    if n < 2:
+        return {}
+    half = n // 2
+    first, last = i * half, (i + 1) * half - 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(first) if first == last else f"{first}-{last}"}
 
 
 def _check_tokenizer(server: VllmServer, work: Workload) -> None:

@@ -13,7 +13,7 @@ log = logging.getLogger("pof.router")
 
 @dataclass
 class Ticket:
-    """A request on a backend; ``prefill_tokens`` count in its queue until the first token."""
+    """A request on a backend; it counts as waiting, with ``prefill_tokens``, until its first token."""
 
     backend: Backend
     prefill_tokens: int
@@ -30,28 +30,33 @@ class Backend:
         self._failures = 0
         self._failures_to_remove = failures_to_remove
         self.running = 0
-        self.queued_tokens = 0
+        self.waiting = 0
+        """Requests without a first token yet (also counted in ``running``)."""
+        self.waiting_tokens = 0
         self.served = 0
         self._lock = threading.Lock()
 
     def admit(self, prefill_tokens: int) -> Ticket:
         with self._lock:
             self.running += 1
-            self.queued_tokens += prefill_tokens
+            self.waiting += 1
+            self.waiting_tokens += prefill_tokens
         return Ticket(self, prefill_tokens)
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:
             if not t.first_token_seen and not t.done:
                 t.first_token_seen = True
-                self.queued_tokens -= t.prefill_tokens
+                self.waiting -= 1
+                self.waiting_tokens -= t.prefill_tokens
 
     def finish(self, t: Ticket) -> None:
         with self._lock:
             if t.done:
                 return
             if not t.first_token_seen:
-                self.queued_tokens -= t.prefill_tokens
+                self.waiting -= 1
+                self.waiting_tokens -= t.prefill_tokens
             t.done = True
             self.running -= 1
             self.served += 1
@@ -73,4 +78,5 @@ class Backend:
 
     def state(self) -> dict[str, object]:
         return {"name": self.name, "url": self.url, "node_id": self.config.pool_node, "healthy": self.healthy,
-                "running": self.running, "queued_tokens": self.queued_tokens, "served": self.served}
+                "running": self.running, "waiting": self.waiting, "waiting_tokens": self.waiting_tokens,
+                "served": self.served}

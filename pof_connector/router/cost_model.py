@@ -1,16 +1,21 @@
 """Estimated time to first token of a request on one node: what `pof router` minimises.
 
-    ttft = overhead + queue + recompute_tokens * s_per_token + fetch_s
+    ttft = overhead * (waiting + 1)                       requests ahead of it, and itself
+         + s_per_token * (waiting_tokens + recompute)     their prefill and its own
+         + s_per_decoding * decoding                      requests past their first token share steps
+         + fetch_factor * fetch_s                         its pages loaded from the pool
 
-- ``queue``: prefill tokens of requests already sent to the node that have not produced a first
-  token yet, times ``s_per_token``, plus a small delay per running (decoding) request;
-- ``recompute_tokens``: prompt tokens neither in the engine's prefix cache nor loadable from the
-  pool (the last prompt token is always computed, as engines do);
+- ``waiting`` / ``waiting_tokens``: requests this router sent to the node that have no first
+  token yet, and the tokens they have to compute;
+- ``recompute``: prompt tokens neither in the engine's prefix cache nor loadable from the pool
+  (the last prompt token is always computed, as engines do);
 - ``fetch_s``: tokens loaded from the pool beyond the engine's own hit, times the KV bytes per
-  token, over each tier's bandwidth.
+  token, over each tier's configured bandwidth; ``fetch_factor`` (start 1) is what loads really
+  cost against that (per-page work, checksums, a busy host).
 
-``s_per_token`` starts from the configuration and is learnt from observed TTFTs (an exponential
-average, clamped so one odd sample cannot swing it by more than 2x).
+The four coefficients start from the configuration and are learnt from observed TTFTs by
+recursive least squares with forgetting, so the model follows the hardware it runs on (a request
+on a busy 1-core server costs far more than a token count says).
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pof_connector.router.router_config import CostConfig
 
-LEARN_RATE = 0.2
-MIN_LEARN_TOKENS = 32
-"""A sample with fewer tokens to compute says more about overheads than about prefill speed."""
+FORGET = 0.98
+"""Weight of the past per observation: about the last 50 requests count."""
+TOKEN_SCALE = 1e-3
+"""Tokens enter the regression in thousands, so the three features have similar magnitudes."""
+_BOUNDS = (np.array([1e-4, 1e-7 / TOKEN_SCALE, 0.0, 0.1]), np.array([10.0, 0.1 / TOKEN_SCALE, 1.0, 1e4]))
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,11 @@ class Candidate:
     """Leading tokens the node's pool can load, per tier."""
     bytes_per_token: float = 0.0
     running: int = 0
-    queued_tokens: int = 0
-    """Prefill tokens of this node's requests that have no first token yet."""
+    """Requests this router has in flight on the node (waiting ones included)."""
+    waiting: int = 0
+    """Of those, the ones without a first token yet."""
+    waiting_tokens: int = 0
+    """Tokens those still have to compute."""
 
 
 @dataclass(frozen=True)
@@ -48,47 +60,59 @@ class Estimate:
     recompute_tokens: int
     fetch_tokens: int
     fetch_s: float
-    queue_s: float
-    queued_tokens: int
+    features: tuple[float, float, float, float]
+    """(waiting + 1, tokens to compute before the first token / 1000, decoding requests, fetch_s)."""
 
 
 class CostModel:
     def __init__(self, config: CostConfig) -> None:
         self.config = config
-        self._s_per_token = config.prefill_s_per_token
+        self._theta = np.array([config.request_overhead_s, config.prefill_s_per_token / TOKEN_SCALE,
+                                config.decode_s_per_running, 1.0])
+        # Start values may be off by an order of magnitude: a wide prior learns within ~10 requests.
+        self._p = np.diag(np.maximum(self._theta, 1e-2) ** 2) * 100.0
         self._lock = threading.Lock()
 
     @property
     def s_per_token(self) -> float:
-        return self._s_per_token
+        return float(self._theta[1] * TOKEN_SCALE)
+
+    @property
+    def overhead_s(self) -> float:
+        return float(self._theta[0])
+
+    @property
+    def s_per_decoding(self) -> float:
+        return float(self._theta[2])
+
+    @property
+    def fetch_factor(self) -> float:
+        return float(self._theta[3])
 
     def estimate(self, c: Candidate) -> Estimate:
         cap = max(c.prompt_tokens - 1, 0)
         engine = min(c.engine_tokens, cap)
         pool_total = sum(c.usable.values())
         pool = min(pool_total, cap)
-        cached = max(engine, pool)
         fetch_tokens = max(pool - engine, 0)
         fetch_s = 0.0
         if fetch_tokens and pool_total:
             for tier, n in c.usable.items():
                 gbps = self.config.tier_gbps.get(tier, self.config.tier_gbps.get("remote", 1.0))
                 fetch_s += fetch_tokens * n / pool_total * c.bytes_per_token / (gbps * 1e9)
-        recompute = c.prompt_tokens - cached
-        queue_s = c.queued_tokens * self._s_per_token + c.running * self.config.decode_s_per_running
-        ttft = self.config.request_overhead_s + queue_s + recompute * self._s_per_token + fetch_s
-        return Estimate(c.name, ttft, recompute, fetch_tokens, fetch_s, queue_s, c.queued_tokens)
+        recompute = c.prompt_tokens - max(engine, pool)
+        x = (c.waiting + 1.0, (c.waiting_tokens + recompute) * TOKEN_SCALE, float(max(c.running - c.waiting, 0)),
+             fetch_s)
+        return Estimate(c.name, float(np.dot(self._theta, x)), recompute, fetch_tokens, fetch_s, x)
 
-    def observe(self, est: Estimate, ttft_s: float, running: int) -> None:
-        """Learn ``s_per_token`` from a request that took ``ttft_s`` to its first token
-        (``running``: requests the node was serving when it was sent)."""
+    def observe(self, est: Estimate, ttft_s: float) -> None:
+        """Learn from a request whose first token came ``ttft_s`` after it was sent."""
         if not self.config.learn:
             return
-        tokens = est.recompute_tokens + est.queued_tokens
-        if tokens < MIN_LEARN_TOKENS:
-            return
-        spent = ttft_s - self.config.request_overhead_s - est.fetch_s - running * self.config.decode_s_per_running
-        sample = max(spent, 0.0) / tokens
+        x = np.array(est.features)
+        y = ttft_s
         with self._lock:
-            sample = min(max(sample, self._s_per_token / 2), self._s_per_token * 2)
-            self._s_per_token += LEARN_RATE * (sample - self._s_per_token)
+            px = self._p @ x
+            gain = px / (FORGET + x @ px)
+            self._theta = np.clip(self._theta + gain * (y - x @ self._theta), *_BOUNDS)
+            self._p = (self._p - np.outer(gain, px)) / FORGET

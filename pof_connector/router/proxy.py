@@ -48,8 +48,12 @@ class _Metrics:
                         registry=self.registry)
         for b in router.backends:
             healthy.labels(b.name).set_function(_healthy_of(b))
-        Gauge("pof_router_prefill_seconds_per_token", "The cost model's learnt prefill speed",
-              registry=self.registry).set_function(lambda: router.cost.s_per_token)
+        learnt = Gauge("pof_router_cost", "The cost model's learnt coefficients", ["coefficient"],
+                       registry=self.registry)
+        learnt.labels("overhead_s").set_function(lambda: router.cost.overhead_s)
+        learnt.labels("prefill_s_per_token").set_function(lambda: router.cost.s_per_token)
+        learnt.labels("s_per_decoding_request").set_function(lambda: router.cost.s_per_decoding)
+        learnt.labels("fetch_factor").set_function(lambda: router.cost.fetch_factor)
 
 
 def _healthy_of(b: Backend) -> Callable[[], float]:
@@ -85,8 +89,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                 return prompt
             if not isinstance(prompt, str):
                 return None
-            if tokenizer is not None:
-                return tokenizer(prompt)
+            if tokenizer is not None:          # milliseconds of CPU for a long prompt: off the event loop
+                return await asyncio.to_thread(tokenizer, prompt)
             return await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -114,7 +118,6 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                 return _error(503, str(e))
             b = decision.backend
             ticket = b.admit(decision.prefill_tokens)
-            running = b.running - 1
             sent = time.perf_counter()
             try:
                 req = state["client"].build_request("POST", b.url + path, content=raw, headers=headers)
@@ -129,11 +132,11 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             out_headers = {"x-pof-backend": b.name, "x-pof-reason": decision.reason}
             if decision.estimate is not None:
                 out_headers["x-pof-estimated-ttft"] = f"{decision.estimate.ttft_s:.4f}"
-            return StreamingResponse(_relay(resp, decision, ticket, sent, running), status_code=resp.status_code,
+            return StreamingResponse(_relay(resp, decision, ticket, sent), status_code=resp.status_code,
                                      headers=out_headers, media_type=resp.headers.get("content-type"))
 
-    async def _relay(resp: httpx.Response, decision: Decision, ticket: Ticket, sent: float,
-                     running: int) -> AsyncIterator[bytes]:
+    async def _relay(resp: httpx.Response, decision: Decision, ticket: Ticket,
+                     sent: float) -> AsyncIterator[bytes]:
         b = decision.backend
         try:
             async for chunk in resp.aiter_raw():
@@ -142,7 +145,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                     b.first_token(ticket)
                     metrics.ttft.labels(b.name).observe(ttft)
                     if decision.estimate is not None and resp.status_code == 200:
-                        router.cost.observe(decision.estimate, ttft, running)
+                        router.cost.observe(decision.estimate, ttft)
                 yield chunk
         except httpx.TransportError as e:
             b.check_failed(f"broken response: {e}", now=True)
@@ -176,7 +179,10 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
 
     @app.get("/pof/backends")
     def backends() -> dict[str, Any]:
-        return {"policy": cfg.policy, "prefill_s_per_token": router.cost.s_per_token,
+        return {"policy": cfg.policy, "cost": {"overhead_s": router.cost.overhead_s,
+                                               "prefill_s_per_token": router.cost.s_per_token,
+                                               "s_per_decoding_request": router.cost.s_per_decoding,
+                                               "fetch_factor": router.cost.fetch_factor},
                 "backends": [b.state() for b in router.backends]}
 
     @app.get("/metrics")

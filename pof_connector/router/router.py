@@ -100,7 +100,7 @@ class Router:
                 bytes_per_token = int(node.info.meta.get("page_bytes", 0)) / node.page_tokens
             est = self.cost.estimate(Candidate(
                 b.name, len(tokens), node.engine_tokens if node else 0, node.usable if node else {},
-                bytes_per_token, b.running, b.queued_tokens))
+                bytes_per_token, b.running, b.waiting, b.waiting_tokens))
             # ties (e.g. an idle cluster and a new prefix) go round the backends, not always to the first
             key = (est.ttft_s, (i - offset) % len(live))
             if best is None or key < best[:2]:
@@ -111,7 +111,7 @@ class Router:
     def _least_loaded(self, live: list[Backend]) -> Backend:
         start = next(self._rr)
         return min((live[(start + i) % len(live)] for i in range(len(live))),
-                   key=lambda b: (b.queued_tokens, b.running))
+                   key=lambda b: (b.waiting_tokens, b.running))
 
     def _sticky(self, session: str, live: list[Backend]) -> Backend | None:
         with self._lock:

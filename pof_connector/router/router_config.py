@@ -38,10 +38,11 @@ class BackendConfig(_Frozen):
 class CostConfig(_Frozen):
     """The time-to-first-token estimate (see :mod:`pof_connector.router.cost_model`)."""
 
-    prefill_s_per_token: float = Field(2e-4, gt=0, description="start value; learnt from observed TTFTs")
-    learn: bool = Field(True, description="update prefill_s_per_token from streamed requests' TTFT")
-    request_overhead_s: float = Field(0.005, ge=0, description="fixed cost of a request on a node")
-    decode_s_per_running: float = Field(0.002, ge=0, description="delay a running request adds to a prefill")
+    # The three coefficients are start values, learnt from streamed requests' TTFTs when learn is on.
+    prefill_s_per_token: float = Field(2e-4, gt=0, description="prefill time per token to compute")
+    request_overhead_s: float = Field(0.02, gt=0, description="fixed cost of a request on a node")
+    decode_s_per_running: float = Field(0.002, ge=0, description="delay a decoding request adds to a prefill")
+    learn: bool = Field(True, description="learn the coefficients from observed TTFTs")
     tier_gbps: dict[str, float] = Field(
         default_factory=lambda: {"cpu_dram": 8.0, "cxl": 6.0, "peer_hbm": 100.0, "remote": 3.0},
         description="load bandwidth per tier, GB/s (pof bench tiers / pof bench fabric measure them)")

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: index_url: policy 'pof' needs the locality index "
                           f"(redis://... or unix://...); or set policy: least_loaded")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per proxied request otherwise
     router, index = build(config)
     tok = local_tokenizer(config.tokenizer) if config.tokenizer else None
     names = ", ".join(f"{b.name}={b.url}" for b in config.backends)

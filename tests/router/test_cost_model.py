@@ -1,13 +1,16 @@
-"""The TTFT estimate: what a node holds, its queue and the tier bandwidths decide the order."""
+"""The TTFT estimate: what a node holds, its queue and the tier bandwidths decide the order, and
+the coefficients follow the hardware."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from pof_connector.router.cost_model import Candidate, CostModel
 from pof_connector.router.router_config import CostConfig
 
-CFG = CostConfig(prefill_s_per_token=1e-3, request_overhead_s=0.0, decode_s_per_running=0.01,
+CFG = CostConfig(prefill_s_per_token=1e-3, request_overhead_s=0.01, decode_s_per_running=0.01,
                  tier_gbps={"cpu_dram": 10.0, "cxl": 5.0, "remote": 1.0})
 KV = 100_000.0          # bytes per token: 100 MB for 1,000 tokens
 
@@ -15,7 +18,7 @@ KV = 100_000.0          # bytes per token: 100 MB for 1,000 tokens
 def test_recompute_engine_and_pool() -> None:
     m = CostModel(CFG)
     cold = m.estimate(Candidate("a", 1000))
-    assert cold.recompute_tokens == 1000 and cold.ttft_s == pytest.approx(1.0)
+    assert cold.recompute_tokens == 1000 and cold.ttft_s == pytest.approx(1.01)
     hot = m.estimate(Candidate("a", 1000, engine_tokens=1000))
     assert hot.recompute_tokens == 1 and hot.fetch_tokens == 0          # the last token is always computed
     pooled = m.estimate(Candidate("a", 1000, usable={"cpu_dram": 896}, bytes_per_token=KV))
@@ -32,25 +35,36 @@ def test_recompute_engine_and_pool() -> None:
 
 def test_queue_turns_the_choice() -> None:
     m = CostModel(CFG)
-    holder = Candidate("a", 3000, engine_tokens=2944, running=4, queued_tokens=0)
+    holder = Candidate("a", 3000, engine_tokens=2944, running=4)
     other = Candidate("b", 3000)
     assert m.estimate(holder).ttft_s < m.estimate(other).ttft_s
-    busy = Candidate("a", 3000, engine_tokens=2944, running=8, queued_tokens=6000)
+    busy = Candidate("a", 3000, engine_tokens=2944, running=8, waiting=3, waiting_tokens=6000)
     assert m.estimate(busy).ttft_s > m.estimate(other).ttft_s         # a hot node sheds load...
     spill = Candidate("b", 3000, usable={"cxl": 2944}, bytes_per_token=KV)
     assert m.estimate(spill).ttft_s < m.estimate(other).ttft_s        # ...to a node that loads it from the pool
 
 
-def test_learns_prefill_speed_within_bounds() -> None:
+def test_learns_the_machine_it_runs_on() -> None:
+    """Requests cost 0.15 s each on this pretend machine, 0.5 ms per token, 20 ms per decoding
+    neighbour, and loads 30x the configured bandwidth's time: far from the start values."""
+    truth = (0.15, 5e-4, 0.02, 30.0)
+    rnd = random.Random(1)
     m = CostModel(CFG)
-    est = m.estimate(Candidate("a", 1000))
-    for _ in range(30):
-        m.observe(est, 0.5, running=0)            # the real speed is 0.5 ms per token
-    assert m.s_per_token == pytest.approx(5e-4, rel=0.05)
-    before = m.s_per_token
-    m.observe(est, 100.0, running=0)              # one outlier moves it at most 2x * learning rate
-    assert m.s_per_token <= before * 1.2 + 1e-12
-    m.observe(m.estimate(Candidate("a", 10)), 9.0, running=0)   # too few tokens to learn from
+    for _ in range(300):
+        waiting = rnd.randrange(0, 3)
+        c = Candidate("a", rnd.randrange(100, 4000), engine_tokens=rnd.choice([0, 1024, 2048]),
+                      usable=rnd.choice([{}, {"cxl": 3000}]), bytes_per_token=KV, running=waiting + rnd.randrange(4),
+                      waiting=waiting, waiting_tokens=rnd.randrange(0, 3000))
+        est = m.estimate(c)
+        w, k, d, f = est.features
+        real = truth[0] * w + truth[1] * k * 1000 + truth[2] * d + truth[3] * f
+        m.observe(est, real * rnd.uniform(0.95, 1.05))
+    assert m.overhead_s == pytest.approx(truth[0], rel=0.15)
+    assert m.s_per_token == pytest.approx(truth[1], rel=0.15)
+    assert m.s_per_decoding == pytest.approx(truth[2], abs=0.01)
+    assert m.fetch_factor == pytest.approx(truth[3], rel=0.15)
+    m.observe(m.estimate(Candidate("a", 100)), 1e6)                   # an absurd sample stays bounded
+    assert 0 < m.overhead_s <= 10 and 0 < m.s_per_token <= 0.1
     frozen = CostModel(CostConfig(prefill_s_per_token=1e-3, learn=False))
-    frozen.observe(est, 0.1, running=0)
-    assert frozen.s_per_token == 1e-3
+    frozen.observe(frozen.estimate(Candidate("a", 1000)), 0.1)
+    assert frozen.s_per_token == pytest.approx(1e-3)

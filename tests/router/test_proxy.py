@@ -125,7 +125,7 @@ def test_routes_each_prefix_to_its_holder(engines: dict[str, StandInEngine], red
             assert r.text.count("data:") == 3 and r.text.endswith("data: [DONE]\n\n")
             state = client.get("/pof/backends").json()
             assert sum(x["served"] for x in state["backends"]) == 8
-            assert all(x["running"] == 0 and x["queued_tokens"] == 0 for x in state["backends"])
+            assert all(x["running"] == x["waiting"] == x["waiting_tokens"] == 0 for x in state["backends"])
             assert 'pof_router_requests_total{backend="a",reason="pof"} 3.0' in client.get("/metrics").text
         assert index is not None
         index.close()
