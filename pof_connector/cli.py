@@ -460,14 +460,14 @@ def _add_bench(sub: Any) -> None:
                                          "vllm-router.")
     router.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     router.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
-    router.add_argument("--tenants", type=int, default=8, help="tenants, each with its system prompt (default 8)")
+    router.add_argument("--tenants", type=int, default=12, help="tenants, each with its system prompt (default 12)")
     router.add_argument("--system-tokens", type=int, default=2900, help="system prompt tokens (default 2900)")
     router.add_argument("--requests", type=int, default=96, help="requests per router (default 96)")
     router.add_argument("--rate", type=float, default=3.0,
                         help="open-loop Poisson arrivals per second; 0: closed loop with --clients (default 3)")
     router.add_argument("--clients", type=int, default=4, help="closed-loop clients when --rate is 0 (default 4)")
-    router.add_argument("--hot-share", type=float, default=0.5, help="the hot tenant's share (default 0.5)")
-    router.add_argument("--kv-tokens", type=int, default=16384, help="KV cache tokens per server (default 16384)")
+    router.add_argument("--hot-share", type=float, default=0.7, help="the hot tenant's share (default 0.7)")
+    router.add_argument("--kv-tokens", type=int, default=12288, help="KV cache tokens per server (default 12288)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     router.set_defaults(handler=cmd_bench_router)
 

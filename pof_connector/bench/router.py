@@ -12,7 +12,8 @@ half of the CPU cores (``VLLM_CPU_OMP_THREADS_BIND``), as two hosts would. Three
   ~1.4x faster than one without, so servers without one would not be a fair baseline), but no request
   is ever served from a pool;
 - ``pof``: `pof router` in front of two vLLM servers whose pools share one CXL region and one
-  Redis-protocol index, so either server can load a prefix the other computed.
+  Redis-protocol index, so either server can load a prefix the other computed; a `pof relay`
+  per server reports its engine's prefix cache (from vLLM's KV events) to the index.
 
 Each request streams a short greedy completion; TTFT is the client-side time to the first chunk.
 The prefix hit rate is (engine prefix-cache hits + connector hits) / prompt tokens, from the
@@ -23,10 +24,12 @@ token). ``ratio`` = pof mean TTFT / cache_aware mean TTFT. Needs vLLM and vllm-r
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -38,7 +41,8 @@ from typing import Any
 
 from pof_connector.bench import BenchError
 from pof_connector.bench.router_process import RouterProcess
-from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, stream_completion
+from pof_connector.bench.service_process import ServiceProcess
+from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port, stream_completion
 from pof_connector.index.server import RedisServer
 
 Progress = Callable[[str], None]
@@ -205,10 +209,22 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                 s.stop()
         region = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/dev/shm")) / "cxl.region"
         try:
-            pooled = _start_pair(model_dir, tmp, "pof", {"index_url": redis.url,
-                                 "tiers": {"cxl": {"path": str(region), "size": "1GiB", "partitions": 2}}},
-                                 max_len, common, progress)
+            pool = {"index_url": redis.url, "tiers": {"cxl": {"path": str(region), "size": "1GiB", "partitions": 2}}}
+            events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+            pooled = _start_pair(model_dir, tmp, "pof", pool, max_len, common, progress, events=events)
+            relays: list[ServiceProcess] = []
             try:
+                # A relay per engine puts the engine's own prefix cache into the index (from its KV
+                # events): with a shared pool every node can load every prefix, and the router must
+                # still tell a prefix in an engine's cache from one it has to load.
+                for i, endpoint in enumerate(events):
+                    cfg = tmp / f"relay-n{i}.json"
+                    cfg.write_text(json.dumps({"node_id": f"n{i}", "runtime_dir": str(tmp / f"rt-pof{i}"), **pool}))
+                    relay = ServiceProcess(tmp / f"relay-n{i}.log")
+                    relay.launch([sys.executable, "-m", "pof_connector.cli", "relay", "--config", str(cfg),
+                                  "--engine-events", endpoint, "--bind", f"tcp://127.0.0.1:{free_port()}",
+                                  "--no-pool-residency"])
+                    relays.append(relay)
                 config = {"index_url": redis.url, "tokenizer": str(model_dir),
                           "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
                 router = RouterProcess.pof(tmp, config).start()
@@ -217,6 +233,8 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                 finally:
                     router.stop()
             finally:
+                for r in relays:
+                    r.stop(grace_s=10)
                 for s in pooled:
                     s.stop()
         finally:
@@ -249,13 +267,19 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
 
 
 def _start_pair(model_dir: Path, tmp: Path, name: str, pool: dict[str, Any], max_len: int, common: list[str],
-                progress: Progress, role: str = "kv_both") -> list[VllmServer]:
+                progress: Progress, role: str = "kv_both", events: list[str] | None = None) -> list[VllmServer]:
+    """Two servers; ``events``: the KV-event endpoint each publishes to (None: no KV events)."""
     progress(f"starting 2 vLLM servers ({name}, kv_role {role}) ...")
     servers = []
     for i in range(2):
         kv = connector_config({"node_id": f"n{i}", "runtime_dir": str(tmp / f"rt-{name}{i}"), **pool}, role=role)
+        extra = list(common)
+        if events is not None:
+            port = events[i].rsplit(":", 1)[1]
+            extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                        "endpoint": f"tcp://*:{port}", "topic": ""})]
         servers.append(VllmServer(model_dir, tmp / f"{name}{i}", kv_transfer=kv, max_model_len=max_len,
-                                  extra_args=common, env=_own_cores(i)))
+                                  extra_args=extra, env=_own_cores(i)))
     try:
         with ThreadPoolExecutor(2) as ex:
             list(ex.map(lambda s: s.start(), servers))

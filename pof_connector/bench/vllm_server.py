@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from pof_connector.bench.service_process import ServiceProcess
 
 MODEL_CACHE = Path(os.environ.get("POF_MODEL_CACHE", Path.home() / ".cache" / "pof" / "models"))
 
@@ -41,7 +42,7 @@ def connector_config(extra: dict[str, Any], policy: str = "recompute", role: str
             "kv_role": role, "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
 
 
-class VllmServer:
+class VllmServer(ServiceProcess):
     def __init__(self, model: Path, workdir: Path, *, kv_transfer: dict[str, Any] | None = None,
                  max_model_len: int = 4096, kv_cache_gib: int = 1, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, python: str | None = None) -> None:
@@ -56,62 +57,26 @@ class VllmServer:
         self.extra_args = extra_args or []
         self.env = env or {}
         self.python = python or sys.executable
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = workdir / f"vllm-{self.port}.log"
+        super().__init__(workdir / f"vllm-{self.port}.log")
 
     def start(self, timeout_s: float = 400) -> VllmServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         scratch = self.workdir / "scratch"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
-                   VLLM_CACHE_ROOT=str(MODEL_CACHE.parent / "vllm-cache"),
-                   TORCHINDUCTOR_CACHE_DIR=str(MODEL_CACHE.parent / "inductor-cache"),
-                   TMPDIR=str(scratch), PYTHONUNBUFFERED="1", **self.env)
+        env = {**dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                      VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
+                      VLLM_CACHE_ROOT=str(MODEL_CACHE.parent / "vllm-cache"),
+                      TORCHINDUCTOR_CACHE_DIR=str(MODEL_CACHE.parent / "inductor-cache"),
+                      TMPDIR=str(scratch), PYTHONUNBUFFERED="1"), **self.env}
         scratch.mkdir(exist_ok=True)
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                 "--max-model-len", str(self.max_model_len), "--seed", "0", *self.extra_args]
         if self.kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"vLLM did not come up in {timeout_s}s:\n{self.tail()}")
+        self.launch(args, env=env, cwd=self.workdir)
+        self.wait_healthy(self.url + "/health", timeout_s, interval_s=1.0)
+        return self
 
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
-
-    def stop(self) -> None:
-        """SIGTERM the server's process group (API server, EngineCore, workers), then SIGKILL."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)     # stragglers of the group, if any
-        except ProcessLookupError:
-            pass
-        self.proc = None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     # ---- HTTP ----------------------------------------------------------------------------
 

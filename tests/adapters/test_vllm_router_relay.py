@@ -8,11 +8,8 @@ Every process is stopped by its PID."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +23,7 @@ from typing import Any
 import pytest
 
 from pof_connector.bench.router_process import RouterProcess
+from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
@@ -48,29 +46,6 @@ def wait_for(pred: Any, timeout: float, what: str) -> None:
     while not pred():
         assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
         time.sleep(0.2)
-
-
-class Proc:
-    """A subprocess in its own session, logged to a file, stopped by its PID."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONPATH": str(REPO)})
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +83,8 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg),
                                    extra_args=["--kv-events-config", json.dumps(kv_events)],
                                    env={"PYTHONPATH": str(REPO)})
-    procs: list[Proc] = []
+    procs: list[ServiceProcess] = []
+    codes: dict[str, int | None] = {}
     routers: list[RouterProcess] = []
     try:
         with ThreadPoolExecutor(2) as ex:
@@ -121,7 +97,9 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
                     "--engine-events", events[name], "--bind", bind, "--poll-s", "0.2", "--refresh-s", "2"]
             if not pool:
                 args.append("--no-pool-residency")
-            procs.append(Proc(args, workdir / f"relay-{name}-{'pool' if pool else 'engine'}.log"))
+            proc = ServiceProcess(workdir / f"relay-{name}-{'pool' if pool else 'engine'}.log")
+            proc.launch(args, env={"PYTHONPATH": str(REPO)})
+            procs.append(proc)
             return bind
 
         def router(relays: dict[str, str], tag: str) -> str:
@@ -173,9 +151,8 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         for r in routers:
             r.stop()
         for proc in procs:
-            proc.stop()
+            codes[proc.log.name] = proc.stop(grace_s=15)
         for s in servers.values():
             s.stop()
-    for proc in procs:
-        if "relay" in proc.log.name:
-            assert proc.proc.returncode == 0, proc.tail()
+    for proc in procs:            # relays leave the index and exit cleanly on SIGTERM
+        assert codes[proc.log.name] == 0, proc.tail()
