@@ -10,8 +10,9 @@ Region layout::
 Each writer owns one partition (a contiguous run of slots) and keeps its own books; any process
 that maps the region reads any slot with plain memory copies, checking key, generation and
 checksums (see :mod:`pof_connector.tiers.base`). A partition is claimed with an advisory lock
-file in the runtime directory (``partition: auto``), or named explicitly when several hosts
-share one CXL device (locks do not cross hosts; give each host its own partition number).
+file next to the region file (for a device: in the runtime directory) (``partition: auto``), or
+named explicitly when several hosts share one CXL device (locks do not cross hosts; give each
+host its own partition number).
 
 Production: point ``path`` at the devdax device of the CXL memory (``/dev/dax0.0``, created
 with ``daxctl reconfigure-device --mode=devdax``); ``size`` must be a multiple of the device
@@ -150,10 +151,20 @@ class CxlTier(Tier):
 
 def _claim_partition(runtime_dir: str, region: uuid.UUID, partitions: int, wanted: int | None,
                      path: str) -> tuple[int, int | None]:
-    os.makedirs(runtime_dir, exist_ok=True)
+    """Lock a partition for this writer. The lock files of a region file lie next to it, so every
+    process of the host that maps it sees them whatever its runtime_dir (two writers in one
+    partition would overwrite each other's pages); a device's lie in the runtime directory."""
+    if os.path.isfile(path) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        def lock_path(p: int) -> str:
+            return f"{path}.p{p}.lock"
+    else:
+        os.makedirs(runtime_dir, exist_ok=True)
+
+        def lock_path(p: int) -> str:
+            return os.path.join(runtime_dir, f"cxl-{region}-p{p}.lock")
     candidates = range(partitions) if wanted is None else [wanted]
     for p in candidates:
-        fd = os.open(os.path.join(runtime_dir, f"cxl-{region}-p{p}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock_path(p), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -244,10 +244,15 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
     for name in ("round_robin", "cache_aware"):
         if results[name]["pool_hit_tokens"]:
             raise BenchError(f"{name}: the store-only (kv_producer) servers loaded from their pools")
+    # Greedy answers are compared, not required equal: under concurrent load vLLM batches requests
+    # differently for each router, and batch composition can flip a near-tie token (seen between
+    # round_robin and cache_aware, which load nothing). Exact equality with and without the pool
+    # is what the tests check, one request at a time.
     reference = results["round_robin"].pop("answers")
     for name in ("cache_aware", "pof"):
-        if results[name].pop("answers") != reference:
-            raise BenchError(f"{name}: greedy answers differ from round_robin's")
+        answers = results[name].pop("answers")
+        results[name]["answers_differing_from_round_robin"] = sum(a != b for a, b in zip(answers, reference,
+                                                                                          strict=True))
     shutil.rmtree(tmp, ignore_errors=True)
     bound = work.first_touch_bound()
     prompt_tokens = sum(len(t) for t in work.tokens)
@@ -262,7 +267,7 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                      blocks * BLOCK, "seed": seed, "model": str(model_dir)},
         "note": "ratio = pof router + pool mean TTFT / vllm-router cache_aware mean TTFT (same servers, store-only "
                 "connector: no pool loads); "
-                "hit rate = (engine prefix-cache + connector hits) / prompt tokens; answers checked equal",
+                "hit rate = (engine prefix-cache + connector hits) / prompt tokens",
     }
 
 

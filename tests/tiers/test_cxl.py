@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,6 +140,19 @@ def test_partitions_are_exclusive_and_geometry_checked(shm_path: str, runtime_di
         b.close()
     c = CxlTier(SPEC, TierConfig("cxl", 2 << 20, path=shm_path, partitions=2), runtime_dir)   # a freed partition
     c.close()
+
+
+def test_writers_with_different_runtime_dirs_still_get_their_own_partition(shm_path: str, tmp_path: Path) -> None:
+    """Two engines on one host configured with different runtime_dirs must not both write
+    partition 0 of one region: the partition locks live next to the region file."""
+    cfg = TierConfig("cxl", 2 << 20, path=shm_path, partitions=2)
+    a = CxlTier(SPEC, cfg, str(tmp_path / "rt-a"))
+    b = CxlTier(SPEC, cfg, str(tmp_path / "rt-b"))
+    try:
+        assert {a.partition, b.partition} == {0, 1}
+    finally:
+        a.close()
+        b.close()
 
 
 def test_numa_binding(shm_path: str, runtime_dir: str) -> None:
