@@ -462,7 +462,7 @@ def _add_bench(sub: Any) -> None:
     router.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
     router.add_argument("--tenants", type=int, default=12, help="tenants, each with its system prompt (default 12)")
     router.add_argument("--system-tokens", type=int, default=2900, help="system prompt tokens (default 2900)")
-    router.add_argument("--requests", type=int, default=96, help="requests per router (default 96)")
+    router.add_argument("--requests", type=int, default=160, help="requests per router (default 160)")
     router.add_argument("--rate", type=float, default=3.0,
                         help="open-loop Poisson arrivals per second; 0: closed loop with --clients (default 3)")
     router.add_argument("--clients", type=int, default=4, help="closed-loop clients when --rate is 0 (default 4)")
