@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
+from pof_connector.router.kv_events import AllBlocksCleared, BlockStored, decode_batch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -46,6 +48,21 @@ def wait_for(pred: Any, timeout: float, what: str) -> None:
     while not pred():
         assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
         time.sleep(0.2)
+
+
+_heard: dict[str, int] = {"cleared": 0, "host": 0}
+
+
+def host_blocks_after_clear(tap: zmq.Socket[bytes]) -> int:
+    """Blocks announced as host memory (medium CPU) since the last AllBlocksCleared on ``tap``."""
+    while tap.poll(100):
+        _, _, payload = tap.recv_multipart()
+        for ev in decode_batch(payload).events:
+            if isinstance(ev, AllBlocksCleared):
+                _heard.update(cleared=1, host=0)
+            elif isinstance(ev, BlockStored) and ev.medium == "CPU" and _heard["cleared"]:
+                _heard["host"] += len(ev.block_hashes)
+    return _heard["host"]
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +103,7 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
     procs: list[ServiceProcess] = []
     codes: dict[str, int | None] = {}
     routers: list[RouterProcess] = []
+    tap: zmq.Socket[bytes] | None = None
     try:
         with ThreadPoolExecutor(2) as ex:
             list(ex.map(lambda s: s.start(), servers.values()))
@@ -111,7 +129,13 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
             routers.append(r.start(timeout_s=120))
             return r.url
 
-        with_pool = router({n: relay(n, True) for n in ("a", "b")}, "pool")
+        pool_relays = {n: relay(n, True) for n in ("a", "b")}
+        # What the router hears from a's relay, heard here too (a subscriber of the same stream).
+        ctx = zmq.Context.instance()
+        tap = ctx.socket(zmq.SUB)
+        tap.setsockopt(zmq.SUBSCRIBE, b"")
+        tap.connect(pool_relays["a"])
+        with_pool = router(pool_relays, "pool")
         engine_only = router({n: relay(n, False) for n in ("a", "b")}, "engine")
         index = RedisIndex(redis_server.url, None)
         wait_for(lambda: {"a:engine", "b:engine"} <= {n.node_id for n in index.nodes()}, 30, "relays registered")
@@ -126,15 +150,20 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
 
         p = prompt(1000, seed=3)
         direct = complete(a.url, p)                        # a computes the prefix; its pool stores 7 pages
-        complete(b.url, p[:400])                           # b's engine holds its first 3 blocks
+        complete(b.url, p[:130])                           # b's engine holds the first block only
         keys_a = next(n for n in index.nodes() if n.node_id == "a")
         assert keys_a.meta["page_tokens"] == str(BLOCK)
         time.sleep(3)                                      # store threads publish; relays announce
 
-        # a's engine forgets; a's pool still holds all 7 pages. Seen by the engines alone, b (3 blocks
-        # in its engine) is the better node; counting the pool (7 blocks at host credit), a is.
+        # a's engine forgets; a's pool still holds all 7 pages. Seen by the engines alone, b (one block
+        # in its engine) is the better node; counting the pool (7 blocks at host credit), a is. (With
+        # 3 blocks in b's engine vllm-router 0.1.17 prefers b even so: host credit weighs less.)
+        while tap.poll(0):
+            tap.recv_multipart()
         a.reset_prefix_cache()
-        time.sleep(2)
+        complete(a.url, [5, 6, 7])        # vLLM publishes the clear with its next step's events
+        wait_for(lambda: host_blocks_after_clear(tap) >= 7, 30, "a's relay re-announcing its pool after the reset")
+        time.sleep(0.5)                                   # the router's subscriber reads the same batch
         hits = a.metrics()[HITS]
         node, out = served_by(with_pool, p)
         assert node == "a", "the router fed by pof's relay did not prefer the node whose pool holds the prefix"
@@ -142,12 +171,15 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         assert a.metrics()[HITS] - hits == 896             # and a served it from its pool
 
         a.reset_prefix_cache()
+        complete(a.url, [5, 6, 7])
         time.sleep(2)
         node, out = served_by(engine_only, p)
         assert node == "b", "control: fed by the engines' events only, the router should prefer b"
         assert out == direct
         index.close()
     finally:
+        if tap is not None:
+            tap.close(linger=0)
         for r in routers:
             r.stop()
         for proc in procs:
