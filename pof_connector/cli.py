@@ -142,7 +142,7 @@ def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
         model, _, path = item.partition("=")
         if not path:
             raise CommandError(f"--tokenizer expects MODEL=DIR, got {item!r}")
-        tokenizers[model] = load_tokenizer(path)
+        tokenizers[model] = load_tokenizer(path, special_tokens=False)
     app = make_app(RedisIndex(index_url, None), token=args.token, tokenizers=tokenizers)
     server = uvicorn.Server(uvicorn.Config(app, host=args.http_host, port=args.http_port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="pof-api", daemon=True)

@@ -173,12 +173,12 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
         hot_share: float, kv_tokens: int, seed: int, progress: Progress) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from pof_connector.router.proxy import local_tokenizer
+    from pof_connector.router.locator import load_tokenizer
 
     if not 0 < hot_share < 1 or tenants < 2:
         raise BenchError("--hot-share must be in (0, 1) and --tenants at least 2")
     model_dir = Path(model) if model else build_model("tiny")
-    tokenize = local_tokenizer(str(model_dir))
+    tokenize = load_tokenizer(str(model_dir), special_tokens=True)
     Tokenizer.from_file(str(model_dir / "tokenizer.json"))    # fail early on a model without tokenizer.json
     work = make_workload(tokenize, tenants=tenants, system_tokens=system_tokens, requests=requests,
                          hot_share=hot_share, seed=seed)

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field, model_validator
 
 from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
-from pof_connector.router.locator import Locator, ModelRequired, Tokenizer, UnknownModel
+from pof_connector.router.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
 
 MAX_TOKENS = 1 << 20          # a 1M-token prompt is 4 MiB of JSON: beyond that, refuse
 MAX_TOKEN_ID = 0xFFFFFFFF
@@ -142,13 +142,4 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
     return app
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """A ``tokenizers`` tokenizer from a model directory (its tokenizer.json) or a file."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer as HFTokenizer
-
-    p = Path(path)
-    tok = HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
-    return lambda text: list(tok.encode(text, add_special_tokens=False).ids)
-
+__all__ = ["load_tokenizer", "make_app"]

@@ -30,6 +30,19 @@ ENGINE_MEDIUM = "engine"
 """The medium of an engine's own prefix cache in the index (published by `pof relay`)."""
 
 
+def load_tokenizer(path: str, *, special_tokens: bool) -> Tokenizer:
+    """A ``tokenizers`` tokenizer from a model directory (its tokenizer.json) or a file.
+    ``special_tokens``: add them as the engine does for a completions prompt (routing must see the
+    engine's exact tokens); the locality API's text queries leave them out."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    p = Path(path)
+    tok = HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    return lambda text: list(tok.encode(text, add_special_tokens=special_tokens).ids)
+
+
 class UnknownModel(LookupError):
     """No live node stores the asked model (the message lists the known ones)."""
 

@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.locator import Tokenizer
 from pof_connector.router.router import Decision, NoBackend, Router
 
 log = logging.getLogger("pof.router")
-Tokenizer = Callable[[str], list[int]]
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 
 
@@ -225,17 +225,6 @@ async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> Non
         b.check_passed()
     else:
         b.check_failed(f"health check answered {r.status_code}")
-
-
-def local_tokenizer(path: str) -> Tokenizer:
-    """Token ids as the engine makes them for a completions prompt (special tokens added)."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer as HFTokenizer
-
-    p = Path(path)
-    tok = HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
-    return lambda text: list(tok.encode(text, add_special_tokens=True).ids)
 
 
 def _error(status: int, message: str) -> JSONResponse:

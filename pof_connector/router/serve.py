@@ -35,7 +35,8 @@ def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pof_connector.router.proxy import local_tokenizer, make_app
+    from pof_connector.router.locator import load_tokenizer
+    from pof_connector.router.proxy import make_app
 
     config = RouterConfig.from_file(args.config)
     override: dict[str, Any] = {}
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per proxied request otherwise
     router, index = build(config)
-    tok = local_tokenizer(config.tokenizer) if config.tokenizer else None
+    tok = load_tokenizer(config.tokenizer, special_tokens=True) if config.tokenizer else None
     names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
     log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
              config.index_url or "none", names)
