@@ -1,10 +1,10 @@
-"""A stock ``vllm-router --policy kv_aware`` fed by pof relays: the relay stream carries the engine's
-events and, after the engine drops a prefix, the pool's pages as host memory; requests routed
-through it are answered correctly. (vllm-router 0.1.17 does not yet prefer the node on that credit
-alone: see the comment in the test.) Real vLLM CPU servers with the pof connector and KV events on,
-real relays (``pof relay`` processes), real router binaries; which server served a request is read
-from the servers' own metrics. The control is the same router fed by relays that forward only the
-engines' events (``--no-pool-residency``): after the reset it has no reason to prefer node a.
+"""A stock ``vllm-router --policy kv_aware`` fed by pof relays prefers the node whose pool holds a
+prefix its engine has dropped: the relay stream carries the engine's events and, after the
+engine's clear, the pool's pages as host memory. Real vLLM CPU servers with the pof connector and
+KV events on, real relays (``pof relay`` processes), real router binaries; which server served a
+request is read from the servers' own metrics. The control is the same router fed by relays that forward only the
+engines' events (``--no-pool-residency``): in the same state it prefers node b, whose engine holds
+one block of the prompt.
 Every process is stopped by its PID."""
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
-def complete(base: str, p: list[int]) -> list[int]:
-    body = {"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
-            "ignore_eos": True}
-    return list(post(base + "/v1/completions", body)["choices"][0]["token_ids"])
+def complete(base: str, p: list[int]) -> str:
+    # Not ``return_token_ids``: vllm-router 0.1.17 gives a request that asks for it no KV credit at all.
+    body = {"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    return str(post(base + "/v1/completions", body)["choices"][0]["text"])
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         wait_for(lambda: {"a:engine", "b:engine"} <= {n.node_id for n in index.nodes()}, 30, "relays registered")
         time.sleep(3)                                     # ZMQ subscribers join; relays re-send every 2 s anyway
 
-        def served_by(router_url: str, p: list[int]) -> tuple[str, list[int]]:
+        def served_by(router_url: str, p: list[int]) -> tuple[str, str]:
             before = {n: s.metrics()[PROMPT_TOKENS] for n, s in servers.items()}
             out = complete(router_url, p)
             grew = [n for n, s in servers.items() if s.metrics()[PROMPT_TOKENS] > before[n]]
@@ -178,27 +178,25 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         direct = complete(a.url, p)                        # a computes the prefix; its pool stores 7 pages
         keys_a = next(n for n in index.nodes() if n.node_id == "a")
         assert keys_a.meta["page_tokens"] == str(BLOCK)
+        complete(b.url, p[:130])                          # b's engine holds the first block of the prompt
         time.sleep(3)                                      # store threads publish; relays announce
 
-        # a's engine forgets; a's pool still holds all 7 pages, and b holds nothing of the prompt. Only
-        # pool residency makes a the better node. (vllm-router 0.1.17 credits a host-memory run less
-        # than one device block: with a block of the prompt in b's engine it picks b.)
+        # a's engine forgets; a's pool still holds all 7 pages, b's engine holds one block. Fed by the
+        # engines' events alone a router can only prefer b; pool residency makes a the better node
+        # (7 pages at the host credit 0.8 against one device block).
         reset_engine(a, tap)
         wait_for(lambda: listen(tap)["host"] >= 7, 30, "a's relay re-announcing its pool after the reset")
         time.sleep(0.5)                                   # the router's subscriber reads the same batch
         hits = a.metrics()[HITS]
         node, out = served_by(with_pool, p)
-        # Not asserted: which node vllm-router 0.1.17 picks. It credits no host-memory run that does not
-        # follow a device prefix, so with a's engine cleared it does not prefer a (issue 6 stays open).
+        assert node == "a", "fed by pof's relays, vllm-router should prefer a, whose pool holds the prefix"
+        assert a.metrics()[HITS] - hits == 896             # and a served it from its pool
         assert out == direct
-        if node == "a":
-            assert a.metrics()[HITS] - hits == 896         # a served it from its pool
 
-        complete(b.url, p[:130])                          # b's engine now holds the first block
-        reset_engine(a, tap2)
-        time.sleep(2)                                     # b's store reaches both routers
+        reset_engine(a, tap2)                             # the same state again: a's engine empty, pool full
+        time.sleep(0.5)
         node, out = served_by(engine_only, p)
-        assert node == "b", "fed by the engines' events, the router should prefer b (one block on its device)"
+        assert node == "b", "fed by the engines' events only, the router should prefer b (one block on its device)"
         assert out == direct
         index.close()
     finally:
