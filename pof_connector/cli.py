@@ -489,7 +489,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     try:
         relay = Relay(config, args.engine_events, args.bind, replay_bind=args.replay_bind,
                       engine_topic=args.engine_topic, advertise_engine_events=args.advertise_engine_events,
-                      pool_residency=not args.no_pool_residency, poll_s=args.poll_s, refresh_s=args.refresh_s)
+                      pool_residency=not args.no_pool_residency, poll_s=args.poll_s, refresh_s=args.refresh_s,
+                      engine_url=args.engine_url)
     except zmq.ZMQError as e:            # e.g. the bind address is taken
         raise CommandError(f"relay: {e}") from e
     stop = threading.Event()
@@ -516,6 +517,8 @@ def _add_relay(sub: Any) -> None:
     p.add_argument("--advertise-engine-events", metavar="ENDPOINT",
                    help="the engine endpoint as other hosts' relays reach it (default --engine-events)")
     p.add_argument("--no-pool-residency", action="store_true", help="forward the engine's events only")
+    p.add_argument("--engine-url", metavar="URL",
+                   help="the engine's HTTP base URL: its /metrics give the node load the locality API reports")
     p.add_argument("--poll-s", type=float, default=0.5, help="how often the pool view is refreshed (default 0.5)")
     p.add_argument("--refresh-s", type=float, default=30.0,
                    help="how often the whole pool view is re-sent, for routers that joined late (default 30)")

@@ -12,8 +12,8 @@ pof)            # pof router: engine caches + pool residency from the index, TTF
     exec pof router --config "$(dirname "$0")/pof-router.yaml" ;;
 vllm-kv-aware)  # stock vllm-router fed by pof relays: engine events + pool residency (host credit)
     # one relay per engine (run each on its engine's host):
-    #   pof relay --config a.yaml --engine-events tcp://127.0.0.1:5557 --bind tcp://0.0.0.0:5657
-    #   pof relay --config b.yaml --engine-events tcp://127.0.0.1:5558 --bind tcp://0.0.0.0:5658
+    #   pof relay --config a.yaml --engine-events tcp://127.0.0.1:5557 --bind tcp://0.0.0.0:5657 --engine-url "$A"
+    #   pof relay --config b.yaml --engine-events tcp://127.0.0.1:5558 --bind tcp://0.0.0.0:5658 --engine-url "$B"
     exec vllm-router --port 8080 --policy kv_aware --worker-urls "$A" "$B" \
         --kv-event-block-size 128 --kv-event-model m \
         --kv-event-source "$A=tcp://127.0.0.1:5657" --kv-event-source "$B=tcp://127.0.0.1:5658" ;;

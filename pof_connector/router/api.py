@@ -2,8 +2,9 @@
 
 ``POST /v1/locality`` takes a prompt (token ids, or text when a tokenizer for the model was
 given) and answers, per live node, how many leading tokens it holds and in which tiers, with the
-node's free capacity. ``GET /v1/nodes`` lists live nodes, ``/metrics`` is Prometheus,
-``/healthz`` says whether the index answers, ``/docs`` and ``/openapi.json`` describe it all.
+node's free capacity and its engine's load (when a relay reads it). ``GET /v1/nodes`` lists live
+nodes, ``/metrics`` is Prometheus, ``/healthz`` says whether the index answers, ``/docs`` and
+``/openapi.json`` describe it all.
 
 The answer comes from :class:`~pof_connector.router.locator.Locator`, which `pof router` uses
 too. Served by ``pof index serve`` on 127.0.0.1 by default; a bearer token can be
@@ -49,6 +50,11 @@ class TierTokens(BaseModel):
     free_bytes: int = 0
 
 
+class NodeLoad(BaseModel):
+    running: int = Field(description="requests the engine is running")
+    waiting: int = Field(description="requests queued in the engine's scheduler")
+
+
 class NodeLocality(BaseModel):
     node_id: str
     matched_tokens: int = Field(description="leading prompt tokens this node holds (pool or engine)")
@@ -56,6 +62,8 @@ class NodeLocality(BaseModel):
     usable_tokens: int = Field(description="leading tokens this node's pool can load, own or shared tiers")
     usable: dict[str, int] = Field(description="usable tokens per tier they come from")
     free_bytes: dict[str, int] = Field(description="free capacity per tier")
+    load: NodeLoad | None = Field(None, description="the engine's load as its relay last read it (about once a "
+                                                    "heartbeat); null when no relay reads it (pof relay --engine-url)")
     meta: dict[str, str]
 
 
@@ -129,6 +137,7 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
                                tiers={**n.held, **({"engine": n.engine_tokens} if n.engine_tokens else {})},
                                usable_tokens=n.usable_tokens, usable=n.usable,
                                free_bytes={m: t.free_bytes for m, t in n.info.tiers.items()} if n.info else {},
+                               load=NodeLoad(running=n.load.running, waiting=n.load.waiting) if n.load else None,
                                meta=n.info.meta if n.info else {})
                   for n in found.nodes.values() if n.held_tokens or n.engine_tokens or n.usable_tokens]
         requests.labels("/v1/locality", "200").inc()

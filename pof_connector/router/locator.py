@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pof_connector.index import LocalityIndex, NodeInfo, PrefixMatch
 from pof_connector.index.base import MEDIA
 from pof_connector.keys import page_keys
+from pof_connector.router.engine_load import EngineLoad
 
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = "engine"
@@ -61,6 +62,9 @@ class NodeLocality:
     """Leading tokens in this node's engine prefix cache (0 when no relay reports it)."""
     usable: dict[str, int] = field(default_factory=dict)
     """Leading tokens this node's pool can load, per tier they come from."""
+    load: EngineLoad | None = None
+    """The engine's running / waiting requests as its relay last read them; ``None`` when no
+    relay reads them (``pof relay --engine-url``)."""
     info: NodeInfo | None = None
 
     @property
@@ -139,6 +143,7 @@ class Locator:
             if eng is not None:
                 em = matches[_space(eng)].get(eng.node_id)  # type: ignore[index]
                 loc.engine_tokens = em.pages * page if em is not None else 0
+                loc.load = EngineLoad.from_meta(eng.meta)
             out[n.node_id] = loc
         return Locality(model, len(tokens), page, out)
 

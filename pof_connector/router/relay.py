@@ -37,6 +37,8 @@ Which pages the pool can load is asked from the index (:class:`Locator`, per kno
 relays advertise ``engine_events`` in their ``:engine`` node (pages computed elsewhere that this
 node can read through a shared tier). The relay also serves vLLM's replay protocol on
 ``replay_bind`` (``--kv-event-replay-source``) from a buffer of its last ``buffer_steps`` batches.
+With ``engine_url`` it also reads the engine's running / waiting requests from its ``/metrics``
+every heartbeat and publishes them in its index node (the locality API's node load).
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import httpx
 import msgspec
 import zmq
 
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeInfo, open_index
 from pof_connector.keys import PageKey
+from pof_connector.router.engine_load import EngineLoad, read_engine_load
 from pof_connector.router.kv_events import (
     END_SEQ,
     MEDIUM_CPU,
@@ -87,13 +91,15 @@ class Relay:
     no replay. ``advertise_engine_events``: the engine endpoint as other hosts reach it (default
     ``engine_events``). ``pool_residency=False`` forwards the engine's events only.
     ``index``: an index client bound to ``<node_id>:engine`` (default: opened from ``config``).
+    ``engine_url``: the engine's HTTP base URL, whose ``/metrics`` give its load; ``None``
+    publishes no load.
     """
 
     def __init__(self, config: PofConfig, engine_events: str, bind: str, *, replay_bind: str | None = None,
                  engine_topic: str = "", advertise_engine_events: str | None = None,
                  pool_residency: bool = True, poll_s: float = 0.5, refresh_s: float = 30.0,
                  buffer_steps: int = 10_000, max_pages: int = 1 << 16,
-                 index: LocalityIndex | None = None) -> None:
+                 index: LocalityIndex | None = None, engine_url: str | None = None) -> None:
         if config.index_url == "local" and index is None:
             raise ConfigError("index_url: 'local' lives inside one process; the relay needs the index the "
                               "engines use ('embedded' on their host, or redis://…)")
@@ -108,6 +114,9 @@ class Relay:
         self.max_pages = max_pages
         self.index = index if index is not None else open_index(config, self.node_id)
         self.locator = Locator(self.index)
+        self.engine_url = engine_url
+        # Short: the read runs on the relay's only thread, between event batches.
+        self._http = httpx.Client(timeout=0.3) if engine_url else None
         self.stats: dict[str, int] = {"engine_batches": 0, "peer_batches": 0, "batches_out": 0,
                                       "engine_gaps": 0, "decode_errors": 0, "replays": 0}
         self._ctx = zmq.Context()
@@ -361,6 +370,25 @@ class Relay:
 
     # ---- index -----------------------------------------------------------------------------
 
+    def _engine_load(self) -> EngineLoad | None:
+        """The engine's load now; ``None`` when not asked for or unreadable (then the index shows
+        no load for the node rather than a stale one)."""
+        if self.engine_url is None or self._http is None:
+            return None
+        try:
+            load = read_engine_load(self.engine_url, self._http)
+        except httpx.HTTPError as e:
+            self._log_once("engine-load", logging.WARNING, "pof relay: cannot read the engine's load from "
+                           "%s/metrics (%s); publishing none until it answers", self.engine_url, e)
+            return None
+        if load is None:
+            self._log_once("engine-load-gauges", logging.WARNING, "pof relay: %s/metrics has no vLLM or SGLang "
+                           "request gauges; publishing no load", self.engine_url)
+        elif "engine-load" in self._logged:
+            self._logged.discard("engine-load")
+            log.warning("pof relay: reading the engine's load again")
+        return load
+
     def _heartbeat(self) -> None:
         try:
             nodes = self.index.nodes()
@@ -382,6 +410,9 @@ class Relay:
                 "relay_events": self.endpoint}
         if self.replay_endpoint:
             meta["relay_replay"] = self.replay_endpoint
+        load = self._engine_load()
+        if load is not None:
+            meta.update(load.to_meta())
         try:
             fresh = self.index.heartbeat(NodeInfo(self.node_id, {}, meta), self.config.node_ttl_s)
             if fresh or self._republish:
@@ -469,6 +500,8 @@ class Relay:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        if self._http is not None:
+            self._http.close()
         log.info("pof relay %s stopped", self.node_id)
 
 

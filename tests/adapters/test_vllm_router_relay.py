@@ -30,6 +30,7 @@ from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
+from pof_connector.router.engine_load import EngineLoad
 from pof_connector.router.kv_events import AllBlocksCleared, BlockStored, decode_batch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -134,7 +135,8 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         def relay(name: str, pool: bool) -> str:
             bind = f"tcp://127.0.0.1:{free_port()}"
             args = [sys.executable, "-m", "pof_connector.cli", "relay", "--config", str(configs[name]),
-                    "--engine-events", events[name], "--bind", bind, "--poll-s", "0.2", "--refresh-s", "2"]
+                    "--engine-events", events[name], "--bind", bind, "--poll-s", "0.2", "--refresh-s", "2",
+                    "--engine-url", servers[name].url]
             if not pool:
                 args.append("--no-pool-residency")
             proc = ServiceProcess(workdir / f"relay-{name}-{'pool' if pool else 'engine'}.log")
@@ -198,6 +200,8 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         node, out = served_by(engine_only, p)
         assert node == "b", "fed by the engines' events only, the router should prefer b (one block on its device)"
         assert out == direct
+        loads = {n.node_id: EngineLoad.from_meta(n.meta) for n in index.nodes()}
+        assert loads["a:engine"] == loads["b:engine"] == EngineLoad(0, 0)   # read from the idle engines' /metrics
         index.close()
     finally:
         for t in (tap, tap2):

@@ -22,12 +22,15 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from fastapi.testclient import TestClient
 
 from pof_connector.config import PofConfig
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import page_keys
 from pof_connector.pool import Pool
+from pof_connector.router.api import make_app
+from pof_connector.router.engine_load import EngineLoad
 from pof_connector.router.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -44,6 +47,7 @@ from pof_connector.router.locator import Locator
 from pof_connector.router.relay import Relay
 from pof_connector.router.relay_chains import PageChains
 from tests.router.test_api import NS, node
+from tests.router.test_engine_load import VLLM, MetricsServer
 
 PAGE = 16
 SEG = [np.zeros(512, np.uint8)] * 2
@@ -269,6 +273,33 @@ def test_engine_only_relay_and_lost_events(ctx: zmq.Context[Any], redis_server: 
     finally:
         h.close()
         pool.close()
+
+
+def test_engine_load_reaches_the_locality_api(ctx: zmq.Context[Any], redis_server: RedisServer, runtime_dir: str,
+                                              index: RedisIndex) -> None:
+    metrics = MetricsServer(VLLM)                 # stands in for the engine's /metrics
+    pool = node("a", redis_server.url, runtime_dir)
+    h = Harness(ctx, pool, engine_url=metrics.url)
+    api = TestClient(make_app(index))
+    t = tokens(2)
+
+    def load() -> dict[str, int] | None:
+        nodes = api.post("/v1/locality", json={"tokens": t}).json()["nodes"]
+        return next((n["load"] for n in nodes if n["node_id"] == "a"), None)
+
+    try:
+        pool.store([(k, SEG) for k in pool.keys_for(t)]).result()
+        wait_for(lambda: load() == {"running": 4, "waiting": 5}, what="the engine's load in the API")
+        assert Locator(index).locate(t).nodes["a"].load == EngineLoad(4, 5)
+        metrics.text = VLLM.replace("} 3.0", "} 0.0").replace("} 5.0", "} 2.0")
+        wait_for(lambda: load() == {"running": 1, "waiting": 2}, what="the new load")
+        metrics.text = None                       # the engine's metrics fail: no load rather than a stale one
+        wait_for(lambda: load() is None, what="load withdrawn")
+        assert h.thread.is_alive()
+    finally:
+        h.close()
+        pool.close()
+        metrics.close()
 
 
 def test_pages_another_engine_computed_in_a_shared_region(ctx: zmq.Context[Any], redis_server: RedisServer,

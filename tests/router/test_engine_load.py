@@ -1,0 +1,92 @@
+"""Engine load from the engines' own Prometheus text (vLLM and SGLang gauge names)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from pof_connector.router.engine_load import EngineLoad, parse_engine_load, read_engine_load
+
+VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 5.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+"""
+SGLANG = """# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 2.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 7.0
+"""
+
+
+def test_vllm_and_sglang_gauges_are_summed_over_label_sets() -> None:
+    assert parse_engine_load(VLLM) == EngineLoad(running=4, waiting=5)
+    assert parse_engine_load(SGLANG) == EngineLoad(running=2, waiting=7)
+    assert parse_engine_load("# TYPE other gauge\nother 1.0\n") is None
+
+
+def test_meta_round_trip_and_missing_load() -> None:
+    load = EngineLoad(running=4, waiting=5)
+    assert EngineLoad.from_meta({"x": "y", **load.to_meta()}) == load
+    assert EngineLoad.from_meta({}) is None
+    assert EngineLoad.from_meta({"running": "4", "waiting": "many"}) is None
+
+
+class MetricsServer:
+    """A stand-in engine ``/metrics`` endpoint (the text vLLM serves); ``text = None`` answers 500."""
+
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+        me = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path != "/metrics" or me.text is None:
+                    self.send_error(404 if self.path != "/metrics" else 500)
+                    return
+                body = me.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def metrics() -> Iterator[MetricsServer]:
+    s = MetricsServer(VLLM)
+    yield s
+    s.close()
+
+
+def test_read_over_http_and_errors(metrics: MetricsServer) -> None:
+    with httpx.Client(timeout=2) as client:
+        assert read_engine_load(metrics.url + "/", client) == EngineLoad(4, 5)
+        metrics.text = None
+        with pytest.raises(httpx.HTTPStatusError):
+            read_engine_load(metrics.url, client)
+        metrics.close()
+        with pytest.raises(httpx.HTTPError):
+            read_engine_load(metrics.url, client)
