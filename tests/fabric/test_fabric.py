@@ -138,3 +138,53 @@ def test_a_slot_rewritten_between_data_and_generation_read_is_rejected(
     finally:
         b.close()
         a.close()
+
+
+def test_a_peers_cxl_region_that_is_not_shared_is_read_over_the_fabric(
+        redis_server: RedisServer, runtime_dir: str, shm_path: str) -> None:
+    """A's CXL region is not mapped by B (another host's device): B reads it with NIXL instead."""
+    a_cfg = node_config("a", redis_server.url, runtime_dir)
+    a_cfg["tiers"] = {"cxl": {"path": shm_path, "size": "2MiB", "partitions": 2}}
+    a = Pool(PofConfig.from_mapping(a_cfg), SPEC, NAMESPACE)
+    b = Pool(PofConfig.from_mapping(node_config("b", redis_server.url, runtime_dir)), SPEC, NAMESPACE)
+    try:
+        keys = a.keys_for(np.arange(16 * 5))
+        a.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: b.lookup(keys).pages == 5)
+        lk = b.lookup(keys)
+        assert {(s.node, s.medium) for s in lk.sources} == {("a", "cxl")}
+        reader = b.open_read(keys, lk.sources)
+        try:
+            for i, k in enumerate(keys):
+                for layer, data in enumerate(content(k)):
+                    seg = reader.segment(i, layer)
+                    assert seg is not None and seg.tobytes() == data.tobytes() and reader.check(i, layer)
+            assert reader.failed == {}
+        finally:
+            reader.close()
+        assert b.stats.get("loaded_pages", tier="remote:cxl") == 5
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_load_larger_than_staging_misses_the_excess_and_staging_is_reused(
+        redis_server: RedisServer, runtime_dir: str) -> None:
+    a = Pool(PofConfig.from_mapping(node_config("a", redis_server.url, runtime_dir)), SPEC, NAMESPACE)
+    b = Pool(PofConfig.from_mapping(node_config("b", redis_server.url, runtime_dir)), SPEC, NAMESPACE)
+    try:
+        assert b._fabric is not None
+        room = b._fabric.staging.num_slots          # 256KiB of 6KiB pages
+        keys = a.keys_for(np.arange(16 * (room + 3)))
+        a.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: b.lookup(keys).pages == len(keys))
+        lk = b.lookup(keys)
+        for _ in range(2):                          # the second time: every slot came back
+            bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in keys]
+            h = b.load(keys, lk.sources, bufs)
+            assert h.wait(10)
+            assert sorted(h.failed.values()) == ["no_staging"] * 3
+        assert len(b._fabric.staging.take(room + 1)) == room and b._fabric.staging.quarantined_slots == 0
+    finally:
+        b.close()
+        a.close()
