@@ -219,9 +219,13 @@ class RemoteReader:
         remote = np.array([sources[i].slot for i in g.pages], dtype=np.int64)
         try:
             g.handle = self.agent.post_read(self.staging.dlist, np.array(slots, dtype=np.int64), dlist, remote)
-        except FabricError:
-            self.staging.give(g.slots)
+        except FabricError as e:
+            if e.disconnected:
+                self.staging.give(g.slots)
+            else:
+                self.staging.quarantine(g.slots)    # whether anything was posted is unknown
             g.slots = []
+            self._drop(g.node, RECONNECT_AFTER_ERROR_S)   # reconnect from fresh metadata next time
             raise
 
     def _wait(self, active: list[_Group], sources: Sequence[Location], out: list[Fetched | PageError | None],
