@@ -31,6 +31,7 @@ class FabricError(RuntimeError):
     def __init__(self, reason: str, detail: str, *, disconnected: bool = False) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.detail = detail
         self.disconnected = disconnected
 
 

@@ -310,10 +310,10 @@ class RemoteReader:
 
     @staticmethod
     def _fail_group(g: _Group, out: list[Fetched | PageError | None], err: FabricError | PageError) -> None:
-        reason = err.reason
+        page_err = err if isinstance(err, PageError) else PageError(err.reason, f"{g.node}: {err.detail}")
         for i in g.pages:
             if out[i] is None:
-                out[i] = PageError(reason, str(err))
+                out[i] = page_err
 
     def close(self) -> None:
         with self._lock:
