@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build (or reuse) the venv for the core tests: pof-connector[test], editable from this checkout.
+# Build (or reuse) the venv for the core tests: pof-connector[test], editable from this checkout,
+# plus NIXL (installed --no-deps) for the fabric tests.
 # Prints the venv's python as the last line of stdout; progress goes to stderr.
 #
 # Reuse: dependencies are installed again only when pyproject.toml or this script changed (a
@@ -25,6 +26,11 @@ if [[ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]]; then
     log "installing dependencies (pyproject.toml changed or new venv)"
     quiet_pip install --upgrade pip setuptools wheel
     quiet_pip install -e "$ROOT[test]"
+    # NIXL for the fabric tests, without its declared torch (a 5.9 GB CUDA stack the core never
+    # imports); the pin is the one of pyproject.toml's `nixl` extra.
+    nixl_req="$(grep -o '"nixl-cu13==[^"]*"' "$ROOT/pyproject.toml" | head -n 1 | tr -d '"')"
+    [[ -n "$nixl_req" ]] || { log "no nixl-cu13 pin in pyproject.toml"; exit 1; }
+    quiet_pip install --no-deps "$nixl_req"
     echo "$want" > "$STAMP"
 fi
 quiet_pip install --no-deps --no-build-isolation -e "$ROOT"

@@ -18,8 +18,8 @@ echo "== ruff"
 echo "== mypy"
 "$BIN/mypy"
 
-echo "== pytest (core)"
-"$PY" -m pytest -m "not vllm and not sglang" "$@"
+echo "== pytest (core, with the NIXL fabric tests)"
+POF_REQUIRE_NIXL=1 "$PY" -m pytest -m "not vllm and not sglang" "$@"
 
 run_marked() {   # run_marked MARK PYTHON [ARGS]: pytest exit 5 (nothing collected) fails here too
     local mark="$1" py="$2"

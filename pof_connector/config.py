@@ -132,6 +132,66 @@ def _float(value: Any, key: str, lo: float) -> float:
     return float(value)
 
 
+UCX_TRANSPORTS = (
+    "all", "tcp", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5", "dc", "dc_x", "dc_mlx5",
+    "ib", "sm", "shm", "mm", "posix", "sysv", "xpmem", "knem", "cma", "self", "cuda", "cuda_copy", "cuda_ipc",
+    "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "srd",
+)
+"""UCX transport names accepted in ``fabric.tls`` (each may carry UCX's ``^`` exclusion prefix)."""
+_UCX_DEVICES_RE = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+_FABRIC_KEYS = ("enabled", "ucx_devices", "tls", "timeout_s", "staging_size")
+
+
+@dataclass(frozen=True)
+class FabricConfig:
+    """Remote page reads between nodes over NIXL (UCX), for tiers no shared region connects.
+
+    ``ucx_devices``: UCX's NET_DEVICES for pof's agent (e.g. ``mlx5_0:1``, ``eth0``); ``None``
+    lets UCX choose. ``tls``: UCX transports, e.g. ``tcp`` or ``rc,sm``; ``None`` lets UCX choose
+    (InfiniBand/RoCE when present). Both go to pof's own agent only, never to the engine's
+    environment. ``timeout_s``: deadline of one batch of remote reads; a peer that does not answer
+    in time gives misses (recompute), never a hang. ``staging_size``: local memory that remote
+    pages land in before they are validated (the most remote bytes one load can fetch).
+    """
+
+    enabled: bool = False
+    ucx_devices: str | None = None
+    tls: str | None = None
+    timeout_s: float = 2.0
+    staging_size: int = 64 << 20
+
+
+def _fabric(raw: Any) -> FabricConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"fabric: expected a mapping of options such as {{'enabled': true}}, got {raw!r}")
+    for name in raw:
+        if name not in _FABRIC_KEYS:
+            raise ConfigError(f"fabric: unknown option {name!r}; allowed: {', '.join(_FABRIC_KEYS)}")
+    kw: dict[str, Any] = {}
+    if "enabled" in raw:
+        if not isinstance(raw["enabled"], bool):
+            raise ConfigError(f"fabric.enabled: expected true or false, got {raw['enabled']!r}")
+        kw["enabled"] = raw["enabled"]
+    devices = raw.get("ucx_devices")
+    if devices is not None:
+        if not isinstance(devices, str) or not _UCX_DEVICES_RE.fullmatch(devices):
+            raise ConfigError(f"fabric.ucx_devices: expected a comma-separated list of UCX devices such as "
+                              f"'mlx5_0:1' or 'eth0,eth1' (or 'all', or null), got {devices!r}")
+        kw["ucx_devices"] = devices
+    tls = raw.get("tls")
+    if tls is not None:
+        names = tls.split(",") if isinstance(tls, str) else [None]
+        if not all(isinstance(n, str) and n.lstrip("^") in UCX_TRANSPORTS for n in names):
+            raise ConfigError(f"fabric.tls: expected a comma-separated list of UCX transports (or null); "
+                              f"allowed: {', '.join(UCX_TRANSPORTS)}; got {tls!r}")
+        kw["tls"] = tls
+    if "timeout_s" in raw:
+        kw["timeout_s"] = _float(raw["timeout_s"], "fabric.timeout_s", lo=0.01)
+    if "staging_size" in raw:
+        kw["staging_size"] = parse_size(raw["staging_size"], "fabric.staging_size")
+    return FabricConfig(**kw)
+
+
 def _default_runtime_dir() -> str:
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"pof-{os.getuid()}")
 
@@ -146,7 +206,7 @@ class PofConfig:
     ``redis://host:port/db`` / ``unix:///path.sock``. ``namespace``: an operator-chosen string
     mixed into every key, for isolating tenants or deployments that share one index.
     ``tiers``: preference order — pages are stored in the first; pages evicted from a tier move
-    to the next one.
+    to the next one. ``fabric``: reads of other nodes' tiers over NIXL (off by default).
     """
 
     node_id: str = field(default_factory=socket.gethostname)
@@ -160,6 +220,7 @@ class PofConfig:
     node_ttl_s: float = 5.0
     io_threads: int = 2
     load_timeout_s: float = 10.0
+    fabric: FabricConfig = field(default_factory=FabricConfig)
 
     def tier(self, medium: str) -> TierConfig | None:
         """The options of ``medium``; ``None`` when this node has no such tier."""
@@ -202,6 +263,8 @@ class PofConfig:
             kw["load_timeout_s"] = _float(raw["load_timeout_s"], "load_timeout_s", lo=0.01)
         if "io_threads" in raw:
             kw["io_threads"] = _int(raw["io_threads"], "io_threads", lo=1, hi=64)
+        if raw.get("fabric") is not None:
+            kw["fabric"] = _fabric(raw["fabric"])
         config = cls(**kw)
         if config.node_ttl_s <= config.heartbeat_s:
             raise ConfigError(f"node_ttl_s ({config.node_ttl_s}) must be larger than heartbeat_s "
@@ -241,6 +304,9 @@ class PofConfig:
             "runtime_dir": self.runtime_dir, "heartbeat_s": self.heartbeat_s,
             "node_ttl_s": self.node_ttl_s, "io_threads": self.io_threads,
             "load_timeout_s": self.load_timeout_s,
+            "fabric": {"enabled": self.fabric.enabled, "ucx_devices": self.fabric.ucx_devices,
+                       "tls": self.fabric.tls, "timeout_s": self.fabric.timeout_s,
+                       "staging_size": self.fabric.staging_size},
         }
 
 

@@ -12,25 +12,43 @@ I/O thread competes with the forward pass for cores. Safety is the same as for a
    live generation did not change (a writer zeroes it before touching any byte). A page that
    fails is reported in :attr:`failed`; the caller must have the engine recompute it — the bytes
    it copied are not to be used.
+
+Pages of another node's tier that no shared region connects (fabric enabled) are fetched first,
+in one batch, into pof's staging memory and validated there (:mod:`pof_connector.fabric`); the
+caller then reads them through the same calls.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pof_connector.index import Location
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader
-from pof_connector.tiers import SlotRef, Tier
+from pof_connector.tiers import SlotRef
 
 if TYPE_CHECKING:
     from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)
+
+
+class SlotSource(Protocol):
+    """Where a page's bytes are read from: a :class:`~pof_connector.tiers.Tier`, or a remote page
+    already staged locally (:class:`pof_connector.fabric.remote_reader.StagedPage`)."""
+
+    @property
+    def medium(self) -> str: ...
+
+    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray: ...
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None: ...
+
+    def unpin(self, slot: int) -> None: ...
 
 
 class PageReader:
@@ -41,11 +59,23 @@ class PageReader:
         self.keys = keys
         self.sources = sources
         self.failed: dict[int, str] = {}
-        self._pages: list[tuple[Tier, SlotRef, PageHeader, bool] | None] = []
+        self._pages: list[tuple[SlotSource, SlotRef, PageHeader, bool] | None] = []
         self._started = time.perf_counter()
         scratch = np.empty(pool.spec.header_bytes, dtype=np.uint8)
+        remote = pool._fetch_remote(keys, sources)
         for i, (key, src) in enumerate(zip(keys, sources, strict=True)):
             header_buf = headers[i] if headers is not None else scratch
+            if i in remote:
+                got = remote[i]
+                if isinstance(got, PageError):
+                    self._fail(i, got)
+                    self._pages.append(None)
+                    continue
+                staged, ref, header = got
+                if headers is not None:
+                    np.copyto(headers[i], staged.header(ref))
+                self._pages.append((staged, ref, header, True))     # "pinned": unpin frees its staging
+                continue
             try:
                 tier, ref, pinned = pool._resolve(key, src)
             except PageError as e:

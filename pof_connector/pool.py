@@ -1,7 +1,8 @@
 """The Pool: the one object adapters call.
 
 * :meth:`Pool.lookup` — how many leading pages of a prompt this node can load, and from where
-  (its own tiers, a CXL region it shares with other nodes), asking the locality index;
+  (its own tiers, a CXL region it shares with other nodes, other nodes' tiers over the fabric
+  when ``fabric.enabled``), asking the locality index;
 * :meth:`Pool.load` — copy those pages into caller buffers on the I/O threads, layer by layer,
   validating each page; the :class:`LoadHandle` lets the engine wait for one layer at a time;
 * :meth:`Pool.store` — write pages into the first tier (moving evicted pages down the tier
@@ -24,11 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
 from pof_connector.config import PofConfig
+from pof_connector.fabric import PeerMeta, require_nixl
 from pof_connector.index import (
     MEDIA,
     IndexUnavailable,
@@ -44,6 +46,10 @@ from pof_connector.metrics import PoolStats
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import PageError, PageSpec, as_array
 from pof_connector.tiers import SlotRef, Tier, make_tier
+
+if TYPE_CHECKING:
+    from pof_connector.fabric.node import FabricNode
+    from pof_connector.fabric.remote_reader import Fetched
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -142,6 +148,15 @@ class Pool:
             self.tiers = [make_tier(t, spec, config.runtime_dir) for t in config.tiers]
         self._by_medium = {t.medium: t for t in self.tiers}
         self._broken: set[str] = set()           # media lost while running: never read or written again
+        self._fabric: FabricNode | None = None    # None: fabric disabled, or a client (it reads nothing)
+        if config.fabric.enabled:
+            require_nixl()
+            if role == "worker":
+                from pof_connector.fabric.node import FabricNode
+
+                self._fabric = FabricNode(config, spec, self.tiers)
+                self.meta.update(self._fabric.meta.to_meta())
+        self._peer_metas: dict[str, tuple[dict[str, str], PeerMeta | None]] = {}
         self._next_index_restart = 0.0
         if index is None:
             index = open_index(config, self.node_id if role == "worker" else None)
@@ -208,7 +223,8 @@ class Pool:
     def _merge(self, matches: dict[str, PrefixMatch], sources: list[Location | None],
                elsewhere: dict[str, int]) -> None:
         for node, match in matches.items():
-            readable = [self._readable(node, MEDIA[c]) for c in range(len(MEDIA))]
+            readable = [self._readable(node, MEDIA[c]) or self._remote_meta(node, MEDIA[c]) is not None
+                        for c in range(len(MEDIA))]
             usable = 0
             for i in range(min(match.pages, len(sources))):
                 if not readable[int(match.media[i])]:
@@ -230,17 +246,68 @@ class Pool:
     def _domains(self, node: str) -> dict[str, str]:
         if node == self.node_id and self.tiers:
             return {t.medium: t.domain for t in self.tiers}
+        info = self._node_info(node)
+        return {} if info is None else {m: t.domain for m, t in info.tiers.items()}
+
+    def _node_info(self, node: str) -> NodeInfo | None:
+        """What ``node`` last reported (from a node list at most a heartbeat old); ``None`` when
+        it is not alive in the index."""
         stamp, cache = self._nodes_cache
         age = time.monotonic() - stamp
         # A node we have not heard of yet (the scheduler's lookup may have seen it first) is worth
         # an early refresh: otherwise its pages would be refused as unreachable for up to a second.
         if age > min(1.0, self.config.heartbeat_s) or (node not in cache and age > NODES_MISS_REFRESH_S):
-            nodes = self._index_call("nodes", self.index.nodes, default=None)
-            if nodes is not None:
-                cache = {n.node_id: n for n in nodes}
-            self._nodes_cache = (time.monotonic(), cache)
-        info = cache.get(node)
-        return {} if info is None else {m: t.domain for m, t in info.tiers.items()}
+            cache = self._refresh_nodes()
+        return cache.get(node)
+
+    def _refresh_nodes(self) -> dict[str, NodeInfo]:
+        cache = self._nodes_cache[1]
+        nodes = self._index_call("nodes", self.index.nodes, default=None)
+        if nodes is not None:
+            cache = {n.node_id: n for n in nodes}
+            if self._fabric is not None:
+                self._fabric.reader.retain(cache)    # peers whose heartbeat expired are dropped
+        self._nodes_cache = (time.monotonic(), cache)
+        return cache
+
+    def _remote_meta(self, node: str, medium: str, *, in_backoff: bool = False) -> PeerMeta | None:
+        """How to read ``node``'s ``medium`` over the fabric; ``None`` when not that way (fabric
+        off, our own node, the node publishes no such region, or, unless ``in_backoff``, it failed
+        recently: a lookup then does not offer its pages)."""
+        if not self.config.fabric.enabled or node == self.node_id:
+            return None
+        info = self._node_info(node)
+        if info is None:
+            return None
+        memo = self._peer_metas.get(node)
+        if memo is None or memo[0] is not info.meta:
+            memo = (info.meta, PeerMeta.from_meta(info.meta))    # decoded once per node list
+            self._peer_metas[node] = memo
+        meta = memo[1]
+        if meta is None or medium not in meta.regions:
+            return None
+        if not in_backoff and self._fabric is not None and not self._fabric.reader.usable(node):
+            return None
+        return meta
+
+    def _fetch_remote(self, keys: list[PageKey], sources: list[Location]) -> dict[int, Fetched | PageError]:
+        """Fetch, in one batch, the pages of ``sources`` that only the fabric reaches (see
+        :mod:`pof_connector.fabric.remote_reader`); page index → staged page or why it failed."""
+        if self._fabric is None:
+            return {}
+        picked: list[int] = []
+        metas: list[PeerMeta] = []
+        for i, src in enumerate(sources):
+            if src.node == self.node_id or self._readable(src.node, src.medium):
+                continue
+            meta = self._remote_meta(src.node, src.medium, in_backoff=True)
+            if meta is not None:
+                picked.append(i)
+                metas.append(meta)
+        if not picked:
+            return {}
+        got = self._fabric.reader.read([keys[i] for i in picked], [sources[i] for i in picked], metas)
+        return dict(zip(picked, got, strict=True))
 
     # ---- load --------------------------------------------------------------------------------
 
@@ -440,6 +507,8 @@ class Pool:
     def heartbeat(self) -> None:
         """One heartbeat: check the tiers, keep the node alive, re-publish when the index asks."""
         self._check_tiers()
+        if self._fabric is not None and self._fabric.reader.peers:
+            self._refresh_nodes()        # drop connections to peers that left or restarted
         fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
                                  default=None)
         if fresh is None:
@@ -535,6 +604,8 @@ class Pool:
             self._heartbeat_thread.join(timeout=5)
         self._store.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        if self._fabric is not None:
+            self._fabric.close()
         if self.role == "worker":
             self._index_call("leave", self.index.leave, default=None)
         self.index.close()

@@ -39,6 +39,16 @@ def test_full_config_round_trips() -> None:
     assert PofConfig.from_mapping(c.to_mapping()) == c
 
 
+def test_fabric_section() -> None:
+    assert PofConfig().fabric.enabled is False
+    c = PofConfig.from_mapping({"fabric": {"enabled": True, "tls": "^cma,tcp", "ucx_devices": "mlx5_0:1,eth0",
+                                           "timeout_s": 0.5, "staging_size": "16MiB"}})
+    assert (c.fabric.enabled, c.fabric.tls, c.fabric.ucx_devices) == (True, "^cma,tcp", "mlx5_0:1,eth0")
+    assert (c.fabric.timeout_s, c.fabric.staging_size) == (0.5, 16 << 20)
+    assert PofConfig.from_mapping(c.to_mapping()) == c
+    assert PofConfig.from_mapping({"fabric": None}).fabric == PofConfig().fabric
+
+
 @pytest.mark.parametrize("raw,key,allowed", [
     ({"nodeid": "a"}, "nodeid", "node_id"),
     ({"index_url": "http://x"}, "index_url", "embedded"),
@@ -51,6 +61,15 @@ def test_full_config_round_trips() -> None:
     ({"tiers": {}}, "tiers", "cpu_dram"),
     ({"heartbeat_s": 2, "node_ttl_s": 1}, "node_ttl_s", "heartbeat_s"),
     ({"node_id": "a b"}, "node_id", "A-Za-z0-9"),
+    ({"fabric": True}, "fabric", "enabled"),
+    ({"fabric": {"enable": True}}, "fabric", "enabled, ucx_devices, tls, timeout_s, staging_size"),
+    ({"fabric": {"enabled": "yes"}}, "fabric.enabled", "true or false"),
+    ({"fabric": {"tls": "tcp,carrier_pigeon"}}, "fabric.tls", "tcp"),
+    ({"fabric": {"tls": ["tcp"]}}, "fabric.tls", "rc"),
+    ({"fabric": {"ucx_devices": "eth0; rm -rf"}}, "fabric.ucx_devices", "mlx5_0:1"),
+    ({"fabric": {"ucx_devices": 3}}, "fabric.ucx_devices", "eth0"),
+    ({"fabric": {"timeout_s": 0}}, "fabric.timeout_s", ">= 0.01"),
+    ({"fabric": {"staging_size": "lots"}}, "fabric.staging_size", "MiB"),
 ])
 def test_bad_values_name_key_and_allowed(raw: dict[str, object], key: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,48 @@
+"""One connected remote node: its NIXL agent loaded into ours, with descriptor lists prepared once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pof_connector.fabric.agent import FabricError, NixlAgent
+from pof_connector.fabric.meta import PeerMeta
+from pof_connector.pages import GENERATION_AT
+
+
+class Peer:
+    """``dlists[medium]`` is a prepared list over that region: descriptor ``s`` reads the page in
+    slot ``s`` (``page_bytes`` from the slot start), descriptor ``num_slots + s`` reads the slot's
+    live generation word. Preparing once costs ~1 ms per 1,000 slots; each load then only
+    passes index arrays (0.06 ms instead of 0.2-0.3 ms per request)."""
+
+    def __init__(self, agent: NixlAgent, node: str, meta: PeerMeta, page_bytes: int) -> None:
+        self.node = node
+        self.meta = meta
+        self.name = agent.add_peer(meta.metadata)
+        self.dlists: dict[str, tuple[Any, int]] = {}
+        self.inflight = 0         # reads using this peer now; it is disconnected only at zero
+        self.closing = False
+        try:
+            for medium, region in meta.regions.items():
+                if region.slot_bytes < page_bytes:
+                    continue        # slots of another geometry cannot hold our pages: not readable
+                n = region.num_slots
+                starts = region.base + np.arange(n, dtype=np.uint64) * np.uint64(region.slot_bytes)
+                descs = np.zeros((2 * n, 3), dtype=np.uint64)
+                descs[:n, 0] = starts
+                descs[:n, 1] = page_bytes
+                descs[n:, 0] = starts + np.uint64(GENERATION_AT)
+                descs[n:, 1] = 8
+                self.dlists[medium] = (agent.prep(self.name, descs), n)
+        except FabricError:
+            self.close(agent)
+            raise
+
+    def close(self, agent: NixlAgent) -> None:
+        """Release the prepared lists and disconnect (the next use connects again from fresh metadata)."""
+        for handle, _ in self.dlists.values():
+            agent.release_dlist(handle)
+        self.dlists.clear()
+        agent.remove_peer(self.name)

@@ -1,0 +1,89 @@
+"""Pool nodes in separate processes (tests/fabric/node_proc.py), stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_PROC = Path(__file__).with_name("node_proc.py")
+TIMEOUT_S = 1.0
+"""fabric.timeout_s of the test nodes."""
+
+
+def node_config(node: str, index_url: str, runtime_dir: str, *, ucx_devices: str = "lo") -> dict[str, Any]:
+    return {"node_id": node, "index_url": index_url, "runtime_dir": runtime_dir, "heartbeat_s": 0.1,
+            "node_ttl_s": 2.0, "tiers": {"cpu_dram": {"size": "1MiB"}},
+            # TLS=tcp: without it UCX would copy between processes of one host (or of two network
+            # namespaces) through shared memory, and the test would not cross a network at all.
+            "fabric": {"enabled": True, "tls": "tcp", "ucx_devices": ucx_devices, "timeout_s": TIMEOUT_S,
+                       "staging_size": "256KiB"}}
+
+
+class NodeProc:
+    def __init__(self, config: dict[str, Any], prefix: tuple[str, ...] = ()) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}   # UCX_* would override pof's
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        env["NIXL_LOG_LEVEL"] = "WARN"
+        self.name = config["node_id"]
+        self.proc = subprocess.Popen([*prefix, sys.executable, str(NODE_PROC), json.dumps(config)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.pid = self.proc.pid
+        self.ready = self._reply(60)
+
+    def call(self, op: str, timeout: float = 30, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply(timeout)
+        assert "error" not in reply, f"{self.name}: {reply['error']}"
+        return reply
+
+    def _reply(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError(f"{self.name} did not answer in {timeout}s")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} exited with {self.proc.wait()}")
+            if line.startswith("{"):        # anything else is a library printing to stdout
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        """Quit politely; kill by PID if that does not work."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
+        time.sleep(0.05)

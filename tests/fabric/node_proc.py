@@ -1,0 +1,118 @@
+"""A pool node in its own process, driven by JSON lines on stdin (one reply line per command).
+
+    python tests/fabric/node_proc.py CONFIG_JSON
+
+Pages are identified by (seed, pages): the keys of ``pages`` full pages of the tokens
+``seed * 1_000_000 + arange(16 * pages)``; their content is derived from each key, so any process
+can check a page byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from pof_connector.config import PofConfig
+from pof_connector.keys import Namespace, PageKey
+from pof_connector.pages import PageSpec
+from pof_connector.pool import Lookup, Pool
+
+SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
+NAMESPACE = Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest
+
+
+def content(k: PageKey) -> list[np.ndarray]:
+    rng = np.random.default_rng(int.from_bytes(k.digest[:8], "little"))
+    return [rng.integers(0, 255, SPEC.segment_bytes, dtype=np.uint8) for _ in range(SPEC.num_layers)]
+
+
+class Node:
+    def __init__(self, config: PofConfig) -> None:
+        self.pool = Pool(config, SPEC, NAMESPACE)
+        self.saved: dict[str, Lookup] = {}
+
+    def keys(self, seed: int, pages: int) -> list[PageKey]:
+        return self.pool.keys_for(np.arange(16 * pages, dtype=np.int64) + seed * 1_000_000)
+
+    def op_store(self, seed: int, pages: int) -> dict[str, Any]:
+        keys = self.keys(seed, pages)
+        return {"stored": self.pool.store([(k, content(k)) for k in keys]).result()}
+
+    def op_remove(self, seed: int, pages: int) -> dict[str, Any]:
+        """Forget pages in the tiers only (the index still points at their old slots)."""
+        removed = sum(t.remove(k) is not None for k in self.keys(seed, pages) for t in self.pool.tiers)
+        return {"removed": removed}
+
+    def op_lookup(self, seed: int, pages: int, save: str = "") -> dict[str, Any]:
+        lk = self.pool.lookup(self.keys(seed, pages))
+        if save:
+            self.saved[save] = lk
+        return {"pages": lk.pages, "nodes": sorted({s.node for s in lk.sources}),
+                "slots": [s.slot for s in lk.sources]}
+
+    def op_load(self, seed: int, pages: int, saved: str = "", zero_copy: bool = False) -> dict[str, Any]:
+        """Load (a saved lookup's plan, or a fresh one) and check every page that did not fail."""
+        keys = self.keys(seed, pages)
+        lk = self.saved[saved] if saved else self.pool.lookup(keys)
+        keys = keys[:lk.pages]
+        bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in keys]
+        t0 = time.monotonic()
+        if zero_copy:                       # the adapters' path: Pool.open_read, segment by segment
+            reader = self.pool.open_read(keys, lk.sources)
+            for layer in range(SPEC.num_layers):
+                for i, buf in enumerate(bufs):
+                    seg = reader.segment(i, layer)
+                    if seg is not None:
+                        np.copyto(SPEC.segment(buf, layer), seg)
+                        reader.check(i, layer)
+            failed = dict(reader.failed)
+            reader.close()
+        else:
+            handle = self.pool.load(keys, lk.sources, bufs)
+            handle.wait(30)
+            failed = handle.failed
+        seconds = time.monotonic() - t0
+        exact = all(
+            bytes(SPEC.segment(memoryview(buf), layer)) == data.tobytes()
+            for i, (buf, k) in enumerate(zip(bufs, keys, strict=True)) if i not in failed
+            for layer, data in enumerate(content(k)))
+        return {"pages": len(keys), "failed": {str(i): r for i, r in failed.items()}, "exact": exact,
+                "seconds": seconds}
+
+    def op_peers(self) -> dict[str, Any]:
+        fabric = self.pool._fabric
+        return {"peers": [] if fabric is None else fabric.reader.peers,
+                "quarantined": 0 if fabric is None else fabric.staging.quarantined_slots}
+
+    def op_stats(self) -> dict[str, Any]:
+        return {"stats": self.pool.stats.snapshot()}
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[node {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    node = Node(PofConfig.from_json(sys.argv[1]))
+    print(json.dumps({"ready": True, "pid": os.getpid(), "meta": node.pool.meta}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            op = cmd.pop("op")
+            if op == "quit":
+                break
+            try:
+                reply = getattr(node, f"op_{op}")(**cmd)
+            except Exception as e:   # report, keep serving: the test decides
+                reply = {"error": f"{type(e).__name__}: {e}"}
+            print(json.dumps(reply), flush=True)
+    finally:
+        node.pool.close()
+
+
+if __name__ == "__main__":
+    main()
