@@ -7,8 +7,10 @@ For every live pool node the :class:`Locator` tells
   engine's own KV events (a relay publishes them under the index node ``<node>:engine``, whose
   meta ``engine_of`` names the pool node);
 - ``usable``: the leading pages the node's pool can *load*, per tier: its own pages, and pages of
-  other nodes in a tier it shares with them (equal ``domain``, e.g. one CXL region), taken page
-  by page from the first readable holder, the way :meth:`Pool.lookup` takes them.
+  other nodes in a tier it shares with them (equal ``domain``, e.g. one CXL region) and, when
+  both nodes publish fabric metadata, pages in other nodes' tiers it reads over NIXL (tier
+  ``"remote"``), taken page by page from the first readable holder, nearest first, the way
+  :meth:`Pool.lookup` takes them.
 
 Keys are computed per namespace: every node publishes the namespace digest and page size of
 what it stores, and a node is answered with keys of its own namespace.
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pof_connector.fabric.meta import PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo, PrefixMatch
 from pof_connector.index.base import MEDIA
 from pof_connector.keys import page_keys
@@ -29,6 +32,8 @@ from pof_connector.router.engine_load import EngineLoad
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = "engine"
 """The medium of an engine's own prefix cache in the index (published by `pof relay`)."""
+REMOTE = "remote"
+"""The ``usable`` tier of pages a node reads from other nodes' tiers over the fabric."""
 
 
 def load_tokenizer(path: str, *, special_tokens: bool) -> Tokenizer:
@@ -61,7 +66,10 @@ class NodeLocality:
     engine_tokens: int = 0
     """Leading tokens in this node's engine prefix cache (0 when no relay reports it)."""
     usable: dict[str, int] = field(default_factory=dict)
-    """Leading tokens this node's pool can load, per tier they come from."""
+    """Leading tokens this node's pool can load, per tier they come from (:data:`REMOTE`: other
+    nodes' tiers over the fabric)."""
+    near_tokens: int = 0
+    """Leading tokens it loads without the fabric (its own tiers and tiers it shares)."""
     load: EngineLoad | None = None
     """The engine's running / waiting requests as its relay last read them; ``None`` when no
     relay reads them (``pof relay --engine-url``)."""
@@ -127,6 +135,7 @@ class Locator:
                 keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
                 matches[space] = self.index.longest_prefix(keys) if keys else {}
         domains = {n.node_id: {m: t.domain for m, t in n.tiers.items()} for n in pools}
+        fabric = {n.node_id: set(pm.regions) for n in pools if (pm := PeerMeta.from_meta(n.meta)) is not None}
         out: dict[str, NodeLocality] = {}
         page = 0
         for n in pools:
@@ -138,7 +147,9 @@ class Locator:
             own = found.get(n.node_id)
             if own is not None:
                 loc.held = {m: p * page for m, p in own.per_tier().items()}
-            loc.usable = {m: p * page for m, p in _usable(n.node_id, found, domains).items()}
+            usable, near = _usable(n.node_id, found, domains, fabric)
+            loc.usable = {m: p * page for m, p in usable.items()}
+            loc.near_tokens = near * page
             eng = engines.get(n.node_id)
             if eng is not None:
                 em = matches[_space(eng)].get(eng.node_id)  # type: ignore[index]
@@ -171,25 +182,35 @@ def _space(n: NodeInfo) -> tuple[bytes, int] | None:
     return bytes.fromhex(ns), int(page)
 
 
-def _usable(me: str, found: dict[str, PrefixMatch], domains: dict[str, dict[str, str]]) -> dict[str, int]:
-    """Pages per tier that node ``me`` can load: page by page from the first readable holder,
-    its own pages first, stopping at the first page nobody readable holds."""
+def _usable(me: str, found: dict[str, PrefixMatch], domains: dict[str, dict[str, str]],
+            fabric: dict[str, set[str]]) -> tuple[dict[str, int], int]:
+    """Pages per tier that node ``me`` can load, and how many leading ones it loads without the
+    fabric: page by page from the first readable holder (its own pages, then tiers it shares,
+    then, when both ends publish fabric metadata, other nodes' tiers under :data:`REMOTE`),
+    stopping at the first page nobody readable holds."""
     mine = domains.get(me, {})
 
-    def readable(holder: str, medium: str) -> bool:
+    def near(holder: str, medium: str) -> bool:
         if medium == ENGINE_MEDIUM:
             return False
         if holder == me:
             return True
         return medium in mine and mine[medium] == domains.get(holder, {}).get(medium)
 
+    def far(holder: str, medium: str) -> bool:
+        return me in fabric and holder != me and medium in fabric.get(holder, ())
+
     order = sorted(found.values(), key=lambda m: m.node != me)
     per_tier: dict[str, int] = {}
+    near_run: int | None = None
     i = 0
     while True:
         source = next((MEDIA[int(m.media[i])] for m in order
-                       if i < m.pages and readable(m.node, MEDIA[int(m.media[i])])), None)
+                       if i < m.pages and near(m.node, MEDIA[int(m.media[i])])), None)
+        if source is None and any(i < m.pages and far(m.node, MEDIA[int(m.media[i])]) for m in order):
+            source = REMOTE
+            near_run = i if near_run is None else near_run
         if source is None:
-            return per_tier
+            return per_tier, i if near_run is None else near_run
         per_tier[source] = per_tier.get(source, 0) + 1
         i += 1

@@ -14,16 +14,20 @@ The relay subscribes to its vLLM server's own KV events and does two things with
    WORKER_URL=<bind>``), in vLLM's wire format and re-sequenced by the relay:
 
    - the engine's events, unchanged and in order (the router credits them to the device tier);
-   - pool residency: every page this engine's pool can load (its own tiers, and tiers of other
-     nodes it shares a domain with, e.g. one CXL region) as ``BlockStored`` with medium
-     ``"CPU"``, which vllm-router credits as host memory (``--kv-penalty-host``, 0.8), and
-     ``BlockRemoved`` (medium ``"CPU"``) once the pool can no longer load it. vllm-router keeps
+   - pool residency: the leading pages this engine's pool loads from its own tiers, and tiers
+     of other nodes it shares a domain with (e.g. one CXL region), as ``BlockStored`` with
+     medium ``"CPU"``, which vllm-router credits as host memory (``--kv-penalty-host``, 0.8), and
+     ``BlockRemoved`` (medium ``"CPU"``) once the pool can no longer load them. vllm-router keeps
      one claim per (block, tier), so the engine evicting a block (``BlockRemoved`` ``"GPU"``)
      leaves the pool's host claim standing; its ``AllBlocksCleared`` (e.g. ``POST
      /reset_prefix_cache``) wipes every tier of the worker, so the relay re-announces the pool
-     right after it in the same batch. ``ownership`` is not used: vllm-router files such claims
-     under a cache owner that neither ``AllBlocksCleared`` nor a publisher restart clears, so a
-     restarted relay could never take them back.
+     right after it in the same batch.
+   - when the fabric extends that run (pages in other nodes' tiers, read over NIXL), the whole
+     loadable run once more with ``ownership`` :data:`FAR_OWNER`, which vllm-router credits as
+     an external tier (``--kv-penalty-external``, 0.6). It scores the device prefix plus the
+     *longest* one non-device run from the device boundary, so a short host run followed by
+     remote pages still earns credit for all of them. Such claims survive ``AllBlocksCleared``
+     and are cleared when the relay restarts (its seq starts over).
 
    Pool announcements always start at the prompt's first block (parent ``None``): vllm-router
    silently drops a store whose parent it has not seen, and a router that connected late (a ZMQ
@@ -80,6 +84,11 @@ log = logging.getLogger(__name__)
 OWN = "engine"
 """The :class:`PageChains` source name of this relay's engine (peers are named by endpoint)."""
 POOL_MEDIUM = MEDIUM_CPU
+FAR_OWNER = "pof"
+"""``ownership`` of pool pages that only the fabric reaches: vllm-router credits them as an external
+tier (``--kv-penalty-external``, 0.6) and files them under this cache owner, which the engine's
+``AllBlocksCleared`` leaves alone and a relay restart (its seq starts over) clears."""
+FAR_LOCALITY = "REMOTE"
 DRAIN = 1000          # messages taken from one socket before the loop looks at the others
 
 
@@ -149,6 +158,7 @@ class Relay:
         self._resident: dict[ExternalBlockHash, set[str | None]] = {}   # engine block -> media holding it
         self._engine_pages: set[bytes] = set()              # page digests published as engine-resident
         self._announced: set[bytes] = set()                 # page digests announced to routers as pool
+        self._announced_far: set[bytes] = set()             # ... as external pool copies (over the fabric)
         self._republish = False
         self._logged: set[str] = set()
         self._stop = threading.Event()
@@ -329,8 +339,11 @@ class Relay:
             self._log_once("block-size", logging.ERROR, "pof relay: page_tokens %d is not a multiple of the "
                            "engine's block size %d; pool residency is not announced", space[1], bs)
             return []
-        usable: dict[bytes, bool] = {}
-        stores: list[list[Page]] = []
+        # Two claims per chain: the run the pool loads from its own (or shared) memory, as host
+        # memory; and, when the fabric extends it, the whole loadable run as an external pool copy.
+        near_ok: dict[bytes, bool] = {}
+        far_ok: dict[bytes, bool] = {}
+        stores: list[tuple[list[Page], bool]] = []
         for leaf in chains.leaves():
             chain = chains.chain(leaf)
             if not chain:
@@ -344,28 +357,40 @@ class Relay:
                 self._log_once("locate", logging.WARNING, "pof relay: cannot look the pool up (%s); keeping "
                                "what routers were told", e)
                 return []
+            near = me.near_tokens // space[1] if me is not None else 0
             n = me.usable_tokens // space[1] if me is not None else 0
+            far = n if n > near else 0
             for i, p in enumerate(chain):
-                usable[p.digest] = usable.get(p.digest, False) or i < n
-            if n and (force or any(p.digest not in self._announced for p in chain[:n])):
-                stores.append(chain[:n])
+                near_ok[p.digest] = near_ok.get(p.digest, False) or i < near
+                far_ok[p.digest] = far_ok.get(p.digest, False) or i < far
+            if near and (force or any(p.digest not in self._announced for p in chain[:near])):
+                stores.append((chain[:near], False))
+            if far and (force or any(p.digest not in self._announced_far for p in chain[:far])):
+                stores.append((chain[:far], True))
         out: list[KVEvent] = []
-        gone = [d for d in self._announced if not usable.get(d, False)]
-        if gone:
-            out.append(BlockRemoved(block_hashes=[h for d in gone for h in self._block_ids(d)], medium=POOL_MEDIUM))
-            self._announced.difference_update(gone)
-        for chain in stores:
-            out.append(BlockStored(block_hashes=[h for p in chain for h in self._block_ids(p.digest)],
+        for announced, ok, far_claim in ((self._announced, near_ok, False), (self._announced_far, far_ok, True)):
+            gone = [d for d in announced if not ok.get(d, False)]
+            if gone:
+                out.append(BlockRemoved(block_hashes=[h for d in gone for h in self._block_ids(d, far_claim)],
+                                        medium=POOL_MEDIUM, ownership=FAR_OWNER if far_claim else None,
+                                        locality=FAR_LOCALITY if far_claim else None))
+                announced.difference_update(gone)
+        for chain, far_claim in stores:
+            out.append(BlockStored(block_hashes=[h for p in chain for h in self._block_ids(p.digest, far_claim)],
                                    parent_block_hash=None, token_ids=[t for p in chain for t in p.token_list()],
-                                   block_size=bs, lora_id=None, medium=POOL_MEDIUM, lora_name=None))
-            self._announced.update(p.digest for p in chain)
+                                   block_size=bs, lora_id=None, medium=POOL_MEDIUM, lora_name=None,
+                                   ownership=FAR_OWNER if far_claim else None,
+                                   locality=FAR_LOCALITY if far_claim else None))
+            (self._announced_far if far_claim else self._announced).update(p.digest for p in chain)
         return out
 
-    def _block_ids(self, digest: bytes) -> list[int]:
+    def _block_ids(self, digest: bytes, far: bool = False) -> list[int]:
         """Router block ids of a pool page: derived from its pof digest, so they are the same after
-        a relay restart and never collide with the engine's own (another hash of other bytes)."""
+        a relay restart and never collide with the engine's own (another hash of other bytes); the
+        external claim (``far``) gets ids of its own."""
         assert self._space is not None and self._block_size is not None
-        return [int.from_bytes(hashlib.sha256(b"pof-relay" + digest + j.to_bytes(4, "big")).digest()[:8], "big")
+        salt = b"pof-relay-far" if far else b"pof-relay"
+        return [int.from_bytes(hashlib.sha256(salt + digest + j.to_bytes(4, "big")).digest()[:8], "big")
                 for j in range(self._space[1] // self._block_size)]
 
     # ---- index -----------------------------------------------------------------------------
@@ -441,6 +466,7 @@ class Relay:
         self._space = space
         self._chains = PageChains(space[1], max_pages=self.max_pages)
         self._announced.clear()
+        self._announced_far.clear()
         log.info("pof relay: pool node %s stores model %s, namespace %s, pages of %d tokens", self.pool_node,
                  self._model, space[0].hex(), space[1])
 

@@ -10,11 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pof_connector.config import PofConfig
+from pof_connector.fabric.meta import PeerMeta, Region
 from pof_connector.index import Location, NodeInfo
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
+from pof_connector.pool import Pool
 from pof_connector.router.locator import Locator, ModelRequired, UnknownModel
-from tests.router.test_api import node
+from tests.router.test_api import NS, SPEC, node
 
 SEG = [np.zeros(512, np.uint8)] * 2
 
@@ -79,3 +82,39 @@ def test_model_errors(cluster: dict[str, Any]) -> None:
         p.close()
     with pytest.raises(ModelRequired, match="no model yet"):
         Locator(cluster["index"], nodes_ttl_s=0).locate([1])
+
+
+def fabric_node(name: str, url: str, runtime_dir: str) -> Pool:
+    """A pool node that publishes fabric metadata. The meta alone is all the Locator and the relay
+    read, so it stands in for a NIXL agent's registration (tests/fabric has real ones)."""
+    cfg = PofConfig.from_mapping({"node_id": name, "index_url": url, "runtime_dir": runtime_dir,
+                                  "heartbeat_s": 0.1, "node_ttl_s": 2.0, "tiers": {"cpu_dram": {"size": "1MiB"}}})
+    region = Region("cpu_dram", 4096, 1 << 20, 1088, 900)
+    return Pool(cfg, SPEC, NS, meta={"engine": "test", "model": "org/model-a",
+                                     **PeerMeta(f"pof/{name}/1", b"md", {"cpu_dram": region}).to_meta()})
+
+
+def test_pages_of_other_nodes_over_the_fabric(redis_server: RedisServer, runtime_dir: str) -> None:
+    """Nodes that publish fabric metadata load each other's pages as tier ``remote``; a node
+    without it reads nobody's, and nobody reads it over the fabric."""
+    x, y = fabric_node("x", redis_server.url, runtime_dir), fabric_node("y", redis_server.url, runtime_dir)
+    a = node("a", redis_server.url, runtime_dir)                              # no fabric
+    reader = RedisIndex(redis_server.url, None)
+    try:
+        tokens = list(range(3000, 3000 + 16 * 6))
+        keys = a.keys_for(tokens)
+        x.store([(k, SEG) for k in keys[:1]]).result()
+        y.store([(k, SEG) for k in keys[:4]]).result()
+        a.store([(k, SEG) for k in keys[:6]]).result()
+        deadline = time.monotonic() + 5
+        while len(reader.longest_prefix(keys)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = Locator(reader).locate(tokens)
+        fx, fy, fa = (found.nodes[n] for n in "xya")
+        assert fx.usable == {"cpu_dram": 16, "remote": 48} and fx.near_tokens == 16   # own page 0, y's 1-3
+        assert fy.usable == {"cpu_dram": 64} and fy.near_tokens == 64                 # a's 4-5: no fabric at a
+        assert fa.usable == {"cpu_dram": 96} and fa.near_tokens == 96
+    finally:
+        for p in (x, y, a):
+            p.close()
+        reader.close()

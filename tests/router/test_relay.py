@@ -48,6 +48,7 @@ from pof_connector.router.relay import Relay
 from pof_connector.router.relay_chains import PageChains
 from tests.router.test_api import NS, node
 from tests.router.test_engine_load import VLLM, MetricsServer
+from tests.router.test_locator import fabric_node
 
 PAGE = 16
 SEG = [np.zeros(512, np.uint8)] * 2
@@ -328,6 +329,44 @@ def test_pages_another_engine_computed_in_a_shared_region(ctx: zmq.Context[Any],
         hc.close()
         b.close()
         c.close()
+
+
+def test_pages_over_the_fabric_are_announced_as_an_external_pool_copy(
+        ctx: zmq.Context[Any], redis_server: RedisServer, runtime_dir: str, index: RedisIndex) -> None:
+    x = fabric_node("x", redis_server.url, runtime_dir)
+    y = fabric_node("y", redis_server.url, runtime_dir)
+    hx, hy = Harness(ctx, x), Harness(ctx, y)
+    try:
+        wait_for(lambda: {"x:engine", "y:engine"} <= {n.node_id for n in index.nodes()}, what="relays registered")
+        hx.connect()
+        t = tokens(3, base=8000)
+        x.store([(k, SEG) for k in x.keys_for(t)[:1]]).result()         # x holds page 0 itself
+        y.store([(k, SEG) for k in y.keys_for(t)]).result()              # y computed all 3
+
+        def external(events: list[KVEvent]) -> list[BlockStored]:
+            return [e for e in events if isinstance(e, BlockStored) and e.ownership == "pof"]
+
+        def announced() -> bool:                  # x's relay learns the tokens from y's engine events
+            hy.engine.send(stored([51, 52, 53], t))
+            return bool(external(hx.tap.events()))
+        wait_for(announced, what="x announces y's pages as an external copy")
+        far = external(hx.tap.events())[0]
+        assert far.token_ids == t and far.parent_block_hash is None and far.locality == "REMOTE"
+        host = [e for e in cpu(hx.tap.events(), BlockStored) if e.ownership is None]
+        assert host and all(e.token_ids == t[:PAGE] for e in host)      # the host claim: page 0 only
+        assert engine_pages(index, t, "x:engine") == 0
+
+        y.close()                                                        # y leaves: only page 0 is left
+        removed = hx.tap.wait(lambda ev: any(isinstance(e, BlockRemoved) and e.ownership == "pof" for e in ev),
+                              "the external claim withdrawn")
+        gone = next(e for e in removed if isinstance(e, BlockRemoved) and e.ownership == "pof")
+        assert set(far.block_hashes) == set(gone.block_hashes)
+        assert not [e for e in removed if isinstance(e, BlockRemoved) and e.ownership is None]
+    finally:
+        hx.close()
+        hy.close()
+        x.close()
+        y.close()
 
 
 def test_page_chains_match_pof_keys() -> None:
