@@ -121,12 +121,13 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
     @app.post("/v1/locality", dependencies=[Depends(authorized)])
     def locality(query: LocalityQuery) -> LocalityAnswer:
         try:
-            model = locator.pick_model(query.model)
+            live = locator.nodes()                # one node list for the whole answer
+            model = locator.pick_model(query.model, nodes=live)
             tokens = query.tokens if query.tokens is not None else locator.tokenize(model, query.text or "")
             if tokens is None:
                 raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens', or start it "
                                          f"with --tokenizer {model}=DIR")
-            found = locator.locate(tokens, model, query.cache_salt)
+            found = locator.locate(tokens, model, query.cache_salt, nodes=live)
         except ModelRequired as e:
             raise HTTPException(422, str(e)) from None
         except UnknownModel as e:

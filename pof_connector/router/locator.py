@@ -118,11 +118,13 @@ class Locator:
         tok = self.tokenizers.get(model)
         return tok(text) if tok is not None else None
 
-    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None) -> Locality:
-        """Per node of ``model``, what it holds, has in its engine and can load of ``tokens``.
+    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None, *,
+               nodes: list[NodeInfo] | None = None) -> Locality:
+        """Per node of ``model``, what it holds, has in its engine and can load of ``tokens``;
+        ``nodes``: a node list already fetched (``None``: :meth:`nodes`).
 
         Raises :class:`ModelRequired`, :class:`UnknownModel` or ``IndexUnavailable``."""
-        live = self.nodes()
+        live = self.nodes() if nodes is None else nodes
         model = _pick_model(live, model)
         pools = [n for n in live if n.meta.get("model") == model and "engine_of" not in n.meta
                  and _space(n) is not None]
@@ -158,10 +160,10 @@ class Locator:
             out[n.node_id] = loc
         return Locality(model, len(tokens), page, out)
 
-    def pick_model(self, model: str | None) -> str:
+    def pick_model(self, model: str | None, *, nodes: list[NodeInfo] | None = None) -> str:
         """``model`` when a live node stores it; the only model when ``None``. Raises
         :class:`ModelRequired` or :class:`UnknownModel`."""
-        return _pick_model(self.nodes(), model)
+        return _pick_model(self.nodes() if nodes is None else nodes, model)
 
 
 def _pick_model(live: list[NodeInfo], model: str | None) -> str:
