@@ -136,7 +136,12 @@ class PeerRegion:
                 except RuntimeError as e:     # out of memory: a configuration problem, say which key
                     raise ConfigError(f"tiers.peer_hbm.size: could not allocate {format_size(nbytes)} on "
                                       f"{self.device}: {e}; allowed: a size that fits the device") from None
-                share = self.tensor.untyped_storage()._share_cuda_()
+                try:
+                    share = self.tensor.untyped_storage()._share_cuda_()
+                except RuntimeError as e:   # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments on old torch
+                    raise ConfigError(f"tiers.peer_hbm.device: the region on {self.device} cannot be shared "
+                                      f"over CUDA IPC ({e}); allowed: a device whose memory torch can share, "
+                                      f"or remove tiers.peer_hbm") from None
                 _device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = share
                 desc["cuda_ipc"] = {"handle": _b64(handle), "size": int(size), "offset": int(offset),
                                     "ref_counter_handle": _b64(rc_handle), "ref_counter_offset": int(rc_offset),
@@ -180,13 +185,15 @@ class PeerRegion:
         if mine is not None and int(desc["owner_pid"]) == os.getpid():
             self.tensor = mine
         elif self.device.type == "cuda":
+            # torch.multiprocessing's own consumer path: it opens the handle once per process (CUDA
+            # refuses a second open) and releases the owner's reference counter when done.
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
             ipc = desc["cuda_ipc"]
-            torch.cuda._lazy_init()
-            storage = torch.UntypedStorage._new_shared_cuda(
-                self.device.index, _unb64(ipc["handle"]), ipc["size"], ipc["offset"],
-                _unb64(ipc["ref_counter_handle"]), ipc["ref_counter_offset"], _unb64(ipc["event_handle"]),
-                ipc["event_sync_required"])
-            self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)[:nbytes]
+            self.tensor = rebuild_cuda_tensor(
+                torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, self.device.index,
+                _unb64(ipc["handle"]), ipc["size"], ipc["offset"], False, _unb64(ipc["ref_counter_handle"]),
+                ipc["ref_counter_offset"], _unb64(ipc["event_handle"]), ipc["event_sync_required"])
         else:
             self.tensor = self._map_file(str(desc["path"]), nbytes, create=False)
         return desc
