@@ -37,7 +37,7 @@ say() { echo "== gpu_check [$(( $(date +%s) - START ))s] $*"; }
 has_torch() {   # has_torch PY: torch imports (and sees CUDA unless dry)
     local want='import torch,sys; sys.exit(0 if torch.cuda.is_available() else 3)'
     [[ "$DRY" == "1" ]] && want='import torch'
-    timeout 90 "$1" -c "$want" >/dev/null 2>&1
+    timeout 60 "$1" -c "$want" >/dev/null 2>&1
 }
 
 missing_deps() {  # missing_deps PY: prints the import names that fail
@@ -50,9 +50,9 @@ EOF
 pip_install() {   # pip_install PY PKG...: from the wheelhouse when given, else the index
     local py="$1"; shift
     if [[ -n "${POF_WHEELHOUSE:-}" ]]; then
-        timeout 120 "$py" -m pip install -q --no-index --find-links "$POF_WHEELHOUSE" "$@"
+        timeout 90 "$py" -m pip install -q --no-index --find-links "$POF_WHEELHOUSE" "$@"
     else
-        timeout 120 "$py" -m pip install -q "$@"
+        timeout 90 "$py" -m pip install -q --retries 1 --timeout 10 "$@"
     fi
 }
 
@@ -105,8 +105,8 @@ TESTS_RC=99
 if [[ " $MISSING " == *" pytest "* || " $MISSING " == *" redis "* ]]; then
     say "SKIP tests: pytest/redis missing"
 else
-    say "pytest -m torch tests/tiers/test_peer_hbm.py (limit 150 s)"
-    timeout -k 5 150 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
+    say "pytest -m torch tests/tiers/test_peer_hbm.py (limit 140 s)"
+    timeout -k 5 140 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
         tests/tiers/test_peer_hbm.py 2>&1 | tee "$ART/pytest.log" | tail -25
     TESTS_RC=${PIPESTATUS[0]}
     say "tests exit code $TESTS_RC (124: timed out)"
@@ -114,9 +114,14 @@ fi
 
 # ---- 4. the bench ----------------------------------------------------------------------------------
 BENCH_ARGS=(--json)
-[[ "$DRY" == "1" ]] && BENCH_ARGS+=(--layers 8 --segment-kib 16 --pages 8 --min-seconds 0.05)
-say "bench: python -m pof_connector.bench.hbm ${BENCH_ARGS[*]} (limit 90 s)"
-timeout -k 5 90 "$PY" -m pof_connector.bench.hbm "${BENCH_ARGS[@]}" >"$ART/bench.json" 2>"$ART/bench.err"
+BENCH_LIMIT=75
+if [[ "$DRY" == "1" ]]; then
+    BENCH_ARGS+=(--layers 8 --segment-kib 16 --pages 8 --min-seconds 0.05)
+elif (( $(date +%s) - START > 170 )); then      # keep the whole check under 5 minutes
+    BENCH_ARGS+=(--pages 8 --min-seconds 0.1); BENCH_LIMIT=45
+fi
+say "bench: python -m pof_connector.bench.hbm ${BENCH_ARGS[*]} (limit $BENCH_LIMIT s)"
+timeout -k 5 "$BENCH_LIMIT" "$PY" -m pof_connector.bench.hbm "${BENCH_ARGS[@]}" >"$ART/bench.json" 2>"$ART/bench.err"
 BENCH_RC=$?
 [[ $BENCH_RC -ne 0 ]] && tail -20 "$ART/bench.err"
 say "bench exit code $BENCH_RC (124: timed out)"

@@ -123,6 +123,7 @@ class PeerRegion:
             raise ConfigError(f"tiers.peer_hbm.size: {format_size(config.size)} holds fewer than one "
                               f"{format_size(slot_bytes)} page per partition ({config.partitions}); allowed: at "
                               f"least {format_size(slot_bytes * config.partitions)}")
+        self._remove_leftovers()
         region_id = uuid.uuid4().hex
         nbytes = num_slots * slot_bytes
         desc: dict[str, Any] = {"uuid": region_id, "slot_bytes": slot_bytes, "num_slots": num_slots,
@@ -160,6 +161,23 @@ class PeerRegion:
             self.close()
             raise
         return desc
+
+    def _remove_leftovers(self) -> None:
+        """Files of a region whose owner died without closing it (processes still attached to it
+        keep their mappings: unlinking does not take memory from under them)."""
+        try:
+            with open(os.path.join(self.dir, "region.json")) as f:
+                old = json.load(f).get("path")
+            if isinstance(old, str) and os.path.basename(old).startswith("pof-peer_hbm-"):
+                os.unlink(old)
+        except (OSError, ValueError, AttributeError):
+            pass
+        for name in os.listdir(self.dir):
+            if name.startswith("generations-") or (name.startswith("p") and name.endswith(".lock") and "-" in name):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
 
     def _attach(self, config: TierConfig, page_bytes: int) -> dict[str, Any]:
         torch = self._torch

@@ -40,8 +40,10 @@ from pof_connector.tiers import SlotRef, Tier, make_tier
 
 
 def _sync(torch: Any) -> None:
+    """Wait for every GPU: a copy from the peer GPU runs on that GPU's stream."""
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def _measure(torch: Any, fn: Callable[[], None], nbytes: int, min_s: float, max_repeat: int) -> float:

@@ -8,6 +8,7 @@ With one GPU, "peer" is that GPU mapped by another process through CUDA IPC.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
@@ -68,6 +69,13 @@ def write(t: PeerHbmTier, i: int) -> tuple[int, int, int]:
     t.write(ref, key(i), content(key(i)))
     t.complete_store(key(i), ok=True)
     return i, ref.slot, ref.generation
+
+
+def flip(t: PeerHbmTier, offset: int, mask: int) -> None:
+    """Corrupt one byte of the region (and wait: the tier copies on its own stream)."""
+    t._dev[offset] ^= mask
+    if t._dev.device.type == "cuda":
+        torch.cuda.synchronize(t._dev.device)
 
 
 def exact(buf: np.ndarray, k: PageKey) -> bool:
@@ -184,7 +192,7 @@ def test_device_to_device_read(device: str, runtime_dir: str) -> None:
         out = np.empty(SPEC.page_bytes, np.uint8)
         t.read(got[0], key(8), out)
         assert exact(out, key(8))
-        t._dev[t.slot_offset(slot) + SPEC.segment_offset(3) + 11] ^= 0x40          # a flipped bit
+        flip(t, t.slot_offset(slot) + SPEC.segment_offset(3) + 11, 0x40)          # a flipped bit
         with pytest.raises(PageError) as e:
             t.read(SlotRef(slot, gen), key(i), into)
         assert e.value.reason == "bad_checksum"
@@ -205,7 +213,7 @@ def test_pool_hands_pages_to_the_engine_only_after_checks(device: str, runtime_d
         assert isinstance(t, PeerHbmTier)
         ref = t.find(keys[1])
         assert ref is not None
-        t._dev[t.slot_offset(ref.slot) + SPEC.segment_offset(2) + 7] ^= 0xFF           # a flipped bit
+        flip(t, t.slot_offset(ref.slot) + SPEC.segment_offset(2) + 7, 0xFF)           # a flipped bit
         t.remove(keys[3])                                                               # evicted meanwhile
         bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(4)]
         h = pool.load(keys, lk.sources, bufs)
@@ -217,7 +225,7 @@ def test_pool_hands_pages_to_the_engine_only_after_checks(device: str, runtime_d
         # (The corrupt page 1 was dropped by the load above: it is gone now.)
         ref2 = t.find(keys[2])
         assert ref2 is not None
-        t._dev[t.slot_offset(ref2.slot) + SPEC.segment_offset(3) + 1] ^= 0x01
+        flip(t, t.slot_offset(ref2.slot) + SPEC.segment_offset(3) + 1, 0x01)
         reader = pool.open_read(keys[:3], lk.sources[:3])
         try:
             for layer in range(SPEC.num_layers):
@@ -256,3 +264,43 @@ def test_a_gpu_device_without_cuda_names_the_key(runtime_dir: str) -> None:
 
     with pytest.raises(ConfigError, match=r"tiers\.peer_hbm\.device: 'cuda:1' but CUDA is not available"):
         tier("cuda:1", runtime_dir)
+
+
+def owner_process(device: str, runtime_dir: str, conn: object) -> None:
+    """In another process: create the region, write a page, report, then wait to be killed."""
+    import time
+
+    t = tier(device, runtime_dir)
+    conn.send((t.owner, t.domain, write(t, 3)))       # type: ignore[attr-defined]
+    time.sleep(120)
+
+
+def test_a_killed_owner_is_noticed_and_replaced(device: str, runtime_dir: str) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    proc = ctx.Process(target=owner_process, args=(device, runtime_dir, child_end), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120), "the owner process did not start"
+        was_owner, domain, ref = parent.recv()
+        assert was_owner
+        other = tier(device, runtime_dir)
+        try:
+            assert other.domain == domain and not other.owner and other.healthy()
+            assert read_all(other, [ref]) == ["ok"]
+            proc.kill()                     # kill -9: no close, its files stay behind
+            proc.join(30)
+            assert not other.healthy()
+        finally:
+            other.close()
+        fresh = tier(device, runtime_dir)
+        try:
+            assert fresh.owner and fresh.domain != domain
+            leftovers = [n for n in os.listdir(fresh._peer.dir) if n.startswith("generations-")]
+            assert leftovers == [f"generations-{fresh._peer.region_id}"]
+        finally:
+            fresh.close()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
