@@ -25,7 +25,6 @@ VENV="${POF_GPU_VENV:-$HOME/.cache/pof/venvs/gpu}"
 ART="${POF_GPU_CHECK_OUT:-${OUT:-/tmp/pof-gpu-check}}"
 mkdir -p "$ART"
 DEPS_IMPORT="numpy xxhash yaml redis prometheus_client pytest"
-DEPS_PIP="numpy xxhash pyyaml redis prometheus_client pytest"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 if [[ "$DRY" == "1" ]]; then
@@ -80,12 +79,19 @@ fi
 # ---- 2. the small dependencies -------------------------------------------------------------------
 MISSING="$(missing_deps "$PY")"
 if [[ -n "${MISSING// /}" ]]; then
-    say "missing in $PY: $MISSING; installing into $VENV (reuses the host's torch)"
-    if [[ "$PY" != "$VENV/bin/python" ]]; then
-        "$PY" -m venv --system-site-packages "$VENV" && PY="$VENV/bin/python"
+    PIP_NAMES="$(echo "$MISSING" | sed 's/\byaml\b/pyyaml/')"     # only what is missing: keep torch's numpy
+    say "missing in $PY: $MISSING; installing $PIP_NAMES into $VENV (reuses the host's torch)"
+    if [[ "$PY" != "$VENV/bin/python" ]] && "$PY" -m venv --system-site-packages "$VENV" >/dev/null 2>&1; then
+        PY="$VENV/bin/python"
     fi
     # shellcheck disable=SC2086
-    pip_install "$PY" $DEPS_PIP || say "pip failed (offline? set POF_WHEELHOUSE)"
+    if [[ "$PY" == "$VENV/bin/python" ]]; then
+        pip_install "$PY" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
+    else     # no venv module: a private target directory on PYTHONPATH, the system stays untouched
+        DEPS_DIR="$HOME/.cache/pof/gpu-deps"
+        pip_install "$PY" --target "$DEPS_DIR" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
+        export PYTHONPATH="$PYTHONPATH:$DEPS_DIR"
+    fi
     MISSING="$(missing_deps "$PY")"
 fi
 say "python: $PY; still missing: ${MISSING:-none}"

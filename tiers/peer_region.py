@@ -208,10 +208,16 @@ class PeerRegion:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
             ipc = desc["cuda_ipc"]
-            self.tensor = rebuild_cuda_tensor(
-                torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, self.device.index,
-                _unb64(ipc["handle"]), ipc["size"], ipc["offset"], False, _unb64(ipc["ref_counter_handle"]),
-                ipc["ref_counter_offset"], _unb64(ipc["event_handle"]), ipc["event_sync_required"])
+            shared = (self.device.index, _unb64(ipc["handle"]), ipc["size"], ipc["offset"],
+                      _unb64(ipc["ref_counter_handle"]), ipc["ref_counter_offset"], _unb64(ipc["event_handle"]),
+                      ipc["event_sync_required"])
+            try:
+                self.tensor = rebuild_cuda_tensor(torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage,
+                                                  torch.uint8, *shared[:4], False, *shared[4:])
+            except TypeError:     # a torch whose private signature moved: open the handle directly
+                torch.cuda._lazy_init()
+                storage = torch.UntypedStorage._new_shared_cuda(*shared)
+                self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)[:nbytes]
         else:
             self.tensor = self._map_file(str(desc["path"]), nbytes, create=False)
         return desc
