@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
@@ -18,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pof_connector.config import PofConfig, TierConfig  # noqa: E402
+from pof_connector.index.server import RedisServer  # noqa: E402
 from pof_connector.keys import PageKey  # noqa: E402
 from pof_connector.pages import PageError, PageSpec  # noqa: E402
 from pof_connector.pool import Pool  # noqa: E402
@@ -268,8 +270,6 @@ def test_a_gpu_device_without_cuda_names_the_key(runtime_dir: str) -> None:
 
 def owner_process(device: str, runtime_dir: str, conn: object) -> None:
     """In another process: create the region, write a page, report, then wait to be killed."""
-    import time
-
     t = tier(device, runtime_dir)
     conn.send((t.owner, t.domain, write(t, 3)))       # type: ignore[attr-defined]
     time.sleep(120)
@@ -304,3 +304,29 @@ def test_a_killed_owner_is_noticed_and_replaced(device: str, runtime_dir: str) -
         if proc.is_alive():
             proc.kill()
             proc.join(10)
+
+
+def test_two_nodes_share_one_peer_region_through_the_index(device: str, runtime_dir: str, namespace: bytes,
+                                                          redis_server: RedisServer) -> None:
+    def cfg(node: str) -> PofConfig:
+        return PofConfig.from_mapping({"node_id": node, "index_url": redis_server.url,
+                                       "runtime_dir": runtime_dir, "heartbeat_s": 0.05, "node_ttl_s": 2.0,
+                                       "tiers": {"peer_hbm": {"device": device, "size": "1MiB", "partitions": 2}}})
+
+    a, b = Pool(cfg("a"), SPEC, namespace), Pool(cfg("b"), SPEC, namespace)
+    try:
+        keys = a.keys_for(np.arange(16 * 5))
+        a.store([(k, content(k)) for k in keys]).result()
+        deadline = time.monotonic() + 10
+        while b.lookup(keys).pages < 5:
+            assert time.monotonic() < deadline, "b never saw a's pages"
+            time.sleep(0.05)
+        lk = b.lookup(keys)
+        assert {s.node for s in lk.sources} == {"a"} and lk.per_tier() == {"peer_hbm": 5}
+        bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(5)]
+        h = b.load(keys, lk.sources, bufs)
+        assert h.wait(10) and h.failed == {}
+        assert all(exact(buf, k) for buf, k in zip(bufs, keys, strict=True))
+    finally:
+        b.close()
+        a.close()
