@@ -40,23 +40,25 @@ from pof_connector.pages import PageSpec, checksum
 from pof_connector.tiers import SlotRef, Tier, make_tier
 
 
-def _sync(torch: Any) -> None:
-    """Wait for every GPU: a copy from the peer GPU runs on that GPU's stream."""
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
+def _sync(torch: Any, devices: list[Any]) -> None:
+    """Wait for both GPUs: a copy from the peer GPU runs on that GPU's stream. (Not every GPU of
+    the host: that would create a CUDA context on each.)"""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
-def _measure(torch: Any, fn: Callable[[], None], nbytes: int, min_s: float, max_repeat: int) -> float:
+def _measure(torch: Any, devices: list[Any], fn: Callable[[], None], nbytes: int, min_s: float,
+             max_repeat: int) -> float:
     """Median GB/s of ``fn`` (moving ``nbytes``) over repeats lasting about ``min_s`` in all."""
     fn()                      # warm-up: allocator, pinned pools, first-touch faults
-    _sync(torch)
+    _sync(torch, devices)
     rates: list[float] = []
     start = time.perf_counter()
     while len(rates) < 3 or (time.perf_counter() - start < min_s and len(rates) < max_repeat):
         t0 = time.perf_counter()
         fn()
-        _sync(torch)
+        _sync(torch, devices)
         rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
     return statistics.median(rates)
 
@@ -149,7 +151,7 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
         dev_out.copy_(host_out, non_blocking=True)
 
     def m(fn: Callable[[], None]) -> float:
-        return _measure(torch, fn, nbytes, min_s, max_repeat)
+        return _measure(torch, [eng, torch.device(peer)], fn, nbytes, min_s, max_repeat)
 
     raw = {"d2d": m(raw_d2d), "d2h_pinned": m(raw_d2h), "h2d_pinned": m(raw_h2d), "xxh3_host": m(xxh3_host)}
     ours = {"peer_read_to_device": m(pof_read_dev), "peer_read_to_host": m(pof_read_host),
