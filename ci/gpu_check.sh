@@ -13,6 +13,10 @@
 # prometheus_client pytest) are installed into $POF_GPU_VENV, created with --system-site-packages so
 # it reuses the host's torch; from $POF_WHEELHOUSE (pip --no-index) when set, for offline hosts.
 # Without any torch it tries `pip install torch` there (a plain requirement pulls the CUDA build).
+# For a host without network, build a wheelhouse elsewhere and carry it (a few MB), e.g.
+#   pip download -d wh --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
+#       xxhash pyyaml redis prometheus_client pytest
+# and run with POF_WHEELHOUSE=wh.
 # Artifacts (pytest log, bench JSON, summary JSON) go to $POF_GPU_CHECK_OUT, else $OUT, else
 # /tmp/pof-gpu-check. The last line printed is the summary JSON.
 set -uo pipefail     # no -e: every step reports, the summary decides the exit code
@@ -107,7 +111,7 @@ command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=index,name
     --format=csv,noheader 2>&1 | head -8
 
 # ---- 3. the tests: peer_hbm on cpu and on every CUDA device ----------------------------------------
-TESTS_RC=99
+TESTS_RC=99          # 99: not run
 if [[ " $MISSING " == *" pytest "* || " $MISSING " == *" redis "* ]]; then
     say "SKIP tests: pytest/redis missing"
 else
@@ -133,9 +137,11 @@ BENCH_RC=$?
 say "bench exit code $BENCH_RC (124: timed out)"
 
 # ---- 5. summary ----------------------------------------------------------------------------------
-timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" <<'EOF' | tee "$ART/summary.json"
+timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" "$PY" "${MISSING:-}" \
+    <<'EOF' | tee "$ART/summary.json"
 import json, pathlib, re, sys
 art, tests_rc, bench_rc, dry, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+python, missing = sys.argv[6], sys.argv[7].split()
 log = (art / "pytest.log").read_text() if (art / "pytest.log").exists() else ""
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
 try:   # which tests ran on a GPU, and how each ended
@@ -153,6 +159,7 @@ except (OSError, ValueError):
     bench = None
 ok = tests_rc == 0 and bench_rc == 0 and bench is not None
 print(json.dumps({"gpu_check": "pass" if ok else "fail", "dry_run": dry == "1", "seconds": secs,
+                  "python": python, "missing_deps": missing,
                   "tests": {"exit": tests_rc, **counts}, "bench_exit": bench_rc, "bench": bench}))
 EOF
 [[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 ]]
