@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-KNOWN_MEDIA = ("cpu_dram", "cxl")
+KNOWN_MEDIA = ("cpu_dram", "cxl", "peer_hbm")
 """Tier media this build can use, in the order of the default preference."""
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -73,6 +73,8 @@ class TierConfig:
     "claim a free one with a lock" (only works between processes of one host).
     ``numa_node``: bind the mapping to this NUMA node (CXL memory usually shows up as a CPU-less
     node); ``None`` leaves placement to the kernel.
+    ``device``: peer_hbm only, the torch device holding the region (``cuda:1``; ``cpu`` for tests
+    and GPU-less hosts); ``None`` for the other media.
     """
 
     medium: str
@@ -81,11 +83,14 @@ class TierConfig:
     partition: int | None = None
     partitions: int = 8
     numa_node: int | None = None
+    device: str | None = None
 
 
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d{1,3})?")
 _TIER_KEYS: dict[str, tuple[str, ...]] = {
     "cpu_dram": ("size",),
     "cxl": ("size", "path", "partition", "partitions", "numa_node"),
+    "peer_hbm": ("size", "device", "partition", "partitions"),
 }
 
 
@@ -102,17 +107,23 @@ def _tier(medium: str, options: Any) -> TierConfig:
     if "size" not in options:
         raise ConfigError(f"{key}.size is required ({SIZE_FORMS})")
     size = parse_size(options["size"], f"{key}.size")
-    if medium != "cxl":
+    if medium == "cpu_dram":
         return TierConfig(medium=medium, size=size)
-    path = options.get("path")
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"{key}.path is required: a devdax device such as /dev/dax0.0 or a file such as "
-                          f"/dev/shm/pof.cxl, got {path!r}")
     partitions = _int(options.get("partitions", 8), f"{key}.partitions", lo=1, hi=4096)
     partition = options.get("partition", "auto")
     part: int | None = None
     if partition != "auto":
         part = _int(partition, f"{key}.partition", lo=0, hi=partitions - 1, extra="or 'auto'")
+    if medium == "peer_hbm":
+        device = options.get("device")
+        if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
+            raise ConfigError(f"{key}.device is required: a torch device such as 'cuda:1' (a GPU of this node) "
+                              f"or 'cpu' (tests, GPU-less hosts), got {device!r}")
+        return TierConfig(medium, size, partition=part, partitions=partitions, device=device)
+    path = options.get("path")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}.path is required: a devdax device such as /dev/dax0.0 or a file such as "
+                          f"/dev/shm/pof.cxl, got {path!r}")
     numa = options.get("numa_node")
     numa_node = None if numa is None else _int(numa, f"{key}.numa_node", lo=0, hi=1023)
     return TierConfig(medium, size, path, part, partitions, numa_node)
@@ -297,6 +308,9 @@ class PofConfig:
             if t.medium == "cxl":
                 opts.update(path=t.path, partition="auto" if t.partition is None else t.partition,
                             partitions=t.partitions, numa_node=t.numa_node)
+            elif t.medium == "peer_hbm":
+                opts.update(device=t.device, partition="auto" if t.partition is None else t.partition,
+                            partitions=t.partitions)
             tiers[t.medium] = opts
         return {
             "node_id": self.node_id, "index_url": self.index_url, "page_tokens": self.page_tokens,

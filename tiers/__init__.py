@@ -17,4 +17,9 @@ def make_tier(config: TierConfig, spec: PageSpec, runtime_dir: str) -> Tier:
         return CpuDramTier(spec, config.size)
     if config.medium == "cxl":
         return CxlTier(spec, config, runtime_dir)
+    if config.medium == "peer_hbm":
+        # Imported here: it is the one tier that needs torch, and the core imports no torch.
+        from pof_connector.tiers.peer_hbm import PeerHbmTier
+
+        return PeerHbmTier(spec, config, runtime_dir)
     raise ValueError(f"no tier implementation for medium {config.medium!r}")

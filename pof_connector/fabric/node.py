@@ -31,6 +31,8 @@ class FabricNode:
         try:
             regions: dict[str, Region] = {}
             for tier in tiers:
+                if tier.medium == "peer_hbm":
+                    continue      # GPU memory shared inside the node only (NIXL VRAM: docs/fabric-transport.md)
                 region = tier.region
                 self.agent.register(region)
                 regions[tier.medium] = Region(tier.medium, region.ctypes.data, region.nbytes, tier.slot_bytes,

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# The GPU check (not part of ci/test.sh): on a host with NVIDIA GPUs and PyTorch, in under 5 minutes,
+#   1. runs the peer_hbm tests on every CUDA device (with one GPU the "peer" is that GPU mapped by
+#      another process through CUDA IPC) and on cpu;
+#   2. measures peer-HBM and host-tier page reads/writes against raw torch copies
+#      (device memcpy, pinned host copies) and prints the ratios as JSON.
+#
+#   bash ci/gpu_check.sh                  the check (exit 0 only when tests and bench passed)
+#   POF_GPU_CHECK_DRY=1 bash ci/gpu_check.sh   the same steps on CPU tensors (no GPU needed)
+#
+# Python: $POF_GPU_PYTHON, else the venv $POF_GPU_VENV (default ~/.cache/pof/venvs/gpu), else the
+# first python3 on PATH whose torch sees CUDA. Missing small dependencies (numpy xxhash pyyaml redis
+# prometheus_client pytest) are installed into $POF_GPU_VENV, created with --system-site-packages so
+# it reuses the host's torch; from $POF_WHEELHOUSE (pip --no-index) when set, for offline hosts.
+# Without any torch it tries `pip install torch` there (a plain requirement pulls the CUDA build).
+# For a host without network, build a wheelhouse elsewhere and carry it (a few MB), e.g.
+#   pip download -d wh --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
+#       xxhash pyyaml redis prometheus_client pytest
+# and run with POF_WHEELHOUSE=wh.
+# Artifacts (pytest log, bench JSON, summary JSON) go to $POF_GPU_CHECK_OUT, else $OUT, else
+# /tmp/pof-gpu-check. The last line printed is the summary JSON.
+set -uo pipefail     # no -e: every step reports, the summary decides the exit code
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+cd "$ROOT"
+START=$(date +%s)
+DRY="${POF_GPU_CHECK_DRY:-0}"
+VENV="${POF_GPU_VENV:-$HOME/.cache/pof/venvs/gpu}"
+ART="${POF_GPU_CHECK_OUT:-${OUT:-/tmp/pof-gpu-check}}"
+mkdir -p "$ART"
+DEPS_IMPORT="numpy xxhash yaml redis prometheus_client pytest"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+if [[ "$DRY" == "1" ]]; then
+    export CUDA_VISIBLE_DEVICES=""    # the same code paths, on CPU tensors
+fi
+
+say() { echo "== gpu_check [$(( $(date +%s) - START ))s] $*"; }
+
+has_torch() {   # has_torch PY: torch imports (and sees CUDA unless dry)
+    local want='import torch,sys; sys.exit(0 if torch.cuda.is_available() else 3)'
+    [[ "$DRY" == "1" ]] && want='import torch'
+    timeout 60 "$1" -c "$want" >/dev/null 2>&1
+}
+
+missing_deps() {  # missing_deps PY: prints the import names that fail
+    timeout 60 "$1" - $DEPS_IMPORT <<'EOF' 2>/dev/null || echo "$DEPS_IMPORT"
+import importlib, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
+EOF
+}
+
+pip_install() {   # pip_install PY PKG...: from the wheelhouse when given, else the index
+    local py="$1"; shift
+    if [[ -n "${POF_WHEELHOUSE:-}" ]]; then
+        timeout 90 "$py" -m pip install -q --no-index --find-links "$POF_WHEELHOUSE" "$@"
+    else
+        timeout 90 "$py" -m pip install -q --retries 1 --timeout 10 "$@"
+    fi
+}
+
+# ---- 1. a python with torch ----------------------------------------------------------------------
+PY=""
+candidates=("${POF_GPU_PYTHON:-}" "$VENV/bin/python")
+[[ "$DRY" == "1" ]] && candidates+=("$HOME/.cache/pof/venvs/vllm/bin/python")
+candidates+=(python3 python)
+for cand in "${candidates[@]}"; do
+    [[ -n "$cand" ]] && command -v "$cand" >/dev/null 2>&1 || continue
+    if has_torch "$cand"; then PY="$(command -v "$cand")"; break; fi
+done
+if [[ -z "$PY" ]]; then
+    say "no python with a CUDA torch found; creating $VENV and installing torch (needs the network)"
+    python3 -m venv --system-site-packages "$VENV" && pip_install "$VENV/bin/python" torch \
+        && has_torch "$VENV/bin/python" && PY="$VENV/bin/python"
+fi
+if [[ -z "$PY" ]]; then
+    say "FAIL: no python whose torch sees a GPU (set POF_GPU_PYTHON)"
+    nvidia-smi -L 2>&1 | head -8
+    echo '{"gpu_check":"fail","reason":"no python with CUDA torch"}' | tee "$ART/summary.json"
+    exit 2
+fi
+
+# ---- 2. the small dependencies -------------------------------------------------------------------
+MISSING="$(missing_deps "$PY")"
+if [[ -n "${MISSING// /}" ]]; then
+    PIP_NAMES="$(echo "$MISSING" | sed 's/\byaml\b/pyyaml/')"     # only what is missing: keep torch's numpy
+    say "missing in $PY: $MISSING; installing $PIP_NAMES into $VENV (reuses the host's torch)"
+    if [[ "$PY" != "$VENV/bin/python" ]] && "$PY" -m venv --system-site-packages "$VENV" >/dev/null 2>&1; then
+        PY="$VENV/bin/python"
+    fi
+    # shellcheck disable=SC2086
+    if [[ "$PY" == "$VENV/bin/python" ]]; then
+        pip_install "$PY" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
+    else     # no venv module: a private target directory on PYTHONPATH, the system stays untouched
+        DEPS_DIR="$HOME/.cache/pof/gpu-deps"
+        pip_install "$PY" --target "$DEPS_DIR" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
+        export PYTHONPATH="$PYTHONPATH:$DEPS_DIR"
+    fi
+    MISSING="$(missing_deps "$PY")"
+fi
+say "python: $PY; still missing: ${MISSING:-none}"
+timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$ART/env.json"
+import json, torch
+cuda = torch.cuda.is_available()
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
+                  "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+                  "peer_access_0_last": (torch.cuda.can_device_access_peer(0, torch.cuda.device_count() - 1)
+                                         if cuda and torch.cuda.device_count() > 1 else None)}))
+EOF
+command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=index,name,memory.used,memory.total \
+    --format=csv,noheader 2>&1 | head -8
+
+# ---- 3. the tests: peer_hbm on cpu and on every CUDA device ----------------------------------------
+TESTS_RC=99          # 99: not run
+if [[ " $MISSING " == *" pytest "* || " $MISSING " == *" redis "* ]]; then
+    say "SKIP tests: pytest/redis missing"
+else
+    say "pytest -m torch tests/tiers/test_peer_hbm.py (limit 140 s)"
+    timeout -k 5 140 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
+        tests/tiers/test_peer_hbm.py 2>&1 | tee "$ART/pytest.log" | tail -25
+    TESTS_RC=${PIPESTATUS[0]}
+    say "tests exit code $TESTS_RC (124: timed out)"
+fi
+
+# ---- 4. the bench ----------------------------------------------------------------------------------
+BENCH_ARGS=(--json)
+BENCH_LIMIT=75
+if [[ "$DRY" == "1" ]]; then
+    BENCH_ARGS+=(--layers 8 --segment-kib 16 --pages 8 --min-seconds 0.05)
+elif (( $(date +%s) - START > 170 )); then      # keep the whole check under 5 minutes
+    BENCH_ARGS+=(--pages 8 --min-seconds 0.1); BENCH_LIMIT=45
+fi
+say "bench: python -m pof_connector.bench.hbm ${BENCH_ARGS[*]} (limit $BENCH_LIMIT s)"
+timeout -k 5 "$BENCH_LIMIT" "$PY" -m pof_connector.bench.hbm "${BENCH_ARGS[@]}" >"$ART/bench.json" 2>"$ART/bench.err"
+BENCH_RC=$?
+[[ $BENCH_RC -ne 0 ]] && tail -20 "$ART/bench.err"
+say "bench exit code $BENCH_RC (124: timed out)"
+
+# ---- 5. summary ----------------------------------------------------------------------------------
+timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" "$PY" "${MISSING:-}" \
+    <<'EOF' | tee "$ART/summary.json"
+import json, pathlib, re, sys
+art, tests_rc, bench_rc, dry, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+python, missing = sys.argv[6], sys.argv[7].split()
+log = (art / "pytest.log").read_text() if (art / "pytest.log").exists() else ""
+counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
+try:   # which tests ran on a GPU, and how each ended
+    import xml.etree.ElementTree as ET
+    cases = ET.parse(art / "pytest.xml").getroot().iter("testcase")
+    on_gpu = {c.get("name"): ("failed" if c.find("failure") is not None or c.find("error") is not None
+                              else "skipped" if c.find("skipped") is not None else "passed")
+              for c in cases if "[cuda:" in (c.get("name") or "")}
+except (OSError, ET.ParseError):
+    on_gpu = {}
+counts["gpu_cases"] = on_gpu
+try:
+    bench = json.loads((art / "bench.json").read_text())
+except (OSError, ValueError):
+    bench = None
+ok = tests_rc == 0 and bench_rc == 0 and bench is not None
+print(json.dumps({"gpu_check": "pass" if ok else "fail", "dry_run": dry == "1", "seconds": secs,
+                  "python": python, "missing_deps": missing,
+                  "tests": {"exit": tests_rc, **counts}, "bench_exit": bench_rc, "bench": bench}))
+EOF
+[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 ]]

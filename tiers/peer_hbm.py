@@ -1,0 +1,287 @@
+"""Peer-GPU HBM: page slots in memory of a GPU of this node, shared by the node's pof processes.
+
+The region is one device tensor (see :mod:`pof_connector.tiers.peer_region`): the first process
+allocates it on ``tiers.peer_hbm.device`` and publishes its CUDA IPC handle in the runtime
+directory, the others map it. Like a CXL region, each writer owns a partition and everybody reads
+every slot; the tier's ``domain`` is the region, so the pool reads another process's pages here
+directly (the fabric is not involved).
+
+Why CUDA IPC through torch and not NIXL VRAM: the peer is on the same node, so the copy is a plain
+device-to-device (or host↔device) ``copy_`` that the driver routes over NVLink/PCIe peer access;
+it needs no agent, no registration, no UCX ``cuda_ipc`` transport configuration, and it runs on
+CPU tensors through the same code (``device: cpu`` maps a ``/dev/shm`` file). NIXL VRAM is the
+route for *remote* nodes' GPU memory (docs/fabric-transport.md).
+
+Every byte move is a torch ``copy_`` on the tier's own CUDA stream (never the engine's), with the
+seqlock protocol of :mod:`pof_connector.tiers.base`:
+
+* writer: zero the slot's live generation and synchronize, copy the segments, copy the header
+  except its generation, synchronize, copy the generation last, synchronize;
+* reader: copy, then check key, generation and the xxh3 checksums of the bytes the caller got, then
+  re-read the live generation. The page format's checksums are xxh3, computed on the host, so a
+  copy that lands on a GPU is brought back once (device → pinned host) to be checked; ``ci/gpu_check.sh``
+  measures what that costs against the raw copies.
+
+torch is optional for pof: this module imports it only when a peer_hbm tier is built, and fails
+with a :class:`ConfigError` naming ``tiers.peer_hbm`` when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from pof_connector.config import ConfigError, TierConfig
+from pof_connector.keys import PageKey
+from pof_connector.pages import GENERATION_AT, PageError, PageHeader, PageSpec, as_array, checksum, encode_header
+from pof_connector.tiers.base import SlotRef, Tier, slot_bytes_for
+from pof_connector.tiers.peer_region import PeerRegion
+
+
+def import_torch() -> Any:
+    """torch, or a :class:`ConfigError` naming the key that needs it."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError(f"tiers.peer_hbm: needs PyTorch, which is not importable here ({e}); install torch in "
+                          f"this environment (vLLM and SGLang ship it); allowed: remove tiers.peer_hbm") from None
+    return torch
+
+
+def resolve_device(torch: Any, name: str) -> Any:
+    """The torch device of ``tiers.peer_hbm.device``; a :class:`ConfigError` when it does not exist."""
+    device = torch.device(name)
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(f"tiers.peer_hbm.device: {name!r} but CUDA is not available in this process; "
+                          f"allowed: 'cpu'")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < count:
+        raise ConfigError(f"tiers.peer_hbm.device: {name!r} but this process sees {count} GPU(s); "
+                          f"allowed: cuda:0..cuda:{count - 1} or 'cpu'")
+    return torch.device("cuda", index)
+
+
+class PeerHbmTier(Tier):
+    medium = "peer_hbm"
+
+    def __init__(self, spec: PageSpec, config: TierConfig, runtime_dir: str) -> None:
+        assert config.device is not None
+        torch = import_torch()
+        self._torch = torch
+        self.device = resolve_device(torch, config.device)
+        self._peer = PeerRegion(torch, self.device, config, runtime_dir, slot_bytes_for(spec), spec.page_bytes)
+        self._dev: Any = self._peer.tensor
+        self._cuda = self.device.type == "cuda"
+        # The tier's own stream: its copies never queue behind (or block) the engine's kernels.
+        self._stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._local = threading.local()
+        super().__init__(spec, np.empty(0, dtype=np.uint8), self._peer.generations, self._peer.slot_bytes,
+                         self._peer.own)
+
+    @property
+    def owner(self) -> bool:
+        """True when this process created the region (it lives as long as this process)."""
+        return self._peer.owner
+
+    # ---- torch plumbing ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+        else:
+            with self._torch.cuda.stream(self._stream):
+                yield
+
+    def _sync(self, *others: Any) -> None:
+        """Wait for our copies, and for the current streams of other CUDA tensors they touched
+        (a cross-device copy_ may run on the other device's stream)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        for t in others:
+            if t.device.type == "cuda" and t.device != self.device:
+                self._torch.cuda.current_stream(t.device).synchronize()
+
+    def _as_tensor(self, buf: Any) -> Any:
+        """A flat uint8 tensor over ``buf`` (a tensor on any device, or host memory), no copy."""
+        torch = self._torch
+        if isinstance(buf, torch.Tensor):
+            return buf.reshape(-1).view(torch.uint8)     # refuses a non-contiguous tensor
+        return torch.from_numpy(as_array(buf))
+
+    def _scratch(self, nbytes: int) -> Any:
+        """A per-thread host buffer (pinned with CUDA, so device→host copies run at full speed)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, self.slot_bytes)
+            buf = self._torch.empty(size, dtype=self._torch.uint8, pin_memory=self._cuda)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    def _host(self, t: Any, tag: tuple[int, int, int] | None = None) -> np.ndarray:
+        """The bytes of ``t`` as a host array: ``t`` itself when it is in host memory, else a copy in
+        this thread's scratch buffer (``tag`` remembers what it holds, for :meth:`check_segment`)."""
+        if t.device.type == "cpu":
+            self._local.tag = None
+            out: np.ndarray = t.numpy()
+            return out
+        scratch = self._scratch(t.numel())
+        with self._on_stream():
+            scratch.copy_(t)
+        self._sync(t)
+        self._local.tag = tag
+        out = scratch.numpy()
+        return out
+
+    def _slot_t(self, slot: int) -> Any:
+        start = slot * self.slot_bytes
+        return self._dev[start:start + self.spec.page_bytes]
+
+    def _seg_t(self, slot: int, layer: int) -> Any:
+        start = slot * self.slot_bytes + self.spec.segment_offset(layer)
+        return self._dev[start:start + self.spec.segment_bytes]
+
+    # ---- live generation -------------------------------------------------------------------------
+
+    def _set_live_generation(self, slot: int, generation: int) -> None:
+        start = slot * self.slot_bytes + GENERATION_AT
+        word = self._torch.from_numpy(np.array([generation], dtype=np.uint64).view(np.uint8))
+        with self._on_stream():
+            self._dev[start:start + 8].copy_(word)
+        self._sync()           # visible before any byte of the slot changes
+
+    def live_generation(self, slot: int) -> int:
+        start = slot * self.slot_bytes + GENERATION_AT
+        word = self._torch.empty(8, dtype=self._torch.uint8)
+        with self._on_stream():
+            word.copy_(self._dev[start:start + 8])
+        self._sync()
+        return int(word.numpy().view(np.uint64)[0])
+
+    # ---- writes ----------------------------------------------------------------------------------
+
+    def write(self, ref: SlotRef, key: PageKey, layers: Sequence[Any]) -> None:
+        """Write a page from per-layer segments (host arrays, or tensors on any device: a segment on
+        a GPU is copied device-to-device) into a prepared slot."""
+        spec = self.spec
+        if len(layers) != spec.num_layers:
+            raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
+        dst = self._slot_t(ref.slot)
+        seg = spec.segment_bytes
+        sums = []
+        for i, layer in enumerate(layers):
+            src = self._as_tensor(layer)
+            if src.numel() != seg:
+                raise ValueError(f"layer {i}: {src.numel()} bytes, expected {seg}")
+            start = spec.segment_offset(i)
+            with self._on_stream():
+                dst[start:start + seg].copy_(src)
+            sums.append(checksum(self._host(src)))
+        self._write_header(dst, encode_header(spec, key, ref.generation, sums))
+
+    def write_page(self, ref: SlotRef, page: Any) -> None:
+        """Write an already packed and verified page, re-stamped with ``ref.generation``."""
+        spec = self.spec
+        src = self._as_tensor(page)
+        header = PageHeader.parse(self._host(src[:spec.header_bytes]).copy())
+        dst = self._slot_t(ref.slot)
+        with self._on_stream():
+            dst[spec.header_bytes:].copy_(src[spec.header_bytes:spec.page_bytes])
+        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums))
+
+    def _write_header(self, dst: Any, header: bytes) -> None:
+        # Everything but the generation first, then a barrier, then the generation: until it lands,
+        # readers see generation 0 and reject the slot.
+        raw = self._torch.from_numpy(np.frombuffer(header, dtype=np.uint8).copy())
+        g = GENERATION_AT
+        with self._on_stream():
+            dst[:g].copy_(raw[:g])
+            dst[g + 8:len(raw)].copy_(raw[g + 8:])
+        self._sync(dst)
+        with self._on_stream():
+            dst[g:g + 8].copy_(raw[g:g + 8])
+        self._sync()
+
+    # ---- reads -----------------------------------------------------------------------------------
+
+    def read_header(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
+        spec = self.spec
+        self._check_slot(ref.slot)
+        dst = self._as_tensor(into)[:spec.header_bytes]
+        with self._on_stream():
+            dst.copy_(self._slot_t(ref.slot)[:spec.header_bytes])
+        self._sync(dst)
+        header = PageHeader.parse(self._host(dst))
+        header.expect(spec, key, ref.generation)
+        return header
+
+    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
+        """Layer ``layer`` of the page at ``ref`` as host bytes: in place for a ``cpu`` region, else
+        a copy in this thread's pinned scratch buffer, valid until the thread's next call here.
+        Trusted only after :meth:`check_segment` passed."""
+        self._check_slot(ref.slot)
+        return self._host(self._seg_t(ref.slot, layer), tag=(ref.slot, ref.generation, layer))
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+        """After the caller copied :meth:`segment_view`: the checksum of those bytes (the scratch
+        copy it was given, when there is one), then the slot's live generation."""
+        if getattr(self._local, "tag", None) == (ref.slot, ref.generation, layer):
+            data = self._scratch(self.spec.segment_bytes).numpy()
+        else:
+            data = self._host(self._seg_t(ref.slot, layer))
+        if checksum(data) != header.segment_checksums[layer]:
+            raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if self.live_generation(ref.slot) != ref.generation:
+            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+
+    def read(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
+        """Copy and check a whole page into ``into`` (``spec.page_bytes``): host memory, or a tensor
+        on any GPU (a device-to-device copy). Raises :class:`PageError`; ``into`` is then garbage."""
+        spec = self.spec
+        self._check_slot(ref.slot)
+        dst = self._as_tensor(into)[:spec.page_bytes]
+        if dst.numel() < spec.page_bytes:
+            raise ValueError(f"page buffer of {dst.numel()} bytes, need {spec.page_bytes}")
+        with self._on_stream():
+            dst.copy_(self._slot_t(ref.slot))
+        self._sync(dst)
+        got = self._host(dst)          # one device→host copy when ``into`` is on a GPU
+        header = PageHeader.parse(got[:spec.header_bytes])
+        header.expect(spec, key, ref.generation)
+        for layer, expected in enumerate(header.segment_checksums):
+            if checksum(spec.segment(got, layer)) != expected:
+                raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if self.live_generation(ref.slot) != ref.generation:
+            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+        return header
+
+    # ---- identity --------------------------------------------------------------------------------
+
+    @property
+    def region(self) -> np.ndarray:
+        """The region as host memory (``cpu`` regions only). A GPU region has no host address to
+        register with NIXL as DRAM; the fabric does not serve this tier."""
+        if self._cuda:
+            raise TypeError("a peer_hbm region on a GPU has no host view")
+        out: np.ndarray = self._dev.numpy()
+        return out
+
+    @property
+    def domain(self) -> str:
+        return f"peer_hbm:{self._peer.region_id}"
+
+    def healthy(self) -> bool:
+        """False once the region's owner exited (CUDA frees IPC memory with its owner)."""
+        return self._peer.alive()
+
+    def close(self) -> None:
+        self._dev = None
+        self._generations = np.empty(0, dtype=np.uint64)
+        self._peer.close()
