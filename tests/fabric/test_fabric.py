@@ -170,8 +170,12 @@ def test_a_peers_cxl_region_that_is_not_shared_is_read_over_the_fabric(
 
 def test_a_load_larger_than_staging_misses_the_excess_and_staging_is_reused(
         redis_server: RedisServer, runtime_dir: str) -> None:
-    a = Pool(PofConfig.from_mapping(node_config("a", redis_server.url, runtime_dir)), SPEC, NAMESPACE)
-    b = Pool(PofConfig.from_mapping(node_config("b", redis_server.url, runtime_dir)), SPEC, NAMESPACE)
+    def config(node: str) -> PofConfig:
+        cfg = node_config(node, redis_server.url, runtime_dir)
+        cfg["fabric"]["timeout_s"] = 10.0           # a deadline missed on a busy machine would quarantine slots
+        return PofConfig.from_mapping(cfg)
+
+    a, b = Pool(config("a"), SPEC, NAMESPACE), Pool(config("b"), SPEC, NAMESPACE)
     try:
         assert b._fabric is not None
         room = b._fabric.staging.num_slots          # 256KiB of 6KiB pages
