@@ -558,7 +558,9 @@ class Pool:
         if self._fabric is not None and self._fabric.reader.peers:
             self._refresh_nodes()        # drop connections to peers that left or restarted
         if self._fabric is not None and self._fabric.lender is not None:
-            self._fabric.lender.reclaim_expired()
+            gone = self._fabric.lender.reclaim_expired()
+            if gone:         # published by writers as ours; the slots are invalid now
+                self._index_call("withdraw", self.index.withdraw, gone, default=None)
         if self._fabric is not None and self._fabric.writer is not None and not self._maintaining.is_set():
             self._maintaining.set()
             try:

@@ -79,7 +79,7 @@ class FabricNode:
             return True
 
         fabric = self.config.fabric
-        self.lender = SlotLender(self.tiers, fabric.spill_lease_s, fabric.timeout_s, authorize)
+        self.lender = SlotLender(self.config.node_id, self.tiers, fabric.spill_lease_s, fabric.timeout_s, authorize)
         self.notifier = Notifier(self.agent, self.lender.handle)
         self.writer = SpillWriter(self.config.node_id, self.agent, self.reader, self.staging, self.notifier,
                                   self.spec, fabric)

@@ -74,7 +74,10 @@ class Notifier:
                 continue
             for sender, messages in got.items():
                 for raw in messages:
-                    self._dispatch(sender, raw)
+                    try:
+                        self._dispatch(sender, raw)
+                    except Exception:   # a bug: show it with its traceback, keep serving the others
+                        log.exception("pof fabric: handling a control message from %s failed", sender)
 
     def _dispatch(self, sender: str, raw: bytes) -> None:
         if not raw.startswith(PREFIX):

@@ -6,6 +6,10 @@ WRITEs, its header's generation word last, and publishes the location in the ind
 owner only keeps the lease: when it ends without a renewal the slot is reclaimed — invalidated
 first, so a reader still following the index misses — and free for the next grant.
 
+After writing, the writer also tells the owner which page each slot holds (a ``written``
+message), so the owner can withdraw the index entry of a slot it reclaims: a writer that died
+leaves no entry behind that only leads readers to a miss.
+
 The owner gives the lease one ``grace_s`` more than the writer counts with (the writer stops
 writing one timeout before its end), so a write in time never meets a reclaimed slot; a write
 that is late anyway lands in a slot whose generation moved on and is rejected by readers.
@@ -20,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pof_connector.fabric.notifier import Message
+from pof_connector.index import Location
+from pof_connector.keys import PageKey
 from pof_connector.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -30,12 +36,16 @@ MAX_GRANT = 256
 
 @dataclass
 class Lease:
-    """Slot ``slot`` of ``medium`` lent to ``writer`` (a node id) until ``expires`` (monotonic)."""
+    """Slot ``slot`` of ``medium`` lent to ``writer`` (a node id) with ``generation`` until
+    ``expires`` (monotonic); ``key`` is the page the writer says it put there (``None``: not
+    said yet)."""
 
     writer: str
     medium: str
     slot: int
+    generation: int
     expires: float
+    key: PageKey | None = None
 
 
 class SlotLender:
@@ -43,8 +53,9 @@ class SlotLender:
     request really comes from that node's current agent and makes sure we can answer it (its
     metadata loaded); a request it refuses gets no reply at all (the writer times out)."""
 
-    def __init__(self, tiers: Sequence[Tier], lease_s: float, grace_s: float,
+    def __init__(self, node_id: str, tiers: Sequence[Tier], lease_s: float, grace_s: float,
                  authorize: Callable[[str, str], bool]) -> None:
+        self.node_id = node_id
         self._tiers = {t.medium: t for t in tiers}
         self.lease_s = lease_s
         self.grace_s = grace_s
@@ -71,7 +82,7 @@ class SlotLender:
         expires = time.monotonic() + min(lease_s, self.lease_s) + self.grace_s
         with self._lock:
             for ref in refs:
-                self._leases[(medium, ref.slot)] = Lease(writer, medium, ref.slot, expires)
+                self._leases[(medium, ref.slot)] = Lease(writer, medium, ref.slot, ref.generation, expires)
             self.granted_total += len(refs)
         return [(r.slot, r.generation) for r in refs]
 
@@ -98,8 +109,20 @@ class SlotLender:
             self._tiers[medium].take_back(s)
         return len(mine)
 
-    def reclaim_expired(self) -> int:
-        """Invalidate and free every slot whose lease ended; returns how many."""
+    def written(self, writer: str, medium: str, pages: Sequence[tuple[int, PageKey]]) -> int:
+        """``writer`` put these pages into these slots of its leases; returns how many it holds."""
+        n = 0
+        with self._lock:
+            for slot, key in pages:
+                lease = self._leases.get((medium, slot))
+                if lease is not None and lease.writer == writer:
+                    lease.key = key
+                    n += 1
+        return n
+
+    def reclaim_expired(self) -> list[tuple[PageKey, Location]]:
+        """Invalidate and free every slot whose lease ended; returns the index entries of the
+        pages that were in them (the writer published them as ours: withdraw them)."""
         now = time.monotonic()
         with self._lock:
             ended = [lease for lease in self._leases.values() if lease.expires <= now]
@@ -111,7 +134,8 @@ class SlotLender:
         if ended:
             log.info("pof spill: reclaimed %d slot(s) whose lease ended (%s)", len(ended),
                      ", ".join(sorted({lease.writer for lease in ended})))
-        return len(ended)
+        return [(lease.key, Location(self.node_id, lease.medium, lease.slot, lease.generation))
+                for lease in ended if lease.key is not None]
 
     def reclaim_all(self) -> None:
         """Take every lent slot back (closing)."""
@@ -138,8 +162,9 @@ class SlotLender:
         answer (unknown op, malformed, or not from the node's current agent)."""
         op, writer, medium = message.get("op"), message.get("node"), message.get("medium")
         lease_s = message.get("lease_s", self.lease_s)
-        if (op not in ("grant", "renew", "release") or not isinstance(writer, str) or not isinstance(medium, str)
-                or isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or lease_s <= 0):
+        if (op not in ("grant", "renew", "release", "written") or not isinstance(writer, str)
+                or not isinstance(medium, str) or isinstance(lease_s, bool)
+                or not isinstance(lease_s, (int, float)) or lease_s <= 0):
             return None
         if not self._authorize(writer, sender):
             log.info("pof spill: ignored a %s request from %s (not %s's current agent, or unreachable)",
@@ -153,6 +178,8 @@ class SlotLender:
             if slots:
                 log.debug("pof spill: lent %d %s slot(s) to %s", len(slots), medium, writer)
             return {"slots": slots, "lease_s": min(float(lease_s), self.lease_s)}
+        if op == "written":
+            return {"written": self.written(writer, medium, _pages(message.get("pages")))}
         raw = message.get("slots")
         if not isinstance(raw, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in raw):
             return None
@@ -160,3 +187,15 @@ class SlotLender:
             return {"slots": self.renew(writer, medium, raw, float(lease_s)),
                     "lease_s": min(float(lease_s), self.lease_s)}
         return {"released": self.release(writer, medium, raw)}
+
+
+def _pages(raw: object) -> list[tuple[int, PageKey]]:
+    """Decode a ``written`` message's ``[[slot, namespace hex, digest hex], ...]`` (bad items skipped)."""
+    out = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            slot, ns, digest = item
+            out.append((int(slot), PageKey(bytes.fromhex(ns), bytes.fromhex(digest))))
+        except (TypeError, ValueError):
+            continue
+    return out

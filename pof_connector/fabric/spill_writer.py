@@ -49,6 +49,8 @@ FULL_BACKOFF_S = 2.0
 DOWN_BACKOFF_S = 5.0
 """After an owner did not answer or a write failed, it gets no spill for this long."""
 POLL_S = 0.0002
+MAX_SLOTS_PER_MESSAGE = 1000
+"""Slots named in one renew or release message (a notification is meant to stay small)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class SpillWriter:
         self._spilled: dict[PageKey, tuple[Location, _Grant]] = {}
         self._full_until: dict[tuple[str, str], float] = {}
         self._metas: dict[str, PeerMeta] = {}
+        self._untold: dict[tuple[str, str], list[tuple[int, PageKey]]] = {}   # owners to send ``written``
 
     @property
     def spilled(self) -> int:
@@ -139,6 +142,7 @@ class SpillWriter:
         loc = Location(target.node, target.medium, grant.slot, grant.generation)
         old = self._spilled.pop(key, None)
         self._spilled[key] = (loc, grant)
+        self._untold.setdefault((target.node, target.medium), []).append((grant.slot, key))
         if old is not None:        # spilled before and kept locally meanwhile: the old slot goes back
             self._send_release(old[0].node, old[0].medium, [old[0].slot])
         return loc
@@ -225,13 +229,15 @@ class SpillWriter:
     def maintain(self) -> list[tuple[PageKey, Location]]:
         """Renew the leases of spilled pages that are half over, give back reserve slots about to
         expire; returns the spilled entries whose lease ended (to withdraw from the index)."""
+        self._tell_written()
         now = time.monotonic()
         due: dict[tuple[str, str], list[PageKey]] = {}
         for key, (loc, grant) in self._spilled.items():
             if grant.expires - now < self.lease_s / 2 and grant.expires > now:
                 due.setdefault((loc.node, loc.medium), []).append(key)
         for (node, medium), keys in due.items():
-            self._renew(node, medium, keys)
+            for start in range(0, len(keys), MAX_SLOTS_PER_MESSAGE):
+                self._renew(node, medium, keys[start:start + MAX_SLOTS_PER_MESSAGE])
         for (node, medium), reserve in list(self._reserve.items()):
             keep = self._usable_reserve(node, medium, now)
             stale = [g.slot for g in reserve if g not in keep]
@@ -273,6 +279,28 @@ class SpillWriter:
             if key is not None:
                 self._spilled[key][1].expires = asked + float(reply["lease_s"])
 
+    def _tell_written(self) -> None:
+        """Tell owners which page each newly written slot holds (so a reclaim withdraws it)."""
+        untold, self._untold = self._untold, {}
+        for (node, medium), pages in untold.items():
+            meta = self._metas.get(node)
+            if meta is None:
+                continue
+            try:
+                peer = self.reader.connect(node, meta)
+            except FabricError:
+                continue                        # backing off: the owner then only invalidates
+            try:
+                for start in range(0, len(pages), MAX_SLOTS_PER_MESSAGE):
+                    chunk = [[slot, k.namespace.hex(), k.digest.hex()]
+                             for slot, k in pages[start:start + MAX_SLOTS_PER_MESSAGE]]
+                    self.notifier.send(peer.name, {"op": "written", "node": self.node_id, "medium": medium,
+                                                   "pages": chunk})
+            except FabricError as e:
+                log.info("pof spill: could not tell %s what it holds: %s", node, e)
+            finally:
+                self.reader.disconnect(peer)
+
     def _send_release(self, node: str, medium: str, slots: list[int]) -> None:
         meta = self._metas.get(node)
         if meta is None or not slots:
@@ -297,7 +325,8 @@ class SpillWriter:
         for (node, medium), reserve in self._reserve.items():
             by_owner.setdefault((node, medium), []).extend(g.slot for g in reserve)
         for (node, medium), slots in by_owner.items():
-            self._send_release(node, medium, slots)
+            for start in range(0, len(slots), MAX_SLOTS_PER_MESSAGE):
+                self._send_release(node, medium, slots[start:start + MAX_SLOTS_PER_MESSAGE])
         self._spilled.clear()
         self._reserve.clear()
         return gone

@@ -7,14 +7,17 @@ import time
 import numpy as np
 
 from pof_connector.fabric.slot_lender import SlotLender
+from pof_connector.index import Location
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
 from pof_connector.tiers import CpuDramTier
 
+KEY = PageKey(bytes(16), bytes(range(32)))
+
 
 def lender(spec: PageSpec, slots: int, lease_s: float = 0.2, known: str = "pof/b/1") -> tuple[SlotLender, CpuDramTier]:
     tier = CpuDramTier(spec, slots * (spec.page_bytes + 64))
-    return SlotLender([tier], lease_s, 0.05, lambda node, agent: (node, agent) == ("b", known)), tier
+    return SlotLender("m", [tier], lease_s, 0.05, lambda node, agent: (node, agent) == ("b", known)), tier
 
 
 def test_grant_renew_release_and_reclaim(spec: PageSpec) -> None:
@@ -29,9 +32,13 @@ def test_grant_renew_release_and_reclaim(spec: PageSpec) -> None:
     time.sleep(0.15)
     assert sorted(owner.renew("b", "cpu_dram", slots, 60)) == sorted(slots[1:])
     time.sleep(0.15)                                          # 0.3 s > lease 0.2 + grace 0.05: renewed in time
-    assert owner.reclaim_expired() == 0
+    assert owner.reclaim_expired() == [] and tier.free_slots == 2
+    assert owner.written("b", "cpu_dram", [(slots[1], KEY)]) == 1
+    assert owner.written("c", "cpu_dram", [(slots[2], KEY)]) == 0            # not c's slot
     time.sleep(0.2)
-    assert owner.reclaim_expired() == 2 and tier.free_slots == 4 and owner.usage() == {"cpu_dram": (0, 0)}
+    gone = owner.reclaim_expired()                        # the entry b published for slots[1] is withdrawn
+    assert gone == [(KEY, Location("m", "cpu_dram", slots[1], 1))]
+    assert tier.free_slots == 4 and owner.usage() == {"cpu_dram": (0, 0)}
     again = owner.grant("b", "cpu_dram", 1, 60)               # a reclaimed slot comes back with a new generation
     assert again and again[0][1] >= 2
 
@@ -59,5 +66,7 @@ def test_messages(spec: PageSpec) -> None:
     slots = [s for s, _ in reply["slots"]]
     assert owner.handle("pof/b/1", {"op": "renew", "node": "b", "medium": "cpu_dram", "slots": slots}) == {
         "slots": slots, "lease_s": 0.2}
+    written = {"op": "written", "node": "b", "medium": "cpu_dram", "pages": [[slots[0], "00" * 16, "11" * 32], "x"]}
+    assert owner.handle("pof/b/1", written) == {"written": 1}
     assert owner.handle("pof/b/1", {"op": "release", "node": "b", "medium": "cpu_dram", "slots": slots}) == {
         "released": 2}

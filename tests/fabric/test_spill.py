@@ -122,6 +122,8 @@ def test_lease_expiry_reclaims_and_readers_miss(
         wait_for(lambda: m_lent(redis_server.url) == 0, LEASE_S + 3 * TIMEOUT_S + 2, "M's reclaim")
         r = a.call("load", seed=1, pages=4, saved="plan")
         assert set(r["failed"]) == {"0", "1", "2", "3"} and set(r["failed"].values()) <= INVALID, r
+        # M withdrew the entries B published for it (B is still stopped: it could not).
+        wait_for(lambda: a.call("lookup", seed=1, pages=4)["pages"] == 0, 3, "M's withdrawal")
     finally:
         b.signal(signal.SIGCONT)
     # B notices its leases ended and withdraws the entries.
