@@ -528,6 +528,16 @@ class Pool:
             if ended:
                 self._index_call("withdraw", self.index.withdraw, ended, default=None)
 
+    def _republish_spilled(self) -> None:
+        """After an index restart or outage: the pages this node spilled are published again."""
+        if self._fabric is not None and self._fabric.writer is not None:
+            entries = self._fabric.writer.entries()
+            for start in range(0, len(entries), 1000):
+                if self._index_call("publish", self.index.publish, entries[start:start + 1000],
+                                    default=False) is False:
+                    self._republish = True
+                    break
+
     def _publish(self, events: list[tuple[bool, PageKey, Location]]) -> None:
         """Send (publish?, key, location) events; within a batch only the last per key and medium
         counts (a page may be stored and then evicted by the same batch)."""
@@ -584,6 +594,11 @@ class Pool:
             if entries:
                 log.info("pof: published %d pages to the index (%s)", len(entries),
                          "new registration" if fresh else "after an index outage")
+            if self._fabric is not None and self._fabric.writer is not None:
+                try:
+                    self._store.submit(self._republish_spilled)     # the writer's own thread
+                except RuntimeError:     # closing
+                    pass
 
     def _check_tiers(self) -> None:
         for tier in self.tiers:

@@ -94,6 +94,10 @@ class SpillWriter:
         """Pages of this node living in other nodes' slots now."""
         return len(self._spilled)
 
+    def entries(self) -> list[tuple[PageKey, Location]]:
+        """Where this node's spilled pages are (to publish again after an index restart)."""
+        return [(key, loc) for key, (loc, _) in self._spilled.items()]
+
     # ---- target ------------------------------------------------------------------------------
 
     def choose(self, nodes: Iterable[NodeInfo], media: Sequence[str]) -> Target | None:
