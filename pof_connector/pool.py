@@ -451,6 +451,7 @@ class Pool:
                 self.stats.add("stored_bytes", self.spec.page_bytes, tier=first.medium)
                 written += 1
         finally:
+            self._complete_spills(events)
             self._publish(events)
         return written
 
@@ -501,17 +502,30 @@ class Pool:
         if target is None:
             self.stats.add("spill_failures", reason="no_target")
             return
+        if writer.pending >= writer.batch_limit:
+            self._complete_spills(events)
         try:
             # Its own buffer: the caller may hold a page being demoted in self._staging.
             tier.read(ref, key, self._spill_buf)
-            loc = writer.spill(key, self._spill_buf, target)
+            writer.prepare_spill(key, self._spill_buf, target)
         except PageError as e:
-            self.stats.add("spill_failures", reason=e.reason)
-            self._log_once(f"spill-{e.reason}", logging.WARNING, "pof: could not spill a page (%s); it is dropped "
-                           "and recomputed when needed. Further failures are counted in pof_spill_failures_total", e)
+            self._count_spill_failure(e)
+
+    def _complete_spills(self, events: list[tuple[bool, PageKey, Location]]) -> None:
+        """Write the pages staged by :meth:`_spill` (one WRITE per owner) and queue their publication."""
+        if self._fabric is None or self._fabric.writer is None or not self._fabric.writer.pending:
             return
-        events.append((True, key, loc))
-        self.stats.add("spilled_pages", tier=loc.medium)
+        for key, got in self._fabric.writer.complete_spills():
+            if isinstance(got, PageError):
+                self._count_spill_failure(got)
+            else:
+                events.append((True, key, got))
+                self.stats.add("spilled_pages", tier=got.medium)
+
+    def _count_spill_failure(self, err: PageError) -> None:
+        self.stats.add("spill_failures", reason=err.reason)
+        self._log_once(f"spill-{err.reason}", logging.WARNING, "pof: could not spill a page (%s); it is dropped "
+                       "and recomputed when needed. Further failures are counted in pof_spill_failures_total", err)
 
     def _node_info_all(self) -> dict[str, NodeInfo]:
         """Live nodes, from a node list at most a heartbeat old."""

@@ -8,7 +8,8 @@ node granted, instead of being dropped.
    the reply lists (slot, generation) pairs and the lease. Spare slots wait in a reserve for the
    next evicted pages.
 3. **Write**: the page, re-stamped with the granted generation, is copied into pof-owned staging
-   and written with one NIXL WRITE — all but the header's generation word, which a second WRITE
+   (:meth:`SpillWriter.prepare_spill`); at the end of a store batch (:meth:`SpillWriter.complete_spills`)
+   one NIXL WRITE per owner carries all but the headers' generation words, which a second WRITE
    puts in last (the seqlock protocol of tiers/base.py: until then readers see generation 0).
 4. **Publish**: the pool publishes ``(owner node, medium, slot, generation)`` under this node's
    name space in the index; the index records it as the owner's, so it vanishes with the owner.
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 LEND_KEY = "fabric.lend"
 """Node meta: ``"1"`` when the node grants spill slots (fabric.spill on, or a memory node)."""
-GRANT_BATCH = 16
+GRANT_BATCH = 64
 """Slots asked for per grant: one round trip serves this many evicted pages."""
 FULL_BACKOFF_S = 2.0
 """After an owner answered "full", it is not asked again for this long (its node info catches up)."""
@@ -69,6 +70,17 @@ class _Grant:
     expires: float          # monotonic, as the writer counts it (the owner keeps it a grace longer)
 
 
+@dataclass
+class _Pending:
+    """A page staged for ``grant`` on ``target``, waiting for :meth:`SpillWriter.complete_spills`."""
+
+    key: PageKey
+    target: Target
+    peer: Peer              # held (connected) until the write is done
+    grant: _Grant
+    stage: int
+
+
 class SpillWriter:
     """Spills pages of this node (``node_id``) over ``agent``. Not thread-safe: the pool calls it
     from its store thread only."""
@@ -87,6 +99,7 @@ class SpillWriter:
         self._spilled: dict[PageKey, tuple[Location, _Grant]] = {}
         self._full_until: dict[tuple[str, str], float] = {}
         self._metas: dict[str, PeerMeta] = {}
+        self._pending: list[_Pending] = []
         self._untold: dict[tuple[str, str], list[tuple[int, PageKey]]] = {}   # owners to send ``written``
 
     @property
@@ -130,26 +143,74 @@ class SpillWriter:
 
     # ---- spill -------------------------------------------------------------------------------
 
-    def spill(self, key: PageKey, page: np.ndarray, target: Target) -> Location:
-        """Write ``page`` (a verified copy of ``key``'s page) into a slot granted by ``target``;
-        returns its location for the index. Raises :class:`PageError` with the reason it was
-        dropped (``spill_full``, ``timeout``, ``remote_error``, ``peer_down``, ``no_staging``)."""
+    @property
+    def pending(self) -> int:
+        """Pages staged by :meth:`prepare_spill` and not written yet."""
+        return len(self._pending)
+
+    @property
+    def batch_limit(self) -> int:
+        """Pages to stage before writing them out: a quarter of the staging area at most, the rest
+        stays free for remote reads."""
+        return max(1, min(MAX_SLOTS_PER_MESSAGE, self.staging.num_slots // 4))
+
+    def prepare_spill(self, key: PageKey, page: np.ndarray, target: Target) -> None:
+        """Stage ``page`` (a verified copy of ``key``'s page; the caller may reuse it at once) for
+        a slot granted by ``target``. :meth:`complete_spills` writes what was staged. Raises
+        :class:`PageError` with the reason it was dropped (``spill_full``, ``timeout``,
+        ``remote_error``, ``peer_down``, ``no_staging``)."""
         try:
             peer = self.reader.connect(target.node, target.meta)
         except FabricError as e:
             raise PageError(e.reason, f"{target.node}: {e.detail}") from None
         try:
             grant = self._take_grant(peer, target)
-            self._write(peer, target, key, page, grant)
-        finally:
+            prepared = peer.dlists.get(target.medium)
+            if prepared is None or not 0 <= grant.slot < prepared[1]:
+                raise PageError("remote_error", f"{target.node} granted slot {grant.slot} outside its "
+                                                f"{target.medium}")
+            stage = self.staging.take(1)
+            if not stage:
+                raise PageError("no_staging", "every staging slot is in use")
+        except PageError:
             self.reader.disconnect(peer)
-        loc = Location(target.node, target.medium, grant.slot, grant.generation)
-        old = self._spilled.pop(key, None)
-        self._spilled[key] = (loc, grant)
-        self._untold.setdefault((target.node, target.medium), []).append((grant.slot, key))
-        if old is not None:        # spilled before and kept locally meanwhile: the old slot goes back
-            self._send_release(old[0].node, old[0].medium, [old[0].slot])
-        return loc
+            raise
+        spec = self.spec
+        buf = self.staging.page(stage[0])
+        header = PageHeader.parse(page[:spec.header_bytes])
+        np.copyto(buf, page[:spec.page_bytes])
+        buf[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, grant.generation, header.segment_checksums),
+                                                dtype=np.uint8)
+        buf[GENERATION_AT:GENERATION_AT + 8] = 0        # the generation word goes last, on its own
+        self.staging.set_generation(stage[0], grant.generation)
+        self._pending.append(_Pending(key, target, peer, grant, stage[0]))
+
+    def complete_spills(self) -> list[tuple[PageKey, Location | PageError]]:
+        """Write every staged page: per owner and medium one WRITE of the pages, then one of their
+        generation words. Returns, per page, its location for the index or why it was dropped."""
+        pending, self._pending = self._pending, []
+        groups: dict[tuple[str, str], list[_Pending]] = {}
+        for p in pending:
+            groups.setdefault((p.target.node, p.target.medium), []).append(p)
+        out: list[tuple[PageKey, Location | PageError]] = []
+        for (node, medium), group in groups.items():
+            try:
+                self._write(node, medium, group)
+            except PageError as e:
+                out.extend((p.key, e) for p in group)
+                continue
+            finally:
+                for p in group:
+                    self.reader.disconnect(p.peer)
+            for p in group:
+                loc = Location(node, medium, p.grant.slot, p.grant.generation)
+                old = self._spilled.pop(p.key, None)
+                self._spilled[p.key] = (loc, p.grant)
+                self._untold.setdefault((node, medium), []).append((p.grant.slot, p.key))
+                if old is not None:    # spilled before and kept locally meanwhile: the old slot goes back
+                    self._send_release(old[0].node, old[0].medium, [old[0].slot])
+                out.append((p.key, loc))
+        return out
 
     def _usable_reserve(self, node: str, medium: str, now: float) -> list[_Grant]:
         """Granted, unused slots with enough lease left for a write (one timeout) and a read."""
@@ -182,45 +243,32 @@ class SpillWriter:
         self._reserve[(target.node, target.medium)] = reserve
         return grant
 
-    def _write(self, peer: Peer, target: Target, key: PageKey, page: np.ndarray, grant: _Grant) -> None:
-        spec = self.spec
-        prepared = peer.dlists.get(target.medium)
-        if prepared is None or not 0 <= grant.slot < prepared[1]:
-            raise PageError("remote_error", f"{target.node} granted slot {grant.slot} outside its {target.medium}")
-        dlist, num_slots = prepared
-        stage = self.staging.take(1)
-        if not stage:
-            raise PageError("no_staging", "every staging slot is in use")
-        buf = self.staging.page(stage[0])
-        header = PageHeader.parse(page[:spec.header_bytes])
-        np.copyto(buf, page[:spec.page_bytes])
-        buf[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, grant.generation, header.segment_checksums),
-                                                dtype=np.uint8)
-        buf[GENERATION_AT:GENERATION_AT + 8] = 0        # the generation word goes last, on its own
-        self.staging.set_generation(stage[0], grant.generation)
+    def _write(self, node: str, medium: str, group: list[_Pending]) -> None:
+        dlist, num_slots = group[0].peer.dlists[medium]
+        stages = [p.stage for p in group]
         deadline = time.monotonic() + self.timeout_s
-        local = np.array(stage, dtype=np.int64)
-        remote = np.array([grant.slot], dtype=np.int64)
+        local = np.array(stages, dtype=np.int64)
+        remote = np.array([p.grant.slot for p in group], dtype=np.int64)
         handle = None
         try:
             handle = self.agent.post_write(self.staging.dlist, local, dlist, remote)
-            self._wait(handle, deadline, target.node)
+            self._wait(handle, deadline, node)
             self.agent.release(handle)
             handle = self.agent.post_write(self.staging.dlist, local + self.staging.num_slots, dlist,
                                            remote + num_slots)
-            self._wait(handle, deadline, target.node)
+            self._wait(handle, deadline, node)
         except FabricError as e:
             self.agent.release(handle)
-            # The grant is not reused: a cancelled WRITE may still land in it. It simply expires.
+            # The grants are not reused: a cancelled WRITE may still land in them. They expire.
             if e.disconnected:
-                self.staging.give(stage)
-                self.reader.back_off(target.node, DOWN_BACKOFF_S, drop=True)
+                self.staging.give(stages)
+                self.reader.back_off(node, DOWN_BACKOFF_S, drop=True)
             else:
-                self.staging.quarantine(stage)       # a cancelled WRITE may still read it
-                self.reader.back_off(target.node, DOWN_BACKOFF_S, drop=e.reason != "timeout")
-            raise PageError(e.reason, f"{target.node}: {e.detail}") from None
+                self.staging.quarantine(stages)      # a cancelled WRITE may still read them
+                self.reader.back_off(node, DOWN_BACKOFF_S, drop=e.reason != "timeout")
+            raise PageError(e.reason, f"{node}: {e.detail}") from None
         self.agent.release(handle)
-        self.staging.give(stage)
+        self.staging.give(stages)
 
     def _wait(self, handle: object, deadline: float, node: str) -> None:
         while not self.agent.done(handle):
