@@ -9,6 +9,7 @@ Commands::
     pof bench index   prefix-lookup latency and memory per location
     pof router        OpenAI-compatible proxy routing by estimated time to first token
     pof relay         feed a KV-event router (vllm-router kv_aware) an engine's cache and its pool
+    pof memd          a memory-only pool node: lends its DRAM/CXL to other nodes' spilled pages
 
 Every command returns an exit code instead of raising: 0 on success, 1 when it could not do
 its job (with one line on stderr saying why), 2 for a usage error. ``--json`` output goes to
@@ -242,11 +243,23 @@ def _stats_url(args: argparse.Namespace) -> str:
     return url
 
 
+def _lent(node: NodeInfo) -> dict[str, tuple[int, int]]:
+    """Per medium: (slots lent to spilling writers, writers holding leases); empty when the node
+    lends nothing (fabric.spill off)."""
+    try:
+        raw = json.loads(node.meta.get("fabric.lent", "{}"))
+        return {str(m): (int(v[0]), int(v[1])) for m, v in raw.items()}
+    except (ValueError, TypeError, IndexError, AttributeError):
+        return {}
+
+
 def _node_json(node: NodeInfo) -> dict[str, object]:
+    lent = _lent(node)
     tiers = {medium: {"capacity_bytes": t.capacity_bytes, "free_bytes": t.free_bytes,
-                      "used_bytes": t.capacity_bytes - t.free_bytes, "domain": t.domain}
+                      "used_bytes": t.capacity_bytes - t.free_bytes, "domain": t.domain,
+                      **({"lent_slots": lent[medium][0], "lease_writers": lent[medium][1]} if medium in lent else {})}
              for medium, t in node.tiers.items()}
-    return {"node_id": node.node_id, "tiers": tiers, "meta": node.meta}
+    return {"node_id": node.node_id, "role": node.meta.get("pof.role", "pool"), "tiers": tiers, "meta": node.meta}
 
 
 def _print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) -> None:
@@ -255,13 +268,17 @@ def _print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) ->
     table.add_column("tier")
     for name in ("capacity", "used", "free"):
         table.add_column(name, justify="right")
+    table.add_column("lent (slots / writers)", justify="right")
     table.add_column("domain", overflow="fold")
     for node in sorted(nodes, key=lambda n: n.node_id):
+        label = node.node_id + (" (memory)" if node.meta.get("pof.role") == "memory" else "")
+        lent = _lent(node)
         if not node.tiers:
-            table.add_row(node.node_id, "-", "-", "-", "-", "-")
+            table.add_row(label, "-", "-", "-", "-", "-", "-")
         for i, (medium, t) in enumerate(sorted(node.tiers.items())):
-            table.add_row(node.node_id if i == 0 else "", medium, format_size(t.capacity_bytes),
-                          format_size(t.capacity_bytes - t.free_bytes), format_size(t.free_bytes), t.domain)
+            shown = f"{lent[medium][0]:,} / {lent[medium][1]}" if medium in lent else "-"
+            table.add_row(label if i == 0 else "", medium, format_size(t.capacity_bytes),
+                          format_size(t.capacity_bytes - t.free_bytes), format_size(t.free_bytes), shown, t.domain)
     out = _out()
     out.print(table)
     summary = Table(title="index totals", title_justify="left", show_header=False)
@@ -525,6 +542,46 @@ def _add_relay(sub: Any) -> None:
     p.set_defaults(handler=cmd_relay)
 
 
+# ---- pof memd ---------------------------------------------------------------------------------
+
+
+def cmd_memd(args: argparse.Namespace) -> int:
+    """Run a :class:`~pof_connector.fabric.memory_node.MemoryNode` until SIGTERM or Ctrl-C."""
+    import logging
+    import signal
+
+    from pof_connector.fabric import FabricError
+    from pof_connector.fabric.memory_node import MemoryNode
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    config = PofConfig.from_file(args.config)
+    try:
+        node = MemoryNode(config, args.slot_size)
+    except FabricError as e:             # e.g. the UCX backend did not start on these devices
+        raise CommandError(f"memd: {e}") from e
+    signal.signal(signal.SIGTERM, lambda *_: node.stop())
+    signal.signal(signal.SIGINT, lambda *_: node.stop())
+    try:
+        node.run(args.report_s)
+    finally:
+        node.close()
+    return 0
+
+
+def _add_memd(sub: Any) -> None:
+    p = sub.add_parser("memd", help="a memory-only pool node: lends its DRAM/CXL to other nodes' spilled pages",
+                       description="Run a pool node without an engine: its tiers (config `tiers`) are registered "
+                                   "over NIXL (config `fabric`, enabled: true) and lent, with leases, to nodes "
+                                   "whose own tiers are full (fabric.spill). Stops cleanly on SIGTERM.")
+    p.add_argument("--config", required=True, metavar="FILE", help="pof config (node_id, index_url, tiers, fabric)")
+    p.add_argument("--slot-size", type=_size, required=True, metavar="SIZE",
+                   help="bytes per slot: at least the page size of the writers it serves (their pool's "
+                        "page_bytes, e.g. as `pof stats --json` shows in their meta)")
+    p.add_argument("--report-s", type=float, default=10.0, metavar="N",
+                   help="log the occupancy every N seconds when it changed (default 10)")
+    p.set_defaults(handler=cmd_memd)
+
+
 def _usage(parser: argparse.ArgumentParser) -> Handler:
     """The handler of a command group given no command: its help, and the usage-error code."""
     def show(_: argparse.Namespace) -> int:
@@ -544,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     router_serve.add_parser(sub)
     _add_relay(sub)
+    _add_memd(sub)
     return parser
 
 

@@ -150,7 +150,7 @@ UCX_TRANSPORTS = (
 )
 """UCX transport names accepted in ``fabric.tls`` (each may carry UCX's ``^`` exclusion prefix)."""
 _UCX_DEVICES_RE = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
-_FABRIC_KEYS = ("enabled", "ucx_devices", "tls", "timeout_s", "staging_size")
+_FABRIC_KEYS = ("enabled", "ucx_devices", "tls", "timeout_s", "staging_size", "spill", "spill_lease_s")
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,10 @@ class FabricConfig:
     environment. ``timeout_s``: deadline of one batch of remote reads; a peer that does not answer
     in time gives misses (recompute), never a hang. ``staging_size``: local memory that remote
     pages land in before they are validated (the most remote bytes one load can fetch).
+    ``spill``: pages evicted from the last tier are written into another node's free slots (a
+    neighbour's or a memory node's, granted with a lease) instead of being dropped, and this
+    node grants its own free slots to others. ``spill_lease_s``: how long a grant lasts unless
+    the writer renews it; the owner then reclaims the slot and readers miss.
     """
 
     enabled: bool = False
@@ -170,6 +174,8 @@ class FabricConfig:
     tls: str | None = None
     timeout_s: float = 2.0
     staging_size: int = 64 << 20
+    spill: bool = False
+    spill_lease_s: float = 30.0
 
 
 def _fabric(raw: Any) -> FabricConfig:
@@ -179,10 +185,11 @@ def _fabric(raw: Any) -> FabricConfig:
         if name not in _FABRIC_KEYS:
             raise ConfigError(f"fabric: unknown option {name!r}; allowed: {', '.join(_FABRIC_KEYS)}")
     kw: dict[str, Any] = {}
-    if "enabled" in raw:
-        if not isinstance(raw["enabled"], bool):
-            raise ConfigError(f"fabric.enabled: expected true or false, got {raw['enabled']!r}")
-        kw["enabled"] = raw["enabled"]
+    for flag in ("enabled", "spill"):
+        if flag in raw:
+            if not isinstance(raw[flag], bool):
+                raise ConfigError(f"fabric.{flag}: expected true or false, got {raw[flag]!r}")
+            kw[flag] = raw[flag]
     devices = raw.get("ucx_devices")
     if devices is not None:
         if not isinstance(devices, str) or not _UCX_DEVICES_RE.fullmatch(devices):
@@ -200,7 +207,18 @@ def _fabric(raw: Any) -> FabricConfig:
         kw["timeout_s"] = _float(raw["timeout_s"], "fabric.timeout_s", lo=0.01)
     if "staging_size" in raw:
         kw["staging_size"] = parse_size(raw["staging_size"], "fabric.staging_size")
-    return FabricConfig(**kw)
+    if "spill_lease_s" in raw:
+        kw["spill_lease_s"] = _float(raw["spill_lease_s"], "fabric.spill_lease_s", lo=0.1)
+    config = FabricConfig(**kw)
+    if config.spill and not config.enabled:
+        raise ConfigError("fabric.spill: spilling writes over the fabric; allowed: false, or true with "
+                          "fabric.enabled: true")
+    if config.spill and config.spill_lease_s <= 2 * config.timeout_s:
+        # A writer stops using a grant one timeout before it ends, and the owner reclaims one
+        # timeout after: a shorter lease leaves no time to write.
+        raise ConfigError(f"fabric.spill_lease_s: expected a number > 2 * fabric.timeout_s "
+                          f"({2 * config.timeout_s}), got {config.spill_lease_s}")
+    return config
 
 
 def _default_runtime_dir() -> str:
@@ -320,7 +338,8 @@ class PofConfig:
             "load_timeout_s": self.load_timeout_s,
             "fabric": {"enabled": self.fabric.enabled, "ucx_devices": self.fabric.ucx_devices,
                        "tls": self.fabric.tls, "timeout_s": self.fabric.timeout_s,
-                       "staging_size": self.fabric.staging_size},
+                       "staging_size": self.fabric.staging_size, "spill": self.fabric.spill,
+                       "spill_lease_s": self.fabric.spill_lease_s},
         }
 
 

@@ -23,6 +23,8 @@ COUNTERS: dict[str, str] = {
     "load_failures": "Pages rejected or unreadable (the engine recomputes them), by reason",
     "evicted_pages": "Pages evicted, by tier",
     "demoted_pages": "Pages moved to the next tier on eviction, by tier",
+    "spilled_pages": "Pages evicted from the last tier and written into another node's granted slots, by tier",
+    "spill_failures": "Evicted pages that could not be spilled (dropped instead), by reason",
     "index_errors": "Failed calls to the locality index, by operation",
     "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
     "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",

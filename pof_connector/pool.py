@@ -155,7 +155,7 @@ class Pool:
                 from pof_connector.fabric.node import FabricNode
 
                 self._fabric = FabricNode(config, spec, self.tiers)
-                self.meta.update(self._fabric.meta.to_meta())
+                self.meta.update(self._fabric.meta_strings)
         self._peer_metas: dict[str, tuple[dict[str, str], PeerMeta | None]] = {}
         self._next_index_restart = 0.0
         if index is None:
@@ -168,7 +168,11 @@ class Pool:
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pof-io")
         self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
         self._staging = np.empty(spec.page_bytes, dtype=np.uint8)    # store thread only
+        self._spill_buf = np.empty(spec.page_bytes, dtype=np.uint8)  # store thread only
         self._closed = threading.Event()
+        self._maintaining = threading.Event()     # a spill-lease upkeep is queued on the store thread
+        if self._fabric is not None:
+            self._fabric.start(self._peer_meta)
         self._heartbeat_thread: threading.Thread | None = None
         if role == "worker":
             self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="pof-heartbeat",
@@ -289,6 +293,11 @@ class Pool:
         if not in_backoff and self._fabric is not None and not self._fabric.reader.usable(node):
             return None
         return meta
+
+    def _peer_meta(self, node: str) -> PeerMeta | None:
+        """What ``node`` publishes for the fabric now; ``None`` when it is not alive or publishes none."""
+        info = self._node_info(node)
+        return None if info is None else PeerMeta.from_meta(info.meta)
 
     def _fetch_remote(self, keys: list[PageKey], sources: list[Location]) -> dict[int, Fetched | PageError]:
         """Fetch, in one batch, the pages of ``sources`` that only the fabric reaches (see
@@ -442,6 +451,7 @@ class Pool:
                 self.stats.add("stored_bytes", self.spec.page_bytes, tier=first.medium)
                 written += 1
         finally:
+            self._complete_spills(events)
             self._publish(events)
         return written
 
@@ -476,19 +486,80 @@ class Pool:
                     self.stats.add("demoted_pages", tier=tier.medium)
             except PageError as e:
                 self._log_once("demote", logging.WARNING, "pof: could not move a page down a tier: %s", e)
+        elif level + 1 == len(self.tiers) and self._fabric is not None and self._fabric.writer is not None:
+            self._spill(tier, key, ref, events)
         removed = tier.remove(key)
         if removed is not None:
             events.append((False, key, Location(self.node_id, tier.medium, removed.slot, removed.generation)))
             self.stats.add("evicted_pages", tier=tier.medium)
 
+    def _spill(self, tier: Tier, key: PageKey, ref: SlotRef, events: list[tuple[bool, PageKey, Location]]) -> None:
+        """The last tier is full: write its LRU page into a slot another node grants (see
+        :mod:`pof_connector.fabric.spill_writer`) instead of dropping it. Any failure drops it."""
+        assert self._fabric is not None and self._fabric.writer is not None
+        writer = self._fabric.writer
+        target = writer.choose(self._node_info_all().values(), [t.medium for t in self.tiers])
+        if target is None:
+            self.stats.add("spill_failures", reason="no_target")
+            return
+        if writer.pending >= writer.batch_limit:
+            self._complete_spills(events)
+        try:
+            # Its own buffer: the caller may hold a page being demoted in self._staging.
+            tier.read(ref, key, self._spill_buf)
+            writer.prepare_spill(key, self._spill_buf, target)
+        except PageError as e:
+            self._count_spill_failure(e)
+
+    def _complete_spills(self, events: list[tuple[bool, PageKey, Location]]) -> None:
+        """Write the pages staged by :meth:`_spill` (one WRITE per owner) and queue their publication."""
+        if self._fabric is None or self._fabric.writer is None or not self._fabric.writer.pending:
+            return
+        for key, got in self._fabric.writer.complete_spills():
+            if isinstance(got, PageError):
+                self._count_spill_failure(got)
+            else:
+                events.append((True, key, got))
+                self.stats.add("spilled_pages", tier=got.medium)
+
+    def _count_spill_failure(self, err: PageError) -> None:
+        self.stats.add("spill_failures", reason=err.reason)
+        self._log_once(f"spill-{err.reason}", logging.WARNING, "pof: could not spill a page (%s); it is dropped "
+                       "and recomputed when needed. Further failures are counted in pof_spill_failures_total", err)
+
+    def _node_info_all(self) -> dict[str, NodeInfo]:
+        """Live nodes, from a node list at most a heartbeat old."""
+        stamp, cache = self._nodes_cache
+        if time.monotonic() - stamp > min(1.0, self.config.heartbeat_s):
+            cache = self._refresh_nodes()
+        return cache
+
+    def _maintain_spill(self) -> None:
+        """On the store thread (the spill writer's only thread): renew leases, withdraw lost pages."""
+        self._maintaining.clear()
+        if self._fabric is not None and self._fabric.writer is not None:
+            ended = self._fabric.writer.maintain()
+            if ended:
+                self._index_call("withdraw", self.index.withdraw, ended, default=None)
+
+    def _republish_spilled(self) -> None:
+        """After an index restart or outage: the pages this node spilled are published again."""
+        if self._fabric is not None and self._fabric.writer is not None:
+            entries = self._fabric.writer.entries()
+            for start in range(0, len(entries), 1000):
+                if self._index_call("publish", self.index.publish, entries[start:start + 1000],
+                                    default=False) is False:
+                    self._republish = True
+                    break
+
     def _publish(self, events: list[tuple[bool, PageKey, Location]]) -> None:
         """Send (publish?, key, location) events; within a batch only the last per key and medium
         counts (a page may be stored and then evicted by the same batch)."""
-        final: dict[tuple[PageKey, str], tuple[bool, Location]] = {}
+        final: dict[tuple[PageKey, str, str], tuple[bool, Location]] = {}
         for pub, key, loc in events:
-            final[(key, loc.medium)] = (pub, loc)
-        out = [(k, loc) for (k, _), (pub, loc) in final.items() if not pub]
-        put = [(k, loc) for (k, _), (pub, loc) in final.items() if pub]
+            final[(key, loc.node, loc.medium)] = (pub, loc)
+        out = [(k, loc) for (k, _, _), (pub, loc) in final.items() if not pub]
+        put = [(k, loc) for (k, _, _), (pub, loc) in final.items() if pub]
         if out and self._index_call("withdraw", self.index.withdraw, out, default=False) is False:
             self._republish = True
         if put and self._index_call("publish", self.index.publish, put, default=False) is False:
@@ -502,13 +573,24 @@ class Pool:
         for t in self.tiers:
             self.stats.set_gauge("tier_used_bytes", t.used_slots * t.slot_bytes, tier=t.medium)
             self.stats.set_gauge("tier_capacity_bytes", t.capacity_slots * t.slot_bytes, tier=t.medium)
-        return NodeInfo(self.node_id, tiers, self.meta)
+        meta = self.meta if self._fabric is None else {**self.meta, **self._fabric.lend_meta()}
+        return NodeInfo(self.node_id, tiers, meta)
 
     def heartbeat(self) -> None:
         """One heartbeat: check the tiers, keep the node alive, re-publish when the index asks."""
         self._check_tiers()
         if self._fabric is not None and self._fabric.reader.peers:
             self._refresh_nodes()        # drop connections to peers that left or restarted
+        if self._fabric is not None and self._fabric.lender is not None:
+            gone = self._fabric.lender.reclaim_expired()
+            if gone:         # published by writers as ours; the slots are invalid now
+                self._index_call("withdraw", self.index.withdraw, gone, default=None)
+        if self._fabric is not None and self._fabric.writer is not None and not self._maintaining.is_set():
+            self._maintaining.set()
+            try:
+                self._store.submit(self._maintain_spill)
+            except RuntimeError:         # the store thread is shut down: closing
+                pass
         fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
                                  default=None)
         if fresh is None:
@@ -526,6 +608,11 @@ class Pool:
             if entries:
                 log.info("pof: published %d pages to the index (%s)", len(entries),
                          "new registration" if fresh else "after an index outage")
+            if self._fabric is not None and self._fabric.writer is not None:
+                try:
+                    self._store.submit(self._republish_spilled)     # the writer's own thread
+                except RuntimeError:     # closing
+                    pass
 
     def _check_tiers(self) -> None:
         for tier in self.tiers:
@@ -602,6 +689,11 @@ class Pool:
         self._closed.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
+        if self._fabric is not None and self._fabric.writer is not None:
+            writer = self._fabric.writer
+            gone = self._store.submit(writer.close).result()    # the writer's own thread
+            if gone:
+                self._index_call("withdraw", self.index.withdraw, gone, default=None)
         self._store.shutdown(wait=True)
         self._io.shutdown(wait=True)
         if self._fabric is not None:

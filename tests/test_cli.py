@@ -127,6 +127,29 @@ def test_index_stats_shows_a_heartbeated_node(server: RedisServer, capsys: pytes
                                 "nodes": 1}
 
 
+def test_stats_shows_a_memory_node_and_its_lent_slots(server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
+    node = RedisIndex(server.url, "mem-1")
+    try:
+        node.heartbeat(NodeInfo("mem-1", {"cpu_dram": TierUsage(1 << 30, 1 << 29, "dram:m")},
+                                {"pof.role": "memory", "fabric.lent": '{"cpu_dram":[1024,3]}'}), ttl_s=30)
+        assert main(["stats", "--url", server.url]) == 0
+        out = capsys.readouterr().out
+        assert "mem-1 (memory)" in out and "1,024 / 3" in out
+        assert main(["stats", "--url", server.url, "--json"]) == 0
+        (result,) = _json(capsys)["nodes"]  # type: ignore[misc]
+    finally:
+        node.close()
+    assert result["role"] == "memory"
+    assert result["tiers"]["cpu_dram"]["lent_slots"] == 1024 and result["tiers"]["cpu_dram"]["lease_writers"] == 3
+
+
+def test_memd_needs_the_fabric(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = short_dir / "mem.yaml"
+    config.write_text("index_url: local\n")
+    assert main(["memd", "--config", str(config), "--slot-size", "64KiB"]) == 1
+    assert "fabric.enabled" in capsys.readouterr().err
+
+
 def test_index_stats_does_not_start_a_server(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = short_dir / "pof.yaml"
     config.write_text(f"runtime_dir: {short_dir / 'rt'}\n")

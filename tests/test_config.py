@@ -47,6 +47,9 @@ def test_fabric_section() -> None:
     assert (c.fabric.timeout_s, c.fabric.staging_size) == (0.5, 16 << 20)
     assert PofConfig.from_mapping(c.to_mapping()) == c
     assert PofConfig.from_mapping({"fabric": None}).fabric == PofConfig().fabric
+    c = PofConfig.from_mapping({"fabric": {"enabled": True, "spill": True, "spill_lease_s": 10}})
+    assert (c.fabric.spill, c.fabric.spill_lease_s) == (True, 10.0)
+    assert PofConfig.from_mapping(c.to_mapping()) == c
 
 
 @pytest.mark.parametrize("raw,key,allowed", [
@@ -70,6 +73,10 @@ def test_fabric_section() -> None:
     ({"fabric": {"ucx_devices": 3}}, "fabric.ucx_devices", "eth0"),
     ({"fabric": {"timeout_s": 0}}, "fabric.timeout_s", ">= 0.01"),
     ({"fabric": {"staging_size": "lots"}}, "fabric.staging_size", "MiB"),
+    ({"fabric": {"spill": 1}}, "fabric.spill", "true or false"),
+    ({"fabric": {"spill": True}}, "fabric.spill", "fabric.enabled: true"),
+    ({"fabric": {"enabled": True, "spill": True, "spill_lease_s": 1}}, "fabric.spill_lease_s", "2 * fabric.timeout_s"),
+    ({"fabric": {"spill_lease_s": "long"}}, "fabric.spill_lease_s", ">= 0.1"),
 ])
 def test_bad_values_name_key_and_allowed(raw: dict[str, object], key: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -126,6 +126,35 @@ class Tier(ABC):
         self._set_live_generation(slot, 0)
         return SlotRef(slot, generation)
 
+    @property
+    def lent_slots(self) -> int:
+        """Slots granted to other nodes' writers (fabric spill)."""
+        return self._books.lent
+
+    def lend(self, n: int) -> list[SlotRef]:
+        """Grant up to ``n`` free slots to a writer on another node: each slot's generation is
+        bumped and its live generation zeroed first, so the writer stamps the page with the
+        returned generation (header last) and no reader accepts what was there before."""
+        refs = []
+        for slot in self._books.lend(n):
+            with self._gen_lock:
+                generation = int(self._generations[slot]) + 1
+                self._generations[slot] = generation
+            self._set_live_generation(slot, 0)
+            refs.append(SlotRef(slot, generation))
+        return refs
+
+    def take_back(self, slot: int) -> bool:
+        """Reclaim a lent slot: invalidate it (readers of the page in it miss from now on) and
+        free it. ``False`` when ``slot`` was not lent."""
+        if not self._books.is_lent(slot):
+            return False
+        # Invalidate before freeing: once free, our own store may take the slot at once.
+        with self._gen_lock:
+            self._generations[slot] = int(self._generations[slot]) + 1
+        self._set_live_generation(slot, 0)
+        return self._books.take_back(slot)
+
     def lru_victim(self) -> tuple[PageKey, SlotRef] | None:
         """The page eviction would drop next (left in place); ``None`` when every page is pinned."""
         got = self._books.victim()

@@ -22,6 +22,7 @@ class SlotTable:
         self._ready: OrderedDict[PageKey, int] = OrderedDict()   # LRU order: oldest first
         self._pending: dict[PageKey, int] = {}
         self._pins: Counter[int] = Counter()
+        self._lent: set[int] = set()          # granted to other nodes' writers (fabric spill)
         self._lock = threading.Lock()
 
     @property
@@ -31,7 +32,35 @@ class SlotTable:
     @property
     def used(self) -> int:
         with self._lock:
-            return len(self._ready) + len(self._pending)
+            return len(self._ready) + len(self._pending) + len(self._lent)
+
+    @property
+    def lent(self) -> int:
+        """Slots granted to other nodes (counted in :attr:`used`)."""
+        with self._lock:
+            return len(self._lent)
+
+    def lend(self, n: int) -> list[int]:
+        """Take up to ``n`` free slots out of this table for another node to write (never evicts
+        our own pages for it); they stay out of use until :meth:`take_back`."""
+        with self._lock:
+            got = self._free[len(self._free) - min(n, len(self._free)):]
+            del self._free[len(self._free) - len(got):]
+            self._lent.update(got)
+            return got
+
+    def is_lent(self, slot: int) -> bool:
+        with self._lock:
+            return slot in self._lent
+
+    def take_back(self, slot: int) -> bool:
+        """Return a lent slot to the free list; ``False`` when it was not lent."""
+        with self._lock:
+            if slot not in self._lent:
+                return False
+            self._lent.discard(slot)
+            self._free.append(slot)
+            return True
 
     def lookup(self, key: PageKey, *, touch: bool = True, pin: bool = False) -> int | None:
         """The slot holding ``key``; ``None`` when it is absent or still being written.

@@ -104,9 +104,16 @@ class NixlAgent:
 
     def post_read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> Any:
         """Post one READ of ``remote[remote_idx[i]]`` into ``local[local_idx[i]]``; returns its handle."""
+        return self._post("READ", local, local_idx, remote, remote_idx)
+
+    def post_write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> Any:
+        """Post one WRITE of ``local[local_idx[i]]`` into ``remote[remote_idx[i]]``; returns its handle."""
+        return self._post("WRITE", local, local_idx, remote, remote_idx)
+
+    def _post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> Any:
         handle = None
         try:
-            handle = self._agent.make_prepped_xfer("READ", local, local_idx.astype(np.int32), remote,
+            handle = self._agent.make_prepped_xfer(op, local, local_idx.astype(np.int32), remote,
                                                    remote_idx.astype(np.int32))
             if self._agent.transfer(handle) == "ERR":
                 raise FabricError("remote_error", "transfer posted in state ERR")
@@ -137,6 +144,21 @@ class NixlAgent:
             self._agent.release_xfer_handle(handle)
         except Exception as e:
             log.debug("pof fabric: release_xfer_handle: %s", e)
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        """Send a small message to a connected peer (its metadata loaded with :meth:`add_peer`)."""
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as e:
+            raise _wrap(e, "send_notif") from e
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        """Messages received since the last call: sender agent name → messages, oldest first."""
+        try:
+            got = self._agent.get_new_notifs()
+        except Exception as e:
+            raise _wrap(e, "get_new_notifs") from e
+        return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in got.items()}
 
     def close(self) -> None:
         for descs in self._registered:

@@ -113,6 +113,23 @@ class RemoteReader:
             log.info("pof fabric: dropping peer %s (left the index or restarted)", node)
             self._drop(node)
 
+    def connect(self, node: str, meta: PeerMeta) -> Peer:
+        """The connected peer, for spill's WRITEs and control messages; :meth:`disconnect` after use.
+        Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off)."""
+        return self._acquire(node, meta)
+
+    def disconnect(self, peer: Peer) -> None:
+        self._release(peer)
+
+    def back_off(self, node: str, seconds: float, *, drop: bool) -> None:
+        """Use ``node`` for nothing during ``seconds``; ``drop`` also closes its connection (after a
+        disconnect error: it never recovers, reconnect from fresh metadata later)."""
+        if drop:
+            self._drop(node, seconds)
+        else:
+            with self._lock:
+                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + seconds)
+
     def _acquire(self, node: str, meta: PeerMeta) -> Peer:
         """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use."""
         with self._lock:

@@ -89,3 +89,7 @@ class StagingArea:
 
     def clear_generation(self, slot: int) -> None:
         self._gens[slot] = 0
+
+    def set_generation(self, slot: int, generation: int) -> None:
+        """The word a spill WRITEs last into the remote slot's live generation."""
+        self._gens[slot] = generation

@@ -105,7 +105,9 @@ class LocalityIndex(ABC):
     @abstractmethod
     def publish(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
         """Record that this client's node holds each key at its location (replacing an older
-        location of the same key in the same medium)."""
+        location of the same key in the same medium). A location on another node is a page this
+        node spilled into a slot that node granted: it is recorded as that node's (it vanishes
+        with that node's heartbeat), and dropped when the index does not know that node."""
 
     @abstractmethod
     def withdraw(self, entries: Sequence[tuple[PageKey, Location]]) -> None:

@@ -70,8 +70,18 @@ class LocalIndex(LocalityIndex):
             return   # not registered yet: the first heartbeat re-publishes everything
         with self.table.lock:
             for key, loc in entries:
-                holders = self.table.entries.setdefault(key, {})
-                holders[(inc, MEDIA.index(loc.medium))] = (loc.slot, loc.generation)
+                owner = self._owner(inc, loc)
+                if owner is not None:
+                    holders = self.table.entries.setdefault(key, {})
+                    holders[(owner, MEDIA.index(loc.medium))] = (loc.slot, loc.generation)
+
+    def _owner(self, inc: int, loc: Location) -> int | None:
+        """Under the lock: the incarnation a location is recorded under (another node's for a
+        page spilled into its slots, as in the Redis index); ``None`` for an unknown node."""
+        if loc.node == self.node_id:
+            return inc
+        node = self.table.nodes.get(loc.node)
+        return None if node is None else node.incarnation
 
     def withdraw(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
         self._require_node()
@@ -83,7 +93,8 @@ class LocalIndex(LocalityIndex):
                 holders = self.table.entries.get(key)
                 if not holders:
                     continue
-                hk = (inc, MEDIA.index(loc.medium))
+                owner = self._owner(inc, loc)
+                hk = (-1 if owner is None else owner, MEDIA.index(loc.medium))
                 if holders.get(hk) == (loc.slot, loc.generation):
                     del holders[hk]
                 if not holders:

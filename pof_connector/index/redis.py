@@ -197,16 +197,25 @@ class RedisIndex(LocalityIndex):
             return bool(fresh)
 
     def _records(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[bytes, tuple[bytes, bytes]]:
-        """Per namespace: (concatenated fields, concatenated records) for the scripts."""
+        """Per namespace: (concatenated fields, concatenated records) for the scripts. A location
+        on another node (a page spilled into a slot that node granted us) is recorded under that
+        node's current incarnation, so it lives and dies with that node; entries of nodes the
+        index does not know are left out."""
         self._require_node()
         assert self._inc is not None
+        incs = {self.node_id: self._inc}
+        others = sorted({loc.node for _, loc in entries} - {self.node_id})
+        if others:
+            got = self._call("incarnations", self._r.hmget, K_NODE_INC, others)
+            incs.update({n: int(i) for n, i in zip(others, got, strict=True) if i is not None})
         grouped: dict[bytes, list[tuple[PageKey, Location]]] = {}
         for key, loc in entries:
-            grouped.setdefault(key.namespace, []).append((key, loc))
+            if loc.node in incs:
+                grouped.setdefault(key.namespace, []).append((key, loc))
         out = {}
         for ns, group in grouped.items():
             recs = np.zeros(len(group), dtype=RECORD)
-            recs["inc"] = self._inc
+            recs["inc"] = [incs[loc.node] for _, loc in group]
             recs["medium"] = [MEDIA.index(loc.medium) for _, loc in group]
             recs["slot"] = [loc.slot for _, loc in group]
             recs["gen"] = [loc.generation for _, loc in group]

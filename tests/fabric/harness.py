@@ -18,23 +18,32 @@ TIMEOUT_S = 1.0
 """fabric.timeout_s of the test nodes."""
 
 
-def node_config(node: str, index_url: str, runtime_dir: str, *, ucx_devices: str = "lo") -> dict[str, Any]:
+LEASE_S = 3.0
+"""fabric.spill_lease_s of the test nodes (the owner keeps a slot TIMEOUT_S longer)."""
+
+
+def node_config(node: str, index_url: str, runtime_dir: str, *, ucx_devices: str = "lo", spill: bool = False,
+                dram: str = "1MiB") -> dict[str, Any]:
     return {"node_id": node, "index_url": index_url, "runtime_dir": runtime_dir, "heartbeat_s": 0.1,
-            "node_ttl_s": 2.0, "tiers": {"cpu_dram": {"size": "1MiB"}},
+            "node_ttl_s": 2.0, "tiers": {"cpu_dram": {"size": dram}},
             # TLS=tcp: without it UCX would copy between processes of one host (or of two network
             # namespaces) through shared memory, and the test would not cross a network at all.
             "fabric": {"enabled": True, "tls": "tcp", "ucx_devices": ucx_devices, "timeout_s": TIMEOUT_S,
-                       "staging_size": "256KiB"}}
+                       "staging_size": "256KiB", "spill": spill, "spill_lease_s": LEASE_S}}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}   # UCX_* would override pof's
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["NIXL_LOG_LEVEL"] = "WARN"
+    return env
 
 
 class NodeProc:
     def __init__(self, config: dict[str, Any], prefix: tuple[str, ...] = ()) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}   # UCX_* would override pof's
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-        env["NIXL_LOG_LEVEL"] = "WARN"
         self.name = config["node_id"]
         self.proc = subprocess.Popen([*prefix, sys.executable, str(NODE_PROC), json.dumps(config)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
         self.pid = self.proc.pid
         self.ready = self._reply(60)
 
@@ -80,6 +89,45 @@ class NodeProc:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+
+class MemdProc:
+    """``pof memd`` in its own process (its log on stderr, captured in ``log_path``)."""
+
+    def __init__(self, config: dict[str, Any], config_path: Path, slot_bytes: int,
+                 prefix: tuple[str, ...] = ()) -> None:
+        config_path.write_text(json.dumps(config))
+        self.name = config["node_id"]
+        self.log_path = config_path.with_suffix(".log")
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "pof_connector.cli", "memd", "--config",
+                                      str(config_path), "--slot-size", str(slot_bytes), "--report-s", "0.5"],
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=_env())
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        """SIGTERM (a clean stop); kill by PID if that does not work."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, signal.SIGTERM)
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        self._log.close()
 
 
 def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:

@@ -90,6 +90,12 @@ class Node:
         return {"peers": [] if fabric is None else fabric.reader.peers,
                 "quarantined": 0 if fabric is None else fabric.staging.quarantined_slots}
 
+    def op_spill(self) -> dict[str, Any]:
+        """Pages of this node living in other nodes' slots now."""
+        fabric = self.pool._fabric
+        writer = None if fabric is None else fabric.writer
+        return {"spilled": 0 if writer is None else writer.spilled}
+
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.pool.stats.snapshot()}
 

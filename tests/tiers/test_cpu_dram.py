@@ -66,3 +66,16 @@ def test_layer_by_layer_read(spec: PageSpec) -> None:
 def test_too_small_names_key(spec: PageSpec) -> None:
     with pytest.raises(ConfigError, match=r"tiers\.cpu_dram\.size"):
         CpuDramTier(spec, 100)
+
+
+def test_lend_bumps_generation_and_take_back_invalidates(spec: PageSpec) -> None:
+    tier = CpuDramTier(spec, 2 * spec.page_bytes + 128)
+    (ref,) = tier.lend(1)
+    assert ref.generation == 1 and tier.live_generation(ref.slot) == 0 and tier.free_slots == 1
+    tier.write(ref, key(7), layers_for(spec, 7))      # what a spilling writer's NIXL WRITEs amount to
+    out = np.zeros(spec.page_bytes, np.uint8)
+    tier.read(ref, key(7), out)
+    assert tier.take_back(ref.slot) and tier.free_slots == 2
+    with pytest.raises(PageError):                    # reclaimed: a reader following the index misses
+        tier.read(ref, key(7), out)
+    assert not tier.take_back(ref.slot)               # not lent any more: our own slots are untouched

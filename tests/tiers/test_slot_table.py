@@ -35,3 +35,16 @@ def test_pinned_pages_are_not_evicted() -> None:
     t.unpin(s0)
     got = t.prepare_store(key(2))
     assert got is not None and got[1] == key(0)
+
+
+def test_lent_slots_are_used_never_evicted_and_taken_back() -> None:
+    t = SlotTable(range(3))
+    t.prepare_store(key(0))
+    t.complete_store(key(0), ok=True)
+    lent = t.lend(5)                                  # only free slots are lent: never our pages
+    assert sorted(lent) == [1, 2] and t.used == 3 and t.lent == 2
+    assert t.lend(1) == []
+    got = t.prepare_store(key(1))                     # no free slot: our own LRU page makes room
+    assert got is not None and got[1] == key(0) and got[0] not in lent
+    assert t.take_back(lent[0]) and not t.take_back(lent[0]) and not t.take_back(got[0])
+    assert t.lent == 1 and t.used == 2
