@@ -13,9 +13,12 @@ I/O thread competes with the forward pass for cores. Safety is the same as for a
    fails is reported in :attr:`failed`; the caller must have the engine recompute it — the bytes
    it copied are not to be used.
 
-Pages of another node's tier that no shared region connects (fabric enabled) are fetched first,
-in one batch, into pof's staging memory and validated there (:mod:`pof_connector.fabric`); the
-caller then reads them through the same calls.
+Pages of another node's tier that no shared region connects (fabric enabled) are fetched in one
+batch into pof's staging memory, layer 0 first (:mod:`pof_connector.fabric.remote_reader`); the
+caller reads them through the same calls, and :meth:`PageReader.segment` waits only until that
+layer arrived and was validated. Such a page can still fail at a later layer (or at the final
+generation re-check), after earlier layers were copied: it then lands in :attr:`failed` like a
+local page whose later check fails, and the engine recomputes it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pof_connector.pages import PageError, PageHeader
 from pof_connector.tiers import SlotRef
 
 if TYPE_CHECKING:
+    from pof_connector.fabric.remote_reader import RemoteLoad
     from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -60,21 +64,17 @@ class PageReader:
         self.sources = sources
         self.failed: dict[int, str] = {}
         self._pages: list[tuple[SlotSource, SlotRef, PageHeader, bool] | None] = []
+        self._headers = headers
         self._started = time.perf_counter()
         scratch = np.empty(pool.spec.header_bytes, dtype=np.uint8)
-        remote = pool._fetch_remote(keys, sources)
+        # Remote pages: posted now, resolved on first use (segment); the load owns their staging.
+        self._remote: RemoteLoad | None = None
+        self._remote_at: dict[int, int] = {}
+        self._remote, self._remote_at = pool._fetch_remote(keys, sources)
         for i, (key, src) in enumerate(zip(keys, sources, strict=True)):
             header_buf = headers[i] if headers is not None else scratch
-            if i in remote:
-                got = remote[i]
-                if isinstance(got, PageError):
-                    self._fail(i, got)
-                    self._pages.append(None)
-                    continue
-                staged, ref, header = got
-                if headers is not None:
-                    np.copyto(headers[i], staged.header(ref))
-                self._pages.append((staged, ref, header, True))     # "pinned": unpin frees its staging
+            if i in self._remote_at:
+                self._pages.append(None)
                 continue
             try:
                 tier, ref, pinned = pool._resolve(key, src)
@@ -93,9 +93,14 @@ class PageReader:
             self._pages.append((tier, ref, header, pinned))
 
     def segment(self, page: int, layer: int) -> np.ndarray | None:
-        """Layer ``layer`` of page ``page`` in tier memory; ``None`` when the page already failed."""
+        """Layer ``layer`` of page ``page`` in tier memory; ``None`` when the page failed. For a
+        remote page this waits until that layer arrived (up to ``fabric.timeout_s`` from the start)."""
+        if page in self.failed:
+            return None
+        if page in self._remote_at and not self._resolve_remote(page, layer):
+            return None
         entry = self._pages[page]
-        if entry is None or page in self.failed:
+        if entry is None:
             return None
         tier, ref, _, _ = entry
         return tier.segment_view(ref, layer)
@@ -113,6 +118,20 @@ class PageReader:
             return False
         return True
 
+    def _resolve_remote(self, page: int, layer: int) -> bool:
+        """Wait for ``layer`` of remote page ``page``; False when the page failed (by now)."""
+        assert self._remote is not None
+        got = self._remote.get(self._remote_at[page], layer)
+        if isinstance(got, PageError):
+            self._fail(page, got)
+            return False
+        if self._pages[page] is None:
+            staged, ref, header = got
+            if self._headers is not None:
+                np.copyto(self._headers[page], staged.header(ref))
+            self._pages[page] = (staged, ref, header, False)     # not pinned: the remote load owns its staging
+        return True
+
     def _fail(self, page: int, err: PageError) -> None:
         if page in self.failed:
             return
@@ -121,8 +140,15 @@ class PageReader:
         self._pool._drop_if_corrupt(self.keys[page], self.sources[page], err)
 
     def close(self) -> None:
-        """Unpin and count. Idempotent."""
+        """Unpin and count. Idempotent. A remote page whose every layer was not read and
+        validated (the caller stopped early) counts as failed."""
         spec = self._pool.spec
+        if self._remote is not None:
+            for i, pos in self._remote_at.items():
+                if i not in self.failed and not self._remote.complete(pos):
+                    self._fail(i, PageError("aborted", "closed before all its layers were read"))
+            self._remote.close()      # cancels what is still in flight, frees the staging
+            self._remote = None
         for i, entry in enumerate(self._pages):
             if entry is None:
                 continue

@@ -49,7 +49,7 @@ from pof_connector.tiers import SlotRef, Tier, make_tier
 
 if TYPE_CHECKING:
     from pof_connector.fabric.node import FabricNode
-    from pof_connector.fabric.remote_reader import Fetched
+    from pof_connector.fabric.remote_reader import RemoteLoad
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -299,11 +299,12 @@ class Pool:
         info = self._node_info(node)
         return None if info is None else PeerMeta.from_meta(info.meta)
 
-    def _fetch_remote(self, keys: list[PageKey], sources: list[Location]) -> dict[int, Fetched | PageError]:
-        """Fetch, in one batch, the pages of ``sources`` that only the fabric reaches (see
-        :mod:`pof_connector.fabric.remote_reader`); page index → staged page or why it failed."""
+    def _fetch_remote(self, keys: list[PageKey], sources: list[Location]) -> tuple[RemoteLoad | None, dict[int, int]]:
+        """Start fetching, in one batch, the pages of ``sources`` that only the fabric reaches (see
+        :mod:`pof_connector.fabric.remote_reader`). Returns the load in flight (``None`` when no
+        page needs the fabric) and, per such page index, its position in that load."""
         if self._fabric is None:
-            return {}
+            return None, {}
         picked: list[int] = []
         metas: list[PeerMeta] = []
         for i, src in enumerate(sources):
@@ -314,9 +315,9 @@ class Pool:
                 picked.append(i)
                 metas.append(meta)
         if not picked:
-            return {}
-        got = self._fabric.reader.read([keys[i] for i in picked], [sources[i] for i in picked], metas)
-        return dict(zip(picked, got, strict=True))
+            return None, {}
+        load = self._fabric.reader.start([keys[i] for i in picked], [sources[i] for i in picked], metas)
+        return load, {i: pos for pos, i in enumerate(picked)}
 
     # ---- load --------------------------------------------------------------------------------
 

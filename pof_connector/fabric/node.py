@@ -11,7 +11,7 @@ from pof_connector.config import PofConfig, format_size
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta, Region
 from pof_connector.fabric.notifier import Notifier
-from pof_connector.fabric.remote_reader import RemoteReader
+from pof_connector.fabric.remote_reader import RemoteReader, layer_parts, part_spans
 from pof_connector.fabric.slot_lender import SlotLender
 from pof_connector.fabric.spill_writer import LEND_KEY, SpillWriter
 from pof_connector.fabric.staging import StagingArea
@@ -51,7 +51,8 @@ class FabricNode:
                 self.agent.register(region)
                 regions[tier.medium] = Region(tier.medium, region.ctypes.data, region.nbytes, tier.slot_bytes,
                                               tier.num_slots)
-            self.staging = StagingArea(self.agent, spec.page_bytes, config.fabric.staging_size)
+            self.staging = StagingArea(self.agent, spec.page_bytes, config.fabric.staging_size,
+                                       part_spans(spec, layer_parts(spec.num_layers)))
             self.reader = RemoteReader(self.agent, self.staging, spec, config.fabric.timeout_s)
             self.meta = PeerMeta(name, self.agent.metadata(), regions)
             self.meta_strings = self.meta.to_meta()

@@ -1,10 +1,20 @@
 """Reads of single page slots of other nodes' tiers, over NIXL, into pof-owned staging.
 
-One call of :meth:`RemoteReader.read` serves one load: pages are grouped per (peer, medium) and
-each group is one NIXL READ request; when it completes, a second small READ per group fetches
-each slot's live generation word, so a slot the owner started to reuse during the first READ is
-rejected (the owner zeroes that word before touching any byte, tiers/base.py). Then every page
-is checked like a local one: header magic, key, generation, header and segment checksums.
+One :meth:`RemoteReader.start` serves one load: pages are grouped per (peer, medium) and each
+group is read with a few NIXL READ requests in layer order, all posted at once — first the page
+headers with layer 0, then the other layers in up to ``LAYER_REQUESTS - 1`` parts — so the engine
+can start on layer 0 while later layers are still on the wire (one request per layer was 2-3x
+slower than one request, research notes §6). :meth:`RemoteLoad.get` waits for one layer: each
+part is checked as it arrives (header magic, key, generation and header checksum with the first,
+each layer's segment checksum), and after the last part a small READ per group fetches each
+slot's live generation word, so a slot the owner started to reuse during any part is rejected
+(the owner zeroes that word before touching any byte, tiers/base.py).
+
+The seqlock argument covers the whole page only once that last check passed, so the last part's
+layers are released only after it. A page whose later part or generation check fails may have
+had earlier layers released already: it fails as a whole, like a local page whose later layer
+fails :meth:`~pof_connector.page_reader.PageReader.check` — the caller reports it and the engine
+recomputes it (vLLM: ``get_block_ids_with_load_errors``); the bytes it copied are not used.
 
 Nothing here raises for a remote failure: a page that cannot be fetched or validated comes back
 as a :class:`~pof_connector.pages.PageError` (``remote_error``, ``timeout``, ``peer_down``,
@@ -25,7 +35,7 @@ import numpy as np
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import AGENT_KEY, PeerMeta
 from pof_connector.fabric.peer import Peer
-from pof_connector.fabric.staging import StagingArea
+from pof_connector.fabric.staging import StagingArea, span_base
 from pof_connector.index import Location, NodeInfo
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
@@ -39,6 +49,29 @@ SUSPECT_AFTER_TIMEOUT_S = 5.0
 """A peer that missed a deadline gets no new reads for this long (a stalled peer stays stalled)."""
 RECONNECT_AFTER_ERROR_S = 1.0
 """After a disconnect, wait this long before connecting again from the index's metadata."""
+LAYER_REQUESTS = 3
+"""READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers in
+two parts. Each extra request cost 0.5-1 ms on TCP here (research notes §6)."""
+
+
+def layer_parts(num_layers: int, requests: int = LAYER_REQUESTS) -> list[range]:
+    """The layers each READ request of a page fetches, in order: layer 0 alone first (when there
+    is more than one request), the rest split evenly."""
+    if requests <= 1 or num_layers <= 1:
+        return [range(num_layers)]
+    rest = num_layers - 1
+    n = min(requests - 1, rest)
+    bounds = [1 + rest * k // n for k in range(n + 1)]
+    return [range(1), *(range(bounds[k], bounds[k + 1]) for k in range(n))]
+
+
+def part_spans(spec: PageSpec, parts: Sequence[range]) -> list[tuple[int, int]]:
+    """Byte ranges of a page that ``parts`` read (the first includes the header); empty for one
+    part (the whole page is read with the whole-page descriptors)."""
+    if len(parts) <= 1:
+        return []
+    return [(0 if c == 0 else spec.segment_offset(p.start), spec.segment_offset(p.stop))
+            for c, p in enumerate(parts)]
 
 
 class StagedPage:
@@ -70,24 +103,33 @@ Fetched = tuple[StagedPage, SlotRef, PageHeader]
 
 @dataclass
 class _Group:
-    """The pages of one load that come from one peer's medium: one READ request."""
+    """The pages of one load that come from one peer's medium: one READ request per layer part,
+    then one of the live generation words."""
 
     node: str
     medium: str
     meta: PeerMeta
     pages: list[int] = field(default_factory=list)      # positions in the load
     peer: Peer | None = None
-    slots: list[int] = field(default_factory=list)      # staging slots, parallel to pages
-    handle: Any = None
-    phase: str = "data"                                 # data → generation → done
+    slots: list[int] = field(default_factory=list)      # staging slots, parallel to pages; owned by the load
+    handles: list[Any] = field(default_factory=list)    # per stage (parts, then generation); None: not in flight
+    level: int = 0                                      # stages validated, in order
+    over: bool = True                                   # complete or failed: nothing left to wait for
 
 
 class RemoteReader:
-    def __init__(self, agent: NixlAgent, staging: StagingArea, spec: PageSpec, timeout_s: float) -> None:
+    def __init__(self, agent: NixlAgent, staging: StagingArea, spec: PageSpec, timeout_s: float,
+                 requests: int = LAYER_REQUESTS) -> None:
+        """``requests``: READ requests per group and load (see :func:`layer_parts`); ``staging``
+        must have been made with the matching :func:`part_spans`."""
         self.agent = agent
         self.staging = staging
         self.spec = spec
         self.timeout_s = timeout_s
+        self.parts = layer_parts(spec.num_layers, requests)
+        self.spans = part_spans(spec, self.parts)
+        if staging.spans != self.spans:
+            raise ValueError(f"staging prepared for spans {staging.spans}, reads need {self.spans}")
         self._peers: dict[str, Peer] = {}
         self._suspect: dict[str, float] = {}          # node → monotonic time it may be used again
         self._lock = threading.Lock()
@@ -143,7 +185,7 @@ class RemoteReader:
                 # Connecting under the lock: concurrent loads wait for one connection instead of
                 # loading the same metadata twice (1-40 ms, once per peer incarnation).
                 try:
-                    peer = Peer(self.agent, node, meta, self.spec.page_bytes)
+                    peer = Peer(self.agent, node, meta, self.spec.page_bytes, self.spans)
                 except FabricError:
                     self._suspect[node] = time.monotonic() + RECONNECT_AFTER_ERROR_S
                     raise
@@ -177,163 +219,271 @@ class RemoteReader:
 
     # ---- reads -------------------------------------------------------------------------------
 
+    def start(self, keys: Sequence[PageKey], sources: Sequence[Location], metas: Sequence[PeerMeta]) -> RemoteLoad:
+        """Post the READs of page ``i`` (``keys[i]`` at ``sources[i]``, published in ``metas[i]``)
+        and return at once; :meth:`RemoteLoad.get` waits for one layer at a time. Close the load."""
+        return RemoteLoad(self, keys, sources, metas)
+
     def read(self, keys: Sequence[PageKey], sources: Sequence[Location],
              metas: Sequence[PeerMeta]) -> list[Fetched | PageError]:
-        """Fetch and validate page ``i`` (``keys[i]`` at ``sources[i]``, published in ``metas[i]``).
+        """Fetch and validate whole pages (see :meth:`start`).
 
         Returns, per page, the staged page (give it back with ``unpin``) or why it failed. Returns
         within about ``timeout_s`` whatever the peers do.
         """
-        deadline = time.monotonic() + self.timeout_s
-        out: list[Fetched | PageError | None] = [None] * len(keys)
-        groups: dict[tuple[str, str], _Group] = {}
-        for i, (src, meta) in enumerate(zip(sources, metas, strict=True)):
-            groups.setdefault((src.node, src.medium), _Group(src.node, src.medium, meta)).pages.append(i)
-        active: list[_Group] = []
+        load = self.start(keys, sources, metas)
         try:
-            for g in groups.values():
-                try:
-                    self._start(g, sources, out)
-                except FabricError as e:
-                    self._fail_group(g, out, e)
-                    continue
-                except PageError as e:
-                    self._fail_group(g, out, e)
-                    continue
-                if g.handle is not None:
-                    active.append(g)
-            self._wait(active, sources, out, deadline)
-            for g in active:
-                if g.phase == "done":
-                    self._validate(g, keys, sources, out)
+            return load.finish()
         finally:
-            for g in groups.values():
-                if g.handle is not None:      # still in flight: deadline or an unexpected error
-                    self._cancel(g, out, FabricError("timeout", f"{g.node} did not answer in {self.timeout_s}s"))
-                if g.peer is not None:
-                    self._release(g.peer)
-                    g.peer = None
-        return [r if r is not None else PageError("remote_error", "not read") for r in out]
-
-    def _start(self, g: _Group, sources: Sequence[Location], out: list[Fetched | PageError | None]) -> None:
-        g.peer = self._acquire(g.node, g.meta)
-        prepared = g.peer.dlists.get(g.medium)
-        if prepared is None:
-            raise PageError("unreachable", f"{g.node} publishes no readable {g.medium} region")
-        dlist, num_slots = prepared
-        wanted = []
-        for i in g.pages:
-            if 0 <= sources[i].slot < num_slots:
-                wanted.append(i)
-            else:
-                out[i] = PageError("bad_header", f"slot {sources[i].slot} outside {g.node}'s {g.medium}")
-        slots = self.staging.take(len(wanted))
-        for i in wanted[len(slots):]:
-            out[i] = PageError("no_staging", f"fabric.staging_size holds {self.staging.num_slots} pages")
-        g.pages, g.slots = wanted[:len(slots)], slots
-        if not g.pages:
-            return
-        remote = np.array([sources[i].slot for i in g.pages], dtype=np.int64)
-        try:
-            g.handle = self.agent.post_read(self.staging.dlist, np.array(slots, dtype=np.int64), dlist, remote)
-        except FabricError as e:
-            if e.disconnected:
-                self.staging.give(g.slots)
-            else:
-                self.staging.quarantine(g.slots)    # whether anything was posted is unknown
-            g.slots = []
-            self._drop(g.node, RECONNECT_AFTER_ERROR_S)   # reconnect from fresh metadata next time
-            raise
-
-    def _wait(self, active: list[_Group], sources: Sequence[Location], out: list[Fetched | PageError | None],
-              deadline: float) -> None:
-        pending = list(active)
-        while pending:
-            for g in list(pending):
-                try:
-                    if not self.agent.done(g.handle):
-                        continue
-                except FabricError as e:
-                    self._cancel(g, out, e)
-                    pending.remove(g)
-                    continue
-                self.agent.release(g.handle)
-                g.handle = None
-                if g.phase == "data":
-                    # The data is here; now the live generation words, strictly after it.
-                    assert g.peer is not None
-                    dlist, num_slots = g.peer.dlists[g.medium]
-                    local = np.array(g.slots, dtype=np.int64) + self.staging.num_slots
-                    remote = np.array([sources[i].slot for i in g.pages], dtype=np.int64) + num_slots
-                    for s in g.slots:
-                        self.staging.clear_generation(s)
-                    g.phase = "generation"
-                    try:
-                        g.handle = self.agent.post_read(self.staging.dlist, local, dlist, remote)
-                    except FabricError as e:
-                        self._cancel(g, out, e)
-                        pending.remove(g)
-                else:
-                    g.phase = "done"
-                    pending.remove(g)
-            if pending:
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(POLL_S)
-
-    def _validate(self, g: _Group, keys: Sequence[PageKey], sources: Sequence[Location],
-                  out: list[Fetched | PageError | None]) -> None:
-        spec = self.spec
-        staged = StagedPage(self.staging, spec, f"remote:{g.medium}")
-        for i, slot in zip(g.pages, g.slots, strict=True):
-            page = self.staging.page(slot)
-            try:
-                header = PageHeader.parse(page[:spec.header_bytes])
-                header.expect(spec, keys[i], sources[i].generation)
-                for layer in range(spec.num_layers):
-                    verify_segment(spec, header, layer, spec.segment(page, layer))
-                live = self.staging.generation(slot)
-                if live != sources[i].generation:
-                    raise PageError("stale_generation", f"{g.node}'s {g.medium} slot {sources[i].slot} was "
-                                                        f"rewritten during the read (generation now {live})")
-            except PageError as e:
-                self.staging.give([slot])
-                out[i] = e
-                continue
-            out[i] = (staged, SlotRef(slot, sources[i].generation), header)
-        g.slots = []
-
-    def _cancel(self, g: _Group, out: list[Fetched | PageError | None], err: FabricError) -> None:
-        """Give up on ``g``: its pages fail with ``err``'s reason."""
-        self.agent.release(g.handle)
-        g.handle = None
-        if err.disconnected:
-            # The connection is dead for good (it never recovers, research notes §4), so nothing
-            # can land in the staging slots any more: reuse them, reconnect later.
-            self.staging.give(g.slots)
-            self._drop(g.node, RECONNECT_AFTER_ERROR_S)
-        else:
-            # Cancelled in flight: the peer's data may still arrive into these slots.
-            self.staging.quarantine(g.slots)
-            if err.reason == "timeout":
-                # A stalled peer may recover on the same connection; leave it alone for a while.
-                with self._lock:
-                    self._suspect[g.node] = time.monotonic() + SUSPECT_AFTER_TIMEOUT_S
-            else:
-                self._drop(g.node, RECONNECT_AFTER_ERROR_S)     # e.g. stale metadata: fetch it again
-        g.slots = []
-        log.warning("pof fabric: %d page(s) from %s failed: %s", len(g.pages), g.node, err)
-        self._fail_group(g, out, err)
-
-    @staticmethod
-    def _fail_group(g: _Group, out: list[Fetched | PageError | None], err: FabricError | PageError) -> None:
-        page_err = err if isinstance(err, PageError) else PageError(err.reason, f"{g.node}: {err.detail}")
-        for i in g.pages:
-            if out[i] is None:
-                out[i] = page_err
+            load.close()
 
     def close(self) -> None:
         with self._lock:
             nodes = list(self._peers)
         for node in nodes:
             self._drop(node)
+
+
+class RemoteLoad:
+    """The remote pages of one load, in flight (see the module docstring). Used by one thread.
+
+    It owns every staging slot it took until :meth:`close` (or :meth:`finish`, which hands the
+    slots of good pages to the caller): a failed page's slot may still be the target of a later
+    part of its group's READ, so it is given back only once nothing is in flight.
+    """
+
+    def __init__(self, reader: RemoteReader, keys: Sequence[PageKey], sources: Sequence[Location],
+                 metas: Sequence[PeerMeta]) -> None:
+        self._reader = reader
+        self.keys = list(keys)
+        self.sources = list(sources)
+        self.deadline = time.monotonic() + reader.timeout_s
+        self._parts = reader.parts
+        self._stage_of = [c for c, part in enumerate(reader.parts) for _ in part]    # layer → part
+        self._out: list[Fetched | PageError | None] = [None] * len(self.keys)
+        self._group_of: list[_Group | None] = [None] * len(self.keys)
+        groups: dict[tuple[str, str], _Group] = {}
+        for i, (src, meta) in enumerate(zip(self.sources, metas, strict=True)):
+            groups.setdefault((src.node, src.medium), _Group(src.node, src.medium, meta)).pages.append(i)
+        self._groups = list(groups.values())
+        self._closed = False
+        try:
+            for g in self._groups:
+                self._start(g)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def get(self, i: int, layer: int) -> Fetched | PageError:
+        """Page ``i`` once layers ``0..layer`` of it arrived and were validated (waiting, until the
+        load's deadline at most), or why it failed. A page may fail at a later layer after earlier
+        ones were returned: then it is to be recomputed as a whole."""
+        g = self._group_of[i]
+        if g is not None:
+            stage = self._stage_of[layer]
+            # The last part's layers wait for the generation re-check too: only it proves the
+            # whole page (all parts) was read before any reuse of the slot began.
+            self._wait(g, stage + 1 if stage + 1 < len(self._parts) else len(self._parts) + 1)
+        got = self._out[i]
+        return got if got is not None else PageError("remote_error", "not read")
+
+    def complete(self, i: int) -> bool:
+        """True when page ``i`` was validated whole (all layers and the generation re-check)."""
+        g = self._group_of[i]
+        return g is not None and g.level > len(self._parts) and not isinstance(self._out[i], PageError)
+
+    def finish(self) -> list[Fetched | PageError]:
+        """Wait for every page; the good ones' staging slots pass to the caller (``unpin``)."""
+        last = self._reader.spec.num_layers - 1
+        out = [self.get(i, last) for i in range(len(self.keys))]
+        for g in self._groups:
+            if g.over and not any(h is not None for h in g.handles):
+                keep = {slot for i, slot in zip(g.pages, g.slots, strict=True) if not isinstance(out[i], PageError)}
+                self._reader.staging.give([s for s in g.slots if s not in keep])
+                g.slots = []
+        return out
+
+    # ---- posting and waiting -------------------------------------------------------------------
+
+    def _start(self, g: _Group) -> None:
+        r = self._reader
+        try:
+            g.peer = r._acquire(g.node, g.meta)
+        except FabricError as e:
+            self._fail_pages(g, e)
+            return
+        prepared = g.peer.dlists.get(g.medium)
+        if prepared is None:
+            self._fail_pages(g, PageError("unreachable", f"{g.node} publishes no readable {g.medium} region"))
+            self._end(g)
+            return
+        dlist, num_slots = prepared
+        wanted = []
+        for i in g.pages:
+            if 0 <= self.sources[i].slot < num_slots:
+                wanted.append(i)
+            else:
+                self._out[i] = PageError("bad_header", f"slot {self.sources[i].slot} outside {g.node}'s {g.medium}")
+        slots = r.staging.take(len(wanted))
+        for i in wanted[len(slots):]:
+            self._out[i] = PageError("no_staging", f"fabric.staging_size holds {r.staging.num_slots} pages")
+        g.pages, g.slots = wanted[:len(slots)], slots
+        if not g.pages:
+            self._end(g)
+            return
+        for i in g.pages:
+            self._group_of[i] = g
+        g.over = False
+        g.handles = [None] * (len(self._parts) + 1)
+        local = np.array(g.slots, dtype=np.int64)
+        remote = np.array([self.sources[i].slot for i in g.pages], dtype=np.int64)
+        n = len(self._parts)
+        try:
+            for c in range(n):      # in layer order: UCX serves one connection's requests in order
+                g.handles[c] = r.agent.post_read(r.staging.dlist, local + span_base(c, r.staging.num_slots, n),
+                                                 dlist, remote + span_base(c, num_slots, n))
+        except FabricError as e:
+            self._abort(g, e, posting=True)
+
+    def _wait(self, g: _Group, level: int) -> None:
+        """Advance ``g`` until ``level`` stages are validated, it failed, or the deadline passed."""
+        while not g.over and g.level < level:
+            self._progress(g)
+            if g.over or g.level >= level:
+                return
+            for other in self._groups:          # keep the others moving (e.g. post their generation READ)
+                if other is not g and not other.over:
+                    self._progress(other)
+            if time.monotonic() > self.deadline:
+                self._abort(g, FabricError("timeout", f"{g.node} did not answer in {self._reader.timeout_s}s"))
+                return
+            time.sleep(POLL_S)
+
+    def _progress(self, g: _Group) -> None:
+        """Validate every stage of ``g`` that completed, in order, without waiting."""
+        r, n = self._reader, len(self._parts)
+        while not g.over:
+            handle = g.handles[g.level]
+            if handle is None:               # level == n: the data is all here; now the generation words
+                self._post_generation(g)
+                return
+            try:
+                if not r.agent.done(handle):
+                    return
+            except FabricError as e:
+                self._abort(g, e)
+                return
+            r.agent.release(handle)
+            g.handles[g.level] = None
+            if g.level < n:
+                self._check_part(g, g.level)
+            else:
+                self._check_generation(g)
+            g.level += 1
+            if g.level > n:
+                self._end(g)
+
+    def _post_generation(self, g: _Group) -> None:
+        r = self._reader
+        assert g.peer is not None
+        dlist, num_slots = g.peer.dlists[g.medium]
+        for s in g.slots:
+            r.staging.clear_generation(s)
+        local = np.array(g.slots, dtype=np.int64) + r.staging.num_slots
+        remote = np.array([self.sources[i].slot for i in g.pages], dtype=np.int64) + num_slots
+        try:
+            g.handles[len(self._parts)] = r.agent.post_read(r.staging.dlist, local, dlist, remote)
+        except FabricError as e:
+            self._abort(g, e, posting=True)
+
+    def _check_part(self, g: _Group, c: int) -> None:
+        r = self._reader
+        spec = r.spec
+        staged = StagedPage(r.staging, spec, f"remote:{g.medium}")
+        for i, slot in zip(g.pages, g.slots, strict=True):
+            got = self._out[i]
+            if isinstance(got, PageError):
+                continue
+            page = r.staging.page(slot)
+            try:
+                if c == 0:
+                    header = PageHeader.parse(page[:spec.header_bytes])
+                    header.expect(spec, self.keys[i], self.sources[i].generation)
+                else:
+                    assert got is not None
+                    header = got[2]
+                for layer in self._parts[c]:
+                    verify_segment(spec, header, layer, spec.segment(page, layer))
+            except PageError as e:
+                self._out[i] = e
+                continue
+            if c == 0:
+                self._out[i] = (staged, SlotRef(slot, self.sources[i].generation), header)
+
+    def _check_generation(self, g: _Group) -> None:
+        staging = self._reader.staging
+        for i, slot in zip(g.pages, g.slots, strict=True):
+            live = staging.generation(slot)
+            if not isinstance(self._out[i], PageError) and live != self.sources[i].generation:
+                self._out[i] = PageError("stale_generation", f"{g.node}'s {g.medium} slot {self.sources[i].slot} "
+                                                             f"was rewritten during the read (generation now {live})")
+
+    # ---- failure and clean-up ------------------------------------------------------------------
+
+    def _abort(self, g: _Group, err: FabricError, *, posting: bool = False) -> None:
+        """Give up on ``g``: every page of it fails with ``err``'s reason, even those whose first
+        layers were returned already (the caller has them recomputed). ``posting``: a post
+        failed, so whether it reached the peer is unknown."""
+        r = self._reader
+        in_flight = posting or any(h is not None for h in g.handles)
+        for h in g.handles:
+            r.agent.release(h)
+        g.handles = []
+        if err.disconnected:
+            # The connection is dead for good (it never recovers, research notes §4), so nothing
+            # can land in the staging slots any more: reuse them, reconnect later.
+            r.staging.give(g.slots)
+            r._drop(g.node, RECONNECT_AFTER_ERROR_S)
+        else:
+            if in_flight:       # cancelled in flight: the peer's data may still arrive into these slots
+                r.staging.quarantine(g.slots)
+            else:
+                r.staging.give(g.slots)
+            if err.reason == "aborted":
+                pass                # the caller gave up, not the peer
+            elif err.reason == "timeout":
+                # A stalled peer may recover on the same connection; leave it alone for a while.
+                r.back_off(g.node, SUSPECT_AFTER_TIMEOUT_S, drop=False)
+            else:
+                r._drop(g.node, RECONNECT_AFTER_ERROR_S)     # e.g. stale metadata: fetch it again
+        g.slots = []
+        log.warning("pof fabric: %d page(s) from %s failed: %s", len(g.pages), g.node, err)
+        self._fail_pages(g, err, replace=True)
+        self._end(g)
+
+    def _fail_pages(self, g: _Group, err: FabricError | PageError, *, replace: bool = False) -> None:
+        page_err = err if isinstance(err, PageError) else PageError(err.reason, f"{g.node}: {err.detail}")
+        for i in g.pages:
+            if self._out[i] is None or (replace and not isinstance(self._out[i], PageError)):
+                self._out[i] = page_err
+
+    def _end(self, g: _Group) -> None:
+        """``g`` needs its peer no more (complete or failed)."""
+        g.over = True
+        if g.peer is not None:
+            self._reader._release(g.peer)
+            g.peer = None
+
+    def close(self) -> None:
+        """Cancel what is still in flight (its pages fail) and give back the staging slots this
+        load still owns. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for g in self._groups:
+            if not g.over:
+                self._abort(g, FabricError("aborted", "the load was closed before its pages arrived"))
+            self._reader.staging.give(g.slots)
+            g.slots = []

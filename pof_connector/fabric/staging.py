@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,14 +20,39 @@ QUARANTINE_S = 60.0
 """How long the staging slots of a cancelled READ stay unused (late data may still arrive)."""
 
 
+def span_base(span: int, num_slots: int, num_spans: int) -> int:
+    """Index of slot 0's descriptor of byte span ``span`` in a list laid out as :class:`StagingArea`
+    and :class:`~pof_connector.fabric.peer.Peer` lay theirs out: descriptors ``[0, n)`` are whole
+    pages, ``[n, 2n)`` generation words, then ``n`` per span when a page is read in several spans
+    (``num_spans`` > 1); a single span is the whole page."""
+    return 0 if num_spans <= 1 else (2 + span) * num_slots
+
+
+def span_descs(starts: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Descriptors (address, length, device 0) of ``spans`` (byte ranges of a page) of the pages
+    at ``starts``, span after span; empty for one span or none (the whole-page list serves)."""
+    if len(spans) <= 1:
+        return np.zeros((0, 3), dtype=np.uint64)
+    n = len(starts)
+    descs = np.zeros((len(spans) * n, 3), dtype=np.uint64)
+    for c, (begin, end) in enumerate(spans):
+        descs[c * n:(c + 1) * n, 0] = starts + np.uint64(begin)
+        descs[c * n:(c + 1) * n, 1] = end - begin
+    return descs
+
+
 class StagingArea:
     """``num_slots`` page slots plus one 8-byte generation word per slot, registered once.
 
     Local descriptor ``i < num_slots`` is page slot ``i``; ``num_slots + i`` is its generation word
     (the target of the second, small READ that re-checks the remote slot's live generation).
+    With ``spans`` (byte ranges of a page, e.g. the header and layer 0, then groups of later
+    layers), descriptor ``span_base(c, num_slots, len(spans)) + i`` is span ``c`` of slot ``i``:
+    a remote page is then read in several requests, layer 0's first.
     """
 
-    def __init__(self, agent: NixlAgent, page_bytes: int, size: int) -> None:
+    def __init__(self, agent: NixlAgent, page_bytes: int, size: int,
+                 spans: Sequence[tuple[int, int]] = ()) -> None:
         self.page_bytes = page_bytes
         self.stride = (page_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
         self.num_slots = max(1, size // self.stride)
@@ -41,6 +67,8 @@ class StagingArea:
         descs[:self.num_slots, 1] = page_bytes
         descs[self.num_slots:, 0] = gens + slots * 8
         descs[self.num_slots:, 1] = 8
+        self.spans = list(spans) if len(spans) > 1 else []
+        descs = np.concatenate([descs, span_descs(base + slots * self.stride, self.spans)])
         self.dlist = agent.prep(None, descs)
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._quarantined: list[tuple[float, list[int]]] = []

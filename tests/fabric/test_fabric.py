@@ -115,11 +115,12 @@ def test_a_slot_rewritten_between_data_and_generation_read_is_rejected(
         assert b._fabric is not None
         agent = b._fabric.agent
         post = agent.post_read
-        calls = []
+        n = b._fabric.staging.num_slots
 
         def post_then_rewrite(*args):  # type: ignore[no-untyped-def]
-            calls.append(1)
-            if len(calls) == 2:        # the generation READ: a writer zeroes the live generation first
+            # Local descriptors [n, 2n) are generation words: the generation READ, posted after
+            # every part of the data arrived. A writer zeroes the live generation first.
+            if n <= args[1][0] < 2 * n:
                 for s in lk.sources:
                     a.tiers[0]._set_live_generation(s.slot, 0)
             return post(*args)
