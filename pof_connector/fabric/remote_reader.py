@@ -1,10 +1,13 @@
 """Reads of single page slots of other nodes' tiers, over NIXL, into pof-owned staging.
 
 One :meth:`RemoteReader.start` serves one load: pages are grouped per (peer, medium) and each
-group is read with a few NIXL READ requests in layer order, all posted at once — first the page
-headers with layer 0, then the other layers in up to ``LAYER_REQUESTS - 1`` parts — so the engine
-can start on layer 0 while later layers are still on the wire (one request per layer was 2-3x
-slower than one request, research notes §6). :meth:`RemoteLoad.get` waits for one layer: each
+group is read with a few NIXL READ requests in layer order — first the page headers with
+layer 0, then the other layers in up to ``LAYER_REQUESTS - 1`` parts, each posted as soon as the
+previous one is seen done (:data:`PARTS_AHEAD`) — so the engine can start on layer 0 while later
+layers are still on the wire (one request per layer was 2-3x slower than one request, research
+notes §6). Progress is driven by the threads that wait (:meth:`RemoteLoad.get`): the next part
+is posted when a waiter sees the previous one complete, so a caller that waits for each layer in
+turn keeps the link busy. :meth:`RemoteLoad.get` waits for one layer: each
 part is checked as it arrives (header magic, key, generation and header checksum with the first,
 each layer's segment checksum), and after the last part a small READ per group fetches each
 slot's live generation word, so a slot the owner started to reuse during any part is rejected
@@ -52,6 +55,11 @@ RECONNECT_AFTER_ERROR_S = 1.0
 LAYER_REQUESTS = 3
 """READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers in
 two parts. Each extra request cost 0.5-1 ms on TCP here (research notes §6)."""
+PARTS_AHEAD = 1
+"""Parts of a group in flight at once: the next is posted when the previous one is seen done.
+Posted all at once, UCX over TCP served them interleaved and layer 0 arrived only with the rest
+(40 pages of 1 MiB, loopback, busy 2-core machine: layer 0 after 70-270 ms of a 140-310 ms load,
+against 7-30 ms of a 100-300 ms load chained; tests/fabric/test_layer_reads.py prints both)."""
 
 
 def layer_parts(num_layers: int, requests: int = LAYER_REQUESTS) -> list[range]:
@@ -114,6 +122,7 @@ class _Group:
     slots: list[int] = field(default_factory=list)      # staging slots, parallel to pages; owned by the load
     handles: list[Any] = field(default_factory=list)    # per stage (parts, then generation); None: not in flight
     level: int = 0                                      # stages validated, in order
+    deadline: float = 0.0                               # when the request in flight must be done
     over: bool = True                                   # complete or failed: nothing left to wait for
 
 
@@ -228,8 +237,9 @@ class RemoteReader:
              metas: Sequence[PeerMeta]) -> list[Fetched | PageError]:
         """Fetch and validate whole pages (see :meth:`start`).
 
-        Returns, per page, the staged page (give it back with ``unpin``) or why it failed. Returns
-        within about ``timeout_s`` whatever the peers do.
+        Returns, per page, the staged page (give it back with ``unpin``) or why it failed. A peer
+        that stalls or dies fails its pages about ``timeout_s`` after the request it did not
+        answer was posted, at the latest.
         """
         load = self.start(keys, sources, metas)
         try:
@@ -257,7 +267,6 @@ class RemoteLoad:
         self._reader = reader
         self.keys = list(keys)
         self.sources = list(sources)
-        self.deadline = time.monotonic() + reader.timeout_s
         self._parts = reader.parts
         self._stage_of = [c for c, part in enumerate(reader.parts) for _ in part]    # layer → part
         self._out: list[Fetched | PageError | None] = [None] * len(self.keys)
@@ -277,8 +286,9 @@ class RemoteLoad:
     # ---- results -------------------------------------------------------------------------------
 
     def get(self, i: int, layer: int) -> Fetched | PageError:
-        """Page ``i`` once layers ``0..layer`` of it arrived and were validated (waiting, until the
-        load's deadline at most), or why it failed. A page may fail at a later layer after earlier
+        """Page ``i`` once layers ``0..layer`` of it arrived and were validated (waiting at most
+        about ``timeout_s`` for the peer: each request must complete that long after its post),
+        or why it failed. A page may fail at a later layer after earlier
         ones were returned: then it is to be recomputed as a whole."""
         g = self._group_of[i]
         if g is not None:
@@ -319,7 +329,7 @@ class RemoteLoad:
             self._fail_pages(g, PageError("unreachable", f"{g.node} publishes no readable {g.medium} region"))
             self._end(g)
             return
-        dlist, num_slots = prepared
+        num_slots = prepared[1]
         wanted = []
         for i in g.pages:
             if 0 <= self.sources[i].slot < num_slots:
@@ -337,15 +347,26 @@ class RemoteLoad:
             self._group_of[i] = g
         g.over = False
         g.handles = [None] * (len(self._parts) + 1)
-        local = np.array(g.slots, dtype=np.int64)
-        remote = np.array([self.sources[i].slot for i in g.pages], dtype=np.int64)
-        n = len(self._parts)
+        for c in range(min(PARTS_AHEAD, len(self._parts))):
+            if not self._post_part(g, c):
+                return
+
+    def _post_part(self, g: _Group, c: int) -> bool:
+        """Post part ``c`` of ``g``; False when that failed (``g`` is aborted)."""
+        r, n = self._reader, len(self._parts)
+        assert g.peer is not None
+        dlist, num_slots = g.peer.dlists[g.medium]
+        local = np.array(g.slots, dtype=np.int64) + span_base(c, r.staging.num_slots, n)
+        remote = np.array([self.sources[i].slot for i in g.pages], dtype=np.int64) + span_base(c, num_slots, n)
         try:
-            for c in range(n):      # in layer order: UCX serves one connection's requests in order
-                g.handles[c] = r.agent.post_read(r.staging.dlist, local + span_base(c, r.staging.num_slots, n),
-                                                 dlist, remote + span_base(c, num_slots, n))
+            g.handles[c] = r.agent.post_read(r.staging.dlist, local, dlist, remote)
         except FabricError as e:
             self._abort(g, e, posting=True)
+            return False
+        # Each request gets the whole timeout from its post: the next part is posted only when a
+        # caller waits, so a slow consumer (the engine computing layers) must not eat the peer's time.
+        g.deadline = time.monotonic() + r.timeout_s
+        return True
 
     def _wait(self, g: _Group, level: int) -> None:
         """Advance ``g`` until ``level`` stages are validated, it failed, or the deadline passed."""
@@ -356,7 +377,7 @@ class RemoteLoad:
             for other in self._groups:          # keep the others moving (e.g. post their generation READ)
                 if other is not g and not other.over:
                     self._progress(other)
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > g.deadline:
                 self._abort(g, FabricError("timeout", f"{g.node} did not answer in {self._reader.timeout_s}s"))
                 return
             time.sleep(POLL_S)
@@ -379,6 +400,8 @@ class RemoteLoad:
             g.handles[g.level] = None
             if g.level < n:
                 self._check_part(g, g.level)
+                if g.level + PARTS_AHEAD < n and not self._post_part(g, g.level + PARTS_AHEAD):
+                    return
             else:
                 self._check_generation(g)
             g.level += 1
@@ -397,6 +420,8 @@ class RemoteLoad:
             g.handles[len(self._parts)] = r.agent.post_read(r.staging.dlist, local, dlist, remote)
         except FabricError as e:
             self._abort(g, e, posting=True)
+            return
+        g.deadline = time.monotonic() + r.timeout_s
 
     def _check_part(self, g: _Group, c: int) -> None:
         r = self._reader
