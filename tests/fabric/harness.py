@@ -40,9 +40,12 @@ def _env() -> dict[str, str]:
 
 
 class NodeProc:
-    def __init__(self, config: dict[str, Any], prefix: tuple[str, ...] = ()) -> None:
+    def __init__(self, config: dict[str, Any], prefix: tuple[str, ...] = (),
+                 page: tuple[int, int] | None = None) -> None:
+        """``page``: (layers, segment bytes) of the node's pages; ``None``: node_proc.SPEC."""
         self.name = config["node_id"]
-        self.proc = subprocess.Popen([*prefix, sys.executable, str(NODE_PROC), json.dumps(config)],
+        geometry = [] if page is None else [f"{page[0]}:{page[1]}"]
+        self.proc = subprocess.Popen([*prefix, sys.executable, str(NODE_PROC), json.dumps(config), *geometry],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
         self.pid = self.proc.pid
         self.ready = self._reply(60)

@@ -1,6 +1,6 @@
 """A pool node in its own process, driven by JSON lines on stdin (one reply line per command).
 
-    python tests/fabric/node_proc.py CONFIG_JSON
+    python tests/fabric/node_proc.py CONFIG_JSON [LAYERS:SEGMENT_BYTES]
 
 Pages are identified by (seed, pages): the keys of ``pages`` full pages of the tokens
 ``seed * 1_000_000 + arange(16 * pages)``; their content is derived from each key, so any process
@@ -27,9 +27,11 @@ SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
 NAMESPACE = Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest
 
 
-def content(k: PageKey) -> list[np.ndarray]:
+def content(k: PageKey, spec: PageSpec | None = None) -> list[np.ndarray]:
+    """Page ``k``'s segments, of ``spec``'s geometry (``None``: this process's :data:`SPEC`)."""
+    spec = spec or SPEC
     rng = np.random.default_rng(int.from_bytes(k.digest[:8], "little"))
-    return [rng.integers(0, 255, SPEC.segment_bytes, dtype=np.uint8) for _ in range(SPEC.num_layers)]
+    return [rng.integers(0, 255, spec.segment_bytes, dtype=np.uint8) for _ in range(spec.num_layers)]
 
 
 class Node:
@@ -101,6 +103,10 @@ class Node:
 
 
 def main() -> None:
+    global SPEC
+    if len(sys.argv) > 2:       # another page geometry, e.g. large pages for transfers that take time
+        layers, segment_bytes = (int(x) for x in sys.argv[2].split(":"))
+        SPEC = PageSpec(num_layers=layers, segment_bytes=segment_bytes, page_tokens=16)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[node {os.getpid()}] %(levelname)s %(name)s: %(message)s")
     node = Node(PofConfig.from_json(sys.argv[1]))
