@@ -5,13 +5,13 @@ group is read with a few NIXL READ requests in layer order — first the page he
 layer 0, then the other layers in up to ``LAYER_REQUESTS - 1`` parts, each posted as soon as the
 previous one is seen done (:data:`PARTS_AHEAD`) — so the engine can start on layer 0 while later
 layers are still on the wire (one request per layer was 2-3x slower than one request, research
-notes §6). Progress is driven by the threads that wait (:meth:`RemoteLoad.get`): the next part
-is posted when a waiter sees the previous one complete, so a caller that waits for each layer in
-turn keeps the link busy. :meth:`RemoteLoad.get` waits for one layer: each
-part is checked as it arrives (header magic, key, generation and header checksum with the first,
-each layer's segment checksum), and after the last part a small READ per group fetches each
-slot's live generation word, so a slot the owner started to reuse during any part is rejected
-(the owner zeroes that word before touching any byte, tiers/base.py).
+notes §6). Progress is driven by the threads that wait (:meth:`RemoteLoad.get` waits for one
+layer): the next part is posted when a waiter sees the previous one complete, so a caller that
+waits for each layer in turn keeps the link busy. Each part is checked as it arrives (header
+magic, key, generation and header checksum with the first, each layer's segment checksum), and
+after the last part a small READ per group fetches each slot's live generation word, so a slot
+the owner started to reuse during any part is rejected (the owner zeroes that word before
+touching any byte, tiers/base.py).
 
 The seqlock argument covers the whole page only once that last check passed, so the last part's
 layers are released only after it. A page whose later part or generation check fails may have
@@ -96,8 +96,9 @@ class StagedPage:
         return page[self._spec.segment_offset(layer):self._spec.segment_offset(layer) + self._spec.segment_bytes]
 
     def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
-        """Nothing left to check: the whole page was validated on arrival, and staging slots are
-        pof's own (no one writes them until :meth:`unpin` gives them back)."""
+        """Nothing left to check: a layer is handed out only after it was validated on arrival
+        (:meth:`RemoteLoad.get`), and staging slots are pof's own (no one writes them until they
+        are given back)."""
 
     def header(self, ref: SlotRef) -> np.ndarray:
         return self._staging.page(ref.slot)[:self._spec.header_bytes]
@@ -288,8 +289,8 @@ class RemoteLoad:
     def get(self, i: int, layer: int) -> Fetched | PageError:
         """Page ``i`` once layers ``0..layer`` of it arrived and were validated (waiting at most
         about ``timeout_s`` for the peer: each request must complete that long after its post),
-        or why it failed. A page may fail at a later layer after earlier
-        ones were returned: then it is to be recomputed as a whole."""
+        or why it failed. A page may fail at a later layer after earlier ones were returned:
+        then it is to be recomputed as a whole."""
         g = self._group_of[i]
         if g is not None:
             stage = self._stage_of[layer]

@@ -23,7 +23,7 @@ from pof_connector.fabric import nixl_installed
 from pof_connector.fabric.agent import NixlAgent
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages import PageError, PageSpec
 from pof_connector.pool import Pool
 from tests.fabric.harness import NodeProc, node_config, wait_for
 from tests.fabric.node_proc import NAMESPACE, content
@@ -147,6 +147,16 @@ def test_layer_0_is_released_before_the_last_part_arrives(a_and_b: tuple[Pool, P
         assert reader.failed == {}
     finally:
         reader.close()
+
+    # RemoteReader.read: whole pages at once; the caller gives the good ones' staging back.
+    meta = b._remote_meta("a", "cpu_dram")
+    assert meta is not None
+    got = b._fabric.reader.read(keys[:4], lk.sources[:4], [meta] * 4)
+    for fetched, k in zip(got, keys[:4], strict=True):
+        assert not isinstance(fetched, PageError), fetched
+        staged, ref, _ = fetched
+        assert all(staged.segment_view(ref, layer).tobytes() == segments(k)[layer] for layer in range(BIG.num_layers))
+        staged.unpin(ref.slot)
     assert b._fabric.staging.quarantined_slots == 0
     assert len(b._fabric.staging.take(b._fabric.staging.num_slots)) == b._fabric.staging.num_slots
 
