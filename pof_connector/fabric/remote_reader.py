@@ -401,6 +401,13 @@ class RemoteLoad:
             g.handles[g.level] = None
             if g.level < n:
                 self._check_part(g, g.level)
+                if all(isinstance(self._out[i], PageError) for i in g.pages) and \
+                        not any(h is not None for h in g.handles):
+                    # Every page failed (e.g. all slots reused): the rest is not worth reading.
+                    self._reader.staging.give(g.slots)
+                    g.slots = []
+                    self._end(g)
+                    return
                 if g.level + PARTS_AHEAD < n and not self._post_part(g, g.level + PARTS_AHEAD):
                     return
             else:

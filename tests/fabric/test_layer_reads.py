@@ -68,6 +68,7 @@ class PartGate:
 
     def __init__(self, agent: NixlAgent, staging_slots: int) -> None:
         self.opened = threading.Event()
+        self.posted: list[int] = []           # part of every READ posted (0 also for generation READs)
         self._part: dict[int, int] = {}
         post, done = agent.post_read, agent.done
 
@@ -75,6 +76,7 @@ class PartGate:
             handle = post(local, local_idx, remote, remote_idx)
             first = int(local_idx[0])         # staging descriptors: pages, generations, then parts
             self._part[id(handle)] = first // staging_slots - 2 if first >= 2 * staging_slots else 0
+            self.posted.append(self._part[id(handle)])
             return handle
 
         def gated_done(handle: Any) -> bool:
@@ -182,6 +184,14 @@ def test_a_slot_reused_after_layer_0_was_released_fails_the_whole_page(
     assert set(h.failed) == set(range(half)), h.failed
     assert set(h.failed.values()) <= REUSED, h.failed
     assert all(exact(buf, k) for i, (buf, k) in enumerate(zip(bufs, keys, strict=True)) if i >= half)
+
+    # A load of reused slots only: every page fails on its header, so the later parts are not read.
+    gate.posted.clear()
+    h = b.load(keys[:half], lk.sources[:half], bufs[:half])
+    assert h.wait(TIMEOUT_S) and set(h.failed) == set(range(half)), h.failed
+    assert set(h.failed.values()) <= REUSED and gate.posted == [0], (h.failed, gate.posted)
+    n = b._fabric.staging.num_slots
+    assert b._fabric.staging.quarantined_slots == 0 and len(b._fabric.staging.take(n)) == n
 
 
 def test_an_owner_killed_mid_load_gives_misses_not_a_hang_and_b_keeps_working(
