@@ -160,9 +160,10 @@ class FabricConfig:
     ``ucx_devices``: UCX's NET_DEVICES for pof's agent (e.g. ``mlx5_0:1``, ``eth0``); ``None``
     lets UCX choose. ``tls``: UCX transports, e.g. ``tcp`` or ``rc,sm``; ``None`` lets UCX choose
     (InfiniBand/RoCE when present). Both go to pof's own agent only, never to the engine's
-    environment. ``timeout_s``: deadline of one batch of remote reads; a peer that does not answer
-    in time gives misses (recompute), never a hang. ``staging_size``: local memory that remote
-    pages land in before they are validated (the most remote bytes one load can fetch).
+    environment. ``timeout_s``: deadline of each remote READ request (a load's layer parts
+    each get it); a peer that does not answer in time gives misses (recompute), never a hang.
+    ``staging_size``: local memory that remote pages land in before they are validated (the
+    most remote bytes one load can fetch).
     ``spill``: pages evicted from the last tier are written into another node's free slots (a
     neighbour's or a memory node's, granted with a lease) instead of being dropped, and this
     node grants its own free slots to others. ``spill_lease_s``: how long a grant lasts unless
