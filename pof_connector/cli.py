@@ -7,6 +7,7 @@ Commands::
     pof index stats   live nodes and index totals (also ``pof stats``)
     pof bench tiers   page put+get through the tiers vs. plain memcpy
     pof bench index   prefix-lookup latency and memory per location
+    pof bench fabric  remote page fetch over NIXL through pof vs. a raw NIXL READ
     pof router        OpenAI-compatible proxy routing by estimated time to first token
     pof relay         feed a KV-event router (vllm-router kv_aware) an engine's cache and its pool
     pof memd          a memory-only pool node: lends its DRAM/CXL to other nodes' spilled pages
@@ -33,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pof_connector.bench import BenchError
+from pof_connector.bench import fabric as bench_fabric  # imports NIXL only when run
 from pof_connector.bench import index as bench_index
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
@@ -343,6 +345,29 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_fabric(args: argparse.Namespace) -> int:
+    result = bench_fabric.run(layers=args.layers, segment_bytes=args.segment_bytes, pages=args.pages,
+                              batch=args.batch, iterations=args.iterations, latency_samples=args.latency_samples,
+                              tls=args.tls or None, ucx_devices=args.ucx_devices or None, progress=_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    table = Table(title=f"remote page fetch, {result['batch']} pages of {format_size(result['page_bytes'])} per "
+                        f"batch (UCX tls={result['tls'] or 'auto'})", title_justify="left")
+    for name in ("path", "GB/s", "pages/s", "batch p50 ms", "1-page p50 ms", "1-page p99 ms", "verified pages"):
+        table.add_column(name, justify="right" if name != "path" else "left")
+    for name, label in (("pof", "pof (Pool.open_read)"), ("raw", "raw NIXL READ")):
+        row = result[name]
+        table.add_row(label, f"{row['gbps']:.3f}", f"{row['pages_per_s']:,.0f}", f"{row['batch_ms_p50']:.2f}",
+                      f"{row['latency_ms_p50']:.3f}", f"{row['latency_ms_p99']:.3f}",
+                      str(result["verified_pages"][name]))
+    out = _out()
+    out.print(table)
+    out.print(f"ratio pof / raw [bold]{result['ratio']:.3f}[/bold]; byte-exact: {result['exact']} "
+              f"(failed {result['failed_pages']}, wrong {result['wrong_pages']})")
+    return 0 if result["exact"] else 1
+
+
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
                             dtype=args.dtype, block_size=args.block_size, progress=_progress)
@@ -459,6 +484,22 @@ def _add_bench(sub: Any) -> None:
     index.add_argument("--url", help="use this server instead of starting a private one (its data is "
                                      "left as found)")
     index.set_defaults(handler=cmd_bench_index)
+    fabric = bsub.add_parser("fabric", help="remote page fetch through pof vs. a raw NIXL READ",
+                             description="Start an owner pool node in a second process; fetch its pages over "
+                                         "NIXL through pof (Pool.open_read: READ, validation, copy out) and with "
+                                         "a bare NIXL READ of the same slots, interleaved. Needs NIXL.")
+    fabric.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    fabric.add_argument("--layers", type=int, default=8, help="layer segments per page (default 8)")
+    fabric.add_argument("--segment-bytes", type=_size, default=32 << 10,
+                        help="bytes per layer segment (default 32KiB: 256KiB pages)")
+    fabric.add_argument("--pages", type=int, default=64, help="pages the owner stores (default 64)")
+    fabric.add_argument("--batch", type=int, default=32, help="pages per fetch (default 32)")
+    fabric.add_argument("--iterations", type=int, default=40, help="timed batches per path (default 40)")
+    fabric.add_argument("--latency-samples", type=int, default=200,
+                        help="timed single-page fetches per path (default 200)")
+    fabric.add_argument("--tls", default="tcp", help="UCX transports, '' for UCX's choice (default tcp)")
+    fabric.add_argument("--ucx-devices", default="lo", help="UCX NET_DEVICES, '' for UCX's choice (default lo)")
+    fabric.set_defaults(handler=cmd_bench_fabric)
     vllm = bsub.add_parser("vllm", help="TTFT from the pool vs. recompute vs. vLLM's ExampleConnector",
                            description="Start three vLLM servers in turn (no connector, PoFConnector, "
                                        "ExampleConnector) and time long prompts served by each. Needs vLLM.")
