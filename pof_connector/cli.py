@@ -84,6 +84,14 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _setups(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if n not in bench_vllm.SETUPS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"setups are some of {', '.join(bench_vllm.SETUPS)}, got {text!r}")
+    return names
+
+
 def _sizes(text: str) -> list[int]:
     return [_size(part) for part in text.split(",") if part.strip()]
 
@@ -356,21 +364,23 @@ def cmd_bench_fabric(args: argparse.Namespace) -> int:
                         f"batch (UCX tls={result['tls'] or 'auto'})", title_justify="left")
     for name in ("path", "GB/s", "pages/s", "batch p50 ms", "1-page p50 ms", "1-page p99 ms", "verified pages"):
         table.add_column(name, justify="right" if name != "path" else "left")
-    for name, label in (("pof", "pof (Pool.open_read)"), ("raw", "raw NIXL READ")):
+    for name, label in (("pof", "pof fetch"), ("pof_copy_out", "pof + copy out"), ("raw", "raw NIXL READ")):
         row = result[name]
         table.add_row(label, f"{row['gbps']:.3f}", f"{row['pages_per_s']:,.0f}", f"{row['batch_ms_p50']:.2f}",
                       f"{row['latency_ms_p50']:.3f}", f"{row['latency_ms_p99']:.3f}",
                       str(result["verified_pages"][name]))
     out = _out()
     out.print(table)
-    out.print(f"ratio pof / raw [bold]{result['ratio']:.3f}[/bold]; byte-exact: {result['exact']} "
+    out.print(f"ratio pof / raw [bold]{result['ratio']:.3f}[/bold] (with the copy out "
+              f"{result['ratio_with_copy_out']:.3f}); byte-exact: {result['exact']} "
               f"(failed {result['failed_pages']}, wrong {result['wrong_pages']})")
     return 0 if result["exact"] else 1
 
 
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    setups = tuple(args.setups) + (("fabric",) if args.fabric and "fabric" not in args.setups else ())
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
-                            dtype=args.dtype, block_size=args.block_size, progress=_progress)
+                            dtype=args.dtype, block_size=args.block_size, progress=_progress, setups=setups)
     if args.json:
         _print_json(result)
         return 0
@@ -378,14 +388,22 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
                   title_justify="left")
     for name in ("server", "median TTFT s", "runs s", "tokens from connector"):
         table.add_column(name, justify="right" if name != "server" else "left")
-    tokens = {"pof": str(result["pool_tokens"]), "example": str(result["example_tokens"])}
+    tokens = {"pof": str(result.get("pool_tokens", "-")), "example": str(result.get("example_tokens", "-"))}
+    if "fabric" in result:
+        tokens["fabric"] = f"{result['fabric']['remote_tokens']} (over NIXL)"
     for name, ttft in result["ttft_s"].items():
         runs = result["ttft_runs_s"].get(name, [])
         table.add_row(name, f"{ttft:.3f}", " ".join(f"{x:.3f}" for x in runs), tokens.get(name, "-"))
     out = _out()
     out.print(table)
-    out.print(f"ratio pof / recompute [bold]{result['ratio']:.4f}[/bold], pof / ExampleConnector "
-              f"{result['pof_vs_example']:.3f}")
+    if "pool_tokens" in result:
+        line = f"ratio pof / recompute [bold]{result['ratio']:.4f}[/bold]"
+        if result.get("pof_vs_example") is not None:
+            line += f", pof / ExampleConnector {result['pof_vs_example']:.3f}"
+        out.print(line)
+    if "fabric" in result:
+        out.print(f"fabric: B's TTFT from A's pool over NIXL / recompute [bold]{result['fabric']['ratio']:.4f}"
+                  f"[/bold] ({result['fabric']['remote_pages_loaded']:.0f} remote pages loaded)")
     return 0
 
 
@@ -510,6 +528,10 @@ def _add_bench(sub: Any) -> None:
     vllm.add_argument("--dtype", default="float32",
                       help="model dtype (default float32: bf16 is emulated, and slow, on CPUs without AVX512-BF16)")
     vllm.add_argument("--block-size", type=int, default=128, help="vLLM block size = page size (default 128)")
+    vllm.add_argument("--setups", type=_setups, default=["recompute", "pof", "example"],
+                      help="comma-separated, of recompute,pof,example,fabric (default recompute,pof,example)")
+    vllm.add_argument("--fabric", action="store_true",
+                      help="also run the fabric pair: server B served from server A's pool over NIXL (needs NIXL)")
     vllm.set_defaults(handler=cmd_bench_vllm)
     router = bsub.add_parser("router", help="pof router + pool vs vllm-router round_robin / cache_aware",
                              description="A multi-tenant workload (one hot tenant, concurrent clients, KV-limited "
