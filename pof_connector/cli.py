@@ -520,7 +520,9 @@ def _add_bench(sub: Any) -> None:
     fabric.set_defaults(handler=cmd_bench_fabric)
     vllm = bsub.add_parser("vllm", help="TTFT from the pool vs. recompute vs. vLLM's ExampleConnector",
                            description="Start three vLLM servers in turn (no connector, PoFConnector, "
-                                       "ExampleConnector) and time long prompts served by each. Needs vLLM.")
+                                       "ExampleConnector) and time long prompts served by each; with --fabric "
+                                       "also two PoFConnector servers side by side, B served from A's pool over "
+                                       "NIXL. Needs vLLM (and NIXL for --fabric).")
     vllm.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     vllm.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'bench' model)")
     vllm.add_argument("--prompt-tokens", type=int, default=6000, help="tokens per prompt (default 6000)")
