@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +92,9 @@ class RemoteReader:
         self.timeout_s = timeout_s
         self._peers: dict[str, Peer] = {}
         self._suspect: dict[str, float] = {}          # node → monotonic time it may be used again
+        self._connecting: dict[str, tuple[str, Future[None]]] = {}    # node → (agent name, attempt)
+        self._connector = ThreadPoolExecutor(1, thread_name_prefix="pof-fabric-connect")
+        self._closed = False
         self._lock = threading.Lock()
 
     # ---- peers -------------------------------------------------------------------------------
@@ -115,8 +120,9 @@ class RemoteReader:
 
     def connect(self, node: str, meta: PeerMeta) -> Peer:
         """The connected peer, for spill's WRITEs and control messages; :meth:`disconnect` after use.
-        Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off)."""
-        return self._acquire(node, meta)
+        Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off). Waits for a
+        new connection however long it takes (a spill runs on the store thread, not a request's)."""
+        return self._acquire(node, meta, None)
 
     def disconnect(self, peer: Peer) -> None:
         self._release(peer)
@@ -130,8 +136,14 @@ class RemoteReader:
             with self._lock:
                 self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + seconds)
 
-    def _acquire(self, node: str, meta: PeerMeta) -> Peer:
-        """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use."""
+    def _acquire(self, node: str, meta: PeerMeta, deadline: float | None) -> Peer:
+        """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use.
+
+        Connecting runs on the connect thread: loading a peer's metadata opens UCX endpoints,
+        which blocks for seconds when the peer's address is unreachable (a cut link). A load
+        waits for it only until its ``deadline`` (``None``: as long as it takes); the connection
+        goes on in the background.
+        """
         with self._lock:
             if self._suspect.get(node, 0.0) > time.monotonic():
                 raise FabricError("peer_down", f"{node} failed recently; not reading from it for now")
@@ -139,18 +151,49 @@ class RemoteReader:
             if peer is not None and peer.name != meta.agent:
                 self._detach(node)
                 peer = None
-            if peer is None:
-                # Connecting under the lock: concurrent loads wait for one connection instead of
-                # loading the same metadata twice (1-40 ms, once per peer incarnation).
-                try:
-                    peer = Peer(self.agent, node, meta, self.spec.page_bytes)
-                except FabricError:
-                    self._suspect[node] = time.monotonic() + RECONNECT_AFTER_ERROR_S
-                    raise
-                self._peers[node] = peer
-                log.info("pof fabric: connected to %s (%s)", node, peer.name)
+            if peer is not None:
+                peer.inflight += 1
+                return peer
+            pending = self._connecting.get(node)
+            if pending is None or pending[0] != meta.agent:
+                # One connection attempt per peer incarnation, whoever asks (1-40 ms normally).
+                pending = (meta.agent, self._connector.submit(self._connect, node, meta))
+                self._connecting[node] = pending
+        try:
+            pending[1].result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            with self._lock:
+                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + SUSPECT_AFTER_TIMEOUT_S)
+            raise FabricError("timeout", f"connecting to {node} took longer than {self.timeout_s}s") from None
+        with self._lock:
+            peer = self._peers.get(node)
+            if peer is None or peer.name != meta.agent:
+                raise FabricError("peer_down", f"{node} was dropped while connecting")
             peer.inflight += 1
             return peer
+
+    def _connect(self, node: str, meta: PeerMeta) -> None:
+        """On the connect thread: load ``meta`` into our agent and prepare its descriptor lists."""
+        try:
+            peer = Peer(self.agent, node, meta, self.spec.page_bytes)
+        except FabricError as e:
+            with self._lock:
+                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + RECONNECT_AFTER_ERROR_S)
+                self._connecting.pop(node, None)
+            log.warning("pof fabric: could not connect to %s: %s", node, e)
+            raise
+        with self._lock:
+            self._connecting.pop(node, None)
+            stale = self._closed or (node in self._peers and self._peers[node].name == peer.name)
+            if not stale:
+                old = self._detach(node)
+                self._peers[node] = peer
+        if stale:
+            peer.close(self.agent)
+            return
+        if old is not None and old.inflight == 0:
+            old.close(self.agent)
+        log.info("pof fabric: connected to %s (%s)", node, peer.name)
 
     def _release(self, peer: Peer) -> None:
         with self._lock:
@@ -193,7 +236,7 @@ class RemoteReader:
         try:
             for g in groups.values():
                 try:
-                    self._start(g, sources, out)
+                    self._start(g, sources, out, deadline)
                 except FabricError as e:
                     self._fail_group(g, out, e)
                     continue
@@ -215,8 +258,9 @@ class RemoteReader:
                     g.peer = None
         return [r if r is not None else PageError("remote_error", "not read") for r in out]
 
-    def _start(self, g: _Group, sources: Sequence[Location], out: list[Fetched | PageError | None]) -> None:
-        g.peer = self._acquire(g.node, g.meta)
+    def _start(self, g: _Group, sources: Sequence[Location], out: list[Fetched | PageError | None],
+               deadline: float) -> None:
+        g.peer = self._acquire(g.node, g.meta, deadline)
         prepared = g.peer.dlists.get(g.medium)
         if prepared is None:
             raise PageError("unreachable", f"{g.node} publishes no readable {g.medium} region")
@@ -333,6 +377,9 @@ class RemoteReader:
                 out[i] = page_err
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._connector.shutdown(wait=True)     # a connection under way ends (or fails) first
         with self._lock:
             nodes = list(self._peers)
         for node in nodes:
