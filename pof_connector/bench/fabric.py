@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,11 +43,10 @@ import numpy as np
 
 from pof_connector.bench import BenchError, Progress, quiet
 from pof_connector.bench.fabric_owner import bench_keys, bench_namespace, bench_spec, page_content
-from pof_connector.config import FabricConfig, PofConfig, format_size
+from pof_connector.bench.raw_nixl_reader import RawNixlReader
+from pof_connector.config import PofConfig, format_size
 from pof_connector.fabric import PeerMeta, nixl_installed
-from pof_connector.fabric.agent import ucx_init_params
 from pof_connector.fabric.nixl_api import INSTALL_HINT, load_nixl
-from pof_connector.fabric.remote_reader import POLL_S
 from pof_connector.index import Location
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
@@ -90,7 +88,7 @@ def run(*, layers: int = 8, segment_bytes: int = 32 << 10, pages: int = 64, batc
         with _owner(owner_cfg, spec, pages, work) as _, Pool(reader_cfg, spec, bench_namespace(spec)) as pool:
             sources = _plan(pool, keys)
             meta = _owner_meta(pool)
-            with _RawReader(reader_cfg.fabric, meta, spec, batch) as raw:
+            with RawNixlReader(reader_cfg.fabric, meta, spec, batch) as raw:
                 result = _measure(pool, raw, spec, keys, sources, expected, batch, iterations, latency_samples,
                                   progress)
     finally:
@@ -169,56 +167,6 @@ def _owner_meta(pool: Pool) -> PeerMeta:
     return meta
 
 
-class _RawReader:
-    """Bare NIXL: an agent of its own, prepared descriptor lists, READ, poll. No pof code on the path."""
-
-    def __init__(self, config: FabricConfig, meta: PeerMeta, spec: PageSpec, batch: int) -> None:
-        api = load_nixl()
-        self.spec = spec
-        self.agent: Any = api.nixl_agent(f"bench-raw/{uuid.uuid4().hex[:8]}", api.nixl_agent_config(backends=[]))
-        self.agent.create_backend("UCX", ucx_init_params(config))
-        self.buf = np.zeros(batch * spec.page_bytes, dtype=np.uint8)
-        self.reg = self.agent.register_memory(np.array([[self.buf.ctypes.data, self.buf.nbytes, 0]], np.uint64),
-                                              "DRAM")
-        name = self.agent.add_remote_agent(meta.metadata)
-        self.peer = name.decode() if isinstance(name, bytes) else str(name)
-        region = meta.regions["cpu_dram"]
-        local = np.zeros((batch, 3), dtype=np.uint64)
-        local[:, 0] = self.buf.ctypes.data + np.arange(batch, dtype=np.uint64) * np.uint64(spec.page_bytes)
-        local[:, 1] = spec.page_bytes
-        remote = np.zeros((region.num_slots, 3), dtype=np.uint64)
-        remote[:, 0] = region.base + np.arange(region.num_slots, dtype=np.uint64) * np.uint64(region.slot_bytes)
-        remote[:, 1] = spec.page_bytes
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-        self.remote = self.agent.prep_xfer_dlist(self.peer, remote, "DRAM")
-
-    def read(self, slots: list[int]) -> None:
-        """READ ``slots`` of the owner's region into ``buf`` pages 0.. len(slots)-1."""
-        handle = self.agent.make_prepped_xfer("READ", self.local, np.arange(len(slots), dtype=np.int32),
-                                              self.remote, np.array(slots, dtype=np.int32))
-        try:
-            state = self.agent.transfer(handle)
-            while state != "DONE":
-                if state == "ERR":
-                    raise BenchError("a raw NIXL READ failed")
-                time.sleep(POLL_S)
-                state = self.agent.check_xfer_state(handle)
-        finally:
-            self.agent.release_xfer_handle(handle)
-
-    def page(self, i: int) -> np.ndarray:
-        return self.buf[i * self.spec.page_bytes:(i + 1) * self.spec.page_bytes]
-
-    def __enter__(self) -> _RawReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in (self.local, self.remote):
-            self.agent.release_dlist_handle(handle)
-        self.agent.remove_remote_agent(self.peer)
-        self.agent.deregister_memory(self.reg)
-
-
 # ---- measuring -------------------------------------------------------------------------------
 
 
@@ -272,7 +220,7 @@ def _pof_fetch(pool: Pool, keys: list[PageKey], sources: list[Location], dest: n
 PATHS = ("pof", "pof_copy_out", "raw")
 
 
-def _measure(pool: Pool, raw: _RawReader, spec: PageSpec, keys: list[PageKey], sources: list[Location],
+def _measure(pool: Pool, raw: RawNixlReader, spec: PageSpec, keys: list[PageKey], sources: list[Location],
              expected: list[np.ndarray], batch: int, iterations: int, latency_samples: int,
              progress: Progress) -> dict[str, Any]:
     n = len(keys)
