@@ -508,13 +508,13 @@ def _add_bench(sub: Any) -> None:
                                          "a bare NIXL READ of the same slots, interleaved. Needs NIXL.")
     fabric.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     fabric.add_argument("--layers", type=int, default=8, help="layer segments per page (default 8)")
-    fabric.add_argument("--segment-bytes", type=_size, default=32 << 10,
-                        help="bytes per layer segment (default 32KiB: 256KiB pages)")
-    fabric.add_argument("--pages", type=int, default=64, help="pages the owner stores (default 64)")
-    fabric.add_argument("--batch", type=int, default=32, help="pages per fetch (default 32)")
-    fabric.add_argument("--iterations", type=int, default=40, help="timed batches per path (default 40)")
-    fabric.add_argument("--latency-samples", type=int, default=200,
-                        help="timed single-page fetches per path (default 200)")
+    fabric.add_argument("--segment-bytes", type=_size, default=256 << 10,
+                        help="bytes per layer segment (default 256KiB: the 2 MiB pages of `pof bench vllm`'s model)")
+    fabric.add_argument("--pages", type=int, default=32, help="pages the owner stores (default 32)")
+    fabric.add_argument("--batch", type=int, default=16, help="pages per fetch (default 16)")
+    fabric.add_argument("--iterations", type=int, default=20, help="timed batches per path (default 20)")
+    fabric.add_argument("--latency-samples", type=int, default=100,
+                        help="timed single-page fetches per path (default 100)")
     fabric.add_argument("--tls", default="tcp", help="UCX transports, '' for UCX's choice (default tcp)")
     fabric.add_argument("--ucx-devices", default="lo", help="UCX NET_DEVICES, '' for UCX's choice (default lo)")
     fabric.set_defaults(handler=cmd_bench_fabric)
