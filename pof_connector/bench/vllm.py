@@ -15,7 +15,15 @@ one, so the ratio uses the faster recompute of the two). ``engine_prefix_cache``
 prompt once more on the pof server, now a hit in vLLM's own prefix cache — the floor no
 connector can beat, since vLLM still computes the prompt's last partial block.
 
-Needs a Python with vLLM (run it from the venv ``ci/vllm_venv.sh`` builds).
+``fabric`` (``--fabric``): two pof servers A and B run side by side, each with its own CPU DRAM
+tier, sharing only the index; their pools are connected through NIXL (UCX over TCP on loopback,
+so the bytes take the network path, not shared memory). For each prompt A computes it (timed:
+a recompute with a connector configured) and stores it; B's timed request is then served with
+pages READ from A's tier over NIXL; then the same prompt once more on B (its own prefix cache,
+the floor). ``fabric.ratio`` = B's median TTFT / the same recompute the local ratio uses.
+
+Needs a Python with vLLM (run it from the venv ``ci/vllm_venv.sh`` builds); ``fabric`` also
+needs NIXL in it.
 """
 
 from __future__ import annotations
@@ -26,15 +34,31 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from pof_connector.bench import BenchError
+from pof_connector.bench.router import _own_cores as own_cores
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
+from pof_connector.fabric import nixl_installed
+from pof_connector.fabric.nixl_api import INSTALL_HINT
 from pof_connector.index.embedded import stop_embedded
 
 Progress = Callable[[str], None]
 HITS = "vllm:external_prefix_cache_hits_total"
+SETUPS = ("recompute", "pof", "example", "fabric")
+FABRIC_STAGING = "512MiB"
+"""B's fabric.staging_size: a 6,000-token prompt of the bench model is 47 pages of 2 MiB, and
+the staging must hold a whole load (the excess would be recomputed)."""
+
+
+NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without a connector configured); "
+        "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
+        "vLLM's own prefix cache (the floor); fabric.ratio = median TTFT of B served from A's pool over NIXL / "
+        "median recompute of the same prompts by A (the pair runs side by side, each server on half of the "
+        "cores, as two hosts would); servers run one at a time (the fabric pair together) with the same flags; "
+        "answers checked equal")
 
 
 def _prompts(count: int, tokens: int, vocab: int = 1900) -> list[list[int]]:
@@ -65,8 +89,66 @@ def _time_server(name: str, server: VllmServer, prompts: list[list[int]], *, war
     return out
 
 
+def _time_fabric(a: VllmServer, b: VllmServer, prompts: list[list[int]], progress: Progress) -> dict[str, list[Any]]:
+    """Per prompt: A's cold TTFT (it computes and stores the prompt), B's TTFT served from A's
+    tier over NIXL, B's answer, the tokens B's connector served, and B's own prefix-cache hit."""
+    out: dict[str, list[Any]] = {"cold": [], "ttft": [], "answers": [], "hits": [], "engine_hit": [],
+                                 "remote_pages": [], "a_answers": []}
+    for i, p in enumerate(prompts):
+        cold, a_answer = a.timed_complete(p, max_tokens=1)
+        out["cold"].append(cold)
+        out["a_answers"].append(a_answer)
+        time.sleep(1.0)                        # A's store thread publishes the pages
+        b.reset_prefix_cache()
+        m0 = b.metrics()
+        ttft, answer = b.timed_complete(p, max_tokens=1)
+        out["ttft"].append(ttft)
+        out["answers"].append(answer)
+        out["hits"].append(b.metrics().get(HITS, 0.0) - m0.get(HITS, 0.0))
+        out["engine_hit"].append(b.timed_complete(p, max_tokens=1)[0])
+        progress(f"  fabric: prompt {i + 1}/{len(prompts)}: A computed it in {out['cold'][-1]:.3f} s, B's TTFT "
+                 f"{ttft:.3f} s with {out['hits'][-1]:.0f} tokens read from A over NIXL")
+    time.sleep(2.0)         # vLLM exports the worker's pof counters with its periodic stats
+    out["remote_pages"].append(sum(v for k, v in b.metrics().items()
+                                   if k.startswith("vllm:pof_loaded_pages_total{") and 'tier="remote:' in k))
+    return out
+
+
+def _fabric_pair(model_dir: Path, work: Path, runtime_dir: Path, max_len: int, common: list[str],
+                 progress: Progress, prompts: list[list[int]]) -> dict[str, list[Any]]:
+    if not nixl_installed():
+        raise BenchError(f"fabric: NIXL is not installed in this Python: {INSTALL_HINT}")
+    # Both pools talk to one embedded index (one runtime_dir); their tiers are private memory,
+    # so the only way B reads A's pages is a NIXL READ. TLS=tcp on lo: the network path.
+    def extra(node: str) -> dict[str, Any]:
+        return {"node_id": node, "index_url": "embedded", "runtime_dir": str(runtime_dir),
+                "tiers": {"cpu_dram": {"size": "4GiB"}},
+                "fabric": {"enabled": True, "tls": "tcp", "ucx_devices": "lo", "timeout_s": 10.0,
+                           "staging_size": FABRIC_STAGING}}
+    progress(f"starting vLLM (fabric A and B, pools joined over NIXL) with {model_dir.name} ...")
+    # Each server computes on its own half of the cores, as two hosts would (sharing them, the
+    # idle server's OpenMP threads spin while the other computes: B measured 3-4x slower).
+    servers = [VllmServer(model_dir, work / f"fabric-{n}", kv_transfer=connector_config(extra(n)),
+                          max_model_len=max_len, kv_cache_gib=2, extra_args=common,
+                          env={"NIXL_LOG_LEVEL": "WARN", **own_cores(i)}) for i, n in enumerate(("a", "b"))]
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: s.start(), servers))
+        a, b = servers
+        try:
+            return _time_fabric(a, b, prompts, progress)
+        except Exception as e:
+            raise BenchError(f"fabric servers failed: {e}; logs: {a.log}, {b.log}\n{b.tail(30)}") from e
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, block_size: int,
-        progress: Progress) -> dict[str, Any]:
+        progress: Progress, setups: tuple[str, ...] = ("recompute", "pof", "example")) -> dict[str, Any]:
+    """``setups``: which of :data:`SETUPS` to run (``fabric`` is the pair of servers joined by NIXL)."""
+    if not setups or any(s not in SETUPS for s in setups):
+        raise BenchError(f"setups must be some of {', '.join(SETUPS)}, got {', '.join(setups) or 'none'}")
     model_dir = Path(model) if model else build_model("bench")
     work = Path(tempfile.mkdtemp(prefix="pof-bench-vllm-", dir="/tmp"))
     runtime_dir = work / "rt"
@@ -77,12 +159,14 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
                  "tiers": {"cpu_dram": {"size": "4GiB"}}}
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
-    setups: list[tuple[str, dict[str, Any] | None, bool]] = [
+    single: list[tuple[str, dict[str, Any] | None, bool]] = [
         ("recompute", None, False), ("pof", connector_config(pof_extra), True), ("example", example, True)]
     data = _prompts(prompts, prompt_tokens)
     results: dict[str, dict[str, list[Any]]] = {}
     try:
-        for name, kv, warm in setups:
+        for name, kv, warm in single:
+            if name not in setups:
+                continue
             progress(f"starting vLLM ({name}) with {model_dir.name}, {dtype}, block size {block_size} ...")
             server = VllmServer(model_dir, work / name, kv_transfer=kv, max_model_len=max_len, kv_cache_gib=4,
                                 extra_args=common).start()
@@ -92,36 +176,72 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
                 raise BenchError(f"{name} server failed: {e}; its log: {server.log}\n{server.tail(30)}") from e
             finally:
                 server.stop()
+        if "fabric" in setups:
+            results["fabric"] = _fabric_pair(model_dir, work, runtime_dir / "fabric", max_len, common, progress,
+                                             data)
         shutil.rmtree(work, ignore_errors=True)
     finally:
         stop_embedded(runtime_dir)
-    reference = results["recompute"]["answers"]
-    for name in ("pof", "example"):
-        if results[name]["answers"] != reference:
+        stop_embedded(runtime_dir / "fabric")
+    return _summary(results, prompt_tokens, prompts, model_dir, dtype, block_size)
+
+
+def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, prompts: int, model_dir: Path,
+             dtype: str, block_size: int) -> dict[str, Any]:
+    # The reference answers: the no-connector server's, else fabric A's cold pass (A computed
+    # those prompts itself: nothing was in any pool yet).
+    reference = results["recompute"]["answers"] if "recompute" in results else None
+    for name in ("pof", "example", "fabric"):
+        if name in results and reference is not None and results[name]["answers"] != reference:
             raise BenchError(f"{name}'s greedy answers differ from the recompute server's")
-    if min(results["pof"]["hits"]) <= 0:
-        raise BenchError("the pool served no tokens: the timed requests were recomputed")
+        if name == "fabric" and name in results and results[name]["answers"] != results[name]["a_answers"]:
+            raise BenchError("fabric: B's greedy answers differ from A's, which computed the prompts")
+        if name in ("pof", "fabric") and name in results and min(results[name]["hits"]) <= 0:
+            raise BenchError(f"{name}: the pool served no tokens: the timed requests were recomputed")
     med = {name: statistics.median(r["ttft"]) for name, r in results.items()}
-    med["recompute_with_pof"] = statistics.median(results["pof"]["cold"])
-    med["engine_prefix_cache"] = statistics.median(results["pof"]["engine_hit"])
-    recompute = min(med["recompute"], med["recompute_with_pof"])
+    recomputes = [med[n] for n in ("recompute",) if n in med]
+    if "pof" in results:
+        med["recompute_with_pof"] = statistics.median(results["pof"]["cold"])
+        med["engine_prefix_cache"] = statistics.median(results["pof"]["engine_hit"])
+        recomputes.append(med["recompute_with_pof"])
+    if "fabric" in results:
+        med["fabric_a_recompute"] = statistics.median(results["fabric"]["cold"])
+        med["fabric_b_engine_prefix_cache"] = statistics.median(results["fabric"]["engine_hit"])
+        recomputes.append(med["fabric_a_recompute"])
+    recompute = min(recomputes)
+    out: dict[str, Any] = {"bench": "vllm"}
+    if "fabric" in results:
+        f = results["fabric"]
+        # The pair's own recompute (A's cold pass) ran with the same cores per server as B's load:
+        # that is the same-conditions ratio; the run's fastest recompute (all cores) is shown too.
+        out["fabric"] = {"ratio": round(med["fabric"] / med["fabric_a_recompute"], 4),
+                         "ratio_vs_fastest_recompute": round(med["fabric"] / recompute, 4),
+                         "ttft_s": round(med["fabric"], 4),
+                         "a_recompute_s": round(med["fabric_a_recompute"], 4),
+                         "b_engine_prefix_cache_s": round(med["fabric_b_engine_prefix_cache"], 4),
+                         "load_overhead_s": round(med["fabric"] - med["fabric_b_engine_prefix_cache"], 4),
+                         "remote_tokens": f["hits"], "remote_pages_loaded": f["remote_pages"][-1],
+                         "transport": "NIXL, UCX TLS=tcp on lo"}
+    if "pof" not in results:
+        return {**out, "ratio": out["fabric"]["ratio"] if "fabric" in out else None,
+                "ttft_s": {name: round(v, 4) for name, v in med.items()},
+                "ttft_runs_s": {name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
+                "prompt_tokens": prompt_tokens, "prompts": prompts, "model": str(model_dir), "dtype": dtype,
+                "block_size": block_size, "note": NOTE}
     return {
-        "bench": "vllm",
+        **out,
         "ratio": round(med["pof"] / recompute, 4),
-        "pof_vs_example": round(med["pof"] / med["example"], 3),
+        "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,
         "ttft_s": {name: round(v, 4) for name, v in med.items()},
         "ttft_runs_s": {name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
-        "load_overhead_s": {"pof": round(med["pof"] - med["engine_prefix_cache"], 4),
-                            "example": round(med["example"] - med["engine_prefix_cache"], 4)},
+        "load_overhead_s": {name: round(med[name] - med["engine_prefix_cache"], 4)
+                            for name in ("pof", "example") if name in med},
         "pool_tokens": results["pof"]["hits"],
-        "example_tokens": results["example"]["hits"],
+        "example_tokens": results["example"]["hits"] if "example" in results else None,
         "prompt_tokens": prompt_tokens,
         "prompts": prompts,
         "model": str(model_dir),
         "dtype": dtype,
         "block_size": block_size,
-        "note": "ratio = median pof TTFT / the faster median recompute (with or without a connector configured); "
-                "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a "
-                "hit in vLLM's own prefix cache (the floor); servers run one at a time with the same flags; "
-                "answers checked equal",
+        "note": NOTE,
     }

@@ -30,6 +30,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +144,9 @@ class RemoteReader:
             raise ValueError(f"staging prepared for spans {staging.spans}, reads need {self.spans}")
         self._peers: dict[str, Peer] = {}
         self._suspect: dict[str, float] = {}          # node → monotonic time it may be used again
+        self._connecting: dict[str, tuple[str, Future[None]]] = {}    # node → (agent name, attempt)
+        self._connector = ThreadPoolExecutor(1, thread_name_prefix="pof-fabric-connect")
+        self._closed = False
         self._lock = threading.Lock()
 
     # ---- peers -------------------------------------------------------------------------------
@@ -167,8 +172,9 @@ class RemoteReader:
 
     def connect(self, node: str, meta: PeerMeta) -> Peer:
         """The connected peer, for spill's WRITEs and control messages; :meth:`disconnect` after use.
-        Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off)."""
-        return self._acquire(node, meta)
+        Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off). Waits for a
+        new connection however long it takes (a spill runs on the store thread, not a request's)."""
+        return self._acquire(node, meta, None)
 
     def disconnect(self, peer: Peer) -> None:
         self._release(peer)
@@ -182,8 +188,14 @@ class RemoteReader:
             with self._lock:
                 self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + seconds)
 
-    def _acquire(self, node: str, meta: PeerMeta) -> Peer:
-        """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use."""
+    def _acquire(self, node: str, meta: PeerMeta, deadline: float | None) -> Peer:
+        """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use.
+
+        Connecting runs on the connect thread: loading a peer's metadata opens UCX endpoints,
+        which blocks for seconds when the peer's address is unreachable (a cut link). A load
+        waits for it only until its ``deadline`` (``None``: as long as it takes); the connection
+        goes on in the background.
+        """
         with self._lock:
             if self._suspect.get(node, 0.0) > time.monotonic():
                 raise FabricError("peer_down", f"{node} failed recently; not reading from it for now")
@@ -191,18 +203,49 @@ class RemoteReader:
             if peer is not None and peer.name != meta.agent:
                 self._detach(node)
                 peer = None
-            if peer is None:
-                # Connecting under the lock: concurrent loads wait for one connection instead of
-                # loading the same metadata twice (1-40 ms, once per peer incarnation).
-                try:
-                    peer = Peer(self.agent, node, meta, self.spec.page_bytes, self.spans)
-                except FabricError:
-                    self._suspect[node] = time.monotonic() + RECONNECT_AFTER_ERROR_S
-                    raise
-                self._peers[node] = peer
-                log.info("pof fabric: connected to %s (%s)", node, peer.name)
+            if peer is not None:
+                peer.inflight += 1
+                return peer
+            pending = self._connecting.get(node)
+            if pending is None or pending[0] != meta.agent:
+                # One connection attempt per peer incarnation, whoever asks (1-40 ms normally).
+                pending = (meta.agent, self._connector.submit(self._connect, node, meta))
+                self._connecting[node] = pending
+        try:
+            pending[1].result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            with self._lock:
+                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + SUSPECT_AFTER_TIMEOUT_S)
+            raise FabricError("timeout", f"connecting to {node} took longer than {self.timeout_s}s") from None
+        with self._lock:
+            peer = self._peers.get(node)
+            if peer is None or peer.name != meta.agent:
+                raise FabricError("peer_down", f"{node} was dropped while connecting")
             peer.inflight += 1
             return peer
+
+    def _connect(self, node: str, meta: PeerMeta) -> None:
+        """On the connect thread: load ``meta`` into our agent and prepare its descriptor lists."""
+        try:
+            peer = Peer(self.agent, node, meta, self.spec.page_bytes, self.spans)
+        except FabricError as e:
+            with self._lock:
+                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + RECONNECT_AFTER_ERROR_S)
+                self._connecting.pop(node, None)
+            log.warning("pof fabric: could not connect to %s: %s", node, e)
+            raise
+        with self._lock:
+            self._connecting.pop(node, None)
+            stale = self._closed or (node in self._peers and self._peers[node].name == peer.name)
+            if not stale:
+                old = self._detach(node)
+                self._peers[node] = peer
+        if stale:
+            peer.close(self.agent)
+            return
+        if old is not None and old.inflight == 0:
+            old.close(self.agent)
+        log.info("pof fabric: connected to %s (%s)", node, peer.name)
 
     def _release(self, peer: Peer) -> None:
         with self._lock:
@@ -249,6 +292,9 @@ class RemoteReader:
             load.close()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._connector.shutdown(wait=True)     # a connection under way ends (or fails) first
         with self._lock:
             nodes = list(self._peers)
         for node in nodes:
@@ -321,7 +367,7 @@ class RemoteLoad:
     def _start(self, g: _Group) -> None:
         r = self._reader
         try:
-            g.peer = r._acquire(g.node, g.meta)
+            g.peer = r._acquire(g.node, g.meta, time.monotonic() + r.timeout_s)
         except FabricError as e:
             self._fail_pages(g, e)
             return

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,17 @@ class NodeProc:
         self.proc = subprocess.Popen([*prefix, sys.executable, str(NODE_PROC), json.dumps(config), *geometry],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
         self.pid = self.proc.pid
+        # Lines are read on a thread into a queue: select() on the pipe cannot see lines already
+        # sitting in the reader's buffer (e.g. a reply read together with a library's log line).
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, name=f"{self.name}-stdout", daemon=True).start()
         self.ready = self._reply(60)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")          # EOF
 
     def call(self, op: str, timeout: float = 30, **kw: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -59,13 +70,12 @@ class NodeProc:
         return reply
 
     def _reply(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                raise TimeoutError(f"{self.name} did not answer in {timeout}s")
-            line = self.proc.stdout.readline()
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{self.name} did not answer in {timeout}s") from None
             if not line:
                 raise RuntimeError(f"{self.name} exited with {self.proc.wait()}")
             if line.startswith("{"):        # anything else is a library printing to stdout
