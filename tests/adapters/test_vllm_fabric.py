@@ -4,7 +4,8 @@ A and B each have a private CPU DRAM tier (no shared CXL region) and share a rea
 Redis-protocol index; ``fabric.enabled`` with UCX over TCP on loopback. A prompt computed by A is
 served to B from A's tier with NIXL READs: B's greedy answer equals a server's without the
 connector, vLLM's own hit counter moves by the pool's share of the prompt, and B's pof counters
-show the pages came from a remote tier.
+show the pages came from a remote tier. Then A is killed while the index still offers its pages:
+B's remote load fails, vLLM recomputes (the answer is still right) and B keeps serving.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -79,7 +81,8 @@ def fabric_server(model: Path, workdir: Path, node: str, index_url: str) -> Vllm
 
 def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
         model: Path, workdir: Path, redis_server: RedisServer) -> None:
-    prompts = {"ab": prompt(1000, seed=71), "ba": prompt(777, seed=72)}
+    prompts = {"ab": prompt(1000, seed=71), "ba": prompt(777, seed=72), "dead": prompt(900, seed=73),
+               "after": prompt(600, seed=74)}
     # The reference: a server without the connector, run first and alone (three servers would not fit).
     baseline = VllmServer(model, workdir / "baseline").start()
     try:
@@ -111,6 +114,18 @@ def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
         wait_for(lambda: series(a, "vllm:pof_loaded_pages_total", 'tier="remote:cpu_dram"') >= 6)
         for s in (a, b):
             assert "pof fabric: connected to" in s.log.read_text(), s.tail()
+
+        # A dies (SIGKILL, by its process group) right after computing a prompt whose pages the
+        # index still offers: B's remote load fails, vLLM recomputes, and B keeps serving.
+        assert a.complete(prompts["dead"]) == reference["dead"]
+        time.sleep(1.5)
+        assert a.proc is not None
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        failures = series(b, "vllm:pof_load_failures_total", "")
+        assert b.complete(prompts["dead"]) == reference["dead"]      # not a wrong token: recomputed
+        wait_for(lambda: series(b, "vllm:pof_load_failures_total", "") > failures)   # it did try A
+        assert b.complete(prompts["after"]) == reference["after"]
+        assert b.complete(prompts["ab"]) == reference["ab"]
     finally:
         a.stop()
         b.stop()
