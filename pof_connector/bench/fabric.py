@@ -198,14 +198,16 @@ def _pof_fetch(pool: Pool, keys: list[PageKey], sources: list[Location], dest: n
     t0 = time.perf_counter()
     reader = pool.open_read(keys, sources)
     try:
-        if dest is not None:
-            for layer in range(spec.num_layers):
-                for i in range(len(keys)):
-                    seg = reader.segment(i, layer)
-                    if seg is not None:
+        # Every layer of every page, in the adapter's order: remote layers arrive in parts, and a
+        # part is only read (and checked) once a layer in it is asked for.
+        for layer in range(spec.num_layers):
+            for i in range(len(keys)):
+                seg = reader.segment(i, layer)
+                if seg is not None:
+                    if dest is not None:
                         start = i * spec.page_bytes + spec.segment_offset(layer)
                         np.copyto(dest[start:start + spec.segment_bytes], seg)
-                        reader.check(i, layer)
+                    reader.check(i, layer)
         elapsed = time.perf_counter() - t0
         for j, i in enumerate(index):
             if j in reader.failed:
