@@ -11,7 +11,6 @@ B's remote load fails, vLLM recomputes (the answer is still right) and B keeps s
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -27,24 +26,12 @@ import pytest
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.fabric import nixl_installed
 from pof_connector.index.server import RedisServer
+from tests.adapters.test_vllm import HITS, pool_tokens, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow,
               # ci/test.sh sets POF_REQUIRE_NIXL=1: there a missing NIXL fails the test instead.
               pytest.mark.skipif(not nixl_installed() and os.environ.get("POF_REQUIRE_NIXL") != "1",
                                  reason="NIXL is not installed in this venv (ci/vllm_venv.sh installs it)")]
-
-BLOCK = 128
-HITS = "vllm:external_prefix_cache_hits_total"
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, 1900) for _ in range(n)]
-
-
-def pool_tokens(n: int) -> int:
-    return (n - 1) // BLOCK * BLOCK
-
 
 def wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout

@@ -40,7 +40,22 @@ def _env() -> dict[str, str]:
     return env
 
 
-class NodeProc:
+class _Child:
+    """A test's child process, stopped by its PID."""
+
+    proc: subprocess.Popen[str]
+    pid: int
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class NodeProc(_Child):
     def __init__(self, config: dict[str, Any], prefix: tuple[str, ...] = (),
                  page: tuple[int, int] | None = None) -> None:
         """``page``: (layers, segment bytes) of the node's pages; ``None``: node_proc.SPEC."""
@@ -82,14 +97,6 @@ class NodeProc:
                 reply: dict[str, Any] = json.loads(line)
                 return reply
 
-    def signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
     def close(self) -> None:
         """Quit politely; kill by PID if that does not work."""
         if self.proc.poll() is None:
@@ -104,7 +111,7 @@ class NodeProc:
         self.kill()
 
 
-class MemdProc:
+class MemdProc(_Child):
     """``pof memd`` in its own process (its log on stderr, captured in ``log_path``)."""
 
     def __init__(self, config: dict[str, Any], config_path: Path, slot_bytes: int,
@@ -121,14 +128,6 @@ class MemdProc:
 
     def log(self) -> str:
         return self.log_path.read_text()
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-        self.proc.wait(10)
 
     def close(self) -> None:
         """SIGTERM (a clean stop); kill by PID if that does not work."""
