@@ -200,8 +200,12 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         node, out = served_by(engine_only, p)
         assert node == "b", "fed by the engines' events only, the router should prefer b (one block on its device)"
         assert out == direct
-        loads = {n.node_id: EngineLoad.from_meta(n.meta) for n in index.nodes()}
-        assert loads["a:engine"] == loads["b:engine"] == EngineLoad(0, 0)   # read from the idle engines' /metrics
+        def loads() -> dict[str, EngineLoad | None]:
+            return {n.node_id: EngineLoad.from_meta(n.meta) for n in index.nodes()}
+
+        assert loads()["a:engine"] is not None and loads()["b:engine"] is not None   # read from the engines
+        # The relays read /metrics once a heartbeat: the last one may have caught b still running.
+        wait_for(lambda: loads()["a:engine"] == loads()["b:engine"] == EngineLoad(0, 0), 15, "idle engines' load")
         index.close()
     finally:
         for t in (tap, tap2):
