@@ -69,24 +69,34 @@ def two_hosts() -> Iterator[list[tuple[str, str]]]:
             ip("-n", ns, "link", "set", dev, "up")
         yield hosts
     finally:
-        for ns in created:
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        remove_namespaces(created)
+
+
+def remove_namespaces(names: list[str]) -> None:
+    """Kill what still runs in them (by PID), then delete them."""
+    for ns in names:
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def start_pair(redis_url: str, runtime_dir: str, hosts: list[tuple[str, str]],
+               nodes: list[NodeProc]) -> tuple[NodeProc, NodeProc]:
+    """Nodes a and b, each in its namespace with UCX on its veth; appended to ``nodes`` as they start."""
+    for name, (ns, dev) in zip("ab", hosts, strict=True):
+        nodes.append(NodeProc(node_config(name, redis_url, runtime_dir, ucx_devices=dev), ("ip", "netns", "exec", ns)))
+    return nodes[-2], nodes[-1]
 
 
 def test_remote_reads_across_network_namespaces(redis_server: RedisServer, runtime_dir: str,
                                                 two_hosts: list[tuple[str, str]]) -> None:
-    (ns_a, dev_a), (ns_b, dev_b) = two_hosts
+    ns_a, dev_a = two_hosts[0]
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(node_config("a", redis_server.url, runtime_dir, ucx_devices=dev_a), ("ip", "netns", "exec", ns_a))
-        nodes.append(a)
-        b = NodeProc(node_config("b", redis_server.url, runtime_dir, ucx_devices=dev_b), ("ip", "netns", "exec", ns_b))
-        nodes.append(b)
+        a, b = start_pair(redis_server.url, runtime_dir, two_hosts, nodes)
         assert a.call("store", seed=1, pages=8) == {"stored": 8}
         wait_for(lambda: b.call("lookup", seed=1, pages=8, save="plan")["nodes"] == ["a"], what="B sees A's pages")
         assert b.call("lookup", seed=1, pages=8, save="plan")["pages"] == 8
@@ -114,13 +124,10 @@ def test_a_cut_link_gives_misses_in_time_and_reads_resume_after_it_heals(
     returns within the deadline with misses or byte-exact pages (never a wrong page), B keeps
     serving its own pages, and once the link is up again B reads A again (reconnecting if UCX
     declared the old connection dead)."""
-    (ns_a, dev_a), (ns_b, dev_b) = two_hosts
+    ns_a, dev_a = two_hosts[0]
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(node_config("a", redis_server.url, runtime_dir, ucx_devices=dev_a), ("ip", "netns", "exec", ns_a))
-        nodes.append(a)
-        b = NodeProc(node_config("b", redis_server.url, runtime_dir, ucx_devices=dev_b), ("ip", "netns", "exec", ns_b))
-        nodes.append(b)
+        a, b = start_pair(redis_server.url, runtime_dir, two_hosts, nodes)
         assert a.call("store", seed=1, pages=8) == {"stored": 8}
         wait_for(lambda: b.call("lookup", seed=1, pages=8, save="plan")["nodes"] == ["a"], what="B sees A's pages")
         assert b.call("lookup", seed=1, pages=8, save="plan")["pages"] == 8

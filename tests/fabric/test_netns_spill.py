@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from pof_connector.index.server import RedisServer
 from pof_connector.tiers.base import slot_bytes_for
 from tests.fabric.harness import MemdProc, NodeProc, node_config, wait_for
 from tests.fabric.node_proc import SPEC
-from tests.fabric.test_netns import ip
+from tests.fabric.test_netns import ip, remove_namespaces
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow,
               pytest.mark.skipif(not nixl_installed(),
@@ -40,17 +38,6 @@ def link_bytes(ns: str, dev: str) -> tuple[int, int]:
     """(sent, received) bytes of ``dev`` in ``ns``."""
     (link,) = json.loads(ip("-n", ns, "-j", "-s", "link", "show", dev))
     return int(link["stats64"]["tx"]["bytes"]), int(link["stats64"]["rx"]["bytes"])
-
-
-def remove_namespaces(names: list[str]) -> None:
-    """Kill what still runs in them (by PID), then delete them."""
-    for ns in names:
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.fixture
