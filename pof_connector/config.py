@@ -150,7 +150,8 @@ UCX_TRANSPORTS = (
 )
 """UCX transport names accepted in ``fabric.tls`` (each may carry UCX's ``^`` exclusion prefix)."""
 _UCX_DEVICES_RE = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
-_FABRIC_KEYS = ("enabled", "ucx_devices", "tls", "timeout_s", "staging_size", "spill", "spill_lease_s")
+_FABRIC_KEYS = ("enabled", "ucx_devices", "tls", "timeout_s", "staging_size", "spill", "spill_lease_s",
+                "progress_wakeup_ms")
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,9 @@ class FabricConfig:
     neighbour's or a memory node's, granted with a lease) instead of being dropped, and this
     node grants its own free slots to others. ``spill_lease_s``: how long a grant lasts unless
     the writer renews it; the owner then reclaims the slot and readers miss.
+    ``progress_wakeup_ms``: the longest the NIXL agent's progress thread sleeps between checks
+    when UCX signals nothing (it wakes on UCX's events at once); 0 polls without sleeping, which
+    is NIXL's own default and costs a whole CPU core per agent, idle or not.
     """
 
     enabled: bool = False
@@ -177,6 +181,7 @@ class FabricConfig:
     staging_size: int = 64 << 20
     spill: bool = False
     spill_lease_s: float = 30.0
+    progress_wakeup_ms: int = 1
 
 
 def _fabric(raw: Any) -> FabricConfig:
@@ -210,6 +215,8 @@ def _fabric(raw: Any) -> FabricConfig:
         kw["staging_size"] = parse_size(raw["staging_size"], "fabric.staging_size")
     if "spill_lease_s" in raw:
         kw["spill_lease_s"] = _float(raw["spill_lease_s"], "fabric.spill_lease_s", lo=0.1)
+    if "progress_wakeup_ms" in raw:
+        kw["progress_wakeup_ms"] = _int(raw["progress_wakeup_ms"], "fabric.progress_wakeup_ms", 0, 1000)
     config = FabricConfig(**kw)
     if config.spill and not config.enabled:
         raise ConfigError("fabric.spill: spilling writes over the fabric; allowed: false, or true with "

@@ -49,6 +49,8 @@ def test_fabric_section() -> None:
     assert PofConfig.from_mapping({"fabric": None}).fabric == PofConfig().fabric
     c = PofConfig.from_mapping({"fabric": {"enabled": True, "spill": True, "spill_lease_s": 10}})
     assert (c.fabric.spill, c.fabric.spill_lease_s) == (True, 10.0)
+    assert PofConfig().fabric.progress_wakeup_ms == 1
+    assert PofConfig.from_mapping({"fabric": {"progress_wakeup_ms": 0}}).fabric.progress_wakeup_ms == 0
     assert PofConfig.from_mapping(c.to_mapping()) == c
 
 
@@ -76,6 +78,8 @@ def test_fabric_section() -> None:
     ({"fabric": {"spill": 1}}, "fabric.spill", "true or false"),
     ({"fabric": {"spill": True}}, "fabric.spill", "fabric.enabled: true"),
     ({"fabric": {"enabled": True, "spill": True, "spill_lease_s": 1}}, "fabric.spill_lease_s", "2 * fabric.timeout_s"),
+    ({"fabric": {"progress_wakeup_ms": -1}}, "fabric.progress_wakeup_ms", "0..1000"),
+    ({"fabric": {"progress_wakeup_ms": 0.5}}, "fabric.progress_wakeup_ms", "0..1000"),
     ({"fabric": {"spill_lease_s": "long"}}, "fabric.spill_lease_s", ">= 0.1"),
 ])
 def test_bad_values_name_key_and_allowed(raw: dict[str, object], key: str, allowed: str) -> None:

@@ -11,20 +11,18 @@ import numpy as np
 from pof_connector.bench import BenchError
 from pof_connector.config import FabricConfig
 from pof_connector.fabric import PeerMeta
-from pof_connector.fabric.agent import ucx_init_params
-from pof_connector.fabric.nixl_api import load_nixl
+from pof_connector.fabric.agent import new_nixl_agent, ucx_init_params
 from pof_connector.fabric.remote_reader import POLL_S
 from pof_connector.pages import PageSpec
 
 
 class RawNixlReader:
-    """Bare NIXL: an agent of its own (same UCX settings as pof's), prepared descriptor lists over a
+    """Bare NIXL: an agent of its own (same UCX and progress-thread settings as pof's), prepared descriptor lists over a
     peer's cpu_dram region, READ, poll with pof's sleep. Use it as a context manager."""
 
     def __init__(self, config: FabricConfig, meta: PeerMeta, spec: PageSpec, batch: int) -> None:
-        api = load_nixl()
         self.spec = spec
-        self.agent: Any = api.nixl_agent(f"bench-raw/{uuid.uuid4().hex[:8]}", api.nixl_agent_config(backends=[]))
+        self.agent: Any = new_nixl_agent(f"bench-raw/{uuid.uuid4().hex[:8]}", config)
         self.agent.create_backend("UCX", ucx_init_params(config))
         self.buf = np.zeros(batch * spec.page_bytes, dtype=np.uint8)
         self.reg = self.agent.register_memory(np.array([[self.buf.ctypes.data, self.buf.nbytes, 0]], np.uint64),

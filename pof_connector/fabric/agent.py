@@ -8,6 +8,8 @@ errors both ways, docs/engines/nixl-1.5.1-ucx.md §2).
 from __future__ import annotations
 
 import logging
+import sys
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,40 @@ def ucx_init_params(config: FabricConfig) -> dict[str, str]:
     return params
 
 
+def new_nixl_agent(name: str, config: FabricConfig) -> Any:
+    """NIXL's Python agent (strict thread sync, no backend yet) with the progress-thread wake-up
+    of ``config`` (see :func:`_core_agent`)."""
+    api = load_nixl()
+    conf = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    agent = api.nixl_agent(name, conf)
+    agent.agent = _core_agent(api, name, conf, config.progress_wakeup_ms)
+    return agent
+
+
+def _core_agent(api: ModuleType, name: str, conf: Any, wakeup_ms: int) -> Any:
+    """The C++ agent under NIXL's Python wrapper, with the progress thread's poll timeout set.
+
+    The wrapper (1.5.1, and NIXL's main branch) always passes ``pthrDelay = 0``, and the UCX
+    backend's progress thread then calls ``poll()`` with a zero timeout in a loop: an idle agent
+    burns a whole core (measured: 4.8 CPU-s in 5 s). On a CPU engine, or a 2-core host, that
+    starves the engine and the owner a reader waits for (READs took 4-5 ms per round trip, and
+    an engine busy with a prompt missed its index heartbeats). With a timeout the thread sleeps
+    in ``poll()`` on the workers' event fds, wakes when UCX has work, and at the latest every
+    ``wakeup_ms`` (0.1 CPU-s in 5 s). The wrapper's agent has no backend yet, so swapping the
+    C++ agent before ``create_backend`` leaves nothing behind.
+    """
+    bind = sys.modules[api.__name__].nixlBind
+    core = bind.nixlAgentConfig()
+    core.useProgThread = True
+    core.useListenThread = False
+    core.listenPort = conf.port
+    core.syncMode = conf.sync_mode.value
+    core.pthrDelay = wakeup_ms * 1000       # microseconds; NIXL rounds up to whole milliseconds
+    core.lthrDelay = 100000
+    core.captureTelemetry = False
+    return bind.nixlAgent(name, core)
+
+
 def _wrap(err: Exception, what: str) -> FabricError:
     name = type(err).__name__
     return FabricError("remote_error", f"{what}: {name}: {err}", disconnected="Disconnect" in name)
@@ -56,10 +92,8 @@ class NixlAgent:
     """One NIXL agent of this process. Thread-safe (NIXL's strict sync mode serializes calls)."""
 
     def __init__(self, name: str, config: FabricConfig) -> None:
-        api = load_nixl()
         self.name = name
-        conf = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self._agent: Any = api.nixl_agent(name, conf)
+        self._agent: Any = new_nixl_agent(name, config)
         try:
             self._agent.create_backend("UCX", ucx_init_params(config))
         except Exception as e:
