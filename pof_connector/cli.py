@@ -512,7 +512,7 @@ def _add_bench(sub: Any) -> None:
                         help="bytes per layer segment (default 256KiB: the 2 MiB pages of `pof bench vllm`'s model)")
     fabric.add_argument("--pages", type=int, default=32, help="pages the owner stores (default 32)")
     fabric.add_argument("--batch", type=int, default=16, help="pages per fetch (default 16)")
-    fabric.add_argument("--iterations", type=int, default=20, help="timed batches per path (default 20)")
+    fabric.add_argument("--iterations", type=int, default=50, help="timed batches per path (default 50)")
     fabric.add_argument("--latency-samples", type=int, default=100,
                         help="timed single-page fetches per path (default 100)")
     fabric.add_argument("--tls", default="tcp", help="UCX transports, '' for UCX's choice (default tcp)")

@@ -65,7 +65,7 @@ NOTE = ("ratio = pof throughput / raw NIXL READ throughput of the same pages bet
         "compared byte for byte")
 
 
-def run(*, layers: int = 8, segment_bytes: int = 256 << 10, pages: int = 32, batch: int = 16, iterations: int = 20,
+def run(*, layers: int = 8, segment_bytes: int = 256 << 10, pages: int = 32, batch: int = 16, iterations: int = 50,
         latency_samples: int = 100, tls: str | None = "tcp", ucx_devices: str | None = "lo",
         progress: Progress = quiet) -> dict[str, Any]:
     """Throughput and latency of both paths, as ``--json`` prints them."""

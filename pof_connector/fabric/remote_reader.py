@@ -54,12 +54,12 @@ SUSPECT_AFTER_TIMEOUT_S = 5.0
 """A peer that missed a deadline gets no new reads for this long (a stalled peer stays stalled)."""
 RECONNECT_AFTER_ERROR_S = 1.0
 """After a disconnect, wait this long before connecting again from the index's metadata."""
-LAYER_REQUESTS = 3
-"""READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers in
-two parts. Each extra request costs a round trip: `pof bench fabric` gave ratios 0.60-0.93 (median
-0.71, 5 runs) with three and 0.66-0.91 (median 0.84, 3 runs) with two, on a busy 2-core host, but
-two failed the vLLM fabric e2e's second direction twice in three runs (not yet understood), so
-three it stays."""
+LAYER_REQUESTS = 2
+"""READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers.
+Each extra request costs a round trip, a few milliseconds over TCP on a busy host (`pof bench
+fabric`, 60 batches each, 2-core host: ratio 0.77 and 0.77 with three requests, 0.82 and 0.90
+with two), while layer 0 arrives as early either way; an engine starts on layer 0 and finds the
+rest arriving as one stream."""
 PARTS_AHEAD = 1
 """Parts of a group in flight at once: the next is posted when the previous one is seen done.
 Posted all at once, UCX over TCP served them interleaved and layer 0 arrived only with the rest
@@ -437,8 +437,10 @@ class RemoteLoad:
         r, n = self._reader, len(self._parts)
         while not g.over:
             handle = g.handles[g.level]
-            if handle is None:               # level == n: the data is all here; now the generation words
-                self._post_generation(g)
+            if handle is None:               # not posted, as every page had failed; nothing is in flight
+                self._reader.staging.give(g.slots)
+                g.slots = []
+                self._end(g)
                 return
             try:
                 if not r.agent.done(handle):
@@ -449,15 +451,24 @@ class RemoteLoad:
             r.agent.release(handle)
             g.handles[g.level] = None
             if g.level < n:
+                # Post the next request before the segment checksums of this part (1-2 ms), so
+                # they overlap the wire; the headers (microseconds) first, so a load whose slots
+                # were all reused reads no more. After the last part comes the generation
+                # re-read, which needs every part done (they are: stages complete in order).
+                if g.level == 0:
+                    self._check_headers(g)
+                if not self._all_failed(g):
+                    nxt = g.level + PARTS_AHEAD
+                    if nxt < n and not self._post_part(g, nxt):
+                        return
+                    if g.level == n - 1 and not self._post_generation(g):
+                        return
                 self._check_part(g, g.level)
-                if all(isinstance(self._out[i], PageError) for i in g.pages) and \
-                        not any(h is not None for h in g.handles):
+                if self._all_failed(g) and not any(h is not None for h in g.handles):
                     # Every page failed (e.g. all slots reused): the rest is not worth reading.
                     self._reader.staging.give(g.slots)
                     g.slots = []
                     self._end(g)
-                    return
-                if g.level + PARTS_AHEAD < n and not self._post_part(g, g.level + PARTS_AHEAD):
                     return
             else:
                 self._check_generation(g)
@@ -465,7 +476,11 @@ class RemoteLoad:
             if g.level > n:
                 self._end(g)
 
-    def _post_generation(self, g: _Group) -> None:
+    def _all_failed(self, g: _Group) -> bool:
+        return all(isinstance(self._out[i], PageError) for i in g.pages)
+
+    def _post_generation(self, g: _Group) -> bool:
+        """Post the re-read of ``g``'s live generation words; False when that failed (``g`` is aborted)."""
         r = self._reader
         assert g.peer is not None
         dlist, num_slots = g.peer.dlists[g.medium]
@@ -477,32 +492,40 @@ class RemoteLoad:
             g.handles[len(self._parts)] = r.agent.post_read(r.staging.dlist, local, dlist, remote)
         except FabricError as e:
             self._abort(g, e, posting=True)
-            return
+            return False
         g.deadline = time.monotonic() + r.timeout_s
+        return True
 
-    def _check_part(self, g: _Group, c: int) -> None:
+    def _check_headers(self, g: _Group) -> None:
+        """With part 0 in: each page's header (magic, geometry, key, generation, header checksum)."""
         r = self._reader
         spec = r.spec
         staged = StagedPage(r.staging, spec, f"remote:{g.medium}")
         for i, slot in zip(g.pages, g.slots, strict=True):
-            got = self._out[i]
-            if isinstance(got, PageError):
+            if isinstance(self._out[i], PageError):
                 continue
-            page = r.staging.page(slot)
             try:
-                if c == 0:
-                    header = PageHeader.parse(page[:spec.header_bytes])
-                    header.expect(spec, self.keys[i], self.sources[i].generation)
-                else:
-                    assert got is not None
-                    header = got[2]
-                for layer in self._parts[c]:
-                    verify_segment(spec, header, layer, spec.segment(page, layer))
+                header = PageHeader.parse(r.staging.page(slot)[:spec.header_bytes])
+                header.expect(spec, self.keys[i], self.sources[i].generation)
             except PageError as e:
                 self._out[i] = e
                 continue
-            if c == 0:
-                self._out[i] = (staged, SlotRef(slot, self.sources[i].generation), header)
+            self._out[i] = (staged, SlotRef(slot, self.sources[i].generation), header)
+
+    def _check_part(self, g: _Group, c: int) -> None:
+        """The segment checksums of part ``c``'s layers, against the headers checked with part 0."""
+        r = self._reader
+        spec = r.spec
+        for i, slot in zip(g.pages, g.slots, strict=True):
+            got = self._out[i]
+            if got is None or isinstance(got, PageError):
+                continue
+            page = r.staging.page(slot)
+            try:
+                for layer in self._parts[c]:
+                    verify_segment(spec, got[2], layer, spec.segment(page, layer))
+            except PageError as e:
+                self._out[i] = e
 
     def _check_generation(self, g: _Group) -> None:
         staging = self._reader.staging
