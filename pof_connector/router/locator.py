@@ -18,12 +18,13 @@ what it stores, and a node is answered with keys of its own namespace.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pof_connector.fabric.meta import PeerMeta
+from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo, PrefixMatch
 from pof_connector.index.base import MEDIA
 from pof_connector.keys import page_keys
@@ -137,7 +138,7 @@ class Locator:
                 keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
                 matches[space] = self.index.longest_prefix(keys) if keys else {}
         domains = {n.node_id: {m: t.domain for m, t in n.tiers.items()} for n in pools}
-        fabric = {n.node_id: set(pm.regions) for n in pools if (pm := PeerMeta.from_meta(n.meta)) is not None}
+        fabric = {n.node_id: media for n in pools if (media := _fabric_media(n.meta)) is not None}
         out: dict[str, NodeLocality] = {}
         page = 0
         for n in pools:
@@ -166,6 +167,20 @@ class Locator:
         return _pick_model(self.nodes() if nodes is None else nodes, model)
 
 
+def _fabric_media(meta: Mapping[str, str]) -> frozenset[str] | None:
+    """The media a node lets peers read over the fabric; ``None`` when it publishes none."""
+    return _decoded_media(meta.get(AGENT_KEY), meta.get(MD_KEY), meta.get(REGIONS_KEY))
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded_media(agent: str | None, md: str | None, regions: str | None) -> frozenset[str] | None:
+    # Every locate reads the node list afresh; the metadata only changes when a node restarts,
+    # so it is decoded once per published value, not once per node per request.
+    published = {k: v for k, v in ((AGENT_KEY, agent), (MD_KEY, md), (REGIONS_KEY, regions)) if v is not None}
+    pm = PeerMeta.from_meta(published)
+    return None if pm is None else frozenset(pm.regions)
+
+
 def _pick_model(live: list[NodeInfo], model: str | None) -> str:
     known = sorted({n.meta["model"] for n in live if n.meta.get("model") and "engine_of" not in n.meta})
     if model is None:
@@ -185,7 +200,7 @@ def _space(n: NodeInfo) -> tuple[bytes, int] | None:
 
 
 def _usable(me: str, found: dict[str, PrefixMatch], domains: dict[str, dict[str, str]],
-            fabric: dict[str, set[str]]) -> tuple[dict[str, int], int]:
+            fabric: Mapping[str, frozenset[str]]) -> tuple[dict[str, int], int]:
     """Pages per tier that node ``me`` can load, and how many leading ones it loads without the
     fabric: page by page from the first readable holder (its own pages, then tiers it shares,
     then, when both ends publish fabric metadata, other nodes' tiers under :data:`REMOTE`),

@@ -55,14 +55,13 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import httpx
 import msgspec
 import zmq
 
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeInfo, open_index
 from pof_connector.keys import PageKey
-from pof_connector.router.engine_load import EngineLoad, read_engine_load
+from pof_connector.router.engine_load_poller import EngineLoadPoller
 from pof_connector.router.kv_events import (
     END_SEQ,
     MEDIUM_CPU,
@@ -124,8 +123,7 @@ class Relay:
         self.index = index if index is not None else open_index(config, self.node_id)
         self.locator = Locator(self.index)
         self.engine_url = engine_url
-        # Short: the read runs on the relay's only thread, between event batches.
-        self._http = httpx.Client(timeout=0.3) if engine_url else None
+        self._load = EngineLoadPoller(engine_url, config.heartbeat_s) if engine_url else None
         self.stats: dict[str, int] = {"engine_batches": 0, "peer_batches": 0, "batches_out": 0,
                                       "engine_gaps": 0, "decode_errors": 0, "replays": 0}
         self._ctx = zmq.Context()
@@ -172,6 +170,8 @@ class Relay:
                  self.node_id, self.engine_events, self.endpoint,
                  f" (replay {self.replay_endpoint})" if self.replay_endpoint else "",
                  "on" if self.pool_residency else "off")
+        if self._load is not None:
+            self._load.start()
         now = time.monotonic()
         next_beat, next_poll, next_refresh = now, now + self.poll_s, now + self.refresh_s
         try:
@@ -395,25 +395,6 @@ class Relay:
 
     # ---- index -----------------------------------------------------------------------------
 
-    def _engine_load(self) -> EngineLoad | None:
-        """The engine's load now; ``None`` when not asked for or unreadable (then the index shows
-        no load for the node rather than a stale one)."""
-        if self.engine_url is None or self._http is None:
-            return None
-        try:
-            load = read_engine_load(self.engine_url, self._http)
-        except httpx.HTTPError as e:
-            self._log_once("engine-load", logging.WARNING, "pof relay: cannot read the engine's load from "
-                           "%s/metrics (%s); publishing none until it answers", self.engine_url, e)
-            return None
-        if load is None:
-            self._log_once("engine-load-gauges", logging.WARNING, "pof relay: %s/metrics has no vLLM or SGLang "
-                           "request gauges; publishing no load", self.engine_url)
-        elif "engine-load" in self._logged:
-            self._logged.discard("engine-load")
-            log.warning("pof relay: reading the engine's load again")
-        return load
-
     def _heartbeat(self) -> None:
         try:
             nodes = self.index.nodes()
@@ -435,7 +416,7 @@ class Relay:
                 "relay_events": self.endpoint}
         if self.replay_endpoint:
             meta["relay_replay"] = self.replay_endpoint
-        load = self._engine_load()
+        load = self._load.latest if self._load is not None else None
         if load is not None:
             meta.update(load.to_meta())
         try:
@@ -526,8 +507,8 @@ class Relay:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
-        if self._http is not None:
-            self._http.close()
+        if self._load is not None:
+            self._load.close()
         log.info("pof relay %s stopped", self.node_id)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -43,10 +44,12 @@ def test_meta_round_trip_and_missing_load() -> None:
 
 
 class MetricsServer:
-    """A stand-in engine ``/metrics`` endpoint (the text vLLM serves); ``text = None`` answers 500."""
+    """A stand-in engine ``/metrics`` endpoint (the text vLLM serves); ``text = None`` answers 500;
+    ``delay_s``: how long each answer takes (an engine busy with a long prefill)."""
 
-    def __init__(self, text: str | None) -> None:
+    def __init__(self, text: str | None, delay_s: float = 0.0) -> None:
         self.text = text
+        self.delay_s = delay_s
         me = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -54,6 +57,7 @@ class MetricsServer:
                 pass
 
             def do_GET(self) -> None:
+                time.sleep(me.delay_s)
                 if self.path != "/metrics" or me.text is None:
                     self.send_error(404 if self.path != "/metrics" else 500)
                     return

@@ -303,6 +303,32 @@ def test_engine_load_reaches_the_locality_api(ctx: zmq.Context[Any], redis_serve
         metrics.close()
 
 
+def test_an_engine_slow_to_answer_metrics_holds_up_no_event(ctx: zmq.Context[Any], redis_server: RedisServer,
+                                                            runtime_dir: str, index: RedisIndex) -> None:
+    metrics = MetricsServer(VLLM, delay_s=1.0)    # each /metrics answer takes 10 heartbeats
+    pool = node("a", redis_server.url, runtime_dir)
+    h = Harness(ctx, pool, engine_url=metrics.url)
+    try:
+        h.connect()
+        lags = []
+        for j in range(8):                         # spread over several slow reads
+            t = tokens(1, base=20_000 + 100 * j)
+            sent = time.monotonic()
+            h.engine.send(stored([900 + j], t))
+            wait_for(lambda t=t: any(isinstance(e, BlockStored) and e.token_ids == t for e in h.tap.events()),
+                     what="forwarded")
+            lags.append(time.monotonic() - sent)
+            time.sleep(0.2)
+        assert max(lags) < 0.5, lags               # the relay loop never waits for the engine's /metrics
+        # ... and the slow answers still arrive: the load is published.
+        wait_for(lambda: EngineLoad.from_meta(next(n.meta for n in index.nodes() if n.node_id == "a:engine"))
+                 == EngineLoad(4, 5), what="the slow engine's load")
+    finally:
+        h.close()
+        pool.close()
+        metrics.close()
+
+
 def test_pages_another_engine_computed_in_a_shared_region(ctx: zmq.Context[Any], redis_server: RedisServer,
                                                           runtime_dir: str, shm_path: str,
                                                           index: RedisIndex) -> None:
