@@ -33,10 +33,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow,
               pytest.mark.skipif(not nixl_installed() and os.environ.get("POF_REQUIRE_NIXL") != "1",
                                  reason="NIXL is not installed in this venv (ci/vllm_venv.sh installs it)")]
 
-def wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> None:
+def wait_for(pred: Callable[[], bool], server: VllmServer, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, f"condition not reached; {server.log}:\n{server.tail(200)}"
         time.sleep(0.5)
 
 
@@ -89,7 +89,7 @@ def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
         assert b.metrics()[HITS] - hits == pool_tokens(1000) == 896
         assert re.search(r"1000 prompt tokens, 0 from the engine's prefix cache, 896 from the pool "
                          r"\(cpu_dram: 896; node a\), 104 to compute", b.log.read_text()), b.tail()
-        wait_for(lambda: series(b, "vllm:pof_loaded_pages_total", 'tier="remote:cpu_dram"') >= 7)
+        wait_for(lambda: series(b, "vllm:pof_loaded_pages_total", 'tier="remote:cpu_dram"') >= 7, b)
         assert series(b, "vllm:pof_load_failures_total", "") == 0, b.tail()
 
         # And the other way round: B computes, A reads from B.
@@ -98,7 +98,7 @@ def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
         hits = a.metrics()[HITS]
         assert a.complete(prompts["ba"]) == reference["ba"]
         assert a.metrics()[HITS] - hits == pool_tokens(777) == 768
-        wait_for(lambda: series(a, "vllm:pof_loaded_pages_total", 'tier="remote:cpu_dram"') >= 6)
+        wait_for(lambda: series(a, "vllm:pof_loaded_pages_total", 'tier="remote:cpu_dram"') >= 6, a)
         for s in (a, b):
             assert "pof fabric: connected to" in s.log.read_text(), s.tail()
 
@@ -110,7 +110,7 @@ def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
         os.killpg(a.proc.pid, signal.SIGKILL)
         failures = series(b, "vllm:pof_load_failures_total", "")
         assert b.complete(prompts["dead"]) == reference["dead"]      # not a wrong token: recomputed
-        wait_for(lambda: series(b, "vllm:pof_load_failures_total", "") > failures)   # it did try A
+        wait_for(lambda: series(b, "vllm:pof_load_failures_total", "") > failures, b)   # it did try A
         assert b.complete(prompts["after"]) == reference["after"]
         assert b.complete(prompts["ab"]) == reference["ab"]
     finally:

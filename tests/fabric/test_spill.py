@@ -87,7 +87,8 @@ def test_spill_to_memory_node_read_back_and_renewed(cluster: tuple[NodeProc, Nod
     for reader in (a, b):
         r = reader.call("load", seed=1, pages=4)
         assert r["pages"] == 4 and r["failed"] == {} and r["exact"], r
-    assert m_lent(redis_server.url) >= 4              # 4 written, the rest of the grant in B's reserve
+    # 4 written, the rest of the grant in B's reserve (as M's next heartbeat reports it).
+    wait_for(lambda: m_lent(redis_server.url) >= 4, 5, "M's report of the leases")
     # Past the lease: B renewed it, so the pages are still there and exact.
     time.sleep(LEASE_S + TIMEOUT_S + 0.5)
     r = a.call("load", seed=1, pages=4)
@@ -116,6 +117,8 @@ def test_lease_expiry_reclaims_and_readers_miss(
     spill_first_chain(b)
     wait_for(lambda: a.call("lookup", seed=1, pages=4, save="plan")["nodes"] == ["m"], what="A finds chain 1")
     assert a.call("load", seed=1, pages=4, saved="plan")["exact"]
+    # M's heartbeat reports the leases (else "0 lent" below could be the report from before them).
+    wait_for(lambda: m_lent(redis_server.url) >= 4, 5, "M's report of the leases")
     # B stops (no renewals): M reclaims the slots when the lease and its grace are over.
     b.signal(signal.SIGSTOP)
     try:
