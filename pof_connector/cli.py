@@ -8,6 +8,7 @@ Commands::
     pof bench tiers   page put+get through the tiers vs. plain memcpy
     pof bench index   prefix-lookup latency and memory per location
     pof bench fabric  remote page fetch over NIXL through pof vs. a raw NIXL READ
+    pof bench hbm     peer-GPU HBM and host-tier reads vs. raw torch copies
     pof router        OpenAI-compatible proxy routing by estimated time to first token
     pof relay         feed a KV-event router (vllm-router kv_aware) an engine's cache and its pool
     pof memd          a memory-only pool node: lends its DRAM/CXL to other nodes' spilled pages
@@ -35,6 +36,7 @@ from rich.table import Table
 
 from pof_connector.bench import BenchError
 from pof_connector.bench import fabric as bench_fabric  # imports NIXL only when run
+from pof_connector.bench import hbm as bench_hbm  # imports torch only when run
 from pof_connector.bench import index as bench_index
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
@@ -377,6 +379,29 @@ def cmd_bench_fabric(args: argparse.Namespace) -> int:
     return 0 if result["exact"] else 1
 
 
+def cmd_bench_hbm(args: argparse.Namespace) -> int:
+    engine, peer = bench_hbm.devices(args.device, args.peer)
+    _progress(f"hbm: engine {engine}, peer region on {peer}; {args.pages} pages of {args.layers} x "
+              f"{format_size(args.segment_bytes)}")
+    result = bench_hbm.run(engine=engine, peer=peer, layers=args.layers, segment_bytes=args.segment_bytes,
+                           pages=args.pages, min_s=args.min_seconds)
+    if args.json:
+        _print_json(result)
+        return 0
+    table = Table(title=f"page moves, {result['pages']} pages of {format_size(result['page_bytes'])} "
+                        f"(engine {engine}, peer {peer})", title_justify="left")
+    for name in ("row", "pof GB/s", "raw", "raw GB/s", "ratio"):
+        table.add_column(name, justify="left" if name in ("row", "raw") else "right")
+    for name, row in result["rows"].items():
+        table.add_row(name, f"{row['pof_gbps']:.3f}", row["raw"], f"{row['raw_gbps']:.3f}", f"{row['ratio']:.3f}")
+    out = _out()
+    out.print(table)
+    out.print(f"ratio (peer read to the engine's device) [bold]{result['ratio']:.3f}[/bold]; peer HBM vs. host "
+              f"tier {result['peer_vs_host_tier']:.3f}; checked-read bound "
+              f"{result['peer_read_to_device_bound_gbps']:.3f} GB/s")
+    return 0
+
+
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
     setups = tuple(args.setups) + (("fabric",) if args.fabric and "fabric" not in args.setups else ())
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
@@ -518,6 +543,18 @@ def _add_bench(sub: Any) -> None:
     fabric.add_argument("--tls", default="tcp", help="UCX transports, '' for UCX's choice (default tcp)")
     fabric.add_argument("--ucx-devices", default="lo", help="UCX NET_DEVICES, '' for UCX's choice (default lo)")
     fabric.set_defaults(handler=cmd_bench_fabric)
+    hbm = bsub.add_parser("hbm", help="peer-GPU HBM and host-tier reads vs. raw torch copies",
+                          description="Move the same pages through pof's peer_hbm and cpu_dram tiers (checked "
+                                      "reads and writes) and with plain torch copies between the same memories, "
+                                      "in the same run. Needs PyTorch; without CUDA it runs on CPU tensors.")
+    hbm.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    hbm.add_argument("--device", help="the engine's device (default cuda:0, or cpu without CUDA)")
+    hbm.add_argument("--peer", help="device of the peer_hbm region (default the last GPU, or cpu without CUDA)")
+    hbm.add_argument("--layers", type=int, default=32, help="layer segments per page (default 32)")
+    hbm.add_argument("--segment-bytes", type=_size, default=256 << 10, help="bytes per layer segment (default 256KiB)")
+    hbm.add_argument("--pages", type=int, default=32, help="pages moved per pass (default 32)")
+    hbm.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per row (default 0.3)")
+    hbm.set_defaults(handler=cmd_bench_hbm)
     vllm = bsub.add_parser("vllm", help="TTFT from the pool vs. recompute vs. vLLM's ExampleConnector",
                            description="Start three vLLM servers in turn (no connector, PoFConnector, "
                                        "ExampleConnector) and time long prompts served by each; with --fabric "

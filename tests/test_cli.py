@@ -193,3 +193,13 @@ def test_serve_then_stop(short_dir: Path, capsys: pytest.CaptureFixture[str]) ->
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=15)
+
+
+def test_bench_hbm_without_torch_says_where_to_run_it(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch is installed here (tests/tiers/test_peer_hbm.py runs the bench)")
+    except ImportError:
+        pass
+    assert main(["bench", "hbm", "--json"]) == 1
+    assert "PyTorch is not installed" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from pof_connector.bench import BenchError
 from pof_connector.config import TierConfig
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec, checksum
@@ -184,6 +185,21 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
     }
 
 
+def devices(engine: str | None, peer: str | None) -> tuple[str, str]:
+    """(engine device, peer device): ``cuda:0`` and the last GPU, or ``cpu`` for both without CUDA.
+    Raises :class:`~pof_connector.bench.BenchError` without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        raise BenchError("PyTorch is not installed here; run the peer-HBM bench in the engine's venv "
+                         "(vLLM or SGLang brings torch)") from None
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)     # CPU copies: intra-op threads only spin against each other here
+    return (engine or ("cuda:0" if cuda else "cpu"),
+            peer or (f"cuda:{torch.cuda.device_count() - 1}" if cuda else "cpu"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pof_connector.bench.hbm", description=__doc__.split("\n")[0])
     p.add_argument("--device", help="engine device (default: cuda:0 when CUDA is available, else cpu)")
@@ -194,13 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per row (default 0.3)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     args = p.parse_args(argv)
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        torch.set_num_threads(1)     # CPU copies: intra-op threads only spin against each other here
-    engine = args.device or ("cuda:0" if cuda else "cpu")
-    peer = args.peer or (f"cuda:{torch.cuda.device_count() - 1}" if cuda else "cpu")
+    engine, peer = devices(args.device, args.peer)
     result = run(engine=engine, peer=peer, layers=args.layers, segment_bytes=args.segment_kib << 10,
                  pages=args.pages, min_s=args.min_seconds)
     if args.json:

@@ -7,6 +7,7 @@ With one GPU, "peer" is that GPU mapped by another process through CUDA IPC.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import time
@@ -330,3 +331,16 @@ def test_two_nodes_share_one_peer_region_through_the_index(device: str, runtime_
     finally:
         b.close()
         a.close()
+
+
+def test_pof_bench_hbm_moves_pages_both_ways_on_cpu_tensors(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pof bench hbm`` (what ci/gpu_check.sh measures on GPUs), on this host's CPU tensors."""
+    from pof_connector.cli import main
+
+    assert main(["bench", "hbm", "--json", "--device", "cpu", "--peer", "cpu", "--pages", "2", "--layers", "2",
+                 "--segment-bytes", "64KiB", "--min-seconds", "0.01"]) == 0
+    result = json.loads(capsys.readouterr().out)      # stdout is the JSON alone (progress: stderr)
+    assert set(result["rows"]) == {"peer_read_to_device", "peer_read_to_host", "peer_write_from_host",
+                                   "host_tier_to_device"}
+    assert all(row["pof_gbps"] > 0 and row["raw_gbps"] > 0 for row in result["rows"].values())
+    assert result["page_bytes"] > 2 * 64 * 1024 and result["peer_is_other_gpu"] is False
