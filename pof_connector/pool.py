@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 NODES_MISS_REFRESH_S = 0.05
 """Least age of the node list before an unknown node triggers a refresh."""
+LOOKUP_ROUNDS = 4
+"""Index queries per lookup at most: a chain found in up to this many runs held by different nodes."""
 Role = Literal["worker", "client"]
 
 
@@ -200,9 +202,19 @@ class Pool:
         for key in reversed(keys[:own]):
             self._touch_own(key)       # the prefix head ends most recently used
         elsewhere: dict[str, int] = {}
-        if keys and sources[-1] is None:
-            matches = self._index_call("lookup", self.index.longest_prefix, keys, default={})
-            self._merge(matches, sources, elsewhere)
+        start, rounds = 0, 0
+        while own < len(keys) and rounds < LOOKUP_ROUNDS:
+            matches = self._index_call("lookup", self.index.longest_prefix, keys[start:], default={})
+            self._merge(matches, sources, elsewhere, start)
+            rounds += 1
+            found = next((i for i, s in enumerate(sources) if s is None), len(sources))
+            if found == len(keys) or found <= start:
+                break
+            # The index counts each node's pages from the first key it is asked for, so a chain
+            # whose head stayed on one node and whose tail lives on another (spilled, or evicted
+            # there and kept here) ends every run where the head's holder stops: ask again from
+            # there (one more round trip, only for a partial hit).
+            start = found
         run = next((i for i, s in enumerate(sources) if s is None), len(sources))
         result = Lookup(keys, [s for s in sources[:run] if s is not None], elsewhere)
         for medium, n in result.per_tier().items():
@@ -225,19 +237,20 @@ class Pool:
                 return
 
     def _merge(self, matches: dict[str, PrefixMatch], sources: list[Location | None],
-               elsewhere: dict[str, int]) -> None:
+               elsewhere: dict[str, int], offset: int = 0) -> None:
+        """Fill ``sources[offset + i]`` from page ``i`` of each match this node can read."""
         for node, match in matches.items():
             readable = [self._readable(node, MEDIA[c]) or self._remote_meta(node, MEDIA[c]) is not None
                         for c in range(len(MEDIA))]
             usable = 0
-            for i in range(min(match.pages, len(sources))):
+            for i in range(min(match.pages, len(sources) - offset)):
                 if not readable[int(match.media[i])]:
                     break
                 usable = i + 1
-                if sources[i] is None:
-                    sources[i] = match.location(i)
+                if sources[offset + i] is None:
+                    sources[offset + i] = match.location(i)
             if usable < match.pages:
-                elsewhere[node] = match.pages
+                elsewhere[node] = max(elsewhere.get(node, 0), offset + match.pages)
 
     def _readable(self, node: str, medium: str) -> bool:
         """Can this node read ``node``'s ``medium`` tier with plain loads?"""

@@ -144,6 +144,34 @@ def test_two_nodes_share_a_cxl_region_through_redis(runtime_dir: str, namespace:
             p.close()
 
 
+def test_a_chain_split_over_nodes_is_found_whole(runtime_dir: str, namespace: bytes, shm_path: str,
+                                                redis_server: RedisServer) -> None:
+    """a holds a prompt's head, b its tail (as after a spill, or an eviction on one node only):
+    c's lookup finds all of it, and reads each part from its holder."""
+    tiers = {"cxl": {"path": shm_path, "size": "2MiB", "partitions": 4}}
+    a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    c = Pool(cfg("c", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    try:
+        keys = a.keys_for(np.arange(16 * 10))
+        a.store([(k, content(k)) for k in keys[:4]]).result()
+        b.store([(k, content(k)) for k in keys[4:8]]).result()
+        wait_for(lambda: c.lookup(keys).pages == 8)
+        lk = c.lookup(keys)
+        assert [s.node for s in lk.sources] == ["a"] * 4 + ["b"] * 4
+        bufs, failed, n = load_all(c, keys)
+        assert failed == {} and n == 8
+        assert_pages(bufs, keys)
+        assert b.lookup(keys).pages == 8          # b too: a's head, then its own tail
+        # Without the head nothing counts: a page is only of use after all pages before it.
+        a.tiers[0].remove(keys[0])
+        a.index.withdraw([(keys[0], lk.sources[0])])
+        assert c.lookup(keys).pages == 0 and b.lookup(keys).pages == 0
+    finally:
+        for p in (a, b, c):
+            p.close()
+
+
 def test_a_peer_that_joined_after_the_last_node_refresh_is_readable_at_once(
         runtime_dir: str, namespace: bytes, shm_path: str, redis_server: RedisServer) -> None:
     """A scheduler plans a load from a peer it just learnt of; the worker's node list may be older
