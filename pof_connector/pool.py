@@ -32,6 +32,7 @@ import numpy as np
 from pof_connector.config import PofConfig
 from pof_connector.fabric import PeerMeta, require_nixl
 from pof_connector.index import (
+    LOOKUP_ROUNDS,
     MEDIA,
     IndexUnavailable,
     LocalityIndex,
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 NODES_MISS_REFRESH_S = 0.05
 """Least age of the node list before an unknown node triggers a refresh."""
-LOOKUP_ROUNDS = 4
-"""Index queries per lookup at most: a chain found in up to this many runs held by different nodes."""
 Role = Literal["worker", "client"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pof_connector.config import PofConfig
 from pof_connector.index.base import (
+    LOOKUP_ROUNDS,
     MEDIA,
     IndexUnavailable,
     LocalityIndex,
@@ -14,8 +15,8 @@ from pof_connector.index.base import (
 )
 from pof_connector.index.local import LocalIndex, LocalTable
 
-__all__ = ["MEDIA", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex", "Location", "NodeInfo",
-           "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
+__all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex", "Location",
+           "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
 
 
 def resolve_url(config: PofConfig) -> str:

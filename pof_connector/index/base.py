@@ -65,6 +65,12 @@ class NodeInfo:
                    {str(k): str(v) for k, v in meta.items()})
 
 
+LOOKUP_ROUNDS = 4
+"""Index queries per lookup at most (:meth:`LocalityIndex.longest_prefix` counts runs from the first
+key asked for, so a chain whose pages are held by several nodes in a row is asked for again from
+where the runs so far stop): a chain is found across up to this many holders in a row."""
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """One node's leading run of pages: page ``i`` of the query lives at ``media[i]``,

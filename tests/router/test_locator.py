@@ -118,3 +118,29 @@ def test_pages_of_other_nodes_over_the_fabric(redis_server: RedisServer, runtime
         for p in (x, y, a):
             p.close()
         reader.close()
+
+
+def test_a_chain_split_over_nodes_counts_whole(redis_server: RedisServer, runtime_dir: str, shm_path: str) -> None:
+    """p holds a prompt's head and q its tail in one shared region (as after a spill): every node
+    reading that region can load the whole chain, as its Pool.lookup finds it."""
+    cxl = {"path": shm_path, "size": "1MiB", "partitions": 3}
+    p, q, r = (node(n, redis_server.url, runtime_dir, cxl=cxl) for n in "pqr")
+    reader = RedisIndex(redis_server.url, None)
+    try:
+        tokens = list(range(4000, 4000 + 16 * 8))
+        keys = p.keys_for(tokens)
+        p.store([(k, SEG) for k in keys[:3]]).result()
+        q.store([(k, SEG) for k in keys[3:6]]).result()
+        deadline = time.monotonic() + 5
+        while r.lookup(keys).pages < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.lookup(keys).pages == 6
+        found = Locator(reader).locate(tokens)
+        fp, fq, fr = (found.nodes[n] for n in "pqr")
+        assert fp.held == {"cxl": 48} and fq.held == {} and fr.held == {}      # held: from the first page
+        assert fp.usable == fq.usable == fr.usable == {"cxl": 96}
+        assert fr.near_tokens == 96
+    finally:
+        for pool in (p, q, r):
+            pool.close()
+        reader.close()
