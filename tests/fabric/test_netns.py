@@ -85,10 +85,15 @@ def remove_namespaces(names: list[str]) -> None:
 
 def start_pair(redis_url: str, runtime_dir: str, hosts: list[tuple[str, str]],
                nodes: list[NodeProc]) -> tuple[NodeProc, NodeProc]:
-    """Nodes a and b, each in its namespace with UCX on its veth; appended to ``nodes`` as they start."""
+    """Nodes a and b, each in its namespace with UCX on its veth (appended to ``nodes`` as they
+    start); a stores 8 pages of chain 1, and b's lookup of all 8 on a is saved as "plan"."""
     for name, (ns, dev) in zip("ab", hosts, strict=True):
         nodes.append(NodeProc(node_config(name, redis_url, runtime_dir, ucx_devices=dev), ("ip", "netns", "exec", ns)))
-    return nodes[-2], nodes[-1]
+    a, b = nodes[-2], nodes[-1]
+    assert a.call("store", seed=1, pages=8) == {"stored": 8}
+    wait_for(lambda: b.call("lookup", seed=1, pages=8, save="plan")["nodes"] == ["a"], what="B sees A's pages")
+    assert b.call("lookup", seed=1, pages=8, save="plan")["pages"] == 8
+    return a, b
 
 
 def test_remote_reads_across_network_namespaces(redis_server: RedisServer, runtime_dir: str,
@@ -97,9 +102,6 @@ def test_remote_reads_across_network_namespaces(redis_server: RedisServer, runti
     nodes: list[NodeProc] = []
     try:
         a, b = start_pair(redis_server.url, runtime_dir, two_hosts, nodes)
-        assert a.call("store", seed=1, pages=8) == {"stored": 8}
-        wait_for(lambda: b.call("lookup", seed=1, pages=8, save="plan")["nodes"] == ["a"], what="B sees A's pages")
-        assert b.call("lookup", seed=1, pages=8, save="plan")["pages"] == 8
         sent = tx_bytes(ns_a, dev_a)
         r = b.call("load", seed=1, pages=8, saved="plan")
         assert r["failed"] == {} and r["exact"], r
@@ -127,10 +129,7 @@ def test_a_cut_link_gives_misses_in_time_and_reads_resume_after_it_heals(
     ns_a, dev_a = two_hosts[0]
     nodes: list[NodeProc] = []
     try:
-        a, b = start_pair(redis_server.url, runtime_dir, two_hosts, nodes)
-        assert a.call("store", seed=1, pages=8) == {"stored": 8}
-        wait_for(lambda: b.call("lookup", seed=1, pages=8, save="plan")["nodes"] == ["a"], what="B sees A's pages")
-        assert b.call("lookup", seed=1, pages=8, save="plan")["pages"] == 8
+        _, b = start_pair(redis_server.url, runtime_dir, two_hosts, nodes)
         assert b.call("load", seed=1, pages=8, saved="plan")["failed"] == {}
 
         results: list[tuple[float, float, dict[str, Any]]] = []     # (start, end, reply) per load
