@@ -16,6 +16,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,8 +113,12 @@ def test_three_hosts_read_and_spill_to_memory_node(redis_server: RedisServer, ru
         assert r["pages"] == 4 and r["failed"] == {} and r["exact"], r
         assert link_bytes(ns_m, dev_m)[0] - sent >= 4 * SPEC.page_bytes
 
-        # pof stats shows the memory node's occupancy.
-        (node_m,) = [n for n in _stats(redis_server.url, capsys)["nodes"] if n["node_id"] == "m"]
+        # pof stats shows the memory node's occupancy (once M's heartbeat has reported the leases).
+        def m_in_stats() -> dict[str, Any]:
+            (node,) = [n for n in _stats(redis_server.url, capsys)["nodes"] if n["node_id"] == "m"]
+            return node
+        wait_for(lambda: m_in_stats()["tiers"]["cpu_dram"]["lent_slots"] >= 4, 5, "M's report of the leases")
+        node_m = m_in_stats()
         assert node_m["role"] == "memory" and node_m["tiers"]["cpu_dram"]["lent_slots"] >= 4, node_m
         assert node_m["tiers"]["cpu_dram"]["lease_writers"] == 1
     finally:
