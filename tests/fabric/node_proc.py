@@ -109,8 +109,18 @@ def main() -> None:
         SPEC = PageSpec(num_layers=layers, segment_bytes=segment_bytes, page_tokens=16)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[node {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    # Replies get the pipe to themselves: UCX and NIXL's logger write to fd 1 from other threads,
+    # and a line of theirs landing inside a reply once broke its JSON (the link-cut test).
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply_with(obj: dict[str, Any]) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
     node = Node(PofConfig.from_json(sys.argv[1]))
-    print(json.dumps({"ready": True, "pid": os.getpid(), "meta": node.pool.meta}), flush=True)
+    reply_with({"ready": True, "pid": os.getpid(), "meta": node.pool.meta})
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -121,7 +131,7 @@ def main() -> None:
                 reply = getattr(node, f"op_{op}")(**cmd)
             except Exception as e:   # report, keep serving: the test decides
                 reply = {"error": f"{type(e).__name__}: {e}"}
-            print(json.dumps(reply), flush=True)
+            reply_with(reply)
     finally:
         node.pool.close()
 
