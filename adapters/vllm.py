@@ -80,7 +80,8 @@ class PoFConnector(KVConnectorBase_V1):
             self._scheduler = PoFScheduler(config, geo, loads=kv_role != "kv_producer",
                                            saves=kv_role != "kv_consumer")
         else:
-            self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), hnd_preferred=_hnd_preferred())
+            self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), hnd_preferred=_hnd_preferred(),
+                                     pp_rank=_pp_rank())
 
     # ---- scheduler side ----------------------------------------------------------------------------
 
@@ -120,6 +121,7 @@ class PoFConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, PoFConnectorMetadata):
+            self._worker.track(connector_metadata)
             self._worker.report_failed_blocks(connector_metadata.fail_blocks)
             self._safely("bind_connector_metadata", self._worker.prepare_saves, connector_metadata,
                          on_error=self._worker.drop_saves)
@@ -209,6 +211,15 @@ def _tp_rank() -> int:
 
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, RuntimeError):    # no TP group (single process tests)
+        return 0
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except (AssertionError, RuntimeError):    # no PP group (single process tests)
         return 0
 
 

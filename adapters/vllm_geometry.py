@@ -28,6 +28,8 @@ class VllmGeometry:
     layout_tag: str = "canonical"
     """``canonical`` when pages hold real per-token K/V (shareable with any engine); otherwise the
     name of an engine-specific block format, which then keeps those pages in a namespace of their own."""
+    pp_size: int = 1
+    """Pipeline stages: each stage holds other layers, so a stage's pages live in a namespace of its own."""
 
     @property
     def blocks_per_page(self) -> int:
@@ -39,11 +41,21 @@ class VllmGeometry:
         tag = "" if self.layout_tag == "canonical" else f":{self.layout_tag}"
         return f"{kind}:kv_heads={self.kv_heads}:head_dim={self.head_dim}:layers={self.num_layers}{tag}"
 
-    def namespace(self, config: PofConfig, tp_rank: int) -> bytes:
-        # MLA latents are identical on every rank: one namespace for all of them.
+    def namespace(self, config: PofConfig, tp_rank: int, pp_rank: int = 0) -> bytes:
+        """The key namespace of rank (``tp_rank``, ``pp_rank``): the scheduler looks up rank (0, 0)'s."""
+        # MLA latents are identical on every TP rank: one namespace for all of them.
         rank, size = (0, 1) if self.is_mla else (tp_rank, self.tp_size)
-        return Namespace(self.model, self.kv_dtype, self.layout, self.page_tokens, rank, size,
+        layout = self.layout
+        if self.pp_size > 1:     # stages with equal layer counts hold different layers' KV
+            layout += f":pp={pp_rank}/{self.pp_size}"
+        return Namespace(self.model, self.kv_dtype, layout, self.page_tokens, rank, size,
                          config.namespace).digest
+
+    def node_id(self, config: PofConfig, tp_rank: int, pp_rank: int = 0) -> str:
+        """The pool node of one worker: every worker process is a node of its own (its DRAM tier is
+        private), named after the first rank's node (``a``, ``a-tp1``, ``a-pp1``, ``a-tp1-pp1``)."""
+        suffix = (f"-tp{tp_rank}" if tp_rank else "") + (f"-pp{pp_rank}" if pp_rank else "")
+        return config.node_id + suffix
 
 
 def pof_config(vllm_config: Any) -> PofConfig:
@@ -80,6 +92,7 @@ def geometry(vllm_config: Any, config: PofConfig) -> VllmGeometry:
         block_size=block_size,
         page_tokens=page_tokens,
         tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
     )
     if cache_dtype == "auto" and _on_cpu():
         order = cpu_block_order(geo.kv_heads, block_size, geo.head_dim, model_config.dtype)

@@ -95,7 +95,11 @@ class BlockLayout:
     def scatter(self, kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Write ``blocks`` (``[nb, *block_shape()]``, canonical order) into ``block_ids`` of ``kv``."""
         nb = len(block_ids)
-        c = blocks.to(kv.device, non_blocking=True)
+        # Blocking on purpose: ``blocks`` is a view of tier memory (pinned under CUDA, or a tier's
+        # scratch buffer). A non-blocking copy would return before the DMA read it, so the checksum
+        # that follows could pass on bytes a writer replaces afterwards, and a scratch buffer could be
+        # refilled under the copy. Once this returns, the device holds its own copy.
+        c = blocks.to(kv.device, non_blocking=False)
         if self.name == "cpu_kt":       # strided copies: ~2x faster than a generic permutation
             n, h, d = self.block_size, self.kv_heads, self.head_dim
             x = torch.empty((nb, h, 2, n * d), dtype=kv.dtype, device=kv.device)

@@ -49,3 +49,11 @@ class PoFConnectorMetadata(KVConnectorMetadata):
     fail_blocks: list[int] = field(default_factory=list)
     """Blocks vLLM was promised but that will not be loaded (the scheduler half failed after its
     answer): the worker reports them as load errors so vLLM recomputes them."""
+    tainted: list[str] = field(default_factory=list)
+    """Requests whose ``fail_blocks`` are reported this step: whatever they compute on top of those
+    blocks is not the page its key names, so the worker stores none of it until ``rewound``."""
+    rewound: list[str] = field(default_factory=list)
+    """Requests vLLM rewound (after a failed load, or a preemption) since the last step: what they
+    compute from now on is computed afresh, on validated KV only, and may be stored again."""
+    finished: list[str] = field(default_factory=list)
+    """Requests that ended since the last step (the worker forgets them)."""

@@ -9,6 +9,7 @@ asynchronous load would park the request for at least one extra scheduler step a
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -35,20 +36,47 @@ class _Plan:
 
 
 class _Chain:
-    """A request's page keys, extended as its tokens grow."""
+    """A request's page keys, extended as its tokens grow.
 
-    def __init__(self, namespace: bytes, cache_salt: str | None) -> None:
+    Every input that changes a request's KV besides its token ids is in the key or keeps the
+    request out of the pool, as vLLM's own block hashes do (``generate_block_hash_extra_keys``):
+    ``cache_salt`` and the LoRA adapter (name and path) seed the chain; pages that reach a
+    multimodal placeholder (whose KV depends on the image, not on the placeholder ids) or any
+    token of a prompt given as embeddings are neither loaded nor stored. Pages before the first
+    placeholder are plain text KV and are shared.
+    """
+
+    def __init__(self, namespace: bytes, request: Any) -> None:
         self.namespace = namespace
-        self.seed = storage_seed(None, cache_salt)
+        self.seed = storage_seed(lora_extra_key(request), request.cache_salt)
+        self.limit = token_limit(request)
         self.keys: list[PageKey] = []
 
     def upto(self, tokens: list[int], pages: int, page_tokens: int) -> list[PageKey]:
+        """Keys of the first ``pages`` pages, fewer when the request's :attr:`limit` stops them."""
+        pages = min(pages, self.limit // page_tokens)
         have = len(self.keys)
         if pages > have:
             prior = self.keys[-1].digest if self.keys else self.seed
             more = chain_digests(tokens[have * page_tokens:pages * page_tokens], page_tokens, prior)
             self.keys += [PageKey(self.namespace, d) for d in more]
         return self.keys[:pages]
+
+
+def lora_extra_key(request: Any) -> str | None:
+    """The LoRA adapter as a chain seed part (``None``: the base model)."""
+    lora = getattr(request, "lora_request", None)
+    if not lora:
+        return None
+    return json.dumps(["vllm-lora", str(lora.lora_name), str(lora.lora_path)], separators=(",", ":"))
+
+
+def token_limit(request: Any) -> int:
+    """How many leading tokens have KV that only token ids (and the chain's seed) determine."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return 0
+    offsets = [f.mm_position.offset for f in getattr(request, "mm_features", None) or ()]
+    return min(offsets, default=1 << 62)
 
 
 class PoFScheduler:
@@ -67,14 +95,17 @@ class PoFScheduler:
         self._requests: dict[str, Any] = {}
         self._blocks: dict[str, list[int]] = {}
         self._saved_pages: dict[str, int] = {}
+        self._progress: dict[str, int] = {}      # tokens computed once the last planned step ran
         self._loads: list[LoadJob] = []
         self._fail_blocks: list[int] = []
+        self._tainted: list[str] = []
+        self._finished: list[str] = []
         self._hit_tiers: dict[str, dict[str, int]] = {}
 
     def _chain(self, request: Any) -> _Chain:
         chain = self._chains.get(request.request_id)
         if chain is None:
-            chain = self._chains[request.request_id] = _Chain(self.pool.namespace, request.cache_salt)
+            chain = self._chains[request.request_id] = _Chain(self.pool.namespace, request)
         return chain
 
     # ---- get_num_new_matched_tokens ------------------------------------------------------
@@ -90,6 +121,8 @@ class PoFScheduler:
         if limit <= first or not self.loads:
             return 0
         keys = self._chain(request).upto(tokens, limit, P)[first:]
+        if not keys:
+            return 0
         found = self.pool.lookup(keys)
         if found.pages == 0 or (first + found.pages) * P <= num_computed:
             return 0
@@ -112,6 +145,7 @@ class PoFScheduler:
                 bs = self.geo.block_size
                 start = (plan.num_computed if plan else 0) // bs
                 self._fail_blocks += block_ids[start:start + -(-num_external // bs)]
+                self._tainted.append(request.request_id)
 
     def _after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         req_id = request.request_id
@@ -146,8 +180,9 @@ class PoFScheduler:
     # ---- build_connector_meta ----------------------------------------------------------------
 
     def build_meta(self, so: Any) -> PoFConnectorMetadata:
-        meta = PoFConnectorMetadata(loads=self._loads, fail_blocks=self._fail_blocks)
-        self._loads, self._fail_blocks = [], []
+        meta = PoFConnectorMetadata(loads=self._loads, fail_blocks=self._fail_blocks, tainted=self._tainted,
+                                    finished=self._finished)
+        self._loads, self._fail_blocks, self._tainted, self._finished = [], [], [], []
         try:
             self._plan_step_saves(so, meta)
         except Exception as e:     # saving is best effort: this step's pages are simply not stored
@@ -167,9 +202,21 @@ class PoFScheduler:
                     self._blocks[req_id] = list(new_ids[0])
                 else:
                     self._blocks.setdefault(req_id, []).extend(new_ids[0])
-            self._plan_saves(req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], meta)
+            computed = cached.num_computed_tokens[i]
+            if computed < self._progress.get(req_id, 0):
+                self._rewind(req_id, computed, meta)
+            self._plan_saves(req_id, computed + so.num_scheduled_tokens[req_id], meta)
+
+    def _rewind(self, req_id: str, computed: int, meta: PoFConnectorMetadata) -> None:
+        """vLLM set the request back to ``computed`` tokens (a load failed, or it was preempted):
+        it recomputes from there, so the pages from there on are saved again when full (the
+        worker stored none that were computed on top of a failed load)."""
+        P = self.geo.page_tokens
+        self._saved_pages[req_id] = min(self._saved_pages.get(req_id, 0), computed // P)
+        meta.rewound.append(req_id)
 
     def _plan_saves(self, req_id: str, computed_after: int, meta: PoFConnectorMetadata) -> None:
+        self._progress[req_id] = computed_after
         request = self._requests.get(req_id)
         if request is None or not self.saves:
             return
@@ -181,6 +228,9 @@ class PoFScheduler:
         if full <= start:
             return
         keys = self._chain(request).upto(tokens, full, P)
+        full = len(keys)          # fewer when the request's KV is not its tokens' alone (see _Chain)
+        if full <= start:
+            return
         page_blocks = [blocks[p * bpp:(p + 1) * bpp] for p in range(start, full)]
         meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks))
         self._saved_pages[req_id] = full
@@ -188,8 +238,10 @@ class PoFScheduler:
     # ---- request_finished ----------------------------------------------------------------------
 
     def finished(self, req_id: str) -> None:
-        for books in (self._chains, self._plans, self._requests, self._blocks, self._saved_pages, self._hit_tiers):
+        for books in (self._chains, self._plans, self._requests, self._blocks, self._saved_pages, self._hit_tiers,
+                      self._progress):
             books.pop(req_id, None)  # type: ignore[attr-defined]
+        self._finished.append(req_id)
 
     def close(self) -> None:
         self.pool.close()

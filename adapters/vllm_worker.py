@@ -39,21 +39,26 @@ log = logging.getLogger("pof_connector.vllm")
 class _ActiveLoad:
     job: LoadJob
     reader: PageReader
+    readable: int
+    """The job's leading pages the reader covers; the rest this rank's pool does not hold (failed)."""
     started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
 class _PendingSave:
+    req_id: str
     keys: list[PageKey]
     block_ids: torch.Tensor           # every block of these pages, page after page
     segments: np.ndarray              # [layers, pages, segment_bytes]
 
 
 class PoFWorker:
-    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False) -> None:
+    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False,
+                 pp_rank: int = 0) -> None:
         self.config = config
         self.geo = geo
         self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
         self.hnd_preferred = hnd_preferred
         self.pool: Pool | None = None
         self.layout: BlockLayout | None = None
@@ -62,6 +67,7 @@ class PoFWorker:
         self._loads: list[_ActiveLoad] = []
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
+        self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
         self.staging = StagingPool()
         self.load_latencies: list[float] = []
 
@@ -86,10 +92,10 @@ class PoFWorker:
                              "not supported)")
         spec = PageSpec(len(names), self.layout.segment_bytes(geo.page_tokens), geo.page_tokens,
                         KIND_MLA if geo.is_mla else KIND_MHA)
-        config = self.config
-        if geo.tp_size > 1:    # each rank stores its own heads; the scheduler looks up rank 0's pages
-            config = replace(config, node_id=f"{config.node_id}-tp{self.tp_rank}" if self.tp_rank else config.node_id)
-        self.pool = Pool(config, spec, geo.namespace(config, self.tp_rank),
+        # Each rank stores its own heads (TP) or layers (PP) as a node of its own; the scheduler looks
+        # up rank 0's pages, and the other ranks find their own in start().
+        config = replace(self.config, node_id=geo.node_id(self.config, self.tp_rank, self.pp_rank))
+        self.pool = Pool(config, spec, geo.namespace(config, self.tp_rank, self.pp_rank),
                          meta={"engine": "vllm", "model": geo.model})
         log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s", len(names),
                  self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
@@ -100,7 +106,29 @@ class PoFWorker:
     def start(self, meta: PoFConnectorMetadata) -> None:
         assert self.pool is not None
         for job in meta.loads:
-            self._loads.append(_ActiveLoad(job, self.pool.open_read(job.keys, job.sources)))
+            job = self._for_this_rank(job)
+            readable = len(job.sources)
+            reader = self.pool.open_read(job.keys[:readable], job.sources[:readable])
+            self._loads.append(_ActiveLoad(job, reader, readable))
+
+    def _for_this_rank(self, job: LoadJob) -> LoadJob:
+        """The scheduler planned with rank 0's keys and locations. Another TP rank (other heads) or
+        PP stage (other layers) stores the same pages under its own namespace and node: load those,
+        found by its own lookup. Keys are checked against every page header, so loading rank 0's
+        page here would be refused anyway; this finds the right one. Pages this rank lacks fail."""
+        assert self.pool is not None
+        keys = self._own_keys(job.keys)
+        if keys is job.keys:
+            return job
+        return replace(job, keys=keys, sources=self.pool.lookup(keys).sources)
+
+    def _own_keys(self, keys: list[PageKey]) -> list[PageKey]:
+        """``keys`` (the scheduler's: rank 0's namespace) in this rank's namespace."""
+        assert self.pool is not None
+        own = self.pool.namespace
+        if not keys or keys[0].namespace == own:
+            return keys
+        return [PageKey(own, k.digest) for k in keys]
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
@@ -110,12 +138,14 @@ class PoFWorker:
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         for active in self._loads:
             job, reader = active.job, active.reader
-            for i in range(len(job.keys)):
+            for i in range(active.readable):
                 seg = reader.segment(i, layer)
                 if seg is None:
                     continue
                 page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
                 skip = job.first_block(i)          # the first page's head is the engine's own
+                # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
+                # so the check below covers what the engine received, and the tier may reuse the source.
                 lay.write_blocks(kv, job.blocks_to_load(i), lay.pages_to_blocks(page, bpp)[skip:])
                 reader.check(i, layer)          # after the copy: were those bytes the page's?
 
@@ -123,13 +153,15 @@ class PoFWorker:
         """After the forward: report the blocks of every page that failed, for recompute."""
         for active in self._loads:
             active.reader.close()
-            failed = active.reader.failed
+            job = active.job
+            failed = set(active.reader.failed) | set(range(active.readable, len(job.keys)))
             for i in failed:
-                self._load_errors.update(active.job.blocks_to_load(i))
+                self._load_errors.update(job.blocks_to_load(i))
             self.load_latencies.append(time.perf_counter() - active.started)
             if failed:
+                self._tainted.add(job.req_id)
                 log.warning("pof: request %s: %d of %d pages failed to load; vLLM recomputes them",
-                            active.job.req_id, len(failed), len(active.job.keys))
+                            job.req_id, len(failed), len(job.keys))
         self._loads = []
 
     def take_load_errors(self) -> set[int]:
@@ -139,6 +171,7 @@ class PoFWorker:
     def fail_jobs(self, jobs: list[LoadJob]) -> None:
         """Report every block these loads promised as a load error (vLLM recomputes them)."""
         for job in jobs:
+            self._tainted.add(job.req_id)
             for i in range(len(job.keys)):
                 self._load_errors.update(job.blocks_to_load(i))
 
@@ -155,17 +188,30 @@ class PoFWorker:
     def drop_saves(self) -> None:
         self._saves = []
 
+    def track(self, meta: PoFConnectorMetadata) -> None:
+        """Take the scheduler's news about requests before this step's saves are picked.
+
+        A request whose load failed ran its forward on blocks that do not hold the page's KV; every
+        page it computes on top of them is wrong under its right key, so none is stored until vLLM
+        rewinds it to recompute from the failed block (``rewound``)."""
+        self._tainted.difference_update(meta.rewound)
+        self._tainted.difference_update(meta.finished)
+        self._tainted.update(meta.tainted)
+
     def prepare_saves(self, meta: PoFConnectorMetadata) -> None:
         """Pick the pages to save this step (skipping those this node stores already)."""
         assert self.pool is not None
         spec = self.pool.spec
         for job in meta.saves:
-            keep = [i for i, k in enumerate(job.keys) if not self.pool.contains(k)]
+            if job.req_id in self._tainted:
+                continue
+            keys = self._own_keys(job.keys)
+            keep = [i for i, k in enumerate(keys) if not self.pool.contains(k)]
             if not keep:
                 continue
             blocks = [b for i in keep for b in job.block_ids[i]]
             buffer = self.staging.take(spec.num_layers * len(keep) * spec.segment_bytes)
-            self._saves.append(_PendingSave([job.keys[i] for i in keep],
+            self._saves.append(_PendingSave(job.req_id, [keys[i] for i in keep],
                                             torch.tensor(blocks, dtype=torch.long, device=self.kv[0].device),
                                             buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes)))
 
@@ -190,9 +236,11 @@ class PoFWorker:
         items: list[tuple[PageKey, list[np.ndarray]]] = []
         buffers: list[np.ndarray] = []
         for save in self._saves:
+            buffers.append(save.segments)
+            if save.req_id in self._tainted:      # its load failed in this very step
+                continue
             for i, key in enumerate(save.keys):
                 items.append((key, [save.segments[layer, i] for layer in range(layers)]))
-            buffers.append(save.segments)
         self._saves = []
         def release(_: object) -> None:      # the buffers are reusable once the pool wrote them
             for b in buffers:

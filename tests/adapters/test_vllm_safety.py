@@ -1,0 +1,229 @@
+"""Issue 20's ways for wrong KV to reach vLLM with every check passing, each on the real connector
+halves (real workers on vLLM-shaped CPU KV tensors, the real scheduler half, vLLM's own
+``Request`` / ``LoRARequest`` / multimodal classes, a real Redis-protocol index). Each test failed
+before its fix."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.request import Request
+
+from pof_connector.adapters.vllm_geometry import VllmGeometry
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
+from pof_connector.adapters.vllm_scheduler import PoFScheduler
+from pof_connector.adapters.vllm_worker import PoFWorker
+from pof_connector.config import PofConfig
+from pof_connector.index import Location
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import Namespace
+
+pytestmark = pytest.mark.vllm
+
+H, N, D, LAYERS, BLOCKS = 2, 32, 32, 2, 16
+P = 2 * N           # page_tokens: two blocks a page
+
+
+def geometry(tp_size: int = 1, pp_size: int = 1) -> VllmGeometry:
+    return VllmGeometry(model="m", kv_dtype="float32", kv_heads=H, head_dim=D, num_layers=LAYERS, is_mla=False,
+                        block_size=N, page_tokens=P, tp_size=tp_size, pp_size=pp_size)
+
+
+def config(runtime_dir: str, url: str, tiers: dict[str, Any]) -> PofConfig:
+    return PofConfig.from_mapping({"node_id": "a", "index_url": url, "runtime_dir": runtime_dir, "tiers": tiers})
+
+
+def worker(cfg: PofConfig, geo: VllmGeometry, tp_rank: int = 0,
+           pp_rank: int = 0) -> tuple[PoFWorker, list[torch.Tensor]]:
+    w = PoFWorker(cfg, geo, tp_rank=tp_rank, pp_rank=pp_rank)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, H, N, 2 * D) for i in range(LAYERS)}
+    w.register(kv)
+    return w, list(kv.values())
+
+
+def step(w: PoFWorker, meta: PoFConnectorMetadata) -> set[int]:
+    """One forward as vLLM drives the worker half; returns the blocks reported as load errors."""
+    w.track(meta)
+    w.report_failed_blocks(meta.fail_blocks)
+    w.prepare_saves(meta)
+    w.start(meta)
+    for name in w.layer_index:
+        w.wait_layer(name)
+        w.save_layer(name)
+    w.end_step()
+    assert w.pool is not None
+    w.pool.flush()
+    return w.take_load_errors()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def request(req_id: str, tokens: list[int], **kw: Any) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, **kw)
+
+
+@pytest.fixture
+def index(runtime_dir: str) -> Iterator[RedisServer]:
+    server = RedisServer(Path(runtime_dir) / "redis").start()
+    yield server
+    server.stop()
+
+
+# ---- item 1: tensor parallelism -------------------------------------------------------------------
+
+@pytest.mark.parametrize("medium", ["cxl", "cpu_dram"])
+def test_tp_rank_1_loads_its_own_heads_not_rank_0s(medium: str, index: RedisServer, runtime_dir: str,
+                                                    shm_path: str) -> None:
+    """Two TP ranks of one server, each with its own KV heads. The scheduler plans with rank 0's
+    keys and locations; rank 1 must end up with *its* heads — on one shared CXL region rank 1 used
+    to receive rank 0's page (same key, every check passing), on private DRAM every load failed."""
+    tiers = {"cxl": {"path": shm_path, "size": "8MiB", "partitions": 2}} if medium == "cxl" else \
+        {"cpu_dram": {"size": "8MiB"}}
+    cfg = config(runtime_dir, index.url, tiers)
+    geo = geometry(tp_size=2)
+    ranks = [worker(cfg, geo, tp_rank=r) for r in range(2)]
+    scheduler = PoFScheduler(cfg, geo)
+    try:
+        keys = scheduler.pool.keys_for(list(range(2 * P)))        # what the scheduler plans with
+        for w, _ in ranks:
+            assert step(w, PoFConnectorMetadata(saves=[SaveJob("r1", keys, [[3, 4], [7, 8]])])) == set()
+        stored = [[t[[3, 4, 7, 8]].clone() for t in kv] for _, kv in ranks]
+        wait_for(lambda: scheduler.pool.lookup(keys).pages == 2)     # both ranks' first heartbeats
+        found = scheduler.pool.lookup(keys)
+        assert found.pages == 2 and {s.node for s in found.sources} == {"a"}
+        for r, (w, kv) in enumerate(ranks):
+            for t in kv:
+                t.zero_()
+            job = LoadJob("r2", keys, found.sources, [[10, 11], [12, 13]])
+            assert step(w, PoFConnectorMetadata(loads=[job])) == set(), f"rank {r} failed its loads"
+            for layer, t in enumerate(kv):
+                assert torch.equal(t[10:14], stored[r][layer]), f"rank {r} got another rank's KV"
+    finally:
+        scheduler.close()
+        for w, _ in ranks:
+            w.close()
+
+
+# ---- item 2: nothing computed on top of a failed load is stored ---------------------------------------
+
+def test_pages_computed_on_a_failed_load_are_not_stored_until_vllm_rewinds(runtime_dir: str) -> None:
+    cfg = PofConfig.from_mapping({"node_id": "w", "index_url": "local", "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "8MiB"}}})
+    w, _ = worker(cfg, geometry())
+    assert w.pool is not None
+    try:
+        keys = w.pool.keys_for(list(range(4 * P)))
+        gone = Location("w", "cpu_dram", 0, 1)                     # a page evicted since the lookup
+        load = LoadJob("r", keys[:1], [gone], [[0, 1]])
+        # The same forward computes pages 1-2 on top of the failed page 0: wrong KV, right keys.
+        saves = SaveJob("r", keys[1:3], [[2, 3], [4, 5]])
+        assert step(w, PoFConnectorMetadata(loads=[load], saves=[saves])) == {0, 1}
+        assert not any(w.pool.contains(k) for k in keys)
+        # Async scheduling: the next step was planned before vLLM saw the failure.
+        later = SaveJob("r", keys[3:4], [[6, 7]])
+        step(w, PoFConnectorMetadata(saves=[later]))
+        assert not w.pool.contains(keys[3])
+        # Another request is not affected.
+        step(w, PoFConnectorMetadata(saves=[SaveJob("other", keys[3:4], [[6, 7]])]))
+        assert w.pool.contains(keys[3])
+        # vLLM rewound "r" to the failed block and recomputes: its pages are stored again.
+        again = SaveJob("r", keys[:3], [[0, 1], [2, 3], [4, 5]])
+        step(w, PoFConnectorMetadata(saves=[again], rewound=["r"]))
+        assert all(w.pool.contains(k) for k in keys[:3])
+    finally:
+        w.close()
+
+
+def scheduled(new: list[tuple[Request, list[int]]], cached: list[tuple[Request, int, int]]) -> Any:
+    """vLLM's SchedulerOutput, as much of it as the scheduler half reads: ``new`` (request, blocks)
+    computing from ``num_computed_tokens``, ``cached`` (request, tokens computed, tokens scheduled)."""
+    num = {r.request_id: n for r, _ in new for n in [len(r.all_token_ids) - r.num_computed_tokens]}
+    num.update({r.request_id: n for r, _, n in cached})
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(b,),
+                                            num_computed_tokens=r.num_computed_tokens) for r, b in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
+                                              new_block_ids=[None] * len(cached), resumed_req_ids=set(),
+                                              num_computed_tokens=[c for _, c, _ in cached]),
+        num_scheduled_tokens=num)
+
+
+def test_scheduler_saves_again_after_vllm_rewinds_a_failed_load(runtime_dir: str) -> None:
+    """vLLM sets ``num_computed_tokens`` back to the first failed block; the pages from there on
+    must be planned for saving again (they were dropped), and the worker told so."""
+    cfg = PofConfig.from_mapping({"node_id": "w", "index_url": "local", "runtime_dir": runtime_dir})
+    scheduler = PoFScheduler(cfg, geometry())
+    try:
+        req = request("r", list(range(3 * P + 5)))
+        scheduler.after_alloc(req, list(range(8)), 0)
+        meta = scheduler.build_meta(scheduled([(req, list(range(8)))], []))
+        assert [len(s.keys) for s in meta.saves] == [3] and meta.rewound == []
+        # The load of block 2 failed: vLLM rewinds to token 2 * N and schedules the rest again.
+        meta = scheduler.build_meta(scheduled([], [(req, 2 * N, 3 * P + 5 - 2 * N)]))
+        assert meta.rewound == ["r"]
+        assert [k.digest for k in meta.saves[0].keys] == [k.digest for k in scheduler._chain(req).keys[1:3]]
+        scheduler.finished("r")
+        assert scheduler.build_meta(scheduled([], [])).finished == ["r"]
+    finally:
+        scheduler.close()
+
+
+# ---- item 4: every input that changes KV is in the key ----------------------------------------------
+
+@pytest.fixture
+def stored_prompt(runtime_dir: str, index: RedisServer) -> Iterator[tuple[PoFScheduler, list[int]]]:
+    """A base-model prompt of 4 pages whose pages sit in the pool, and the scheduler half."""
+    cfg = config(runtime_dir, index.url, {"cpu_dram": {"size": "8MiB"}})
+    w, _ = worker(cfg, geometry())
+    scheduler = PoFScheduler(cfg, geometry())
+    tokens = list(range(1000, 1000 + 4 * P + 1))
+    keys = scheduler.pool.keys_for(tokens)
+    step(w, PoFConnectorMetadata(saves=[SaveJob("base", keys, [[0, 1], [2, 3], [4, 5], [6, 7]])]))
+    wait_for(lambda: scheduler.matched_tokens(request("base", tokens), 0) == 4 * P)   # w's first heartbeat
+    yield scheduler, tokens
+    scheduler.close()
+    w.close()
+
+
+def test_a_lora_request_does_not_hit_the_base_models_pages(stored_prompt: Any) -> None:
+    scheduler, tokens = stored_prompt
+    lora = LoRARequest("adapter", 1, "/adapters/a")
+    assert scheduler.matched_tokens(request("l", tokens, lora_request=lora), 0) == 0
+    salted = request("s", tokens, cache_salt="tenant")
+    assert scheduler.matched_tokens(salted, 0) == 0
+    assert scheduler.matched_tokens(request("b2", tokens), 0) == 4 * P
+
+
+def test_multimodal_pages_from_the_first_placeholder_on_are_never_shared(stored_prompt: Any) -> None:
+    """Two prompts with the same placeholder ids but different images have the same tokens; only
+    the pages before the first placeholder hold KV that the tokens alone determine."""
+    scheduler, tokens = stored_prompt
+    image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-a",
+                                  mm_position=PlaceholderRange(offset=2 * P + 10, length=50))
+    assert scheduler.matched_tokens(request("mm", tokens, mm_features=[image]), 0) == 2 * P
+    embeds = request("e", tokens, prompt_embeds=torch.zeros(len(tokens), 8))
+    assert scheduler.matched_tokens(embeds, 0) == 0
+
+
+def test_pipeline_stages_have_keys_and_nodes_of_their_own(runtime_dir: str) -> None:
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": "local", "runtime_dir": runtime_dir})
+    one, two = geometry(), geometry(pp_size=2)
+    # A single stage keeps the namespace every other engine computes (cross-engine sharing).
+    assert one.namespace(cfg, 0) == Namespace("m", "float32", one.layout, P).digest
+    assert two.namespace(cfg, 0, 0) != two.namespace(cfg, 0, 1)
+    assert len({two.namespace(cfg, t, p) for t in (0, 1) for p in (0, 1)}) == 4
+    assert [two.node_id(cfg, t, p) for t in (0, 1) for p in (0, 1)] == ["a", "a-pp1", "a-tp1", "a-tp1-pp1"]
