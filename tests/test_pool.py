@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from pof_connector.config import PofConfig
-from pof_connector.index import LocalIndex, LocalTable
+from pof_connector.index import LocalIndex, LocalTable, Location
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
+from pof_connector.tiers import SlotRef, Tier
+from pof_connector.tiers.base import slot_bytes_for
 
 SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
 
@@ -330,3 +332,38 @@ def test_zero_copy_reader_rejects_a_slot_rewritten_mid_read(pool: Pool) -> None:
     tier._set_live_generation(ref.slot, 0)       # what a writer does first when it reuses the slot
     assert not reader.check(0, 0) and reader.failed == {0: "stale_generation"}
     reader.close()
+
+
+def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtime_dir: str, namespace: bytes) -> None:
+    """Pool._make_room chooses an unpinned LRU victim, then removes it: a reader that pins it in
+    between must read the page whole, and the store must make room elsewhere."""
+    pool = Pool(cfg("a", runtime_dir, cpu_dram={"size": 2 * slot_bytes_for(SPEC)}), SPEC, namespace)
+    try:
+        tier = pool.tiers[0]
+        keys = pool.keys_for(np.arange(16 * 3))
+        pool.store([(k, content(k)) for k in keys[:2]]).result()
+        choose = tier.lru_victim
+        readers = []
+
+        def victim_then_a_reader_pins_it() -> tuple[PageKey, SlotRef] | None:
+            got = choose()
+            if got is not None and not readers:      # the reader's open_read lands in the window
+                k, ref = got
+                readers.append((k, pool.open_read([k], [Location("a", tier.medium, ref.slot, ref.generation)])))
+            return got
+
+        tier.lru_victim = victim_then_a_reader_pins_it      # type: ignore[method-assign]
+        assert pool.store([(keys[2], content(keys[2]))]).result() == 1
+        ((victim, reader),) = readers
+        for layer in range(SPEC.num_layers):
+            seg = reader.segment(0, layer)
+            assert seg is not None
+            copy = seg.copy()
+            assert reader.check(0, layer), reader.failed
+            assert copy.tobytes() == content(victim)[layer].tobytes()
+        reader.close()
+        assert reader.failed == {} and tier.find(keys[2]) is not None
+        assert pool.lookup([victim]).pages == 0                     # evicted all the same
+        assert tier.free_slots == 1                                 # its slot came back at the unpin
+    finally:
+        pool.close()

@@ -118,13 +118,22 @@ class Tier(ABC):
         self._books.complete_store(key, ok)
 
     def remove(self, key: PageKey) -> SlotRef | None:
-        """Drop ``key`` and invalidate its slot; returns where it was."""
-        slot = self._books.remove(key)
-        if slot is None:
+        """Drop ``key`` and invalidate its slot; returns where it was. A slot that readers pin
+        keeps its bytes until the last :meth:`unpin` (hidden from :meth:`find` meanwhile)."""
+        got = self._books.detach(key)
+        if got is None:
             return None
+        slot, pinned = got
         generation = int(self._generations[slot])
-        self._set_live_generation(slot, 0)
+        if not pinned:
+            self._invalidate_and_free(slot)
         return SlotRef(slot, generation)
+
+    def _invalidate_and_free(self, slot: int) -> None:
+        # Invalidate before freeing: once free, our own store may take the slot at once, and a
+        # zeroing after that would destroy its fresh page.
+        self._set_live_generation(slot, 0)
+        self._books.release(slot)
 
     @property
     def lent_slots(self) -> int:
@@ -167,7 +176,8 @@ class Tier(ABC):
         self._books.pin(slot)
 
     def unpin(self, slot: int) -> None:
-        self._books.unpin(slot)
+        if self._books.unpin(slot):      # the last reader of a removed page: now it goes
+            self._invalidate_and_free(slot)
 
     def stored(self) -> Iterator[tuple[PageKey, SlotRef]]:
         """Every page this process stored here (for re-publishing after an index restart)."""
