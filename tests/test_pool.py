@@ -14,7 +14,7 @@ from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
-from pof_connector.tiers import SlotRef, Tier
+from pof_connector.tiers import SlotRef
 from pof_connector.tiers.base import slot_bytes_for
 
 SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
