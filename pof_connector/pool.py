@@ -381,9 +381,14 @@ class Pool:
             raise PageError("unreachable", f"this node has no usable {src.medium} tier")
         if src.node == self.node_id:
             ref = tier.find(key, pin=True)
-            if ref is None:
-                raise PageError("evicted", f"{key.hex()} is no longer in {src.medium}")
-            return tier, ref, True
+            if ref is not None:
+                return tier, ref, True
+            if tier.is_lent(src.slot):
+                # Another node spilled the page into a slot we lent it and published it as ours:
+                # not in our books, read like a shared slot (header, generation, checksums); a
+                # lease that ends meanwhile bumps the generation first, so the read then misses.
+                return tier, SlotRef(src.slot, src.generation), False
+            raise PageError("evicted", f"{key.hex()} is no longer in {src.medium}")
         if not self._readable(src.node, src.medium):
             raise PageError("unreachable", f"{src.node}'s {src.medium} is not shared with this node")
         return tier, SlotRef(src.slot, src.generation), False

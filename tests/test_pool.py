@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pof_connector.config import PofConfig
-from pof_connector.index import LocalIndex, LocalTable, Location
+from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
@@ -367,3 +367,39 @@ def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtim
         assert tier.free_slots == 1                                 # its slot came back at the unpin
     finally:
         pool.close()
+
+
+def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespace: bytes) -> None:
+    """Node B spilled a chain into slots A lent it (fabric spill), publishing them as A's: A's own
+    lookup offers them, and A must be able to load them (they are not in A's books)."""
+    table = LocalTable()
+    a = Pool(cfg("a", runtime_dir), SPEC, namespace, index=LocalIndex("a", table))
+    b = LocalIndex("b", table)
+    try:
+        tier = a.tiers[0]
+        keys = a.keys_for(np.arange(16 * 3))
+        wait_for(lambda: a.index.nodes() != [])
+        b.heartbeat(NodeInfo("b"), 10)
+        refs = tier.lend(len(keys))
+        for k, ref in zip(keys, refs, strict=True):
+            tier.write(ref, k, content(k))       # what B's NIXL WRITEs into the granted slots amount to
+        b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+        assert a.lookup(keys).pages == 3
+        bufs, failed, n = load_all(a, keys)
+        assert failed == {} and n == 3
+        assert_pages(bufs, keys)
+        reader = a.open_read(keys, a.lookup(keys).sources)       # the zero-copy path too
+        for layer in range(SPEC.num_layers):
+            for i in range(3):
+                seg = reader.segment(i, layer)
+                assert seg is not None and seg.tobytes() == content(keys[i])[layer].tobytes()
+                assert reader.check(i, layer)
+        reader.close()
+        assert reader.failed == {}
+        assert tier.take_back(refs[0].slot)      # the lease ended: the page is gone, a miss, never wrong
+        bufs, failed, _ = load_all(a, keys)
+        assert set(failed) == {0} and failed[0] in ("evicted", "stale_generation"), failed
+        assert_pages(bufs, keys, skip={0})
+    finally:
+        b.close()
+        a.close()

@@ -153,6 +153,10 @@ class Tier(ABC):
             refs.append(SlotRef(slot, generation))
         return refs
 
+    def is_lent(self, slot: int) -> bool:
+        """Whether ``slot`` is granted to another node's writer now (its page is not in our books)."""
+        return self._books.is_lent(slot)
+
     def take_back(self, slot: int) -> bool:
         """Reclaim a lent slot: invalidate it (readers of the page in it miss from now on) and
         free it. ``False`` when ``slot`` was not lent."""
