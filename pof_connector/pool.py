@@ -37,6 +37,7 @@ from pof_connector.index import (
     IndexUnavailable,
     LocalityIndex,
     Location,
+    NodeIdTaken,
     NodeInfo,
     PrefixMatch,
     TierUsage,
@@ -609,8 +610,16 @@ class Pool:
                 self._store.submit(self._maintain_spill)
             except RuntimeError:         # the store thread is shut down: closing
                 pass
-        fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
-                                 default=None)
+        try:
+            fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
+                                     default=None)
+        except NodeIdTaken as e:
+            # Taking the id back would end the other process's registration, which would take it
+            # back in turn: every heartbeat a new incarnation and a full re-publish on both.
+            self.stats.add("index_errors", op="node_id_taken")
+            self._log_once("node-id-taken", logging.ERROR, "pof: %s. Until it stops, this process serves its "
+                           "pages only to itself (they are not published)", e)
+            return                       # once the id is ours again, a fresh registration re-publishes
         if fresh is None:
             self._restart_embedded_index()
             return

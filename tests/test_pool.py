@@ -10,6 +10,7 @@ import pytest
 
 from pof_connector.config import PofConfig
 from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
+from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
@@ -403,3 +404,34 @@ def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespa
     finally:
         b.close()
         a.close()
+
+
+def test_two_processes_with_one_node_id_do_not_keep_re_registering(
+        runtime_dir: str, namespace: bytes, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """E.g. two engine ranks configured with one node_id: the newer holds the registration and
+    its pages stay findable; the older says why it publishes nothing, and neither takes a new
+    incarnation (and re-publishes everything) every heartbeat."""
+    first = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+    second: Pool | None = None
+    reader = RedisIndex(redis_server.url, None)
+    try:
+        keys = first.keys_for(np.arange(16 * 4))
+        first.store([(k, content(k)) for k in keys[:2]]).result()
+        assert isinstance(first.index, RedisIndex)
+        wait_for(lambda: first.index.incarnation is not None)     # type: ignore[attr-defined]
+        second = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+        assert isinstance(second.index, RedisIndex)
+        second.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: "a" in reader.longest_prefix(keys) and reader.longest_prefix(keys)["a"].pages == 4)
+        inc = second.index.incarnation
+        time.sleep(0.5)                                            # ten heartbeats of each
+        assert second.index.incarnation == inc and reader.longest_prefix(keys)["a"].pages == 4
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert any("node id 'a'" in m and "node_id" in m for m in errors), errors
+        assert not any("heartbeat failed" in m for m in errors), errors
+        assert first.lookup(keys).pages >= 2                       # its own pages it still serves itself
+    finally:
+        reader.close()
+        if second is not None:
+            second.close()
+        first.close()
