@@ -394,16 +394,24 @@ class Pool:
             raise PageError("unreachable", f"{src.node}'s {src.medium} is not shared with this node")
         return tier, SlotRef(src.slot, src.generation), False
 
-    def _drop_if_corrupt(self, key: PageKey, src: Location, err: PageError) -> None:
-        """A page of our own that fails its checksums is garbage: forget it so nobody is offered it
-        again (a stale or evicted page is merely gone and needs nothing)."""
+    def _drop_if_corrupt(self, key: PageKey, src: Location, err: PageError, ref: SlotRef, own: bool) -> None:
+        """A page of ours that fails its checksums is garbage: forget it so nobody is offered it
+        again (a stale or evicted page is merely gone and needs nothing). ``ref`` is the slot the
+        read copied from; ``own``: a page of our books (else a slot of ours another node wrote)."""
         if err.reason not in ("bad_checksum", "bad_header") or src.node != self.node_id:
             return
         tier = self._by_medium.get(src.medium)
-        ref = tier.remove(key) if tier is not None else None
-        if ref is not None:
-            self._index_call("withdraw", self.index.withdraw,
-                             [(key, Location(self.node_id, src.medium, ref.slot, ref.generation))], default=None)
+        if tier is None:
+            return
+        if own:
+            gone = tier.remove(key, slot=ref.slot)     # only that copy: the key may be stored anew elsewhere
+            if gone is not None:
+                self._index_call("withdraw", self.index.withdraw,
+                                 [(key, Location(self.node_id, src.medium, gone.slot, gone.generation))], default=None)
+        elif tier.is_lent(ref.slot):
+            # Spilled into a slot we lent and published as ours: the writer's entry leads only to
+            # misses. The slot stays the writer's until its lease ends.
+            self._index_call("withdraw", self.index.withdraw, [(key, src)], default=None)
 
     def _count_load_failure(self, err: PageError) -> None:
         self.stats.add("load_failures", reason=err.reason)

@@ -458,3 +458,28 @@ def test_a_restarted_node_is_not_offered_its_former_pages(runtime_dir: str, name
         reader.close()
         if new is not None:
             new.close()
+
+
+def test_a_corrupt_page_in_a_lent_slot_is_no_longer_offered(runtime_dir: str, namespace: bytes) -> None:
+    """A page B spilled into a slot A lent fails its checksum on A: its entry (published as A's)
+    would only lead every later lookup to a miss, so A withdraws it."""
+    table = LocalTable()
+    a = Pool(cfg("a", runtime_dir), SPEC, namespace, index=LocalIndex("a", table))
+    b = LocalIndex("b", table)
+    try:
+        tier = a.tiers[0]
+        keys = a.keys_for(np.arange(16 * 2))
+        wait_for(lambda: a.index.nodes() != [])
+        b.heartbeat(NodeInfo("b"), 10)
+        refs = tier.lend(2)
+        for k, ref in zip(keys, refs, strict=True):
+            tier.write(ref, k, content(k))
+        tier.region[tier.slot_offset(refs[1].slot) + SPEC.segment_offset(1) + 5] ^= 0xFF     # a flipped bit
+        b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+        bufs, failed, n = load_all(a, keys)
+        assert n == 2 and failed == {1: "bad_checksum"}
+        assert_pages(bufs, keys, skip={1})
+        assert a.lookup(keys).pages == 1 and tier.is_lent(refs[1].slot)    # withdrawn; the lease is B's
+    finally:
+        b.close()
+        a.close()

@@ -117,17 +117,18 @@ class Tier(ABC):
     def complete_store(self, key: PageKey, ok: bool) -> None:
         self._books.complete_store(key, ok)
 
-    def remove(self, key: PageKey) -> SlotRef | None:
-        """Drop ``key`` and invalidate its slot; returns where it was. A slot that readers pin
-        keeps its bytes until the last :meth:`unpin` (hidden from :meth:`find` meanwhile)."""
-        got = self._books.detach(key)
+    def remove(self, key: PageKey, *, slot: int | None = None) -> SlotRef | None:
+        """Drop ``key`` (only if it sits in ``slot``, when given) and invalidate its slot; returns
+        where it was, ``None`` when it was not there. A slot that readers pin keeps its bytes
+        until the last :meth:`unpin` (hidden from :meth:`find` meanwhile)."""
+        got = self._books.detach(key, slot)
         if got is None:
             return None
-        slot, pinned = got
-        generation = int(self._generations[slot])
+        at, pinned = got
+        generation = int(self._generations[at])
         if not pinned:
-            self._invalidate_and_free(slot)
-        return SlotRef(slot, generation)
+            self._invalidate_and_free(at)
+        return SlotRef(at, generation)
 
     def _invalidate_and_free(self, slot: int) -> None:
         # Invalidate before freeing: once free, our own store may take the slot at once, and a

@@ -119,15 +119,17 @@ class SlotTable:
             else:
                 self._free.append(slot)
 
-    def detach(self, key: PageKey) -> tuple[int, bool] | None:
+    def detach(self, key: PageKey, at: int | None = None) -> tuple[int, bool] | None:
         """Hide ``key`` from :meth:`lookup` and take its slot out of use without freeing it: the
         caller invalidates the slot, then gives it back with :meth:`release`. Returns ``(slot,
-        pinned)``, ``None`` when ``key`` is not stored. ``pinned``: readers still copy from the
-        slot; the caller must leave its bytes alone, and the last :meth:`unpin` hands it back."""
+        pinned)``, ``None`` when ``key`` is not stored (or not in slot ``at``, when given).
+        ``pinned``: readers still copy from the slot; the caller must leave its bytes alone, and
+        the last :meth:`unpin` hands it back."""
         with self._lock:
-            slot = self._ready.pop(key, None)
-            if slot is None:
+            slot = self._ready.get(key)
+            if slot is None or (at is not None and slot != at):
                 return None
+            del self._ready[key]
             self._detached.add(slot)
             return slot, slot in self._pins
 
