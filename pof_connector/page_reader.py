@@ -85,9 +85,9 @@ class PageReader:
             try:
                 header = tier.read_header(ref, key, header_buf)
             except PageError as e:
+                self._fail(i, e, (ref, pinned))      # still pinned: a dropped page's slot waits for us
                 if pinned:
                     tier.unpin(ref.slot)
-                self._fail(i, e)
                 self._pages.append(None)
                 continue
             self._pages.append((tier, ref, header, pinned))
@@ -110,11 +110,11 @@ class PageReader:
         entry = self._pages[page]
         if entry is None or page in self.failed:
             return False
-        tier, ref, header, _ = entry
+        tier, ref, header, pinned = entry
         try:
             tier.check_segment(ref, header, layer)
         except PageError as e:
-            self._fail(page, e)
+            self._fail(page, e, (ref, pinned))
             return False
         return True
 
@@ -132,12 +132,15 @@ class PageReader:
             self._pages[page] = (staged, ref, header, False)     # not pinned: the remote load owns its staging
         return True
 
-    def _fail(self, page: int, err: PageError) -> None:
+    def _fail(self, page: int, err: PageError, read: tuple[SlotRef, bool] | None = None) -> None:
+        """``read``: the slot of this node's tier the failed read copied from, and whether that
+        was one of our own pages (pinned); ``None`` when no tier of this node was read."""
         if page in self.failed:
             return
         self.failed[page] = err.reason
         self._pool._count_load_failure(err)
-        self._pool._drop_if_corrupt(self.keys[page], self.sources[page], err)
+        if read is not None:
+            self._pool._drop_if_corrupt(self.keys[page], self.sources[page], err, *read)
 
     def close(self) -> None:
         """Unpin and count. Idempotent. A remote page whose every layer was not read and

@@ -37,6 +37,7 @@ from pof_connector.index import (
     IndexUnavailable,
     LocalityIndex,
     Location,
+    NodeIdTaken,
     NodeInfo,
     PrefixMatch,
     TierUsage,
@@ -381,23 +382,36 @@ class Pool:
             raise PageError("unreachable", f"this node has no usable {src.medium} tier")
         if src.node == self.node_id:
             ref = tier.find(key, pin=True)
-            if ref is None:
-                raise PageError("evicted", f"{key.hex()} is no longer in {src.medium}")
-            return tier, ref, True
+            if ref is not None:
+                return tier, ref, True
+            if tier.is_lent(src.slot):
+                # Another node spilled the page into a slot we lent it and published it as ours:
+                # not in our books, read like a shared slot (header, generation, checksums); a
+                # lease that ends meanwhile bumps the generation first, so the read then misses.
+                return tier, SlotRef(src.slot, src.generation), False
+            raise PageError("evicted", f"{key.hex()} is no longer in {src.medium}")
         if not self._readable(src.node, src.medium):
             raise PageError("unreachable", f"{src.node}'s {src.medium} is not shared with this node")
         return tier, SlotRef(src.slot, src.generation), False
 
-    def _drop_if_corrupt(self, key: PageKey, src: Location, err: PageError) -> None:
-        """A page of our own that fails its checksums is garbage: forget it so nobody is offered it
-        again (a stale or evicted page is merely gone and needs nothing)."""
+    def _drop_if_corrupt(self, key: PageKey, src: Location, err: PageError, ref: SlotRef, own: bool) -> None:
+        """A page of ours that fails its checksums is garbage: forget it so nobody is offered it
+        again (a stale or evicted page is merely gone and needs nothing). ``ref`` is the slot the
+        read copied from; ``own``: a page of our books (else a slot of ours another node wrote)."""
         if err.reason not in ("bad_checksum", "bad_header") or src.node != self.node_id:
             return
         tier = self._by_medium.get(src.medium)
-        ref = tier.remove(key) if tier is not None else None
-        if ref is not None:
-            self._index_call("withdraw", self.index.withdraw,
-                             [(key, Location(self.node_id, src.medium, ref.slot, ref.generation))], default=None)
+        if tier is None:
+            return
+        if own:
+            gone = tier.remove(key, slot=ref.slot)     # only that copy: the key may be stored anew elsewhere
+            if gone is not None:
+                self._index_call("withdraw", self.index.withdraw,
+                                 [(key, Location(self.node_id, src.medium, gone.slot, gone.generation))], default=None)
+        elif tier.is_lent(ref.slot):
+            # Spilled into a slot we lent and published as ours: the writer's entry leads only to
+            # misses. The slot stays the writer's until its lease ends.
+            self._index_call("withdraw", self.index.withdraw, [(key, src)], default=None)
 
     def _count_load_failure(self, err: PageError) -> None:
         self.stats.add("load_failures", reason=err.reason)
@@ -604,8 +618,16 @@ class Pool:
                 self._store.submit(self._maintain_spill)
             except RuntimeError:         # the store thread is shut down: closing
                 pass
-        fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
-                                 default=None)
+        try:
+            fresh = self._index_call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
+                                     default=None)
+        except NodeIdTaken as e:
+            # Taking the id back would end the other process's registration, which would take it
+            # back in turn: every heartbeat a new incarnation and a full re-publish on both.
+            self.stats.add("index_errors", op="node_id_taken")
+            self._log_once("node-id-taken", logging.ERROR, "pof: %s. Until it stops, this process serves its "
+                           "pages only to itself (they are not published)", e)
+            return                       # once the id is ours again, a fresh registration re-publishes
         if fresh is None:
             self._restart_embedded_index()
             return

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from pof_connector.config import PofConfig
-from pof_connector.index import LocalIndex, LocalTable
+from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
+from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
+from pof_connector.tiers import SlotRef
+from pof_connector.tiers.base import slot_bytes_for
 
 SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
 
@@ -330,3 +333,153 @@ def test_zero_copy_reader_rejects_a_slot_rewritten_mid_read(pool: Pool) -> None:
     tier._set_live_generation(ref.slot, 0)       # what a writer does first when it reuses the slot
     assert not reader.check(0, 0) and reader.failed == {0: "stale_generation"}
     reader.close()
+
+
+def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtime_dir: str, namespace: bytes) -> None:
+    """Pool._make_room chooses an unpinned LRU victim, then removes it: a reader that pins it in
+    between must read the page whole, and the store must make room elsewhere."""
+    pool = Pool(cfg("a", runtime_dir, cpu_dram={"size": 2 * slot_bytes_for(SPEC)}), SPEC, namespace)
+    try:
+        tier = pool.tiers[0]
+        keys = pool.keys_for(np.arange(16 * 3))
+        pool.store([(k, content(k)) for k in keys[:2]]).result()
+        choose = tier.lru_victim
+        readers = []
+
+        def victim_then_a_reader_pins_it() -> tuple[PageKey, SlotRef] | None:
+            got = choose()
+            if got is not None and not readers:      # the reader's open_read lands in the window
+                k, ref = got
+                readers.append((k, pool.open_read([k], [Location("a", tier.medium, ref.slot, ref.generation)])))
+            return got
+
+        tier.lru_victim = victim_then_a_reader_pins_it      # type: ignore[method-assign]
+        assert pool.store([(keys[2], content(keys[2]))]).result() == 1
+        ((victim, reader),) = readers
+        for layer in range(SPEC.num_layers):
+            seg = reader.segment(0, layer)
+            assert seg is not None
+            copy = seg.copy()
+            assert reader.check(0, layer), reader.failed
+            assert copy.tobytes() == content(victim)[layer].tobytes()
+        reader.close()
+        assert reader.failed == {} and tier.find(keys[2]) is not None
+        assert pool.lookup([victim]).pages == 0                     # evicted all the same
+        assert tier.free_slots == 1                                 # its slot came back at the unpin
+    finally:
+        pool.close()
+
+
+def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespace: bytes) -> None:
+    """Node B spilled a chain into slots A lent it (fabric spill), publishing them as A's: A's own
+    lookup offers them, and A must be able to load them (they are not in A's books)."""
+    table = LocalTable()
+    a = Pool(cfg("a", runtime_dir), SPEC, namespace, index=LocalIndex("a", table))
+    b = LocalIndex("b", table)
+    try:
+        tier = a.tiers[0]
+        keys = a.keys_for(np.arange(16 * 3))
+        wait_for(lambda: a.index.nodes() != [])
+        b.heartbeat(NodeInfo("b"), 10)
+        refs = tier.lend(len(keys))
+        for k, ref in zip(keys, refs, strict=True):
+            tier.write(ref, k, content(k))       # what B's NIXL WRITEs into the granted slots amount to
+        b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+        assert a.lookup(keys).pages == 3
+        bufs, failed, n = load_all(a, keys)
+        assert failed == {} and n == 3
+        assert_pages(bufs, keys)
+        reader = a.open_read(keys, a.lookup(keys).sources)       # the zero-copy path too
+        for layer in range(SPEC.num_layers):
+            for i in range(3):
+                seg = reader.segment(i, layer)
+                assert seg is not None and seg.tobytes() == content(keys[i])[layer].tobytes()
+                assert reader.check(i, layer)
+        reader.close()
+        assert reader.failed == {}
+        assert tier.take_back(refs[0].slot)      # the lease ended: the page is gone, a miss, never wrong
+        bufs, failed, _ = load_all(a, keys)
+        assert set(failed) == {0} and failed[0] in ("evicted", "stale_generation"), failed
+        assert_pages(bufs, keys, skip={0})
+    finally:
+        b.close()
+        a.close()
+
+
+def test_two_processes_with_one_node_id_do_not_keep_re_registering(
+        runtime_dir: str, namespace: bytes, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """E.g. two engine ranks configured with one node_id: the newer holds the registration and
+    its pages stay findable; the older says why it publishes nothing, and neither takes a new
+    incarnation (and re-publishes everything) every heartbeat."""
+    first = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+    second: Pool | None = None
+    reader = RedisIndex(redis_server.url, None)
+    try:
+        keys = first.keys_for(np.arange(16 * 4))
+        first.store([(k, content(k)) for k in keys[:2]]).result()
+        assert isinstance(first.index, RedisIndex)
+        wait_for(lambda: first.index.incarnation is not None)     # type: ignore[attr-defined]
+        second = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+        assert isinstance(second.index, RedisIndex)
+        second.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: "a" in reader.longest_prefix(keys) and reader.longest_prefix(keys)["a"].pages == 4)
+        inc = second.index.incarnation
+        time.sleep(0.5)                                            # ten heartbeats of each
+        assert second.index.incarnation == inc and reader.longest_prefix(keys)["a"].pages == 4
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert any("node id 'a'" in m and "node_id" in m for m in errors), errors
+        assert not any("heartbeat failed" in m for m in errors), errors
+        assert first.lookup(keys).pages >= 2                       # its own pages it still serves itself
+    finally:
+        reader.close()
+        if second is not None:
+            second.close()
+        first.close()
+
+
+def test_a_restarted_node_is_not_offered_its_former_pages(runtime_dir: str, namespace: bytes,
+                                                          redis_server: RedisServer) -> None:
+    """Node a dies without leaving the index and starts again, empty: its former incarnation's
+    entries point into memory that is gone and must not be offered (until then: a miss each)."""
+    old = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+    reader = RedisIndex(redis_server.url, None)
+    new: Pool | None = None
+    try:
+        keys = old.keys_for(np.arange(16 * 3))
+        old.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: "a" in reader.longest_prefix(keys))
+        old.index.leave = lambda: None            # type: ignore[method-assign]  # a crash: no leave
+        old.close()
+        new = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+        assert isinstance(new.index, RedisIndex)
+        wait_for(lambda: new.index.incarnation is not None)      # type: ignore[union-attr]
+        assert reader.longest_prefix(keys) == {} and new.lookup(keys).pages == 0
+    finally:
+        reader.close()
+        if new is not None:
+            new.close()
+
+
+def test_a_corrupt_page_in_a_lent_slot_is_no_longer_offered(runtime_dir: str, namespace: bytes) -> None:
+    """A page B spilled into a slot A lent fails its checksum on A: its entry (published as A's)
+    would only lead every later lookup to a miss, so A withdraws it."""
+    table = LocalTable()
+    a = Pool(cfg("a", runtime_dir), SPEC, namespace, index=LocalIndex("a", table))
+    b = LocalIndex("b", table)
+    try:
+        tier = a.tiers[0]
+        keys = a.keys_for(np.arange(16 * 2))
+        wait_for(lambda: a.index.nodes() != [])
+        b.heartbeat(NodeInfo("b"), 10)
+        refs = tier.lend(2)
+        for k, ref in zip(keys, refs, strict=True):
+            tier.write(ref, k, content(k))
+        tier.region[tier.slot_offset(refs[1].slot) + SPEC.segment_offset(1) + 5] ^= 0xFF     # a flipped bit
+        b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+        bufs, failed, n = load_all(a, keys)
+        assert n == 2 and failed == {1: "bad_checksum"}
+        assert_pages(bufs, keys, skip={1})
+        assert a.lookup(keys).pages == 1 and tier.is_lent(refs[1].slot)    # withdrawn; the lease is B's
+    finally:
+        b.close()
+        a.close()

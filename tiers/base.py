@@ -117,14 +117,24 @@ class Tier(ABC):
     def complete_store(self, key: PageKey, ok: bool) -> None:
         self._books.complete_store(key, ok)
 
-    def remove(self, key: PageKey) -> SlotRef | None:
-        """Drop ``key`` and invalidate its slot; returns where it was."""
-        slot = self._books.remove(key)
-        if slot is None:
+    def remove(self, key: PageKey, *, slot: int | None = None) -> SlotRef | None:
+        """Drop ``key`` (only if it sits in ``slot``, when given) and invalidate its slot; returns
+        where it was, ``None`` when it was not there. A slot that readers pin keeps its bytes
+        until the last :meth:`unpin` (hidden from :meth:`find` meanwhile)."""
+        got = self._books.detach(key, slot)
+        if got is None:
             return None
-        generation = int(self._generations[slot])
+        at, pinned = got
+        generation = int(self._generations[at])
+        if not pinned:
+            self._invalidate_and_free(at)
+        return SlotRef(at, generation)
+
+    def _invalidate_and_free(self, slot: int) -> None:
+        # Invalidate before freeing: once free, our own store may take the slot at once, and a
+        # zeroing after that would destroy its fresh page.
         self._set_live_generation(slot, 0)
-        return SlotRef(slot, generation)
+        self._books.release(slot)
 
     @property
     def lent_slots(self) -> int:
@@ -143,6 +153,10 @@ class Tier(ABC):
             self._set_live_generation(slot, 0)
             refs.append(SlotRef(slot, generation))
         return refs
+
+    def is_lent(self, slot: int) -> bool:
+        """Whether ``slot`` is granted to another node's writer now (its page is not in our books)."""
+        return self._books.is_lent(slot)
 
     def take_back(self, slot: int) -> bool:
         """Reclaim a lent slot: invalidate it (readers of the page in it miss from now on) and
@@ -167,7 +181,8 @@ class Tier(ABC):
         self._books.pin(slot)
 
     def unpin(self, slot: int) -> None:
-        self._books.unpin(slot)
+        if self._books.unpin(slot):      # the last reader of a removed page: now it goes
+            self._invalidate_and_free(slot)
 
     def stored(self) -> Iterator[tuple[PageKey, SlotRef]]:
         """Every page this process stored here (for re-publishing after an index restart)."""

@@ -10,9 +10,10 @@ Region layout::
 Each writer owns one partition (a contiguous run of slots) and keeps its own books; any process
 that maps the region reads any slot with plain memory copies, checking key, generation and
 checksums (see :mod:`pof_connector.tiers.base`). A partition is claimed with an advisory lock
-file next to the region file (for a device: in the runtime directory) (``partition: auto``), or
-named explicitly when several hosts share one CXL device (locks do not cross hosts; give each
-host its own partition number).
+on one byte of the region file or device itself (``partition: auto``), so every process of the
+host contends for the same claim whatever path or runtime directory it uses; or it is named
+explicitly when several hosts share one CXL device (locks do not cross hosts; give each host its
+own partition number).
 
 Production: point ``path`` at the devdax device of the CXL memory (``/dev/dax0.0``, created
 with ``daxctl reconfigure-device --mode=devdax``); ``size`` must be a multiple of the device
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import logging
 import mmap
@@ -59,6 +61,7 @@ class CxlTier(Tier):
         assert config.path is not None
         self.path = config.path
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd: int | None = fd         # kept open: it holds our partition's claim
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)     # one process formats a new region at a time
             st = os.fstat(fd)
@@ -75,22 +78,29 @@ class CxlTier(Tier):
             if geometry[0] != MAGIC:
                 geometry = self._format(spec, config, size)
             fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)       # the mapping stays valid without the descriptor
+        except BaseException:
+            self._release_fd()
+            raise
         _, _, partitions, slot_bytes, num_slots, gens_at, data_at, region_id = geometry
         if slot_bytes < spec.page_bytes:
             self._mm.close()
+            self._release_fd()
             raise ConfigError(f"tiers.cxl.path: the region {self.path} has {slot_bytes}-byte slots, too small "
                               f"for this model's {spec.page_bytes}-byte pages; use another path for this model")
         if partitions != config.partitions:
             self._mm.close()
+            self._release_fd()
             raise ConfigError(f"tiers.cxl.partitions: {self.path} was formatted with {partitions} partitions, "
                               f"configured {config.partitions}; allowed: {partitions} (or a new path)")
+        try:
+            self.partition = _claim_partition(fd, partitions, config.partition, self.path)
+        except BaseException:
+            self._mm.close()
+            self._release_fd()
+            raise
         self.region_id = uuid.UUID(bytes=region_id)
         region = np.frombuffer(self._mm, dtype=np.uint8, count=num_slots * slot_bytes, offset=data_at)
         generations = np.frombuffer(self._mm, dtype=np.uint64, count=num_slots, offset=gens_at)
-        self.partition, self._lock_fd = _claim_partition(
-            runtime_dir, self.region_id, partitions, config.partition, self.path)
         per = num_slots // partitions
         own = range(self.partition * per, (self.partition + 1) * per)
         super().__init__(spec, region, generations, slot_bytes, own)
@@ -137,10 +147,13 @@ class CxlTier(Tier):
             return False
         return (st.st_dev, st.st_ino) == self._identity
 
-    def close(self) -> None:
+    def _release_fd(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            os.close(self._lock_fd)      # drops our partition's claim
             self._lock_fd = None
+
+    def close(self) -> None:
+        self._release_fd()
         self._region = np.empty(0, dtype=np.uint8)
         self._generations = np.empty(0, dtype=np.uint64)
         try:
@@ -149,33 +162,36 @@ class CxlTier(Tier):
             pass
 
 
-def _claim_partition(runtime_dir: str, region: uuid.UUID, partitions: int, wanted: int | None,
-                     path: str) -> tuple[int, int | None]:
-    """Lock a partition for this writer. The lock files of a region file lie next to it, so every
-    process of the host that maps it sees them whatever its runtime_dir (two writers in one
-    partition would overwrite each other's pages); a device's lie in the runtime directory."""
-    if os.path.isfile(path) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-        def lock_path(p: int) -> str:
-            return f"{path}.p{p}.lock"
-    else:
-        os.makedirs(runtime_dir, exist_ok=True)
+PARTITION_LOCK_AT = 1 << 20
+"""Byte ``PARTITION_LOCK_AT + p`` of the region is locked by partition ``p``'s writer (a lock
+range, not data: it may lie past the end of the file)."""
 
-        def lock_path(p: int) -> str:
-            return os.path.join(runtime_dir, f"cxl-{region}-p{p}.lock")
+
+def _claim_partition(fd: int, partitions: int, wanted: int | None, path: str) -> int:
+    """Lock a partition for this writer: an open-file-description lock (``F_OFD_SETLK``) on a
+    byte of the region itself, held through ``fd``. It names the region's inode, so writers that
+    reach it through other paths or with other runtime_dirs contend for it too (two writers in
+    one partition would overwrite each other's pages); unlike ``lockf`` it is not shared by the
+    process's other descriptors, and it ends when ``fd`` is closed, by us or by our exit."""
     candidates = range(partitions) if wanted is None else [wanted]
     for p in candidates:
-        fd = os.open(lock_path(p), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, PARTITION_LOCK_AT + p))
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise ConfigError(f"tiers.cxl.path: cannot lock a partition of {path}: {e}") from None
             continue
-        return p, fd
+        return p
     if wanted is None:
         raise ConfigError(f"tiers.cxl.partition: all {partitions} partitions of {path} are owned by running "
                           f"processes; allowed: raise tiers.cxl.partitions for a new region")
     raise ConfigError(f"tiers.cxl.partition: partition {wanted} of {path} is owned by another process on this "
                       f"host; allowed: 'auto' or a free partition 0..{partitions - 1}")
+
+
+def _flock(kind: int, start: int) -> bytes:
+    """A ``struct flock`` for one byte at ``start`` (``l_pid`` 0, as OFD locks require)."""
+    return struct.pack("hhqqi4x", kind, os.SEEK_SET, start, 1, 0)
 
 
 def _bind_numa(region: np.ndarray, node: int, is_device: bool) -> None:

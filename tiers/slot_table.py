@@ -13,7 +13,9 @@ class SlotTable:
 
     ``prepare_store`` reserves a slot (evicting the least recently used unpinned page when none is
     free); the page becomes visible to :meth:`lookup` only after ``complete_store(ok=True)``.
-    A pinned slot is never evicted, so a local reader can copy from it safely.
+    A pinned slot is never evicted nor freed, so a local reader can copy from it safely: a page
+    removed while pinned is hidden from :meth:`lookup` at once and its slot is handed back at the
+    last :meth:`unpin` (see :meth:`detach`).
     """
 
     def __init__(self, slots: range) -> None:
@@ -23,6 +25,7 @@ class SlotTable:
         self._pending: dict[PageKey, int] = {}
         self._pins: Counter[int] = Counter()
         self._lent: set[int] = set()          # granted to other nodes' writers (fabric spill)
+        self._detached: set[int] = set()      # removed, not free yet: pinned, or being invalidated
         self._lock = threading.Lock()
 
     @property
@@ -32,7 +35,7 @@ class SlotTable:
     @property
     def used(self) -> int:
         with self._lock:
-            return len(self._ready) + len(self._pending) + len(self._lent)
+            return len(self._ready) + len(self._pending) + len(self._lent) + len(self._detached)
 
     @property
     def lent(self) -> int:
@@ -116,23 +119,40 @@ class SlotTable:
             else:
                 self._free.append(slot)
 
-    def remove(self, key: PageKey) -> int | None:
-        """Forget ``key``; returns its former slot, or ``None`` when it was not stored."""
+    def detach(self, key: PageKey, at: int | None = None) -> tuple[int, bool] | None:
+        """Hide ``key`` from :meth:`lookup` and take its slot out of use without freeing it: the
+        caller invalidates the slot, then gives it back with :meth:`release`. Returns ``(slot,
+        pinned)``, ``None`` when ``key`` is not stored (or not in slot ``at``, when given).
+        ``pinned``: readers still copy from the slot; the caller must leave its bytes alone, and
+        the last :meth:`unpin` hands it back."""
         with self._lock:
-            slot = self._ready.pop(key, None)
-            if slot is not None:
+            slot = self._ready.get(key)
+            if slot is None or (at is not None and slot != at):
+                return None
+            del self._ready[key]
+            self._detached.add(slot)
+            return slot, slot in self._pins
+
+    def release(self, slot: int) -> None:
+        """Free a slot :meth:`detach` took out of use (invalidated by now)."""
+        with self._lock:
+            if slot in self._detached:
+                self._detached.discard(slot)
                 self._free.append(slot)
-            return slot
 
     def pin(self, slot: int) -> None:
         with self._lock:
             self._pins[slot] += 1
 
-    def unpin(self, slot: int) -> None:
+    def unpin(self, slot: int) -> bool:
+        """Drop one pin. ``True`` when that was the last pin of a detached slot: the caller
+        invalidates it and calls :meth:`release`."""
         with self._lock:
             self._pins[slot] -= 1
-            if self._pins[slot] <= 0:
-                del self._pins[slot]
+            if self._pins[slot] > 0:
+                return False
+            del self._pins[slot]
+            return slot in self._detached
 
     def victim(self) -> tuple[PageKey, int] | None:
         """The least recently used unpinned page, left in place; ``None`` when all are pinned."""

@@ -9,6 +9,7 @@ from pof_connector.index.base import (
     IndexUnavailable,
     LocalityIndex,
     Location,
+    NodeIdTaken,
     NodeInfo,
     PrefixMatch,
     TierUsage,
@@ -16,7 +17,7 @@ from pof_connector.index.base import (
 from pof_connector.index.local import LocalIndex, LocalTable
 
 __all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex", "Location",
-           "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
+           "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
 
 
 def resolve_url(config: PofConfig) -> str:

@@ -26,6 +26,13 @@ class IndexUnavailable(RuntimeError):
     """The index could not be reached or answered badly. Callers treat it as a miss."""
 
 
+class NodeIdTaken(RuntimeError):
+    """Another live process registered this client's node id after this client did (a restarted
+    node looks the same, so the newer registration holds the id). Raised by
+    :meth:`LocalityIndex.heartbeat`; until that registration ends, this client is not registered:
+    its publish and withdraw do nothing, and each heartbeat raises again."""
+
+
 @dataclass(frozen=True, slots=True)
 class Location:
     """A page's place: ``slot`` of ``node``'s ``medium`` tier, written with ``generation``."""
@@ -106,6 +113,11 @@ class LocalityIndex(ABC):
 
         Returns ``True`` when this is a new incarnation (first heartbeat, after expiry, or after
         the index lost its data): everything the node holds must be published again.
+
+        A client's first registration ends a live registration of the same node id (the node
+        restarted: its former incarnation's entries are never returned again). So a client whose
+        node id another live client registered since raises :class:`NodeIdTaken` instead of
+        taking it back, until that registration ends.
         """
 
     @abstractmethod
@@ -145,6 +157,12 @@ class LocalityIndex(ABC):
         if self.node_id is None:
             raise ValueError("this index client is not bound to a node; pass node_id to publish")
         return self.node_id
+
+
+def node_id_taken(node_id: str) -> NodeIdTaken:
+    return NodeIdTaken(f"node id {node_id!r} is registered by another running process, which started after this "
+                       f"one (two processes with one node_id: their pages' locations would be confused); give "
+                       f"each process its own node_id")
 
 
 def check_one_namespace(keys: Sequence[PageKey]) -> bytes:

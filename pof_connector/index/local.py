@@ -21,6 +21,7 @@ from pof_connector.index.base import (
     NodeInfo,
     PrefixMatch,
     check_one_namespace,
+    node_id_taken,
 )
 from pof_connector.keys import PageKey
 
@@ -50,15 +51,21 @@ class LocalIndex(LocalityIndex):
     def __init__(self, node_id: str | None, table: LocalTable | None = None) -> None:
         super().__init__(node_id)
         self.table = table if table is not None else LocalTable()
-        self._incarnation: int | None = None
+        self._incarnation: int | None = None    # our live registration; None: not registered
+        self._last: int | None = None           # the last one we had (a newer holder of our id displaced it)
 
     def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
         t = self.table
         with t.lock:
             node = t.nodes.get(info.node_id)
-            fresh = (node is None or node.expires <= time.monotonic() or node.incarnation != self._incarnation)
+            live = node is not None and node.expires > time.monotonic()
+            fresh = not (live and node is not None and node.incarnation == self._incarnation)
             if fresh:
-                self._incarnation = next(t.incarnations)
+                if live and self._last is not None:     # a newer process holds our node id
+                    self._incarnation = None
+                    raise node_id_taken(info.node_id)
+                # Replacing a live registration (a restarted node) ends its incarnation at once.
+                self._incarnation = self._last = next(t.incarnations)
             assert self._incarnation is not None
             t.nodes[info.node_id] = _Node(self._incarnation, info, time.monotonic() + ttl_s)
             return fresh
@@ -131,7 +138,9 @@ class LocalIndex(LocalityIndex):
     def leave(self) -> None:
         node_id = self._require_node()
         with self.table.lock:
-            self.table.nodes.pop(node_id, None)
+            node = self.table.nodes.get(node_id)
+            if node is not None and node.incarnation == self._incarnation:
+                del self.table.nodes[node_id]
         self._incarnation = None
 
     def stats(self) -> dict[str, int]:

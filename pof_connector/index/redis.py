@@ -47,6 +47,7 @@ from pof_connector.index.base import (
     NodeInfo,
     PrefixMatch,
     check_one_namespace,
+    node_id_taken,
 )
 from pof_connector.keys import PageKey
 
@@ -66,6 +67,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# ARGV: node id, this client's last incarnation ('' if it never registered), TTL in ms, info JSON.
+# Returns {incarnation, 1} for a new registration, {incarnation, 0} for a renewal, and
+# {holder, -1} when another live incarnation registered the node id after this client did.
 _HEARTBEAT = _NOW + """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
 if #expired > 0 then
@@ -73,8 +77,18 @@ if #expired > 0 then
   redis.call('HDEL', KEYS[4], unpack(expired))
 end
 local inc = redis.call('HGET', KEYS[1], ARGV[1])
+local live = inc and redis.call('ZSCORE', KEYS[3], inc)
 local fresh = 0
-if (not inc) or inc ~= ARGV[2] or not redis.call('ZSCORE', KEYS[3], inc) then
+if not (live and inc == ARGV[2]) then
+  if live and ARGV[2] ~= '' then
+    return {inc, -1}
+  end
+  if live then
+    -- A new process of a node whose registration is live: the node restarted, and what its
+    -- former incarnation published points into memory that is gone. It dies now, not at its TTL.
+    redis.call('ZREM', KEYS[3], inc)
+    redis.call('HDEL', KEYS[4], inc)
+  end
   inc = tostring(redis.call('INCR', KEYS[5]))
   redis.call('HSET', KEYS[1], ARGV[1], inc)
   redis.call('HSET', KEYS[2], inc, ARGV[1])
@@ -173,7 +187,8 @@ class RedisIndex(LocalityIndex):
         self._publish = self._r.register_script(_PUBLISH)
         self._withdraw = self._r.register_script(_WITHDRAW)
         self._leave = self._r.register_script(_LEAVE)
-        self._inc: int | None = None
+        self._inc: int | None = None          # our live registration; None: not registered
+        self._last_inc: int | None = None     # the last one we had (a newer holder of our id displaced it)
         self._inc_names: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -189,11 +204,14 @@ class RedisIndex(LocalityIndex):
 
     def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
         with self._lock:
-            prev = "" if self._inc is None else str(self._inc)
+            prev = "" if self._last_inc is None else str(self._last_inc)
             inc, fresh = self._call("heartbeat", self._heartbeat,
                                     keys=[K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ],
                                     args=[info.node_id, prev, int(ttl_s * 1000), json.dumps(info.to_json())])
-            self._inc = int(inc)
+            if int(fresh) < 0:
+                self._inc = None
+                raise node_id_taken(info.node_id)
+            self._inc = self._last_inc = int(inc)
             return bool(fresh)
 
     def _records(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[bytes, tuple[bytes, bytes]]:

@@ -59,7 +59,7 @@ import msgspec
 import zmq
 
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeInfo, open_index
+from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeIdTaken, NodeInfo, open_index
 from pof_connector.keys import PageKey
 from pof_connector.router.engine_load_poller import EngineLoadPoller
 from pof_connector.router.kv_events import (
@@ -429,6 +429,9 @@ class Relay:
         except IndexUnavailable as e:
             self._log_once("index", logging.ERROR, "pof relay: index unavailable (%s); retrying", e)
             self._republish = True
+            return
+        except NodeIdTaken as e:     # a newer relay runs under our node id: do not take it back
+            self._log_once("node-id-taken", logging.ERROR, "pof relay: %s; publishing nothing until it stops", e)
             return
         if "index" in self._logged:
             self._logged.discard("index")

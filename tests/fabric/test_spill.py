@@ -151,3 +151,26 @@ def test_full_memory_node_grants_nothing(cluster: tuple[NodeProc, NodeProc, Memd
     r = b.call("load", seed=3, pages=4)
     assert r["failed"] == {} and r["exact"], r
     assert a.call("lookup", seed=3, pages=4)["nodes"] == ["b"]
+
+
+def test_a_lender_loads_pages_spilled_into_its_own_slots(redis_server: RedisServer, runtime_dir: str) -> None:
+    """No memory node: B spills into slots pool node A lends. The index names A as their holder,
+    so A's lookup offers them, and A must load them (they are not in A's books)."""
+    procs: list[NodeProc] = []
+    try:
+        a = NodeProc(node_config("a", redis_server.url, runtime_dir, spill=True, dram=str(64 * SLOT)))
+        procs.append(a)
+        b = NodeProc(node_config("b", redis_server.url, runtime_dir, spill=True, dram=str(4 * SLOT)))
+        procs.append(b)
+        wait_for(lambda: {"a", "b"} <= set(live_nodes(redis_server.url)), 30, "both registrations")
+        spill_first_chain(b)
+        assert b.call("spill")["spilled"] == 4
+        wait_for(lambda: a.call("lookup", seed=1, pages=4)["nodes"] == ["a"], what="A finds chain 1 as its own")
+        for zero_copy in (False, True):
+            r = a.call("load", seed=1, pages=4, zero_copy=zero_copy)
+            assert r["pages"] == 4 and r["failed"] == {} and r["exact"], r
+        r = b.call("load", seed=1, pages=4)                       # and the writer reads it from A
+        assert r["pages"] == 4 and r["failed"] == {} and r["exact"], r
+    finally:
+        for p in reversed(procs):
+            p.close()

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pof_connector.index import LocalIndex, LocalityIndex, LocalTable, Location, NodeInfo, TierUsage
+from pof_connector.index import LocalIndex, LocalityIndex, LocalTable, Location, NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey, page_keys
@@ -129,3 +129,44 @@ def test_spilled_location_is_recorded_as_its_owners(make: Factory, namespace: by
     assert reader.longest_prefix(ks)["m"].pages == 1
     time.sleep(0.7)                                          # M's heartbeat lapses: its slots are gone
     assert reader.longest_prefix(ks) == {}
+
+
+def test_a_restarted_node_hides_its_former_incarnation(make: Factory, namespace: bytes) -> None:
+    """A node's process died (no leave) and started again: what its former incarnation published
+    points into memory that is gone, and must not be offered until that registration's TTL ends."""
+    old, reader = make("a"), make(None)
+    old.heartbeat(NodeInfo("a"), 10)
+    ks = keys(namespace, 3)
+    old.publish([(k, loc("a", i)) for i, k in enumerate(ks)])
+    assert reader.longest_prefix(ks)["a"].pages == 3
+    new = make("a")                                          # the restarted process
+    assert new.heartbeat(NodeInfo("a", meta={"v": "2"}), 10) is True
+    assert reader.longest_prefix(ks) == {}
+    assert [n.meta for n in reader.nodes()] == [{"v": "2"}]
+    new.publish([(k, loc("a", 10 + i, gen=2)) for i, k in enumerate(ks[:2])])
+    got = reader.longest_prefix(ks)
+    assert got["a"].pages == 2 and got["a"].location(0) == loc("a", 10, gen=2)
+
+
+def test_two_live_processes_with_one_node_id_do_not_bump_each_other(make: Factory, namespace: bytes) -> None:
+    """Two running processes configured with one node id: the newer registration holds it (as
+    after a restart); the older one is told so on every heartbeat and publishes nothing, instead
+    of both taking a new incarnation (and re-publishing everything) on every heartbeat."""
+    first, second, reader = make("a"), make("a"), make(None)
+    assert first.heartbeat(NodeInfo("a"), 10) is True
+    ks = keys(namespace, 2)
+    first.publish([(k, loc("a", 50 + i)) for i, k in enumerate(ks)])
+    assert second.heartbeat(NodeInfo("a"), 10) is True
+    second.publish([(k, loc("a", i)) for i, k in enumerate(ks)])
+    for _ in range(3):
+        with pytest.raises(NodeIdTaken, match="'a'"):
+            first.heartbeat(NodeInfo("a"), 10)
+        assert second.heartbeat(NodeInfo("a"), 10) is False      # no new incarnation, no re-publish
+    first.publish([(ks[0], loc("a", 99))])                      # ignored: not registered
+    first.withdraw([(ks[1], loc("a", 1))])
+    got = reader.longest_prefix(ks)
+    assert got["a"].pages == 2 and got["a"].location(0) == loc("a", 0) and got["a"].location(1) == loc("a", 1)
+    first.leave()                                                # does not end the other's registration
+    assert [n.node_id for n in reader.nodes()] == ["a"]
+    second.leave()
+    assert first.heartbeat(NodeInfo("a"), 10) is True           # the node id is free again

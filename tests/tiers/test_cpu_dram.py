@@ -79,3 +79,51 @@ def test_lend_bumps_generation_and_take_back_invalidates(spec: PageSpec) -> None
     with pytest.raises(PageError):                    # reclaimed: a reader following the index misses
         tier.read(ref, key(7), out)
     assert not tier.take_back(ref.slot)               # not lent any more: our own slots are untouched
+
+
+class _StoreBetweenFreeAndInvalidate(CpuDramTier):
+    """Runs a store at the moment ``remove`` invalidates a slot: the store thread getting the CPU
+    while a reader thread drops a corrupt page (``Pool._drop_if_corrupt``)."""
+
+    def __init__(self, spec: PageSpec, size: int) -> None:
+        super().__init__(spec, size)
+        self.racing: int | None = None
+
+    def _set_live_generation(self, slot: int, generation: int) -> None:
+        if self.racing is not None and generation == 0:
+            i, self.racing = self.racing, None
+            store(self, self.spec, i)
+        super()._set_live_generation(slot, generation)
+
+
+def test_remove_invalidates_before_the_slot_can_be_reused(spec: PageSpec) -> None:
+    tier = _StoreBetweenFreeAndInvalidate(spec, 2 * spec.page_bytes + 128)
+    store(tier, spec, 0)
+    tier.racing = 1
+    assert tier.remove(key(0)) is not None
+    assert tier.racing is None                       # the racing store ran
+    ref = tier.find(key(1))
+    assert ref is not None
+    out = np.zeros(spec.page_bytes, np.uint8)
+    tier.read(ref, key(1), out)                      # the fresh page was not zeroed under its writer
+    for layer, data in enumerate(layers_for(spec, 1)):
+        assert bytes(spec.segment(memoryview(out), layer)) == data.tobytes()
+
+
+def test_a_removed_page_stays_readable_while_pinned(spec: PageSpec) -> None:
+    tier = CpuDramTier(spec, 2 * spec.page_bytes + 128)
+    store(tier, spec, 0)
+    store(tier, spec, 1)
+    ref = tier.find(key(0), pin=True)
+    assert ref is not None
+    page = np.zeros(spec.page_bytes, np.uint8)
+    header = tier.read_header(ref, key(0), page)
+    assert tier.remove(key(0)) == ref and tier.find(key(0)) is None
+    assert store(tier, spec, 2) == key(1)            # room comes from the unpinned page
+    for layer, data in enumerate(layers_for(spec, 0)):
+        assert (tier.segment_view(ref, layer) == data).all()
+        tier.check_segment(ref, header, layer)
+    tier.unpin(ref.slot)                             # last reader done: invalidated and freed
+    with pytest.raises(PageError):
+        tier.check_segment(ref, header, 0)
+    assert tier.free_slots == 1

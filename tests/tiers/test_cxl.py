@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import stat
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -153,6 +155,46 @@ def test_writers_with_different_runtime_dirs_still_get_their_own_partition(shm_p
     finally:
         a.close()
         b.close()
+
+
+def test_writers_of_one_device_with_different_runtime_dirs_get_their_own_partition(shm_path: str,
+                                                                                     tmp_path: Path) -> None:
+    """A devdax device (no directory next to it to put lock files in): the partition claim must
+    not depend on runtime_dir. The device node here has /dev/zero's numbers (mknod), so its memory
+    is not shared between the two mappings: only the claim is under test."""
+    dev = shm_path + ".dax"
+    try:
+        os.mknod(dev, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD")
+    cfg = TierConfig("cxl", 2 << 20, path=dev, partitions=2)
+    a = CxlTier(SPEC, cfg, str(tmp_path / "rt-a"))
+    try:
+        b = CxlTier(SPEC, cfg, str(tmp_path / "rt-b"))
+        try:
+            assert {a.partition, b.partition} == {0, 1}
+            with pytest.raises(ConfigError, match=r"tiers\.cxl\.partition"):
+                CxlTier(SPEC, cfg, str(tmp_path / "rt-c"))
+        finally:
+            b.close()
+    finally:
+        a.close()
+    CxlTier(SPEC, cfg, str(tmp_path / "rt-d")).close()        # closing released the claims
+
+
+def test_two_names_of_one_region_file_share_its_partition_claims(shm_path: str, runtime_dir: str) -> None:
+    """A region reached through two paths (a hard link, a bind mount) is one region: one claim."""
+    other = shm_path + ".link"
+    a = CxlTier(SPEC, TierConfig("cxl", 2 << 20, path=shm_path, partitions=2), runtime_dir)
+    try:
+        os.link(shm_path, other)
+        b = CxlTier(SPEC, TierConfig("cxl", 2 << 20, path=other, partitions=2), runtime_dir)
+        try:
+            assert a.domain == b.domain and {a.partition, b.partition} == {0, 1}
+        finally:
+            b.close()
+    finally:
+        a.close()
 
 
 def test_numa_binding(shm_path: str, runtime_dir: str) -> None:

@@ -48,3 +48,27 @@ def test_lent_slots_are_used_never_evicted_and_taken_back() -> None:
     assert got is not None and got[1] == key(0) and got[0] not in lent
     assert t.take_back(lent[0]) and not t.take_back(lent[0]) and not t.take_back(got[0])
     assert t.lent == 1 and t.used == 2
+
+
+def test_a_pinned_page_that_is_removed_keeps_its_slot_until_the_last_unpin() -> None:
+    """The race in Pool._make_room: the victim is chosen unpinned, a reader pins it, then it is
+    removed. The slot must not be reused under the reader."""
+    t = SlotTable(range(2))
+    for i in range(2):
+        t.prepare_store(key(i))
+        t.complete_store(key(i), ok=True)
+    victim = t.victim()
+    assert victim is not None and victim[0] == key(0)
+    slot = t.lookup(key(0), pin=True)             # the reader, between victim choice and removal
+    assert slot == victim[1]
+    assert t.detach(key(0)) == (slot, True)      # removed while pinned: its bytes stay
+    assert t.lookup(key(0)) is None and not t.contains(key(0))    # nobody else is offered it
+    got = t.prepare_store(key(2))
+    assert got is not None and got[0] != slot     # another page makes room; the reader's slot is kept
+    t.complete_store(key(2), ok=True)
+    assert t.used == 2
+    assert t.unpin(slot) is True                  # the last reader is done: the tier invalidates it,
+    t.release(slot)                               # then frees it
+    assert t.used == 1
+    got = t.prepare_store(key(3))
+    assert got == (slot, None)
