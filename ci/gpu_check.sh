@@ -115,9 +115,9 @@ TESTS_RC=99          # 99: not run
 if [[ " $MISSING " == *" pytest "* || " $MISSING " == *" redis "* ]]; then
     say "SKIP tests: pytest/redis missing"
 else
-    say "pytest -m torch tests/tiers/test_peer_hbm.py (limit 140 s)"
+    say "pytest -m torch tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py (limit 140 s)"
     timeout -k 5 140 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
-        tests/tiers/test_peer_hbm.py 2>&1 | tee "$ART/pytest.log" | tail -25
+        tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py 2>&1 | tee "$ART/pytest.log" | tail -25
     TESTS_RC=${PIPESTATUS[0]}
     say "tests exit code $TESTS_RC (124: timed out)"
 fi
