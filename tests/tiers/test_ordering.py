@@ -17,7 +17,7 @@ from pof_connector.tiers.ordering import UnsupportedPlatform
 def test_tiers_refuse_cpus_without_total_store_order(machine: str, spec: PageSpec, runtime_dir: str,
                                                      shm_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "machine", lambda: machine)
-    with pytest.raises(UnsupportedPlatform, match="x86-64 CPU.*total store order.*numpy issues no fences"):
+    with pytest.raises(UnsupportedPlatform, match=r"x86-64 CPU.*total store order.*numpy issues no fences"):
         CpuDramTier(spec, 4 * spec.page_bytes)
     with pytest.raises(UnsupportedPlatform, match="torn page"):
         make_tier(TierConfig("cpu_dram", 4 * spec.page_bytes), spec, runtime_dir)
