@@ -13,12 +13,13 @@ one engine stored is found and loaded by the other when both run the same model 
 the same page size (SGLang ``--page-size`` = vLLM ``--block-size`` × n with pof ``page_tokens``
 equal to it) and the same ``model`` string in pof's config.
 
-Every SGLang scheduler process (TP rank, PP stage, attention-DP rank) is a pool node of its own:
-``node_id`` gets ``-tp{r}``, ``-pp{r}`` and ``-dp{r}`` suffixes for the dimensions larger than
-one. MLA ranks share keys (the latent is the same on every rank) and SGLang lets only TP rank 0
-store; the other ranks load rank 0's pages only from a tier they share with it (one CXL region)
-or over the fabric. With private DRAM tiers and no fabric they find nothing, and SGLang, which
-takes the minimum hit over the TP group, then loads nothing on any rank: a miss, never wrong KV.
+Every SGLang scheduler process (TP rank, PP stage, attention-DP rank) is a pool node of its own
+(:func:`rank_node_id`). Context parallelism (``attn_cp_size``, ``dcp_size`` > 1) is refused at
+start-up: its ranks hold different slices of a page under one key. MLA ranks share keys (the
+latent is the same on every rank) and SGLang lets only TP rank 0 store; the other ranks load
+rank 0's pages only from a tier they share with it (one CXL region) or over the fabric. With
+private DRAM tiers and no fabric they find nothing, and SGLang, which takes the minimum hit over
+the TP group, then loads nothing on any rank: a miss, never wrong KV.
 
 Every batch call runs on SGLang's storage threads, is thread-safe, never raises and never
 returns ``None``: a failure is logged once, counted, and answered as a miss. A store copies the
@@ -54,15 +55,16 @@ STORE_TIMEOUT_S = 30.0
 
 
 def rank_node_id(node_id: str, storage_config: Any) -> str:
-    """``node_id`` made unique per SGLang scheduler process: ``-tp{r}``, ``-pp{r}``, ``-dp{r}``
-    for each parallel dimension larger than one (processes sharing a node id would take turns
-    claiming it in the index). ``dp_rank`` is attention-DP's and absent from older SGLang."""
+    """``node_id`` made unique per SGLang scheduler process (processes sharing a node id would
+    take turns claiming it in the index): ``-tp{r}`` and ``-pp{r}`` for each of TP and PP larger
+    than one, and ``-dp{r}`` for attention-DP ranks other than 0 (with attention DP, ``tp_rank``
+    is the rank inside a DP group; SGLang 0.5.23 passes ``dp_rank`` but no DP size)."""
     sc = storage_config
-    for tag, rank, size in (("tp", sc.tp_rank, sc.tp_size), ("pp", sc.pp_rank, sc.pp_size),
-                            ("dp", getattr(sc, "dp_rank", 0), getattr(sc, "dp_size", 1))):
+    for tag, rank, size in (("tp", sc.tp_rank, sc.tp_size), ("pp", sc.pp_rank, sc.pp_size)):
         if int(size) > 1:
             node_id += f"-{tag}{int(rank)}"
-    return node_id
+    dp_rank = int(getattr(sc, "dp_rank", 0))
+    return f"{node_id}-dp{dp_rank}" if dp_rank else node_id
 
 
 class PoFHiCacheStorage(HiCacheStorage):
@@ -86,11 +88,13 @@ class PoFHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"page_tokens: {self.config.page_tokens} differs from SGLang's --page-size "
                               f"{pages.page_size}; allowed: {pages.page_size} (or unset)")
         sc = self.storage_config
-        if int(getattr(sc, "attn_cp_size", 1)) > 1:
-            # Each context-parallel rank holds a slice of every page, and which slice may depend on
-            # the whole prompt: pages keyed by their prefix alone could be another slice's bytes.
-            raise ConfigError("pof does not support attention context parallelism (attn_cp_size "
-                              f"{sc.attn_cp_size}); allowed: attn_cp_size 1")
+        for field in ("attn_cp_size", "dcp_size"):
+            # Each (decode) context-parallel rank holds its own slice of every page, under the same
+            # page key (SGLang's file backend adds the CP rank or DCP shard to its keys): pof's
+            # namespace does not, so one rank could load another's slice with every check passing.
+            if int(getattr(sc, field, 1)) > 1:
+                raise ConfigError(f"pof does not support (decode) context parallelism: {field} is "
+                                  f"{getattr(sc, field)}; allowed: 1")
         tp_rank, tp_size = (0, 1) if pages.is_mla else (int(sc.tp_rank), int(sc.tp_size))
         model = self.config.model or str(sc.model_name)
         # The PP stage: stages hold different layers, equal in number when the model divides evenly.

@@ -55,12 +55,13 @@ def host_pool(kind: str, layout: str, dtype: torch.dtype = torch.bfloat16, ps: i
 
 def storage_config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
                    pp_rank: int = 0, pp_size: int = 1, cp_size: int = 1,
-                   layout: str = "page_first_direct", model: str = "tests/model") -> HiCacheStorageConfig:
+                   layout: str = "page_first_direct", model: str = "tests/model", **more: Any) -> HiCacheStorageConfig:
     cfg = {"backend_name": "pof", "module_path": "pof_connector.adapters.sglang",
            "class_name": "PoFHiCacheStorage", "interface_v1": 1, **extra}
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0,
                                 attn_cp_size=cp_size, is_mla_model=mla, enable_storage_metrics=False,
-                                is_page_first_layout=layout == "page_first", model_name=model, extra_config=cfg)
+                                is_page_first_layout=layout == "page_first", model_name=model, extra_config=cfg,
+                                **more)
 
 
 def backend(pool: Any, extra: dict[str, Any], **kw: Any) -> PoFHiCacheStorage:
@@ -255,11 +256,26 @@ def test_a_timed_out_store_keeps_its_staging_buffer(extra: dict[str, Any], monke
         b.close()
 
 
-def test_attention_context_parallelism_is_refused(extra: dict[str, Any]) -> None:
+def test_context_parallelism_is_refused(extra: dict[str, Any]) -> None:
+    """CP and DCP ranks hold different slices of a page under one SGLang key (issue 20, item 4)."""
     from pof_connector.config import ConfigError
 
-    with pytest.raises(ConfigError, match="attn_cp_size"):
+    with pytest.raises(ConfigError, match="attn_cp_size is 2"):
         backend(host_pool("mla", "page_first_direct"), extra, mla=True, cp_size=2)
+    with pytest.raises(ConfigError, match="dcp_size is 2"):
+        backend(host_pool("mla", "page_first_direct"), extra, mla=True, tp_rank=1, tp_size=2,
+                dcp_size=2, dcp_rank=1, logical_page_size=PS)
+
+
+def test_attention_dp_ranks_are_nodes_of_their_own(extra: dict[str, Any]) -> None:
+    pools = [host_pool("mha", "page_first_direct") for _ in range(2)]
+    ranks = [backend(p, extra, dp_rank=r) for r, p in enumerate(pools)]     # attention TP 1 in each DP group
+    try:
+        assert [r.pool.node_id for r in ranks if r.pool is not None] == ["s1", "s1-dp1"]
+        assert ranks[0].namespace == ranks[1].namespace          # same heads: they share pages
+    finally:
+        for r in ranks:
+            r.close()
 
 
 def test_failures_are_misses_never_exceptions(runtime_dir: str, shm_path: str) -> None:
