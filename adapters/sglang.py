@@ -8,18 +8,31 @@
 The extra config is pof's config (README, "Configuration") plus SGLang's own keys. SGLang hands
 over its page keys (chained sha256 hex digests of the page tokens, seeded by ``cache_salt`` /
 ``extra_key``): they are taken as given and put in pof's namespace (model, dtype, page geometry,
-TP rank), which is the one vLLM's adapter uses — so a prefix one engine stored is found and
-loaded by the other when both run the same model and dtype with the same page size (SGLang
-``--page-size`` = vLLM ``--block-size`` × n with pof ``page_tokens`` equal to it) and the same
-``model`` string in pof's config.
+TP rank, and PP stage when there are several), which is the one vLLM's adapter uses — so a prefix
+one engine stored is found and loaded by the other when both run the same model and dtype with
+the same page size (SGLang ``--page-size`` = vLLM ``--block-size`` × n with pof ``page_tokens``
+equal to it) and the same ``model`` string in pof's config.
+
+Every SGLang scheduler process (TP rank, PP stage, attention-DP rank) is a pool node of its own
+(:func:`rank_node_id`). Context parallelism (``attn_cp_size``, ``dcp_size`` > 1) is refused at
+start-up: its ranks hold different slices of a page under one key. MLA ranks share keys (the
+latent is the same on every rank) and SGLang lets only TP rank 0 store; the other ranks load
+rank 0's pages only from a tier they share with it (one CXL region) or over the fabric. With
+private DRAM tiers and no fabric they find nothing, and SGLang, which takes the minimum hit over
+the TP group, then loads nothing on any rank: a miss, never wrong KV.
 
 Every batch call runs on SGLang's storage threads, is thread-safe, never raises and never
-returns ``None``: a failure is logged once, counted, and answered as a miss.
+returns ``None``: a failure is logged once, counted, and answered as a miss. A store copies the
+pages into a staging buffer and waits up to ``STORE_TIMEOUT_S`` for the pool; one that takes
+longer answers ``False`` but stays queued, and its buffer is reused only once the pool wrote it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +51,20 @@ log = logging.getLogger("pof_connector.sglang")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 """Keys of the extra config that belong to SGLang's loader, not to pof."""
 STORE_TIMEOUT_S = 30.0
+"""How long ``batch_set`` waits for the pool's store thread before answering ``False``."""
+
+
+def rank_node_id(node_id: str, storage_config: Any) -> str:
+    """``node_id`` made unique per SGLang scheduler process (processes sharing a node id would
+    take turns claiming it in the index): ``-tp{r}`` and ``-pp{r}`` for each of TP and PP larger
+    than one, and ``-dp{r}`` for attention-DP ranks other than 0 (with attention DP, ``tp_rank``
+    is the rank inside a DP group; SGLang 0.5.23 passes ``dp_rank`` but no DP size)."""
+    sc = storage_config
+    for tag, rank, size in (("tp", sc.tp_rank, sc.tp_size), ("pp", sc.pp_rank, sc.pp_size)):
+        if int(size) > 1:
+            node_id += f"-{tag}{int(rank)}"
+    dp_rank = int(getattr(sc, "dp_rank", 0))
+    return f"{node_id}-dp{dp_rank}" if dp_rank else node_id
 
 
 class PoFHiCacheStorage(HiCacheStorage):
@@ -49,6 +76,8 @@ class PoFHiCacheStorage(HiCacheStorage):
         self.pages: HostPages | None = None
         self.namespace = b""
         self.staging = StagingPool(keep_bytes=256 << 20)
+        self._overdue = 0               # stores that timed out and are still queued in the pool
+        self._overdue_lock = threading.Lock()
 
     # ---- set-up (errors here fail SGLang's start-up, with the key named) --------------------------
 
@@ -59,15 +88,22 @@ class PoFHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"page_tokens: {self.config.page_tokens} differs from SGLang's --page-size "
                               f"{pages.page_size}; allowed: {pages.page_size} (or unset)")
         sc = self.storage_config
+        for field in ("attn_cp_size", "dcp_size"):
+            # Each (decode) context-parallel rank holds its own slice of every page, under the same
+            # page key (SGLang's file backend adds the CP rank or DCP shard to its keys): pof's
+            # namespace does not, so one rank could load another's slice with every check passing.
+            if int(getattr(sc, field, 1)) > 1:
+                raise ConfigError(f"pof does not support (decode) context parallelism: {field} is "
+                                  f"{getattr(sc, field)}; allowed: 1")
         tp_rank, tp_size = (0, 1) if pages.is_mla else (int(sc.tp_rank), int(sc.tp_size))
         model = self.config.model or str(sc.model_name)
+        # The PP stage: stages hold different layers, equal in number when the model divides evenly.
         self.namespace = Namespace(model, str(pages.dtype).removeprefix("torch."), pages.layout_name,
-                                   pages.page_size, tp_rank, tp_size, self.config.namespace).digest
+                                   pages.page_size, tp_rank, tp_size, self.config.namespace,
+                                   pp_rank=int(sc.pp_rank), pp_size=int(sc.pp_size)).digest
         spec = PageSpec(pages.num_layers, pages.segment_bytes, pages.page_size,
                         KIND_MLA if pages.is_mla else KIND_MHA)
-        config = self.config
-        if int(sc.tp_size) > 1 and not pages.is_mla:    # every rank is a pool node of its own
-            config = replace(config, node_id=f"{config.node_id}-tp{sc.tp_rank}")
+        config = replace(self.config, node_id=rank_node_id(self.config.node_id, sc))
         self.pages = pages
         self.pool = Pool(config, spec, self.namespace, meta={"engine": "sglang", "model": model})
         log.info("pof: SGLang host pool %s, %d layers, pages of %d tokens = %d KiB, model %s", pages.layout,
@@ -162,13 +198,18 @@ class PoFHiCacheStorage(HiCacheStorage):
 
     def _store(self, pages_at: list[tuple[str, int]], flat: list[Any] | None) -> list[bool]:
         """Copy pages (host pool page starts, or legacy flat pages) into canonical staging, then
-        into the pool; a page this node already stores counts as stored."""
+        into the pool; a page this node already stores counts as stored. ``False`` for a page not
+        stored within ``STORE_TIMEOUT_S`` (it may still be written later) and, while such a store
+        is queued, for every new one: nothing piles up behind a stalled store thread."""
         pages, pool = self._pages(), self.pool
         assert pool is not None
         keys = self._keys([k for k, _ in pages_at])
         todo = [i for i, k in enumerate(keys) if not pool.contains(k)]
         if not todo:
             return [True] * len(keys)
+        with self._overdue_lock:
+            if self._overdue:
+                return [False] * len(keys)
         L, seg = pages.num_layers, pages.segment_bytes
         buf = self.staging.take(len(todo) * L * seg).reshape(len(todo), L, seg)
         try:
@@ -178,10 +219,32 @@ class PoFHiCacheStorage(HiCacheStorage):
                     src = pages.flat_layer(flat[i], layer) if flat is not None else pages.layer(pages_at[i][1], layer)
                     torch.from_numpy(buf[j, layer]).view(pages.dtype).view(pages.canonical_shape).copy_(src)
                 items.append((keys[i], [buf[j, layer] for layer in range(L)]))
-            pool.store(items).result(timeout=STORE_TIMEOUT_S)
-        finally:
-            self.staging.give(buf.reshape(-1))
+            stored = pool.store(items)
+        except BaseException:
+            self.staging.give(buf.reshape(-1))      # nothing was queued: the buffer is ours again
+            raise
+        # The queued write reads the buffer until the future is done, even after we stop waiting:
+        # handing it back earlier would let the next store overwrite a page while it is copied
+        # (and checksummed) into the tier, publishing a mixed page that passes every check.
+        stored.add_done_callback(lambda _: self.staging.give(buf.reshape(-1)))
+        try:
+            stored.result(timeout=STORE_TIMEOUT_S)
+        except FutureTimeout:
+            self._wait_in_background(stored)
+            return [False] * len(keys)
         return [pool.contains(k) for k in keys]
+
+    def _wait_in_background(self, stored: Future[int]) -> None:
+        """Count ``stored`` as overdue until it is done (see :meth:`_store`)."""
+        def done(_: object) -> None:
+            with self._overdue_lock:
+                self._overdue -= 1
+
+        with self._overdue_lock:
+            self._overdue += 1
+        stored.add_done_callback(done)       # runs at once if it finished meanwhile
+        log.warning("pof: a store took over %g s; SGLang is told it failed, later stores are refused until "
+                    "it is written", STORE_TIMEOUT_S)
 
     def _load(self, hex_keys: list[str], dest: Any) -> list[bool]:
         """Copy the leading pages the pool has, layer by layer, straight from tier memory into

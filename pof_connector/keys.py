@@ -12,8 +12,9 @@ pages ``0..i-1``; the SGLang adapter takes the engine's hex keys as given and th
 computes the same chain from token ids.
 
 The namespace (16 bytes) is a digest of what makes KV bytes differ for the same tokens: model,
-KV dtype, page geometry, tensor-parallel rank and size, and the operator's namespace string.
-It is stored beside the chain digest in every key, so two models or two TP ranks never collide.
+KV dtype, page geometry, tensor- and pipeline-parallel rank and size, and the operator's namespace
+string. It is stored beside the chain digest in every key, so two models, two TP ranks or two PP
+stages never collide.
 Nothing here uses Python's ``hash()``: keys are the same in every process and on every host.
 """
 
@@ -58,7 +59,9 @@ class Namespace:
 
     ``layout`` names the canonical page geometry (e.g. ``"mha:kv_heads=2:head_dim=64"``).
     ``tp_rank``/``tp_size`` keep ranks that hold different heads apart; MLA writers whose
-    latent is the same on every rank pass ``tp_rank=0, tp_size=1``.
+    latent is the same on every rank pass ``tp_rank=0, tp_size=1``. ``pp_rank``/``pp_size``
+    keep pipeline stages apart (each holds other layers); with ``pp_size=1`` they are left out
+    of the digest, which is then the one every earlier version computed.
     """
 
     model: str
@@ -68,14 +71,16 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     extra: str = ""
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @property
     def digest(self) -> bytes:
-        canonical = json.dumps(
-            ["pof-namespace-v1", self.model, self.kv_dtype, self.layout, self.page_tokens,
-             self.tp_rank, self.tp_size, self.extra],
-            separators=(",", ":"),
-        ).encode()
+        fields: list[object] = ["pof-namespace-v1", self.model, self.kv_dtype, self.layout, self.page_tokens,
+                                self.tp_rank, self.tp_size, self.extra]
+        if self.pp_size != 1:
+            fields += ["pp", self.pp_rank, self.pp_size]
+        canonical = json.dumps(fields, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).digest()[:NAMESPACE_BYTES]
 
 

@@ -77,6 +77,25 @@ def test_namespaces_and_salts_are_disjoint() -> None:
             assert not sets[i] & sets[j]
 
 
+def test_pipeline_stages_get_their_own_namespace() -> None:
+    """PP stages with equal layer counts hold different layers' KV for the same tokens (issue 20, item 4)."""
+    stages = {Namespace("m", "bfloat16", "mha", 16, pp_rank=r, pp_size=2).digest for r in range(2)}
+    stages |= {Namespace("m", "bfloat16", "mha", 16, pp_rank=r, pp_size=4).digest for r in range(4)}
+    assert len(stages) == 6
+    assert Namespace("m", "bfloat16", "mha", 16).digest not in stages
+    with_tp = {Namespace("m", "bfloat16", "mha", 16, tp_rank=t, tp_size=2, pp_rank=p, pp_size=2).digest
+               for t in range(2) for p in range(2)}
+    assert len(with_tp) == 4
+
+
+def test_namespace_digest_without_pp_is_unchanged() -> None:
+    """pp_size 1 keeps the digest every deployed node (and the vLLM adapter) computes: pinned values."""
+    assert Namespace("m", "bfloat16", "mha", 16).digest.hex() == "efdce9fcc9696de095628e62f97d4562"
+    assert Namespace("m", "bfloat16", "mha", 16, pp_rank=0, pp_size=1).digest.hex() == \
+        "efdce9fcc9696de095628e62f97d4562"
+    assert Namespace("m", "bfloat16", "mha", 16, 1, 2, "x").digest.hex() == "1fc649d4e1dab8d2f5b6c3f489fa73b1"
+
+
 def test_prefix_property() -> None:
     a = chain_digests(list(range(100)), 10)
     b = chain_digests([*range(50), 7, *range(51, 100)], 10)

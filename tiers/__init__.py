@@ -7,12 +7,15 @@ from pof_connector.pages import PageSpec
 from pof_connector.tiers.base import SlotRef, Tier
 from pof_connector.tiers.cpu_dram import CpuDramTier
 from pof_connector.tiers.cxl import CxlTier
+from pof_connector.tiers.ordering import require_store_order
 
 __all__ = ["CpuDramTier", "CxlTier", "SlotRef", "Tier", "make_tier"]
 
 
 def make_tier(config: TierConfig, spec: PageSpec, runtime_dir: str) -> Tier:
-    """Build the tier ``config`` describes for pages of ``spec``."""
+    """Build the tier ``config`` describes for pages of ``spec``; raises
+    :class:`~pof_connector.tiers.ordering.UnsupportedPlatform` on a CPU without total store order."""
+    require_store_order()      # before a region is mapped or a CXL partition claimed
     if config.medium == "cpu_dram":
         return CpuDramTier(spec, config.size)
     if config.medium == "cxl":

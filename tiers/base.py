@@ -12,6 +12,11 @@ that was reused under them:
   live generation field (:meth:`Tier.check_segment`): if it changed, the copy may be torn and
   the page is rejected.
 
+The protocol uses plain ``numpy`` loads and stores, no fences: it relies on x86's total store
+order (stores and loads each stay in program order). Tiers therefore refuse to start on other
+CPUs (ARM, POWER), where a reader could see the new generation before the new bytes; see
+:mod:`pof_connector.tiers.ordering`.
+
 Books (which key is where, LRU, pins) are kept by a :class:`SlotTable` for the slots this
 process may write; reads may target any slot of the region.
 """
@@ -36,6 +41,7 @@ from pof_connector.pages import (
     checksum,
     encode_header,
 )
+from pof_connector.tiers.ordering import require_store_order
 from pof_connector.tiers.slot_table import SlotTable
 
 SLOT_ALIGN = 64
@@ -60,6 +66,7 @@ class Tier(ABC):
 
     def __init__(self, spec: PageSpec, region: np.ndarray, generations: np.ndarray,
                  slot_bytes: int, own_slots: range) -> None:
+        require_store_order()
         if slot_bytes < spec.page_bytes:
             raise ValueError(f"{self.medium}: slot of {slot_bytes} bytes cannot hold a {spec.page_bytes}-byte page")
         self.spec = spec

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
+from pof_connector.adapters import sglang as sglang_adapter
 from pof_connector.adapters.sglang import PoFHiCacheStorage
 from pof_connector.index.server import RedisServer
 
@@ -52,12 +54,14 @@ def host_pool(kind: str, layout: str, dtype: torch.dtype = torch.bfloat16, ps: i
 
 
 def storage_config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                   layout: str = "page_first_direct", model: str = "tests/model") -> HiCacheStorageConfig:
+                   pp_rank: int = 0, pp_size: int = 1, cp_size: int = 1,
+                   layout: str = "page_first_direct", model: str = "tests/model", **more: Any) -> HiCacheStorageConfig:
     cfg = {"backend_name": "pof", "module_path": "pof_connector.adapters.sglang",
            "class_name": "PoFHiCacheStorage", "interface_v1": 1, **extra}
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
-                                is_page_first_layout=layout == "page_first", model_name=model, extra_config=cfg)
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0,
+                                attn_cp_size=cp_size, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=layout == "page_first", model_name=model, extra_config=cfg,
+                                **more)
 
 
 def backend(pool: Any, extra: dict[str, Any], **kw: Any) -> PoFHiCacheStorage:
@@ -164,6 +168,113 @@ def test_tp_ranks_keep_distinct_keys_and_mla_shares(extra: dict[str, Any]) -> No
     finally:
         for m in mla:
             m.close()
+
+
+def test_mla_ranks_are_nodes_of_their_own_and_read_rank_0_from_a_shared_region(extra: dict[str, Any],
+                                                                             shm_path: str) -> None:
+    """Issue 20, items 4 and 7: MLA ranks of one server (one extra config, one node_id) shared a pool
+    node id, so rank 1 took rank 0's pages for its own, offered them and failed every load. Each rank
+    is now a node: rank 1 reads what rank 0 stored from a tier both map, and offers nothing it
+    cannot read (private DRAM, no fabric: SGLang's minimum over the TP group is then 0 on all ranks)."""
+    keys = page_keys(list(range(80, 80 + 2 * PS)))
+    cxl = {**extra, "tiers": {"cxl": {"path": shm_path, "size": "16MiB", "partitions": 2}}}
+    for tiers, readable in ((cxl, True), (extra, False)):
+        pools = [host_pool("mla", "page_first_direct") for _ in range(2)]
+        ranks = [backend(p, tiers, mla=True, tp_rank=r, tp_size=2) for r, p in enumerate(pools)]
+        try:
+            fill(pools[0], [1, 2], seed=9)
+            assert ranks[0].batch_set_v1(keys, indices([1, 2])) == [True, True]    # SGLang: only rank 0 stores
+            if readable:
+                assert ranks[1].batch_exists(keys) == 2
+                assert ranks[1].batch_get_v1(keys, indices([6, 7])) == [True, True]
+                assert all(torch.equal(pools[0].get_data_page(a * PS, flat=True),
+                                       pools[1].get_data_page(b * PS, flat=True)) for a, b in ((1, 6), (2, 7)))
+            else:
+                assert ranks[1].batch_exists(keys) == 0
+                assert ranks[1].pool is not None and ranks[1].pool.stats.get("load_failures", reason="evicted") == 0
+            assert [r.pool.node_id for r in ranks if r.pool is not None] == ["s1-tp0", "s1-tp1"]
+            assert ranks[0].namespace == ranks[1].namespace         # the latent is the same on every rank
+        finally:
+            for r in ranks:
+                r.close()
+
+
+def test_pp_stages_keep_distinct_keys_and_node_ids(extra: dict[str, Any], shm_path: str) -> None:
+    """Issue 20, item 4: PP stages with equal layer counts hold different layers' KV for the same
+    tokens. Neither the namespace nor the node id had the stage: two hosts' stage 0 and stage 1
+    sharing a CXL region served stage 0's page to stage 1 with every check passing."""
+    keys = page_keys(list(range(70, 70 + PS)))
+    cxl = {**extra, "tiers": {"cxl": {"path": shm_path, "size": "16MiB", "partitions": 2}}}
+    pools = [host_pool("mha", "page_first_direct") for _ in range(2)]
+    stages = [backend(p, {**cxl, "node_id": f"h{r}"}, pp_rank=r, pp_size=2) for r, p in enumerate(pools)]
+    try:
+        fill(pools[0], [1], seed=8)
+        fill(pools[1], [5], seed=10)
+        assert stages[0].batch_set_v1(keys, indices([1])) == [True]
+        assert stages[1].batch_exists(keys) == 0
+        assert stages[1].batch_get_v1(keys, indices([5])) == [False]
+        assert not torch.equal(pools[0].get_data_page(1 * PS, flat=True), pools[1].get_data_page(5 * PS, flat=True))
+        assert [s.pool.node_id for s in stages if s.pool is not None] == ["h0-pp0", "h1-pp1"]
+        assert stages[0].namespace != stages[1].namespace
+    finally:
+        for s in stages:
+            s.close()
+    one = host_pool("mha", "page_first_direct")
+    b = backend(one, extra, tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
+    try:
+        assert b.pool is not None and b.pool.node_id == "s1-tp1-pp1"
+    finally:
+        b.close()
+
+
+def test_a_timed_out_store_keeps_its_staging_buffer(extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20, item 3: a store that timed out gave its staging buffer back while the write was
+    still queued; the next store filled the buffer with its page, and the late write stored and
+    checksummed that page under the first key. The buffer now goes back only when the write is done."""
+    monkeypatch.setattr(sglang_adapter, "STORE_TIMEOUT_S", 0.2)
+    pool = host_pool("mha", "page_first_direct")
+    b = backend(pool, extra)
+    stall = threading.Event()
+    try:
+        assert b.pool is not None
+        b.pool._store.submit(stall.wait, 30)     # the store thread is stuck (as behind a spill to a cut peer)
+        k1, k2 = page_keys(list(range(1, 1 + PS))), page_keys(list(range(900, 900 + PS)))
+        fill(pool, [1, 2], seed=7)
+        assert b.batch_set_v1(k1, indices([1])) == [False]        # timed out: SGLang hears it failed
+        assert b.batch_set_v1(k2, indices([2])) == [False]        # wants staging of the same size
+        stall.set()
+        b.pool.flush()
+        got = b.batch_get_v1(k1, indices([9]))
+        assert got == [False] or same_pages(pool, [1], [9])       # k1's own bytes or a miss, never k2's
+        assert got == [True]                                      # the late write landed, from its own buffer
+        assert b.batch_set_v1(k2, indices([2])) == [True]         # the stall is over: stores go through again
+        assert b.batch_get_v1(k2, indices([10])) == [True] and same_pages(pool, [2], [10])
+        assert b.staging.idle_bytes > 0                           # and every buffer came back
+    finally:
+        stall.set()
+        b.close()
+
+
+def test_context_parallelism_is_refused(extra: dict[str, Any]) -> None:
+    """CP and DCP ranks hold different slices of a page under one SGLang key (issue 20, item 4)."""
+    from pof_connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match="attn_cp_size is 2"):
+        backend(host_pool("mla", "page_first_direct"), extra, mla=True, cp_size=2)
+    with pytest.raises(ConfigError, match="dcp_size is 2"):
+        backend(host_pool("mla", "page_first_direct"), extra, mla=True, tp_rank=1, tp_size=2,
+                dcp_size=2, dcp_rank=1, logical_page_size=PS)
+
+
+def test_attention_dp_ranks_are_nodes_of_their_own(extra: dict[str, Any]) -> None:
+    pools = [host_pool("mha", "page_first_direct") for _ in range(2)]
+    ranks = [backend(p, extra, dp_rank=r) for r, p in enumerate(pools)]     # attention TP 1 in each DP group
+    try:
+        assert [r.pool.node_id for r in ranks if r.pool is not None] == ["s1", "s1-dp1"]
+        assert ranks[0].namespace == ranks[1].namespace          # same heads: they share pages
+    finally:
+        for r in ranks:
+            r.close()
 
 
 def test_failures_are_misses_never_exceptions(runtime_dir: str, shm_path: str) -> None:
