@@ -45,11 +45,9 @@ class VllmGeometry:
         """The key namespace of rank (``tp_rank``, ``pp_rank``): the scheduler looks up rank (0, 0)'s."""
         # MLA latents are identical on every TP rank: one namespace for all of them.
         rank, size = (0, 1) if self.is_mla else (tp_rank, self.tp_size)
-        layout = self.layout
-        if self.pp_size > 1:     # stages with equal layer counts hold different layers' KV
-            layout += f":pp={pp_rank}/{self.pp_size}"
-        return Namespace(self.model, self.kv_dtype, layout, self.page_tokens, rank, size,
-                         config.namespace).digest
+        # Stages with equal layer counts hold different layers' KV (a single stage keeps the digest).
+        return Namespace(self.model, self.kv_dtype, self.layout, self.page_tokens, rank, size,
+                         config.namespace, pp_rank=pp_rank, pp_size=self.pp_size).digest
 
     def node_id(self, config: PofConfig, tp_rank: int, pp_rank: int = 0) -> str:
         """The pool node of one worker: every worker process is a node of its own (its DRAM tier is
