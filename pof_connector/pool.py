@@ -34,6 +34,7 @@ from pof_connector.fabric import PeerMeta, require_nixl
 from pof_connector.index import (
     LOOKUP_ROUNDS,
     MEDIA,
+    IndexTimeout,
     IndexUnavailable,
     LocalityIndex,
     Location,
@@ -164,6 +165,7 @@ class Pool:
         self.index = index
         self._index_down_until = 0.0
         self._index_failing = False
+        self._index_last_error = ""
         self._republish = False
         self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pof-io")
@@ -640,17 +642,25 @@ class Pool:
             self._index_call("withdraw", self.index.withdraw, entries, default=None)
 
     def _restart_embedded_index(self) -> None:
-        """The embedded server is this host's to run: if it died, start it again (every 5 s at most)."""
+        """The embedded server is this host's to run: if its process died, start it again (every
+        5 s at most). Whether it died is asked of its processes (see
+        :func:`~pof_connector.index.embedded.embedded_alive`), never concluded from a failed call:
+        a server that a busy host makes slow keeps its books, and a second one would split them."""
         if self.config.index_url != "embedded" or time.monotonic() < self._next_index_restart:
             return
-        self._next_index_restart = time.monotonic() + 5.0
-        from pof_connector.index.embedded import ensure_embedded
+        from pof_connector.index.embedded import embedded_alive, restart_embedded
 
+        if embedded_alive(self.config.runtime_dir):
+            return                         # slow or frozen, not dead: its calls were counted, they are retried
+        self._next_index_restart = time.monotonic() + 5.0
+        reason = f"node {self.node_id}: no index server process runs; last error: {self._index_last_error}"
         try:
-            ensure_embedded(self.config.runtime_dir)
+            started = restart_embedded(self.config.runtime_dir, reason)
         except (OSError, TimeoutError, RuntimeError) as e:
             self._log_once("embedded-restart", logging.ERROR, "pof: could not restart the embedded index: %s", e)
             return
+        if started:
+            self.stats.add("index_restarts")
         self._index_down_until = 0.0       # try it at once
 
     def _heartbeat_loop(self) -> None:
@@ -671,11 +681,16 @@ class Pool:
             result = fn(*args)
         except IndexUnavailable as e:
             self.stats.add("index_errors", op=op)
+            if isinstance(e, IndexTimeout):
+                self.stats.add("index_timeouts", op=op)
+            self._index_last_error = str(e)
             self._index_down_until = time.monotonic() + 1.0
             if not self._index_failing:
                 self._index_failing = True
                 log.error("pof: locality index unavailable (%s); serving only what this node finds itself, "
-                          "engines recompute the rest", e)
+                          "engines recompute the rest%s", e,
+                          "; pages published meanwhile are published again once it answers"
+                          if self.role == "worker" else "")
             return default
         if self._index_failing:
             self._index_failing = False

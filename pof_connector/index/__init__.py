@@ -6,6 +6,7 @@ from pof_connector.config import PofConfig
 from pof_connector.index.base import (
     LOOKUP_ROUNDS,
     MEDIA,
+    IndexTimeout,
     IndexUnavailable,
     LocalityIndex,
     Location,
@@ -15,8 +16,8 @@ from pof_connector.index.base import (
 )
 from pof_connector.index.local import LocalIndex, LocalTable
 
-__all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex", "Location",
-           "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
+__all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexTimeout", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex",
+           "Location", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
 
 
 def resolve_url(config: PofConfig) -> str:

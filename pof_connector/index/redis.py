@@ -41,6 +41,7 @@ from redis.retry import Retry
 
 from pof_connector.index.base import (
     MEDIA,
+    IndexTimeout,
     IndexUnavailable,
     LocalityIndex,
     Location,
@@ -180,6 +181,8 @@ class RedisIndex(LocalityIndex):
     def _call(self, what: str, fn, *args, **kw):  # type: ignore[no-untyped-def]
         try:
             return fn(*args, **kw)
+        except redis.TimeoutError as e:
+            raise IndexTimeout(f"index {self.url}: {what} timed out: {e}") from e
         except redis.RedisError as e:
             raise IndexUnavailable(f"index {self.url}: {what} failed: {e}") from e
 
