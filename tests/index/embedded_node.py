@@ -1,7 +1,7 @@
 """One pool node process for the embedded-index liveness tests (test_embedded_liveness.py).
 
-``python -m tests.index.embedded_node RUNTIME_DIR NODE_INDEX NODES`` runs a worker pool on
-``index_url: embedded``: it stores a new chain of :data:`CHAIN_PAGES` pages every
+``python -m tests.index.embedded_node RUNTIME_DIR NODE_INDEX NODES INDEX_TIMEOUT_S`` runs a worker
+pool on ``index_url: embedded``: it stores a new chain of :data:`CHAIN_PAGES` pages every
 :data:`STORE_EVERY_S` seconds and looks up another node's chains through the index, until the
 file ``RUNTIME_DIR/stop-store`` appears; it then writes ``done-<node>.json`` (chains stored,
 lookups, the pool's counters) and keeps heartbeating until SIGTERM, when it writes
@@ -44,9 +44,9 @@ def chain_keys(node: int, chain: int) -> list[PageKey]:
     return page_keys(NAMESPACE, chain_tokens(node, chain), SPEC.page_tokens)
 
 
-def config(runtime_dir: str, node: int) -> PofConfig:
+def config(runtime_dir: str, node: int, index_timeout_s: float) -> PofConfig:
     return PofConfig.from_mapping({"node_id": node_id(node), "index_url": "embedded", "runtime_dir": runtime_dir,
-                                   "heartbeat_s": HEARTBEAT_S, "node_ttl_s": 5.0,
+                                   "heartbeat_s": HEARTBEAT_S, "node_ttl_s": 5.0, "index_timeout_s": index_timeout_s,
                                    "tiers": {"cpu_dram": {"size": "64MiB"}}})
 
 
@@ -54,11 +54,11 @@ def counters(pool: Pool) -> dict[str, float]:
     return {name: pool.stats.get(name) for name in ("index_errors", "index_timeouts", "index_restarts")}
 
 
-def main(runtime_dir: str, node: int, nodes: int) -> int:
+def main(runtime_dir: str, node: int, nodes: int, index_timeout_s: float) -> int:
     rt = Path(runtime_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    pool = Pool(config(runtime_dir, node), SPEC, NAMESPACE, meta={"model": MODEL})
+    pool = Pool(config(runtime_dir, node, index_timeout_s), SPEC, NAMESPACE, meta={"model": MODEL})
     chains = lookups = found = 0
     page = [np.full(SPEC.segment_bytes, node, np.uint8)] * SPEC.num_layers
     other = (node + 1) % nodes
@@ -83,4 +83,4 @@ def main(runtime_dir: str, node: int, nodes: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))

@@ -34,6 +34,14 @@ from tests.index.embedded_node import CHAIN_PAGES, MODEL, SPEC, chain_keys, chai
 REPO = Path(__file__).resolve().parents[2]
 LOAD_S = float(os.environ.get("POF_TEST_SATURATION_S", "60"))
 """How long the saturation test keeps both CPUs busy (the issue asks for a minute)."""
+SATURATED_TIMEOUT_S = 0.1
+"""The pools' index call timeout in the saturation test (``index_timeout_s``): short, as engines
+want it, so that the stalls below make calls time out often."""
+BUSY_PER_CPU = 2
+STALL_S, STALL_EVERY_S = 0.5, 3.0
+"""During the saturation the server is also stalled (SIGSTOP) for STALL_S every STALL_EVERY_S: on
+this host busy processes alone delay it by milliseconds (a 20 ms timeout fired 3 times in 20 s),
+while the incident's engine starved it past the 1 s timeout; the stalls make it slow for sure."""
 FREEZE_S = 6.0
 """Longer than the 1 s command timeout (twice: redis-py retries once), and than the 3-4 s the
 old code took to start a second server next to a frozen one."""
@@ -83,6 +91,29 @@ class ServerWatch(threading.Thread):
         self.join()
 
 
+class Staller(threading.Thread):
+    """SIGSTOPs ``pid`` for :data:`STALL_S` every :data:`STALL_EVERY_S` until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.stalls = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(STALL_EVERY_S - STALL_S):
+            os.kill(self.pid, signal.SIGSTOP)
+            try:
+                self.stalls += 1
+                time.sleep(STALL_S)
+            finally:
+                os.kill(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
 class Cluster:
     """Pool node processes sharing one runtime directory's embedded index."""
 
@@ -94,10 +125,11 @@ class Cluster:
         self.watch = ServerWatch(runtime_dir)
         self.watch.start()
 
-    def start_nodes(self, n: int) -> None:
+    def start_nodes(self, n: int, index_timeout_s: float = 1.0) -> None:
         for i in range(n):
             self.nodes.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.index.embedded_node", str(self.rt), str(i), str(n)], cwd=REPO,
+                [sys.executable, "-m", "tests.index.embedded_node", str(self.rt), str(i), str(n), str(index_timeout_s)],
+                cwd=REPO,
                 stdin=subprocess.DEVNULL))
         reader = self.reader()
         try:
@@ -212,11 +244,12 @@ def summed(counts: list[dict[str, Any]], name: str) -> int:
 
 
 def test_saturated_cpus_keep_one_server_and_whole_books(runtime_dir: str) -> None:
-    """Both CPUs busy for a minute while three pool processes publish and look up: one server
-    throughout, every page published found afterwards, the locality API answering throughout."""
+    """Both CPUs busy for a minute, the server stalled now and then, while three pool processes
+    publish and look up: one server throughout, every page published found afterwards, the
+    locality API answering throughout."""
     nodes = 3
     with cluster(runtime_dir) as c:
-        c.start_nodes(nodes)
+        c.start_nodes(nodes, SATURATED_TIMEOUT_S)
         port = free_port()
         c.start([sys.executable, "-m", "pof_connector.cli", "index", "api", "--url", c.url, "--http-port", str(port)])
         deadline = time.monotonic() + 30
@@ -227,7 +260,11 @@ def test_saturated_cpus_keep_one_server_and_whole_books(runtime_dir: str) -> Non
             except OSError:
                 assert time.monotonic() < deadline, "the locality API did not come up"
                 time.sleep(0.2)
-        busy = [c.start([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
+        (server,) = server_pids(c.rt)
+        spin = [sys.executable, "-c", "while True: pass"]
+        busy = [c.start(spin) for _ in range(BUSY_PER_CPU * (os.cpu_count() or 2))]
+        stalls = Staller(server)
+        stalls.start()
         answers: list[tuple[float, str | set[str]]] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < LOAD_S:
@@ -240,6 +277,7 @@ def test_saturated_cpus_keep_one_server_and_whole_books(runtime_dir: str) -> Non
             except (OSError, urllib.error.HTTPError) as e:
                 answers.append((time.monotonic() - sent, f"{type(e).__name__}: {e}"))
             time.sleep(0.5)
+        stalls.stop()
         for p in busy:
             kill_pid(p.pid)
             p.wait()
@@ -249,15 +287,15 @@ def test_saturated_cpus_keep_one_server_and_whole_books(runtime_dir: str) -> Non
         c.watch.stop()
     failed = [a for a in answers if not isinstance(a[1], set)]
     wrong = [(i, a) for i, a in enumerate(answers) if isinstance(a[1], set) and node_id(i % nodes) not in a[1]]
-    print(f"\nsaturation {LOAD_S:.0f}s with {len(busy)} busy processes: servers seen {c.watch.seen} "
-          f"(most at once {c.watch.most_at_once}, {c.watch.samples} samples); chains {[d['chains'] for d in done]}; "
-          f"lookups found {summed(done, 'found')}/{summed(done, 'lookups')}; index timeouts "
-          f"{summed(final, 'index_timeouts')}, errors {summed(final, 'index_errors')}, restarts "
-          f"{summed(final, 'index_restarts')}; API answers {len(answers)}, slowest "
-          f"{max(a[0] for a in answers):.2f}s, failed {len(failed)}, without the asked node {len(wrong)}; "
-          f"books whole {whole_after_s:.1f}s after the load")
+    print(f"\nsaturation {LOAD_S:.0f}s with {len(busy)} busy processes and {stalls.stalls} stalls: servers seen "
+          f"{c.watch.seen} (most at once {c.watch.most_at_once}, {c.watch.samples} samples); chains "
+          f"{[d['chains'] for d in done]}; lookups found {summed(done, 'found')}/{summed(done, 'lookups')}; index "
+          f"timeouts {summed(final, 'index_timeouts')}, errors {summed(final, 'index_errors')}, restarts "
+          f"{summed(final, 'index_restarts')}; API answers {len(answers)}, slowest {max(a[0] for a in answers):.2f}s, "
+          f"failed {len(failed)}, without the asked node {len(wrong)}; books whole {whole_after_s:.1f}s after the load")
     assert c.watch.most_at_once == 1 and len(c.watch.seen) == 1, c.watch.seen
     assert summed(final, "index_restarts") == 0
+    assert summed(final, "index_timeouts") > 0        # it was slow, and that was counted
     assert not failed, failed[:3]
     assert not wrong, wrong[:3]
 
