@@ -167,6 +167,8 @@ class Pool:
         self._index_failing = False
         self._index_last_error = ""
         self._republish = False
+        self._unwithdrawn: list[tuple[PageKey, Location]] = []     # withdrawals the index did not take
+        self._unwithdrawn_lock = threading.Lock()
         self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pof-io")
         self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
@@ -576,9 +578,10 @@ class Pool:
         out = [(k, loc) for (k, _, _), (pub, loc) in final.items() if not pub]
         put = [(k, loc) for (k, _, _), (pub, loc) in final.items() if pub]
         if out and self._index_call("withdraw", self.index.withdraw, out, default=False) is False:
-            self._republish = True
+            with self._unwithdrawn_lock:
+                self._unwithdrawn += out      # sent again by the heartbeat: a stale record costs misses
         if put and self._index_call("publish", self.index.publish, put, default=False) is False:
-            self._republish = True
+            self._republish = True            # the heartbeat publishes everything again
 
     # ---- node liveness -----------------------------------------------------------------------
 
@@ -611,6 +614,7 @@ class Pool:
         if fresh is None:
             self._restart_embedded_index()
             return
+        self._retry_withdraws(fresh)
         if fresh or self._republish:
             self._republish = False
             entries = [(key, Location(self.node_id, t.medium, ref.slot, ref.generation))
@@ -628,6 +632,16 @@ class Pool:
                     self._store.submit(self._republish_spilled)     # the writer's own thread
                 except RuntimeError:     # closing
                     pass
+
+    def _retry_withdraws(self, fresh: bool) -> None:
+        """Send again the withdrawals that failed (the index did not answer in time). After a new
+        registration they are moot: the old incarnation's records are dead with it."""
+        with self._unwithdrawn_lock:
+            pending, self._unwithdrawn = self._unwithdrawn, []
+        if pending and not fresh and self._index_call("withdraw", self.index.withdraw, pending,
+                                                      default=False) is False:
+            with self._unwithdrawn_lock:
+                self._unwithdrawn = pending + self._unwithdrawn
 
     def _check_tiers(self) -> None:
         for tier in self.tiers:

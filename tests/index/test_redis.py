@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from pof_connector.config import PofConfig
 from pof_connector.index import IndexUnavailable, Location, NodeInfo
@@ -116,3 +117,40 @@ def test_embedded_supervisor_exits_when_idle(runtime_dir: str) -> None:
         for p in pids:
             if os.path.exists(f"/proc/{p}"):
                 os.kill(p, 9)
+
+
+def test_timed_out_publish_and_withdraw_are_sent_again(redis_server: RedisServer, runtime_dir: str,
+                                                       namespace: bytes) -> None:
+    """The server pauses writes (CLIENT PAUSE) while the pool stores a chain that evicts another:
+    the publish and the withdrawals time out, and a paused client that gives up has its commands
+    dropped. Once writes resume, the heartbeat sends both again: the new chain is found, the
+    evicted one is no longer claimed by the node."""
+    spec = PageSpec(2, 1024, 16)
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
+                                  "node_ttl_s": 5.0, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "8KiB"}}})
+    pool = Pool(cfg, spec, namespace)
+    reader = RedisIndex(redis_server.url, None)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        seg = [np.zeros(1024, np.uint8)] * 2
+        old, new = page_keys(namespace, list(range(48)), 16), page_keys(namespace, list(range(100, 148)), 16)
+        pool.store([(k, seg) for k in old]).result()
+        wait_until(lambda: "a" in reader.longest_prefix(old))
+        admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        pool.store([(k, seg) for k in new]).result()                  # evicts `old`
+        assert pool.stats.get("index_timeouts") >= 1
+        wait_until(lambda: "a" in reader.longest_prefix(new), 10)
+        wait_until(lambda: "a" not in reader.longest_prefix(old), 5)
+        assert pool.lookup(old).pages == 0 and pool.stats.get("index_restarts") == 0
+    finally:
+        admin.close()
+        reader.close()
+        pool.close()
+
+
+def wait_until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
