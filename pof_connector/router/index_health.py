@@ -3,7 +3,7 @@
 Answering without it (the index unreachable; for the router also an index that names no node of
 the model) turns cache-aware routing off, and that must never be silent: one log line when it
 starts, one when the index is back, a gauge ``pof_index_available`` (1 from the index, 0
-without it) and a counter ``pof_index_lost_total{reason}`` (times it started, by reason). The
+without it) and a counter ``pof_index_lost_total{reason}`` (times it started or its reason changed, by reason). The
 router's answers also say it per request (``x-pof-reason: fallback:<reason>``), the API's 503s too.
 """
 
@@ -63,7 +63,7 @@ class IndexHealth(Collector):
         gauge.add_metric([], float(self.available))
         yield gauge
         lost = CounterMetricFamily("pof_index_lost", "Times answers started to be given without the locality "
-                                                     "index, by reason", labels=["reason"])
+                                                     "index (or the reason changed), by reason", labels=["reason"])
         with self._lock:
             for reason, n in sorted(self._lost.items()):
                 lost.add_metric([reason], n)

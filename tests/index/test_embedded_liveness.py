@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from pof_connector.cli import main
 from pof_connector.index.embedded import embedded_url, stop_embedded
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import kill_pid, ping
@@ -300,7 +301,8 @@ def test_saturated_cpus_keep_one_server_and_whole_books(runtime_dir: str) -> Non
     assert not wrong, wrong[:3]
 
 
-def test_killed_server_is_replaced_once_and_nodes_republish(runtime_dir: str) -> None:
+def test_killed_server_is_replaced_once_and_nodes_republish(runtime_dir: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """SIGKILL the server: exactly one new one comes up (three pools race to restart it), every
     node re-publishes, lookups hit again, and the restart is counted and recorded."""
     with cluster(runtime_dir) as c:
@@ -314,6 +316,10 @@ def test_killed_server_is_replaced_once_and_nodes_republish(runtime_dir: str) ->
             time.sleep(0.05)
         restart_s = time.monotonic() - killed
         time.sleep(2)             # the nodes go on storing into the new server
+        config = c.rt / "pof.yaml"
+        config.write_text(f"runtime_dir: {c.rt}\n")
+        assert main(["stats", "--json", "--config", str(config)]) == 0
+        stats = json.loads(capsys.readouterr().out)
         done = c.stop_storing()
         whole_s = c.books_whole(done)
         final = c.finish()
@@ -326,6 +332,7 @@ def test_killed_server_is_replaced_once_and_nodes_republish(runtime_dir: str) ->
     assert len(c.watch.seen) == 2 and c.watch.most_at_once == 1, c.watch.seen
     assert summed(final, "index_restarts") == 1
     assert len(recorded) == 1 and "no index server process runs" in recorded[0]
+    assert stats["totals"]["restarts"] == 1 and stats["totals"]["nodes"] == 3     # pof stats shows it
     assert summed(done, "found") > 0
 
 
