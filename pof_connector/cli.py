@@ -198,7 +198,7 @@ def cmd_index_stop(args: argparse.Namespace) -> int:
     runtime_dir = _runtime_dir(args)
     url = embedded_url(runtime_dir)
     pidfile = runtime_dir / PIDFILE
-    answers = ping(url)
+    answers = ping(url) or embedded_alive(runtime_dir)      # a frozen or busy server is stopped too
     if answers and not _wait_for(pidfile, PIDFILE_GRACE_S):
         raise CommandError(f"a server answers at {url} but {pidfile} is missing; it was not started by "
                            f"`pof index serve` or ensure_embedded, stop it yourself")
@@ -266,6 +266,9 @@ def _stats_url(args: argparse.Namespace) -> str:
                                "no server to ask")
         url = embedded_url(config.runtime_dir) if config.index_url == "embedded" else config.index_url
     if not ping(url):
+        runtime_dir = _embedded_dir(args)
+        if runtime_dir is not None and embedded_alive(runtime_dir):
+            raise CommandError(f"the index server at {url} runs but does not answer (a busy host, or stopped)")
         raise CommandError(f"no index server running at {url}")
     return url
 

@@ -90,6 +90,8 @@ def restart_embedded(runtime_dir: str | Path, reason: str | None, *, timeout_s: 
         fcntl.flock(lock, fcntl.LOCK_EX)          # one starter per host; the others wait and reuse
         if embedded_alive(rt):
             return False
+        if ping(embedded_url(rt)):
+            return False           # a server that holds no lock (started by hand, or by an older pof): keep it
         # A socket without a live server is what a server that died (not one stopped) leaves.
         died = reason is not None or (rt / SOCKET).exists()
         child = _spawn(rt, idle_s)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import redis
 
 from pof_connector.config import PofConfig
 from pof_connector.index import IndexUnavailable, Location, NodeInfo
-from pof_connector.index.embedded import PIDFILE, ensure_embedded, stop_embedded
+from pof_connector.index.embedded import PIDFILE, SOCKET, ensure_embedded, restart_embedded, stop_embedded
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
 from pof_connector.keys import page_keys
@@ -154,3 +157,42 @@ def wait_until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-d
     while not pred():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+def test_a_frozen_embedded_server_is_not_replaced(runtime_dir: str) -> None:
+    """A server that does not answer but whose processes live (here SIGSTOPped) keeps its socket:
+    nobody starts a second one behind the same path."""
+    url = ensure_embedded(runtime_dir, idle_s=60)
+    sock = Path(runtime_dir) / SOCKET
+    before = ((Path(runtime_dir) / PIDFILE).read_text(), sock.stat().st_ino)
+    server = int(before[0].split()[1])
+    try:
+        os.kill(server, signal.SIGSTOP)
+        try:
+            assert not ping(url)
+            assert ensure_embedded(runtime_dir) == url
+            assert not restart_embedded(runtime_dir, "a test froze it")
+            assert ((Path(runtime_dir) / PIDFILE).read_text(), sock.stat().st_ino) == before
+        finally:
+            os.kill(server, signal.SIGCONT)
+        assert ping(url)
+    finally:
+        stop_embedded(runtime_dir)
+    assert not os.path.exists(Path(runtime_dir) / "embedded.restarts")
+
+
+def test_racing_starters_start_one_server(runtime_dir: str) -> None:
+    code = "import sys; from pof_connector.index.embedded import restart_embedded; " \
+           "print(restart_embedded(sys.argv[1], None, idle_s=60))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, runtime_dir], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2]) for _ in range(3)]
+    try:
+        started = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert started == ["False", "False", "True"]
+        assert ping(f"unix://{Path(runtime_dir) / SOCKET}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop_embedded(runtime_dir)
