@@ -168,7 +168,9 @@ class RedisIndex(LocalityIndex):
         self.url = url
         self._r = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1), health_check_interval=0,
+            # One retry for a connection the server closed (it restarted); none for a timeout: a
+            # slow server would only make the caller wait twice as long.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), health_check_interval=0,
         )
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._publish = self._r.register_script(_PUBLISH)

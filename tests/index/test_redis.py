@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from pof_connector.config import PofConfig
-from pof_connector.index import IndexUnavailable, Location, NodeInfo
+from pof_connector.index import IndexTimeout, IndexUnavailable, Location, NodeInfo
 from pof_connector.index.embedded import PIDFILE, SOCKET, ensure_embedded, restart_embedded, stop_embedded
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
@@ -196,3 +196,21 @@ def test_racing_starters_start_one_server(runtime_dir: str) -> None:
                 p.kill()
                 p.wait()
         stop_embedded(runtime_dir)
+
+
+def test_a_timeout_is_raised_once_not_retried(redis_server: RedisServer, namespace: bytes) -> None:
+    """A slow server costs a caller one timeout, and says it was a timeout (not a dead server)."""
+    idx = RedisIndex(redis_server.url, "a", timeout_s=0.3)
+    idx.heartbeat(NodeInfo("a"), 10)
+    assert redis_server.pid is not None
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        for call in (lambda: idx.heartbeat(NodeInfo("a"), 10),
+                     lambda: idx.longest_prefix(page_keys(namespace, list(range(16)), 16))):
+            t0 = time.monotonic()
+            with pytest.raises(IndexTimeout):
+                call()
+            assert time.monotonic() - t0 < 0.55
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+        idx.close()
