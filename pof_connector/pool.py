@@ -58,6 +58,8 @@ T = TypeVar("T")
 NODES_MISS_REFRESH_S = 0.05
 """Least age of the node list before an unknown node triggers a refresh."""
 Role = Literal["worker", "client"]
+UNWITHDRAWN_MAX = 1 << 16
+"""Withdrawals kept for sending again while the index does not take them (see :meth:`Pool._publish`)."""
 
 
 @dataclass
@@ -579,7 +581,9 @@ class Pool:
         put = [(k, loc) for (k, _, _), (pub, loc) in final.items() if pub]
         if out and self._index_call("withdraw", self.index.withdraw, out, default=False) is False:
             with self._unwithdrawn_lock:
-                self._unwithdrawn += out      # sent again by the heartbeat: a stale record costs misses
+                # Sent again by the heartbeat. Past the cap (a long outage) the oldest are given up:
+                # a stale record costs a failed load (its generation does not match), never a wrong page.
+                self._unwithdrawn = (self._unwithdrawn + out)[-UNWITHDRAWN_MAX:]
         if put and self._index_call("publish", self.index.publish, put, default=False) is False:
             self._republish = True            # the heartbeat publishes everything again
 
@@ -638,10 +642,13 @@ class Pool:
         registration they are moot: the old incarnation's records are dead with it."""
         with self._unwithdrawn_lock:
             pending, self._unwithdrawn = self._unwithdrawn, []
-        if pending and not fresh and self._index_call("withdraw", self.index.withdraw, pending,
-                                                      default=False) is False:
-            with self._unwithdrawn_lock:
-                self._unwithdrawn = pending + self._unwithdrawn
+        if fresh:
+            return
+        for start in range(0, len(pending), 1000):
+            if self._index_call("withdraw", self.index.withdraw, pending[start:start + 1000], default=False) is False:
+                with self._unwithdrawn_lock:
+                    self._unwithdrawn = (pending[start:] + self._unwithdrawn)[-UNWITHDRAWN_MAX:]
+                return
 
     def _check_tiers(self) -> None:
         for tier in self.tiers:

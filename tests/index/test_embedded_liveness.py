@@ -46,8 +46,8 @@ while the incident's engine starved it past the 1 s timeout; the stalls make it 
 and long enough that the old code's liveness ping (0.5 s, twice) failed too and it started a
 second server."""
 FREEZE_S = 6.0
-"""Longer than the 1 s command timeout (twice: redis-py retries once), and than the 3-4 s the
-old code took to start a second server next to a frozen one."""
+"""Longer than the 1 s command timeout, and than the 3-4 s the old code took to start a second
+server next to a frozen one."""
 
 pytestmark = pytest.mark.slow
 
