@@ -28,7 +28,8 @@ COUNTERS: dict[str, str] = {
     "index_errors": "Failed calls to the locality index, by operation",
     "index_timeouts": "Calls to the locality index that timed out (counted in index_errors too: a miss, or a "
                       "publish sent again later; never a server restart), by operation",
-    "index_restarts": "Embedded index servers this process started because the previous one's process had died",
+    "index_restarts": "Embedded index servers this process started because the previous one's process had died "
+                      "(reason server_died)",
     "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
     "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",
     "load_seconds": "Time spent loading pages",

@@ -681,7 +681,7 @@ class Pool:
             self._log_once("embedded-restart", logging.ERROR, "pof: could not restart the embedded index: %s", e)
             return
         if started:
-            self.stats.add("index_restarts")
+            self.stats.add("index_restarts", reason="server_died")
         self._index_down_until = 0.0       # try it at once
 
     def _heartbeat_loop(self) -> None:

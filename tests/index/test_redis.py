@@ -214,3 +214,17 @@ def test_a_timeout_is_raised_once_not_retried(redis_server: RedisServer, namespa
     finally:
         os.kill(redis_server.pid, signal.SIGCONT)
         idx.close()
+
+
+def test_restarts_and_timeouts_are_prometheus_counters() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pof_connector.metrics import PoolStats, register_prometheus
+
+    stats, registry = PoolStats(), CollectorRegistry()
+    register_prometheus(stats, registry)
+    stats.add("index_restarts", reason="server_died")
+    stats.add("index_timeouts", op="lookup")
+    text = generate_latest(registry).decode()
+    assert 'pof_index_restarts_total{reason="server_died"} 1.0' in text
+    assert 'pof_index_timeouts_total{op="lookup"} 1.0' in text
