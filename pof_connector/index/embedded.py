@@ -43,7 +43,7 @@ START_LOCK = "embedded.lock"
 LIVE_LOCK = "embedded.live"
 RESTARTS = "embedded.restarts"
 TAKE_LIVE_LOCK_S = 5.0
-"""How long a new supervisor tries for ``embedded.live`` (probes hold it for microseconds)."""
+"""How long a new supervisor tries for ``embedded.live`` (held by nobody else unless a server lives)."""
 
 
 def embedded_url(runtime_dir: str | Path) -> str:
@@ -51,18 +51,34 @@ def embedded_url(runtime_dir: str | Path) -> str:
 
 
 def embedded_alive(runtime_dir: str | Path) -> bool:
-    """Does a supervisor or server process of ``runtime_dir`` run (answering or not)?"""
-    path = Path(runtime_dir) / LIVE_LOCK
+    """Does a supervisor or server process of ``runtime_dir`` run (answering or not)?
+
+    Read from ``/proc/locks``, so asking takes no lock: a lock taken to ask would, were the
+    asking process forked meanwhile (engines fork workers), stay held by the child and keep
+    every later supervisor from starting."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
-    except FileNotFoundError:      # no runtime directory: nothing runs there
+        st = os.stat(Path(runtime_dir) / LIVE_LOCK)
+    except FileNotFoundError:
         return False
+    try:
+        with open("/proc/locks") as f:
+            table = f.read()
+    except OSError:                  # no procfs: ask by trying the lock
+        return _held_by_flock(Path(runtime_dir) / LIVE_LOCK)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146589 0 EOF"; waiters' lines carry "->" and are skipped
+    return any(f[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and f[5] == where
+               for f in (line.split() for line in table.splitlines()) if len(f) >= 6)
+
+
+def _held_by_flock(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)               # also drops our shared lock at once
+        os.close(fd)
     return False
 
 
@@ -183,7 +199,7 @@ def take_live_lock(runtime_dir: Path, wait_s: float = TAKE_LIVE_LOCK_S) -> IO[by
             if time.monotonic() > deadline:
                 f.close()
                 return None
-            time.sleep(0.01)       # a probe's shared lock lasts microseconds; a server's, its life
+            time.sleep(0.01)
 
 
 def supervise(runtime_dir: Path, idle_s: float) -> int:

@@ -163,8 +163,9 @@ def test_a_frozen_embedded_server_is_not_replaced(runtime_dir: str) -> None:
     """A server that does not answer but whose processes live (here SIGSTOPped) keeps its socket:
     nobody starts a second one behind the same path."""
     url = ensure_embedded(runtime_dir, idle_s=60)
-    sock = Path(runtime_dir) / SOCKET
-    before = ((Path(runtime_dir) / PIDFILE).read_text(), sock.stat().st_ino)
+    sock, pidfile = Path(runtime_dir) / SOCKET, Path(runtime_dir) / PIDFILE
+    wait_until(lambda: len(pidfile.read_text().split()) == 2)     # the server's PID follows its first answer
+    before = (pidfile.read_text(), sock.stat().st_ino)
     server = int(before[0].split()[1])
     try:
         os.kill(server, signal.SIGSTOP)
@@ -172,7 +173,7 @@ def test_a_frozen_embedded_server_is_not_replaced(runtime_dir: str) -> None:
             assert not ping(url)
             assert ensure_embedded(runtime_dir) == url
             assert not restart_embedded(runtime_dir, "a test froze it")
-            assert ((Path(runtime_dir) / PIDFILE).read_text(), sock.stat().st_ino) == before
+            assert (pidfile.read_text(), sock.stat().st_ino) == before
         finally:
             os.kill(server, signal.SIGCONT)
         assert ping(url)
