@@ -21,8 +21,8 @@ from pof_connector.metrics import COUNTERS
 _SERIES = re.compile(r"^(\w+)\{(\w+)=([^}]*)\}$")
 EXPORTED = {   # pool counter -> the label it carries
     "hit_pages": "tier", "loaded_pages": "tier", "loaded_bytes": "tier", "stored_pages": "tier", "stored_bytes": "tier",
-    "evicted_pages": "tier", "load_failures": "reason", "index_errors": "op",
-    "tier_errors": "tier", "adapter_errors": "hook",
+    "evicted_pages": "tier", "load_failures": "reason", "index_errors": "op", "index_timeouts": "op",
+    "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
 }
 
 

@@ -43,7 +43,7 @@ from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.config import ConfigError, PofConfig, format_size, parse_size
 from pof_connector.index.base import IndexUnavailable, NodeInfo
-from pof_connector.index.embedded import PIDFILE, embedded_url, stop_embedded, supervise
+from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, restarts, stop_embedded, supervise
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import ping
 from pof_connector.router import serve as router_serve
@@ -127,7 +127,7 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
     # starting engine from launching a second server on the same socket meanwhile.
     with open(runtime_dir / "embedded.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if ping(url):
+        if embedded_alive(runtime_dir) or ping(url):
             raise CommandError(f"an index server already answers at {url}; stop it with "
                                f"`pof index stop --runtime-dir {runtime_dir}`")
         up = threading.Event()
@@ -198,7 +198,7 @@ def cmd_index_stop(args: argparse.Namespace) -> int:
     runtime_dir = _runtime_dir(args)
     url = embedded_url(runtime_dir)
     pidfile = runtime_dir / PIDFILE
-    answers = ping(url)
+    answers = ping(url) or embedded_alive(runtime_dir)      # a frozen or busy server is stopped too
     if answers and not _wait_for(pidfile, PIDFILE_GRACE_S):
         raise CommandError(f"a server answers at {url} but {pidfile} is missing; it was not started by "
                            f"`pof index serve` or ensure_embedded, stop it yourself")
@@ -233,11 +233,26 @@ def cmd_index_stats(args: argparse.Namespace) -> int:
         nodes, totals = index.nodes(), index.stats()
     finally:
         index.close()
+    runtime_dir = _embedded_dir(args)
+    if runtime_dir is not None:
+        restarted = restarts(runtime_dir)
+        totals["restarts"] = len(restarted)
+        if restarted and not args.json:
+            _out().print(f"the embedded index server was restarted {len(restarted)} time(s) after it died; "
+                         f"last: {restarted[-1]}", style="yellow")
     if args.json:
         _print_json({"url": url, "nodes": [_node_json(n) for n in nodes], "totals": totals})
     else:
         _print_stats(url, nodes, totals)
     return 0
+
+
+def _embedded_dir(args: argparse.Namespace) -> Path | None:
+    """The runtime directory of the embedded server that ``pof stats`` asks; ``None`` for another index."""
+    if args.url:
+        return None
+    config = _load_config(args.config)
+    return Path(config.runtime_dir) if config.index_url == "embedded" else None
 
 
 def _stats_url(args: argparse.Namespace) -> str:
@@ -251,6 +266,9 @@ def _stats_url(args: argparse.Namespace) -> str:
                                "no server to ask")
         url = embedded_url(config.runtime_dir) if config.index_url == "embedded" else config.index_url
     if not ping(url):
+        runtime_dir = _embedded_dir(args)
+        if runtime_dir is not None and embedded_alive(runtime_dir):
+            raise CommandError(f"the index server at {url} runs but does not answer (a busy host, or stopped)")
         raise CommandError(f"no index server running at {url}")
     return url
 
@@ -299,6 +317,8 @@ def _print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) ->
     summary.add_row("locations", f"{totals.get('locations', 0):,}")
     summary.add_row("server memory", format_size(totals.get("memory_bytes", 0)))
     summary.add_row("live nodes", str(totals.get("nodes", len(nodes))))
+    if "restarts" in totals:
+        summary.add_row("server restarts", str(totals["restarts"]))
     out.print(summary)
 
 

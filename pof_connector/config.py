@@ -255,6 +255,9 @@ class PofConfig:
     runtime_dir: str = field(default_factory=_default_runtime_dir)
     heartbeat_s: float = 1.0
     node_ttl_s: float = 5.0
+    index_timeout_s: float = 1.0
+    """How long one index call may take before it counts as failed (a lookup then misses, a
+    publish is sent again on a later heartbeat). Short: engines call the index on their paths."""
     io_threads: int = 2
     load_timeout_s: float = 10.0
     fabric: FabricConfig = field(default_factory=FabricConfig)
@@ -296,6 +299,8 @@ class PofConfig:
             kw["heartbeat_s"] = _float(raw["heartbeat_s"], "heartbeat_s", lo=0.05)
         if "node_ttl_s" in raw:
             kw["node_ttl_s"] = _float(raw["node_ttl_s"], "node_ttl_s", lo=0.1)
+        if "index_timeout_s" in raw:
+            kw["index_timeout_s"] = _float(raw["index_timeout_s"], "index_timeout_s", lo=0.01)
         if "load_timeout_s" in raw:
             kw["load_timeout_s"] = _float(raw["load_timeout_s"], "load_timeout_s", lo=0.01)
         if "io_threads" in raw:

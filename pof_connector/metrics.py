@@ -26,6 +26,10 @@ COUNTERS: dict[str, str] = {
     "spilled_pages": "Pages evicted from the last tier and written into another node's granted slots, by tier",
     "spill_failures": "Evicted pages that could not be spilled (dropped instead), by reason",
     "index_errors": "Failed calls to the locality index, by operation",
+    "index_timeouts": "Calls to the locality index that timed out (counted in index_errors too: a miss, or a "
+                      "publish sent again later; never a server restart), by operation",
+    "index_restarts": "Embedded index servers this process started because the previous one's process had died "
+                      "(reason server_died)",
     "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
     "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",
     "load_seconds": "Time spent loading pages",

@@ -34,6 +34,7 @@ from pof_connector.fabric import PeerMeta, require_nixl
 from pof_connector.index import (
     LOOKUP_ROUNDS,
     MEDIA,
+    IndexTimeout,
     IndexUnavailable,
     LocalityIndex,
     Location,
@@ -58,6 +59,8 @@ T = TypeVar("T")
 NODES_MISS_REFRESH_S = 0.05
 """Least age of the node list before an unknown node triggers a refresh."""
 Role = Literal["worker", "client"]
+UNWITHDRAWN_MAX = 1 << 16
+"""Withdrawals kept for sending again while the index does not take them (see :meth:`Pool._publish`)."""
 
 
 @dataclass
@@ -165,7 +168,10 @@ class Pool:
         self.index = index
         self._index_down_until = 0.0
         self._index_failing = False
+        self._index_last_error = ""
         self._republish = False
+        self._unwithdrawn: list[tuple[PageKey, Location]] = []     # withdrawals the index did not take
+        self._unwithdrawn_lock = threading.Lock()
         self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pof-io")
         self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
@@ -588,9 +594,12 @@ class Pool:
         out = [(k, loc) for (k, _, _), (pub, loc) in final.items() if not pub]
         put = [(k, loc) for (k, _, _), (pub, loc) in final.items() if pub]
         if out and self._index_call("withdraw", self.index.withdraw, out, default=False) is False:
-            self._republish = True
+            with self._unwithdrawn_lock:
+                # Sent again by the heartbeat. Past the cap (a long outage) the oldest are given up:
+                # a stale record costs a failed load (its generation does not match), never a wrong page.
+                self._unwithdrawn = (self._unwithdrawn + out)[-UNWITHDRAWN_MAX:]
         if put and self._index_call("publish", self.index.publish, put, default=False) is False:
-            self._republish = True
+            self._republish = True            # the heartbeat publishes everything again
 
     # ---- node liveness -----------------------------------------------------------------------
 
@@ -631,6 +640,7 @@ class Pool:
         if fresh is None:
             self._restart_embedded_index()
             return
+        self._retry_withdraws(fresh)
         if fresh or self._republish:
             self._republish = False
             entries = [(key, Location(self.node_id, t.medium, ref.slot, ref.generation))
@@ -649,6 +659,19 @@ class Pool:
                 except RuntimeError:     # closing
                     pass
 
+    def _retry_withdraws(self, fresh: bool) -> None:
+        """Send again the withdrawals that failed (the index did not answer in time). After a new
+        registration they are moot: the old incarnation's records are dead with it."""
+        with self._unwithdrawn_lock:
+            pending, self._unwithdrawn = self._unwithdrawn, []
+        if fresh:
+            return
+        for start in range(0, len(pending), 1000):
+            if self._index_call("withdraw", self.index.withdraw, pending[start:start + 1000], default=False) is False:
+                with self._unwithdrawn_lock:
+                    self._unwithdrawn = (pending[start:] + self._unwithdrawn)[-UNWITHDRAWN_MAX:]
+                return
+
     def _check_tiers(self) -> None:
         for tier in self.tiers:
             if tier.medium in self._broken or tier.healthy():
@@ -662,17 +685,25 @@ class Pool:
             self._index_call("withdraw", self.index.withdraw, entries, default=None)
 
     def _restart_embedded_index(self) -> None:
-        """The embedded server is this host's to run: if it died, start it again (every 5 s at most)."""
+        """The embedded server is this host's to run: if its process died, start it again (every
+        5 s at most). Whether it died is asked of its processes (see
+        :func:`~pof_connector.index.embedded.embedded_alive`), never concluded from a failed call:
+        a server that a busy host makes slow keeps its books, and a second one would split them."""
         if self.config.index_url != "embedded" or time.monotonic() < self._next_index_restart:
             return
-        self._next_index_restart = time.monotonic() + 5.0
-        from pof_connector.index.embedded import ensure_embedded
+        from pof_connector.index.embedded import embedded_alive, restart_embedded
 
+        if embedded_alive(self.config.runtime_dir):
+            return                         # slow or frozen, not dead: its calls were counted, they are retried
+        self._next_index_restart = time.monotonic() + 5.0
+        reason = f"node {self.node_id}: no index server process runs; last error: {self._index_last_error}"
         try:
-            ensure_embedded(self.config.runtime_dir)
+            started = restart_embedded(self.config.runtime_dir, reason)
         except (OSError, TimeoutError, RuntimeError) as e:
             self._log_once("embedded-restart", logging.ERROR, "pof: could not restart the embedded index: %s", e)
             return
+        if started:
+            self.stats.add("index_restarts", reason="server_died")
         self._index_down_until = 0.0       # try it at once
 
     def _heartbeat_loop(self) -> None:
@@ -693,11 +724,16 @@ class Pool:
             result = fn(*args)
         except IndexUnavailable as e:
             self.stats.add("index_errors", op=op)
+            if isinstance(e, IndexTimeout):
+                self.stats.add("index_timeouts", op=op)
+            self._index_last_error = str(e)
             self._index_down_until = time.monotonic() + 1.0
             if not self._index_failing:
                 self._index_failing = True
                 log.error("pof: locality index unavailable (%s); serving only what this node finds itself, "
-                          "engines recompute the rest", e)
+                          "engines recompute the rest%s", e,
+                          "; pages published meanwhile are published again once it answers"
+                          if self.role == "worker" else "")
             return default
         if self._index_failing:
             self._index_failing = False

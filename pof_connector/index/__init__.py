@@ -6,6 +6,7 @@ from pof_connector.config import PofConfig
 from pof_connector.index.base import (
     LOOKUP_ROUNDS,
     MEDIA,
+    IndexTimeout,
     IndexUnavailable,
     LocalityIndex,
     Location,
@@ -16,8 +17,8 @@ from pof_connector.index.base import (
 )
 from pof_connector.index.local import LocalIndex, LocalTable
 
-__all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex", "Location",
-           "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
+__all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexTimeout", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex",
+           "Location", "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
 
 
 def resolve_url(config: PofConfig) -> str:
@@ -35,4 +36,4 @@ def open_index(config: PofConfig, node_id: str | None, *, table: LocalTable | No
         return LocalIndex(node_id, table)
     from pof_connector.index.redis import RedisIndex
 
-    return RedisIndex(resolve_url(config), node_id)
+    return RedisIndex(resolve_url(config), node_id, timeout_s=config.index_timeout_s)

@@ -33,6 +33,11 @@ class NodeIdTaken(RuntimeError):
     its publish and withdraw do nothing, and each heartbeat raises again."""
 
 
+class IndexTimeout(IndexUnavailable):
+    """The index did not answer in time: it may be slow (a busy host), not gone. A lookup that
+    timed out is a miss, a publish is sent again later; neither is a reason to restart a server."""
+
+
 @dataclass(frozen=True, slots=True)
 class Location:
     """A page's place: ``slot`` of ``node``'s ``medium`` tier, written with ``generation``."""

@@ -41,6 +41,7 @@ from redis.retry import Retry
 
 from pof_connector.index.base import (
     MEDIA,
+    IndexTimeout,
     IndexUnavailable,
     LocalityIndex,
     Location,
@@ -181,7 +182,9 @@ class RedisIndex(LocalityIndex):
         self.url = url
         self._r = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1), health_check_interval=0,
+            # One retry for a connection the server closed (it restarted); none for a timeout: a
+            # slow server would only make the caller wait twice as long.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), health_check_interval=0,
         )
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._publish = self._r.register_script(_PUBLISH)
@@ -195,6 +198,8 @@ class RedisIndex(LocalityIndex):
     def _call(self, what: str, fn, *args, **kw):  # type: ignore[no-untyped-def]
         try:
             return fn(*args, **kw)
+        except redis.TimeoutError as e:
+            raise IndexTimeout(f"index {self.url}: {what} timed out: {e}") from e
         except redis.RedisError as e:
             raise IndexUnavailable(f"index {self.url}: {what} failed: {e}") from e
 

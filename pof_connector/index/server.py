@@ -52,16 +52,23 @@ class RedisServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, timeout_s: float = 15.0) -> RedisServer:
+    def start(self, timeout_s: float = 15.0, *, pass_fds: tuple[int, ...] = ()) -> RedisServer:
+        """Start the server (``pass_fds``: open files it inherits). A socket file left by a server
+        that died is replaced; one that a server answers on is not (``RuntimeError``): two servers
+        behind one path would each hold half of the books. A server that lives but does not answer
+        (frozen, starved) cannot be told from a dead one here: the embedded server's owner decides
+        that by its processes (see :mod:`pof_connector.index.embedded`) before calling this."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
+            if ping(f"unix://{self.socket}"):
+                raise RuntimeError(f"an index server already answers on {self.socket}")
             self.socket.unlink()
         args = [server_binary(), "--port", str(self.port or 0), "--bind", "127.0.0.1",
                 "--unixsocket", str(self.socket), "--unixsocketperm", "700", "--save", "",
                 "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
                 "--logfile", str(self.workdir / "index-server.log")]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                                     stderr=subprocess.DEVNULL, pass_fds=pass_fds)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

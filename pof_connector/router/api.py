@@ -13,6 +13,7 @@ required (``/healthz`` stays open for probes).
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
@@ -22,7 +23,10 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field, model_validator
 
 from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
+from pof_connector.router.index_health import IndexHealth
 from pof_connector.router.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
+
+log = logging.getLogger("pof.api")
 
 MAX_TOKENS = 1 << 20          # a 1M-token prompt is 4 MiB of JSON: beyond that, refuse
 MAX_TOKEN_ID = 0xFFFFFFFF
@@ -87,6 +91,13 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
     registry = CollectorRegistry()
     requests = Counter("pof_api_requests", "Locality API requests", ["endpoint", "status"], registry=registry)
     locator = Locator(index, tokenizers=tokenizers, nodes_ttl_s=0.0)
+    health = IndexHealth("pof locality API", log)
+    registry.register(health)
+
+    def unavailable(e: IndexUnavailable) -> HTTPException:
+        health.lost(type(e).__name__, str(e), "answering 503 until it is back")
+        return HTTPException(503, f"the locality index is unreachable: {e}",
+                             headers={"x-pof-reason": f"fallback:{type(e).__name__}"})
 
     def authorized(request: Request) -> None:
         if token is None:
@@ -98,17 +109,15 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
 
     def live_nodes() -> list[NodeInfo]:
         try:
-            return index.nodes()
+            found = index.nodes()
         except IndexUnavailable as e:
-            raise HTTPException(503, f"the locality index is unreachable: {e}") from None
+            raise unavailable(e) from None
+        health.ok()
+        return found
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        try:
-            n = len(index.nodes())
-        except IndexUnavailable as e:
-            raise HTTPException(503, f"the locality index is unreachable: {e}") from None
-        return {"ok": True, "nodes": n}
+        return {"ok": True, "nodes": len(live_nodes())}
 
     @app.get("/v1/nodes", dependencies=[Depends(authorized)])
     def nodes() -> list[NodeView]:
@@ -133,7 +142,8 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
         except UnknownModel as e:
             raise HTTPException(404, str(e)) from None
         except IndexUnavailable as e:
-            raise HTTPException(503, f"the locality index is unreachable: {e}") from None
+            raise unavailable(e) from None
+        health.ok()
         answer = [NodeLocality(node_id=n.node_id, matched_tokens=max(n.held_tokens, n.engine_tokens),
                                tiers={**n.held, **({"engine": n.engine_tokens} if n.engine_tokens else {})},
                                usable_tokens=n.usable_tokens, usable=n.usable,

@@ -37,6 +37,7 @@ _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 class _Metrics:
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(router.index_health)
         self.requests = Counter("pof_router_requests", "Requests routed", ["backend", "reason"],
                                 registry=self.registry)
         self.errors = Counter("pof_router_backend_errors", "Requests a backend failed", ["backend"],

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pof_connector.index import IndexUnavailable
 from pof_connector.router.backend import Backend
 from pof_connector.router.cost_model import Candidate, CostModel, Estimate
+from pof_connector.router.index_health import IndexHealth
 from pof_connector.router.locator import Locality, Locator, ModelRequired, UnknownModel
 from pof_connector.router.router_config import RouterConfig
 
@@ -51,7 +52,8 @@ class Router:
         self._rr = itertools.count()
         self._sessions: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
-        self._warned: set[str] = set()
+        self.index_health = IndexHealth("pof router", log)
+        """Whether routing uses the index now: logged per transition, exported in /metrics."""
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
@@ -86,11 +88,10 @@ class Router:
         try:
             found: Locality | None = self.locator.locate(tokens, self.config.model, cache_salt)
         except (IndexUnavailable, ModelRequired, UnknownModel) as e:
-            self._warn_once(type(e).__name__, f"pof router: locality unavailable ({e}); routing to the least "
-                                              f"loaded backend until it is back")
+            self.index_health.lost(type(e).__name__, str(e), "routing to the least loaded backend until it is back")
             return Decision(self._least_loaded(live), f"fallback:{type(e).__name__}", prompt_tokens=len(tokens))
         assert found is not None
-        self._warned.clear()
+        self.index_health.ok()
         best: tuple[float, int, Backend, Estimate] | None = None
         offset = next(self._rr)
         for i, b in enumerate(live):
@@ -119,8 +120,3 @@ class Router:
             if entry is None or entry[1] < time.monotonic():
                 return None
             return next((b for b in live if b.name == entry[0]), None)
-
-    def _warn_once(self, what: str, msg: str) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(msg)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from pof_connector.config import PofConfig
-from pof_connector.index import IndexUnavailable, Location, NodeInfo
-from pof_connector.index.embedded import PIDFILE, ensure_embedded, stop_embedded
+from pof_connector.index import IndexTimeout, IndexUnavailable, Location, NodeInfo
+from pof_connector.index.embedded import PIDFILE, SOCKET, ensure_embedded, restart_embedded, stop_embedded
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
 from pof_connector.keys import page_keys
@@ -116,3 +120,112 @@ def test_embedded_supervisor_exits_when_idle(runtime_dir: str) -> None:
         for p in pids:
             if os.path.exists(f"/proc/{p}"):
                 os.kill(p, 9)
+
+
+def test_timed_out_publish_and_withdraw_are_sent_again(redis_server: RedisServer, runtime_dir: str,
+                                                       namespace: bytes) -> None:
+    """The server pauses writes (CLIENT PAUSE) while the pool stores a chain that evicts another:
+    the publish and the withdrawals time out, and a paused client that gives up has its commands
+    dropped. Once writes resume, the heartbeat sends both again: the new chain is found, the
+    evicted one is no longer claimed by the node."""
+    spec = PageSpec(2, 1024, 16)
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
+                                  "node_ttl_s": 5.0, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "8KiB"}}})
+    pool = Pool(cfg, spec, namespace)
+    reader = RedisIndex(redis_server.url, None)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        seg = [np.zeros(1024, np.uint8)] * 2
+        old, new = page_keys(namespace, list(range(48)), 16), page_keys(namespace, list(range(100, 148)), 16)
+        pool.store([(k, seg) for k in old]).result()
+        wait_until(lambda: "a" in reader.longest_prefix(old))
+        admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        pool.store([(k, seg) for k in new]).result()                  # evicts `old`
+        assert pool.stats.get("index_timeouts") >= 1
+        wait_until(lambda: "a" in reader.longest_prefix(new), 10)
+        wait_until(lambda: "a" not in reader.longest_prefix(old), 5)
+        assert pool.lookup(old).pages == 0 and pool.stats.get("index_restarts") == 0
+    finally:
+        admin.close()
+        reader.close()
+        pool.close()
+
+
+def wait_until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_a_frozen_embedded_server_is_not_replaced(runtime_dir: str) -> None:
+    """A server that does not answer but whose processes live (here SIGSTOPped) keeps its socket:
+    nobody starts a second one behind the same path."""
+    url = ensure_embedded(runtime_dir, idle_s=60)
+    sock, pidfile = Path(runtime_dir) / SOCKET, Path(runtime_dir) / PIDFILE
+    wait_until(lambda: len(pidfile.read_text().split()) == 2)     # the server's PID follows its first answer
+    before = (pidfile.read_text(), sock.stat().st_ino)
+    server = int(before[0].split()[1])
+    try:
+        os.kill(server, signal.SIGSTOP)
+        try:
+            assert not ping(url)
+            assert ensure_embedded(runtime_dir) == url
+            assert not restart_embedded(runtime_dir, "a test froze it")
+            assert (pidfile.read_text(), sock.stat().st_ino) == before
+        finally:
+            os.kill(server, signal.SIGCONT)
+        assert ping(url)
+    finally:
+        stop_embedded(runtime_dir)
+    assert not os.path.exists(Path(runtime_dir) / "embedded.restarts")
+
+
+def test_racing_starters_start_one_server(runtime_dir: str) -> None:
+    code = "import sys; from pof_connector.index.embedded import restart_embedded; " \
+           "print(restart_embedded(sys.argv[1], None, idle_s=60))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, runtime_dir], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2]) for _ in range(3)]
+    try:
+        started = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert started == ["False", "False", "True"]
+        assert ping(f"unix://{Path(runtime_dir) / SOCKET}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop_embedded(runtime_dir)
+
+
+def test_a_timeout_is_raised_once_not_retried(redis_server: RedisServer, namespace: bytes) -> None:
+    """A slow server costs a caller one timeout, and says it was a timeout (not a dead server)."""
+    idx = RedisIndex(redis_server.url, "a", timeout_s=0.3)
+    idx.heartbeat(NodeInfo("a"), 10)
+    assert redis_server.pid is not None
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        for call in (lambda: idx.heartbeat(NodeInfo("a"), 10),
+                     lambda: idx.longest_prefix(page_keys(namespace, list(range(16)), 16))):
+            t0 = time.monotonic()
+            with pytest.raises(IndexTimeout):
+                call()
+            assert time.monotonic() - t0 < 0.55
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+        idx.close()
+
+
+def test_restarts_and_timeouts_are_prometheus_counters() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pof_connector.metrics import PoolStats, register_prometheus
+
+    stats, registry = PoolStats(), CollectorRegistry()
+    register_prometheus(stats, registry)
+    stats.add("index_restarts", reason="server_died")
+    stats.add("index_timeouts", op="lookup")
+    text = generate_latest(registry).decode()
+    assert 'pof_index_restarts_total{reason="server_died"} 1.0' in text
+    assert 'pof_index_timeouts_total{op="lookup"} 1.0' in text

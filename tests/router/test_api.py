@@ -103,3 +103,23 @@ def test_index_down_is_503(runtime_dir: str) -> None:
     client = TestClient(make_app(RedisIndex(f"unix://{runtime_dir}/none.sock", None, timeout_s=0.2)))
     assert client.get("/healthz").status_code == 503
     assert client.post("/v1/locality", json={"model": "m", "tokens": [1]}).status_code == 503
+
+
+def test_index_lost_and_back_is_logged_once_each_and_exported(redis_server: RedisServer,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    reader = RedisIndex(redis_server.url, None, timeout_s=0.5)
+    client = TestClient(make_app(reader))
+    with caplog.at_level("WARNING", logger="pof.api"):
+        assert client.get("/healthz").status_code == 200
+        redis_server.stop()
+        for _ in range(3):
+            r = client.post("/v1/locality", json={"model": "m", "tokens": [1]})
+            assert r.status_code == 503 and r.headers["x-pof-reason"] == "fallback:IndexUnavailable"
+        metrics = client.get("/metrics").text
+        assert "pof_index_available 0.0" in metrics and 'pof_index_lost_total{reason="IndexUnavailable"} 1.0' in metrics
+        redis_server.start()
+        assert client.get("/healthz").status_code == 200
+        assert "pof_index_available 1.0" in client.get("/metrics").text
+    lines = [r.getMessage() for r in caplog.records if r.name == "pof.api"]
+    assert len(lines) == 2 and "without the locality index" in lines[0] and "answers again" in lines[1], lines
+    reader.close()

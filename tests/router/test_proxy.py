@@ -193,3 +193,39 @@ def test_example_config_documents_the_defaults() -> None:
     assert [b.pool_node for b in cfg.backends] == ["a", "b"]
     assert cfg.cost == CostConfig() and cfg.health == HealthConfig()     # the file shows the real defaults
     assert (cfg.policy, cfg.listen, cfg.sticky_header) == ("pof", "127.0.0.1:8080", None)
+
+
+def test_routing_without_the_index_is_logged_once_per_transition_and_exported(
+        engines: dict[str, StandInEngine], redis_server: RedisServer, runtime_dir: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Cache-aware routing off is never silent: the reason header on each answer, one log line
+    when the index is lost and one when it is back, and /metrics saying which it is now."""
+    a = node("a", redis_server.url, runtime_dir)
+    try:
+        prompt = list(range(100, 100 + 16 * 4))
+        a.store([(k, SEG) for k in a.keys_for(prompt)]).result()
+        router, index = build(router_config(engines, index_url=redis_server.url))
+        with TestClient(make_app(router)) as client, caplog.at_level("WARNING", logger="pof.router"):
+            time.sleep(0.3)
+            assert post(client, prompt)[1].headers["x-pof-reason"] == "pof"
+            redis_server.stop()
+            reasons = [post(client, prompt)[1].headers["x-pof-reason"] for _ in range(3)]
+            assert reasons == ["fallback:IndexUnavailable"] * 3
+            metrics = client.get("/metrics").text
+            assert "pof_index_available 0.0" in metrics
+            assert 'pof_index_lost_total{reason="IndexUnavailable"} 1.0' in metrics
+            redis_server.start()
+            deadline = time.monotonic() + 10
+            while post(client, prompt)[1].headers["x-pof-reason"] != "pof":   # a's heartbeat re-publishes
+                assert time.monotonic() < deadline, "routing did not use the index again"
+                time.sleep(0.1)
+            assert "pof_index_available 1.0" in client.get("/metrics").text
+        lines = [r.getMessage() for r in caplog.records if r.name == "pof.router"]
+        # (a request between the restart and a's re-registration falls back with ModelRequired: a
+        # change of reason, logged as such, not a second loss)
+        assert sum("answering without the locality index" in m and "reason changed" not in m for m in lines) == 1, lines
+        assert sum("answers again" in m for m in lines) == 1, lines
+        assert index is not None
+        index.close()
+    finally:
+        a.close()
