@@ -8,9 +8,10 @@ Runs on every device torch sees: CPU in CI (the torch stage), CUDA in ``ci/gpu_c
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pof_connector.adapters.vllm_layout import infer_layout
+torch = pytest.importorskip("torch")
+
+from pof_connector.adapters.vllm_layout import infer_layout  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
