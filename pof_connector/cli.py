@@ -42,6 +42,7 @@ from pof_connector.bench import router as bench_router  # starts vLLM servers an
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.config import ConfigError, PofConfig, format_size, parse_size
+from pof_connector.console import console
 from pof_connector.index.base import IndexUnavailable, NodeInfo
 from pof_connector.index.embedded import PIDFILE, embedded_url, stop_embedded, supervise
 from pof_connector.index.redis import RedisIndex
@@ -61,11 +62,11 @@ class CommandError(RuntimeError):
 
 def _out() -> Console:
     # Built per call, not at import: tests and pipes swap sys.stdout after this module loads.
-    return Console(file=sys.stdout, highlight=False)
+    return console(sys.stdout, highlight=False)
 
 
 def _err() -> Console:
-    return Console(file=sys.stderr, highlight=False)
+    return console(sys.stderr, highlight=False)
 
 
 def _progress(message: str) -> None:

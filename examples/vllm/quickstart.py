@@ -19,11 +19,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
+from pof_connector.console import console
 from pof_connector.index.embedded import stop_embedded
+
+
+def workload_table() -> Table:
+    """The table of requests, one row each (see the module's doc), with its headers and no rows."""
+    table = Table(title="shared-prefix workload: A computes, B loads from the pool")
+    for col in ("server", "tenant", "turn", "prompt tokens", "engine cache", "pool", "pool tier", "computed",
+                "TTFT ms"):
+        table.add_column(col, justify="left" if col in ("server", "tenant", "pool tier") else "right")
+    return table
 
 
 def main() -> None:
@@ -32,7 +41,7 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--turns", type=int, default=3)
     args = ap.parse_args()
-    console = Console()
+    out = console()
     model = Path(args.model) if args.model else build_model("tiny")
     work = Path(tempfile.mkdtemp(prefix="pof-quickstart-", dir="/tmp"))
     region_dir = Path(tempfile.mkdtemp(prefix="pof-quickstart-", dir="/dev/shm"))
@@ -42,16 +51,13 @@ def main() -> None:
             {"node_id": name, "index_url": "embedded", "runtime_dir": str(work / "index"), "tiers": tiers}))
         for name in ("A", "B")
     }
-    console.print(f"[bold]pof quickstart[/]: starting two vLLM servers with the pool (model {model}); this takes "
+    out.print(f"[bold]pof quickstart[/]: starting two vLLM servers with the pool (model {model}); this takes "
                   "about a minute on a CPU ...")
     with ThreadPoolExecutor(2) as ex:
         list(ex.map(lambda s: s.start(), servers.values()))
     rnd = random.Random(7)
     system = {t: [rnd.randrange(3, 1900) for _ in range(args.system_tokens)] for t in ("tenant-1", "tenant-2")}
-    table = Table(title="shared-prefix workload: A computes, B loads from the pool")
-    for col in ("server", "tenant", "turn", "prompt tokens", "engine cache", "pool", "pool tier", "computed",
-                "TTFT ms"):
-        table.add_column(col, justify="left" if col in ("server", "tenant", "pool tier") else "right")
+    table = workload_table()
     try:
         for server_name in ("A", "B"):
             server = servers[server_name]
@@ -76,8 +82,8 @@ def main() -> None:
             s.stop()
         stop_embedded(work / "index")
         shutil.rmtree(region_dir, ignore_errors=True)
-    console.print(table)
-    console.print("B's first turn of each tenant came from the pool (written by A); later turns hit B's own "
+    out.print(table)
+    out.print("B's first turn of each tenant came from the pool (written by A); later turns hit B's own "
                   "prefix cache. Server logs: " + str(work))
 
 
