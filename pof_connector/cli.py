@@ -252,7 +252,13 @@ def _stats_url(args: argparse.Namespace) -> str:
                                "no server to ask")
         url = embedded_url(config.runtime_dir) if config.index_url == "embedded" else config.index_url
     if not ping(url):
-        raise CommandError(f"no index server running at {url}")
+        if args.url or config.index_url != "embedded":
+            raise CommandError(f"no index server running at {url}")
+        serve = "pof index serve" + (f" --config {args.config}" if args.config else "")
+        raise CommandError(f"no index server running at {url}. Engines with index_url: embedded start it when "
+                           f"they start; `{serve}` runs one in the foreground. The index of "
+                           "examples/quickstart.sh and examples/core/two_nodes.py is private to their run "
+                           "and stopped with it.")
     return url
 
 

@@ -174,7 +174,10 @@ def test_index_stats_does_not_start_a_server(short_dir: Path, capsys: pytest.Cap
     config = short_dir / "pof.yaml"
     config.write_text(f"runtime_dir: {short_dir / 'rt'}\n")
     assert main(["index", "stats", "--config", str(config)]) == 1
-    assert "no index server running" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no index server running" in err
+    # What to do about it, and why the quickstart's index is not there any more.
+    assert f"pof index serve --config {config}" in err and "quickstart" in err, err
     assert not (short_dir / "rt").exists()
 
 
