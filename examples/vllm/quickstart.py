@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,7 +85,11 @@ def main() -> None:
         shutil.rmtree(region_dir, ignore_errors=True)
     out.print(table)
     out.print("B's first turn of each tenant came from the pool (written by A); later turns hit B's own "
-                  "prefix cache. Server logs: " + str(work))
+              "prefix cache. Server logs: " + str(work))
+    pof = Path(sys.executable).parent / "pof"
+    out.print(f"The pof command lives in this venv: {pof} (not on your PATH). This run's index was private "
+              f"and is gone; to look at a pool of your own: `{pof} index serve` in one shell, engines with "
+              f"index_url: embedded, then `{pof} stats`.", soft_wrap=True)
 
 
 if __name__ == "__main__":
