@@ -23,6 +23,10 @@ elif [[ "${POF_SKIP_ENGINES:-0}" == "1" ]]; then
 else
     STAGES=("${ALL_STAGES[@]}")
 fi
+if [[ ${#STAGES[@]} == 0 ]]; then
+    echo "POF_STAGES: no stage named; allowed: ${ALL_STAGES[*]}" >&2
+    exit 2
+fi
 for s in "${STAGES[@]}"; do
     if [[ " ${ALL_STAGES[*]} " != *" $s "* ]]; then
         echo "POF_STAGES: unknown stage '$s'; allowed: ${ALL_STAGES[*]}" >&2
