@@ -334,7 +334,9 @@ class SpillWriter:
                 self._spilled[key][1].expires = asked + float(reply["lease_s"])
 
     def _tell_written(self) -> None:
-        """Tell owners which page each newly written slot holds (so a reclaim withdraws it)."""
+        """Tell owners which page each newly written slot holds (so a reclaim withdraws it), and
+        wait for them to confirm: the pool publishes the pages next, and once published, the
+        owner must know them even if this process dies at once."""
         untold, self._untold = self._untold, {}
         for (node, medium), pages in untold.items():
             meta = self._metas.get(node)
@@ -348,8 +350,12 @@ class SpillWriter:
                 for start in range(0, len(pages), MAX_SLOTS_PER_MESSAGE):
                     chunk = [[slot, k.namespace.hex(), k.digest.hex()]
                              for slot, k in pages[start:start + MAX_SLOTS_PER_MESSAGE]]
-                    self.notifier.send(peer.name, {"op": "written", "node": self.node_id, "medium": medium,
-                                                   "pages": chunk})
+                    reply = self.notifier.request(peer.name, {"op": "written", "node": self.node_id,
+                                                              "medium": medium, "pages": chunk}, self.timeout_s)
+                    if reply is None:
+                        log.info("pof spill: %s did not confirm in %gs which pages it holds; if this node dies, "
+                                 "its reclaim only invalidates them", node, self.timeout_s)
+                        break
             except FabricError as e:
                 log.info("pof spill: could not tell %s what it holds: %s", node, e)
             finally:
