@@ -42,6 +42,7 @@ from pof_connector.bench import router as bench_router  # starts vLLM servers an
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.config import ConfigError, PofConfig, format_size, parse_size
+from pof_connector.console import console
 from pof_connector.index.base import IndexUnavailable, NodeInfo
 from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, restarts, stop_embedded, supervise
 from pof_connector.index.redis import RedisIndex
@@ -61,11 +62,11 @@ class CommandError(RuntimeError):
 
 def _out() -> Console:
     # Built per call, not at import: tests and pipes swap sys.stdout after this module loads.
-    return Console(file=sys.stdout, highlight=False)
+    return console(sys.stdout, highlight=False)
 
 
 def _err() -> Console:
-    return Console(file=sys.stderr, highlight=False)
+    return console(sys.stderr, highlight=False)
 
 
 def _progress(message: str) -> None:
@@ -269,7 +270,13 @@ def _stats_url(args: argparse.Namespace) -> str:
         runtime_dir = _embedded_dir(args)
         if runtime_dir is not None and embedded_alive(runtime_dir):
             raise CommandError(f"the index server at {url} runs but does not answer (a busy host, or stopped)")
-        raise CommandError(f"no index server running at {url}")
+        if args.url or config.index_url != "embedded":
+            raise CommandError(f"no index server running at {url}")
+        serve = "pof index serve" + (f" --config {args.config}" if args.config else "")
+        raise CommandError(f"no index server running at {url}. Engines with index_url: embedded start it when "
+                           f"they start; `{serve}` runs one in the foreground. The index of "
+                           "examples/quickstart.sh and examples/core/two_nodes.py is private to their run "
+                           "and stopped with it.")
     return url
 
 

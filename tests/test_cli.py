@@ -143,6 +143,26 @@ def test_stats_shows_a_memory_node_and_its_lent_slots(server: RedisServer, capsy
     assert result["tiers"]["cpu_dram"]["lent_slots"] == 1024 and result["tiers"]["cpu_dram"]["lease_writers"] == 3
 
 
+def test_stats_table_keeps_its_columns_when_piped(server: RedisServer, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``tee`` or in a CI log stdout is no terminal: rich would fit the table into 80
+    columns and cut headers and cells."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    node = RedisIndex(server.url, "memory-node-with-a-long-name")
+    try:
+        node.heartbeat(NodeInfo("memory-node-with-a-long-name",
+                                {"cpu_dram": TierUsage(1 << 40, 1 << 39, "dram:memory-node-with-a-long-name")},
+                                {"pof.role": "memory", "fabric.lent": '{"cpu_dram":[1048576,12]}'}), ttl_s=30)
+        assert main(["stats", "--url", server.url]) == 0
+        out = capsys.readouterr().out
+    finally:
+        node.close()
+    assert "…" not in out, out
+    for text in ("node", "tier", "capacity", "used", "free", "lent (slots / writers)", "domain",
+                 "memory-node-with-a-long-name (memory)", "1,048,576 / 12", "dram:memory-node-with-a-long-name"):
+        assert text in out, (text, out)
+
+
 def test_memd_needs_the_fabric(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = short_dir / "mem.yaml"
     config.write_text("index_url: local\n")
@@ -154,7 +174,10 @@ def test_index_stats_does_not_start_a_server(short_dir: Path, capsys: pytest.Cap
     config = short_dir / "pof.yaml"
     config.write_text(f"runtime_dir: {short_dir / 'rt'}\n")
     assert main(["index", "stats", "--config", str(config)]) == 1
-    assert "no index server running" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no index server running" in err
+    # What to do about it, and why the quickstart's index is not there any more.
+    assert f"pof index serve --config {config}" in err and "quickstart" in err, err
     assert not (short_dir / "rt").exists()
 
 

@@ -15,10 +15,10 @@ import tempfile
 import time
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from pof_connector.config import PofConfig
+from pof_connector.console import console
 from pof_connector.index.embedded import stop_embedded
 from pof_connector.keys import Namespace
 from pof_connector.pages import PageSpec
@@ -74,20 +74,20 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--page-kib", type=int, default=256)
     args = ap.parse_args()
-    console = Console()
+    out = console()
     spec = PageSpec(num_layers=LAYERS, segment_bytes=args.page_kib * 1024 // LAYERS, page_tokens=64)
     ns = Namespace("examples/fake-model", "bfloat16", "mha", spec.page_tokens).digest
     tokens = np.random.default_rng(0).integers(0, 32000, spec.page_tokens * args.pages)
     runtime_dir = tempfile.mkdtemp(prefix="pof-demo-", dir="/tmp")
     region = os.path.join(tempfile.mkdtemp(prefix="pof-demo-", dir="/dev/shm"), "cxl.region")
-    console.print(f"[bold]pof demo[/]: {args.pages} pages of {args.page_kib} KiB, CXL region {region}, "
+    out.print(f"[bold]pof demo[/]: {args.pages} pages of {args.page_kib} KiB, CXL region {region}, "
                   f"embedded index in {runtime_dir}")
     a = Pool(make_config("node-a", region, runtime_dir), spec, ns)
     try:
         keys = a.keys_for(tokens)
         t0 = time.perf_counter()
         stored = a.store([(k, fake_kv(i, spec)) for i, k in enumerate(keys)]).result()
-        console.print(f"node-a stored {stored} pages in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        out.print(f"node-a stored {stored} pages in {(time.perf_counter() - t0) * 1e3:.1f} ms")
         q: mp.Queue = mp.get_context("spawn").Queue()  # type: ignore[type-arg]
         p = mp.get_context("spawn").Process(target=node_b, args=(region, runtime_dir, spec, ns, tokens, q))
         p.start()
@@ -105,7 +105,7 @@ def main() -> None:
     table.add_row(str(args.pages), str(result["pages"]), ",".join(result["from"]), tiers,
                   f"{result['byte_exact']}/{result['pages']}", f"{result['lookup_ms']:.2f}",
                   f"{result['layer0_ms']:.2f}", f"{result['all_ms']:.2f}")
-    console.print(table)
+    out.print(table)
 
 
 if __name__ == "__main__":

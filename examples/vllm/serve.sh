@@ -18,5 +18,6 @@ print(json.dumps(cfg))
 PYEOF
 )"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
+# vLLM's server module (`vllm serve` fails on the CPU build; -m vllm.entrypoints.openai.api_server is deprecated).
+exec "$PY" -m vllm.entrypoints.launchers.api_server.entry --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
     --kv-transfer-config "$KV" "$@"

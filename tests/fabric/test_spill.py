@@ -3,9 +3,9 @@
 Writer B has room for 4 pages and ``fabric.spill`` on; memory node M is a ``pof memd`` process;
 reader A only reads. B stores a chain, then another: the first is evicted from B's only tier and
 spilled into slots M granted, and A (and B) read it back from M. The faults: B stops renewing its
-leases (SIGSTOP) so M reclaims the slots — readers miss, never get a wrong page; M dies — B's
-spills fail within the fabric timeout and B keeps storing and serving; M is full — no grant, the
-pages are dropped.
+leases (SIGSTOP) so M reclaims the slots — readers miss, never get a wrong page; B dies right after
+spilling — M still withdraws what B published; M dies — B's spills fail within the fabric timeout
+and B keeps storing and serving; M is full — no grant, the pages are dropped.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def m_lent(url: str) -> int:
 @pytest.fixture
 def cluster(redis_server: RedisServer, runtime_dir: str,
             request: pytest.FixtureRequest) -> Iterator[tuple[NodeProc, NodeProc, MemdProc]]:
-    """(A, B, M); M's capacity in slots is the indirect parameter (default 64)."""
-    m_slots = int(getattr(request, "param", 64))
+    """(A, B, M). The indirect parameter, a dict: ``m_slots``, M's capacity in slots (default 64);
+    ``b_heartbeat_s``, B's heartbeat period (default the harness's)."""
+    param: dict[str, float] = getattr(request, "param", {})
+    m_slots = int(param.get("m_slots", 64))
     procs: list[NodeProc | MemdProc] = []
     try:
         m_conf = node_config("m", redis_server.url, runtime_dir, dram=str(m_slots * SLOT))
@@ -61,7 +63,10 @@ def cluster(redis_server: RedisServer, runtime_dir: str,
         procs.append(m)
         a = NodeProc(node_config("a", redis_server.url, runtime_dir))
         procs.append(a)
-        b = NodeProc(node_config("b", redis_server.url, runtime_dir, spill=True, dram=str(4 * SLOT)))
+        b_conf = node_config("b", redis_server.url, runtime_dir, spill=True, dram=str(4 * SLOT))
+        if "b_heartbeat_s" in param:
+            b_conf.update(heartbeat_s=param["b_heartbeat_s"], node_ttl_s=2 * param["b_heartbeat_s"])
+        b = NodeProc(b_conf)
         procs.append(b)
         wait_for(lambda: "m" in live_nodes(redis_server.url), 30, "the memory node's registration")
         yield a, b, m
@@ -134,7 +139,20 @@ def test_lease_expiry_reclaims_and_readers_miss(
     wait_for(lambda: a.call("lookup", seed=1, pages=4)["pages"] == 0, 5, "chain 1 gone from the index")
 
 
-@pytest.mark.parametrize("cluster", [2], indirect=True)
+# No heartbeat of B's after its first: nothing but the spill itself can have told M what its slots hold.
+@pytest.mark.parametrize("cluster", [{"b_heartbeat_s": 60.0}], indirect=True)
+def test_writer_dead_right_after_spilling_leaves_no_entry(
+        cluster: tuple[NodeProc, NodeProc, MemdProc], redis_server: RedisServer) -> None:
+    a, b, _ = cluster
+    spill_first_chain(b)
+    b.kill()
+    assert a.call("lookup", seed=1, pages=4)["nodes"] == ["m"]      # B published it before dying
+    wait_for(lambda: m_lent(redis_server.url) >= 4, 5, "M's report of the leases")
+    wait_for(lambda: m_lent(redis_server.url) == 0, LEASE_S + 3 * TIMEOUT_S + 2, "M's reclaim")
+    wait_for(lambda: a.call("lookup", seed=1, pages=4)["pages"] == 0, 3, "M's withdrawal")
+
+
+@pytest.mark.parametrize("cluster", [{"m_slots": 2}], indirect=True)
 def test_full_memory_node_grants_nothing(cluster: tuple[NodeProc, NodeProc, MemdProc],
                                          redis_server: RedisServer) -> None:
     a, b, _ = cluster
