@@ -120,7 +120,7 @@ class PoFWorker:
         keys = self._own_keys(job.keys)
         if keys is job.keys:
             return job
-        return replace(job, keys=keys, sources=self.pool.lookup(keys).sources)
+        return replace(job, keys=keys, sources=self.pool.lookup(keys, count=False).sources)  # the scheduler counted
 
     def _own_keys(self, keys: list[PageKey]) -> list[PageKey]:
         """``keys`` (the scheduler's: rank 0's namespace) in this rank's namespace."""

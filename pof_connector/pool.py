@@ -195,11 +195,14 @@ class Pool:
 
     # ---- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[PageKey]) -> Lookup:
-        """Leading pages of ``keys`` this node can load (own tiers first, then the index)."""
+    def lookup(self, keys: Sequence[PageKey], *, count: bool = True) -> Lookup:
+        """Leading pages of ``keys`` this node can load (own tiers first, then the index).
+        ``count=False``: a lookup on behalf of a hit already counted (another TP rank's pages for
+        one request): it leaves ``lookups`` and ``hit_pages`` alone."""
         keys = list(keys)
-        self.stats.add("lookups")
-        self.stats.add("lookup_pages", len(keys))
+        if count:
+            self.stats.add("lookups")
+            self.stats.add("lookup_pages", len(keys))
         sources: list[Location | None] = [None] * len(keys)
         own = 0
         while own < len(keys) and (loc := self._find_own(keys[own])) is not None:
@@ -223,7 +226,7 @@ class Pool:
             start = found
         run = next((i for i, s in enumerate(sources) if s is None), len(sources))
         result = Lookup(keys, [s for s in sources[:run] if s is not None], elsewhere)
-        for medium, n in result.per_tier().items():
+        for medium, n in result.per_tier().items() if count else ():
             self.stats.add("hit_pages", n, tier=medium)
         return result
 

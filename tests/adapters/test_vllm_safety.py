@@ -112,6 +112,7 @@ def test_tp_rank_1_loads_its_own_heads_not_rank_0s(medium: str, index: RedisServ
             assert step(w, PoFConnectorMetadata(loads=[job])) == set(), f"rank {r} failed its loads"
             for layer, t in enumerate(kv):
                 assert torch.equal(t[10:14], stored[r][layer]), f"rank {r} got another rank's KV"
+            assert w.pool is not None and w.pool.stats.get("lookups") == 0     # hits count once, at the scheduler
     finally:
         scheduler.close()
         for w, _ in ranks:
