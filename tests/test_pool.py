@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -370,21 +371,41 @@ def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtim
         pool.close()
 
 
-def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespace: bytes) -> None:
-    """Node B spilled a chain into slots A lent it (fabric spill), publishing them as A's: A's own
-    lookup offers them, and A must be able to load them (they are not in A's books)."""
+@contextlib.contextmanager
+def lender_and_writer(runtime_dir: str, namespace: bytes) -> Iterator[tuple[Pool, LocalIndex]]:
+    """Pool A, which lends slots, and B's index client, registered: B spills into A's slots."""
     table = LocalTable()
     a = Pool(cfg("a", runtime_dir), SPEC, namespace, index=LocalIndex("a", table))
     b = LocalIndex("b", table)
     try:
-        tier = a.tiers[0]
-        keys = a.keys_for(np.arange(16 * 3))
         wait_for(lambda: a.index.nodes() != [])
         b.heartbeat(NodeInfo("b"), 10)
-        refs = tier.lend(len(keys))
-        for k, ref in zip(keys, refs, strict=True):
-            tier.write(ref, k, content(k))       # what B's NIXL WRITEs into the granted slots amount to
-        b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+        yield a, b
+    finally:
+        b.close()
+        a.close()
+
+
+def spill_into(a: Pool, b: LocalIndex, keys: list[PageKey], flip: int | None = None) -> list[SlotRef]:
+    """What B's spill amounts to: A lends a slot per key, B writes its page there (a NIXL WRITE;
+    page ``flip`` with a flipped bit) and publishes the slots as A's."""
+    tier = a.tiers[0]
+    refs = tier.lend(len(keys))
+    for k, ref in zip(keys, refs, strict=True):
+        tier.write(ref, k, content(k))
+    if flip is not None:
+        tier.region[tier.slot_offset(refs[flip].slot) + SPEC.segment_offset(1) + 5] ^= 0xFF
+    b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+    return refs
+
+
+def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespace: bytes) -> None:
+    """Node B spilled a chain into slots A lent it (fabric spill), publishing them as A's: A's own
+    lookup offers them, and A must be able to load them (they are not in A's books)."""
+    with lender_and_writer(runtime_dir, namespace) as (a, b):
+        tier = a.tiers[0]
+        keys = a.keys_for(np.arange(16 * 3))
+        refs = spill_into(a, b, keys)
         assert a.lookup(keys).pages == 3
         bufs, failed, n = load_all(a, keys)
         assert failed == {} and n == 3
@@ -401,9 +422,6 @@ def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespa
         bufs, failed, _ = load_all(a, keys)
         assert set(failed) == {0} and failed[0] in ("evicted", "stale_generation"), failed
         assert_pages(bufs, keys, skip={0})
-    finally:
-        b.close()
-        a.close()
 
 
 def test_two_processes_with_one_node_id_do_not_keep_re_registering(
@@ -463,23 +481,11 @@ def test_a_restarted_node_is_not_offered_its_former_pages(runtime_dir: str, name
 def test_a_corrupt_page_in_a_lent_slot_is_no_longer_offered(runtime_dir: str, namespace: bytes) -> None:
     """A page B spilled into a slot A lent fails its checksum on A: its entry (published as A's)
     would only lead every later lookup to a miss, so A withdraws it."""
-    table = LocalTable()
-    a = Pool(cfg("a", runtime_dir), SPEC, namespace, index=LocalIndex("a", table))
-    b = LocalIndex("b", table)
-    try:
+    with lender_and_writer(runtime_dir, namespace) as (a, b):
         tier = a.tiers[0]
         keys = a.keys_for(np.arange(16 * 2))
-        wait_for(lambda: a.index.nodes() != [])
-        b.heartbeat(NodeInfo("b"), 10)
-        refs = tier.lend(2)
-        for k, ref in zip(keys, refs, strict=True):
-            tier.write(ref, k, content(k))
-        tier.region[tier.slot_offset(refs[1].slot) + SPEC.segment_offset(1) + 5] ^= 0xFF     # a flipped bit
-        b.publish([(k, Location("a", tier.medium, r.slot, r.generation)) for k, r in zip(keys, refs, strict=True)])
+        refs = spill_into(a, b, keys, flip=1)
         bufs, failed, n = load_all(a, keys)
         assert n == 2 and failed == {1: "bad_checksum"}
         assert_pages(bufs, keys, skip={1})
         assert a.lookup(keys).pages == 1 and tier.is_lent(refs[1].slot)    # withdrawn; the lease is B's
-    finally:
-        b.close()
-        a.close()
