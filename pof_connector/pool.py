@@ -59,6 +59,8 @@ T = TypeVar("T")
 NODES_MISS_REFRESH_S = 0.05
 """Least age of the node list before an unknown node triggers a refresh."""
 Role = Literal["worker", "client"]
+INDEX_BATCH = 1000
+"""Entries per publish or withdraw call when a node sends many at once (a re-publish)."""
 UNWITHDRAWN_MAX = 1 << 16
 """Withdrawals kept for sending again while the index does not take them (see :meth:`Pool._publish`)."""
 
@@ -582,11 +584,8 @@ class Pool:
         """After an index restart or outage: the pages this node spilled are published again."""
         if self._fabric is not None and self._fabric.writer is not None:
             entries = self._fabric.writer.entries()
-            for start in range(0, len(entries), 1000):
-                if self._index_call("publish", self.index.publish, entries[start:start + 1000],
-                                    default=False) is False:
-                    self._republish = True
-                    break
+            if self._send_in_batches("publish", self.index.publish, entries) < len(entries):
+                self._republish = True
 
     def _publish(self, events: list[tuple[bool, PageKey, Location]]) -> None:
         """Send (publish?, key, location) events; within a batch only the last per key and medium
@@ -648,11 +647,8 @@ class Pool:
             self._republish = False
             entries = [(key, Location(self.node_id, t.medium, ref.slot, ref.generation))
                        for t in self._live_tiers() for key, ref in t.stored()]
-            for start in range(0, len(entries), 1000):
-                if self._index_call("publish", self.index.publish, entries[start:start + 1000],
-                                    default=False) is False:
-                    self._republish = True
-                    break
+            if self._send_in_batches("publish", self.index.publish, entries) < len(entries):
+                self._republish = True
             if entries:
                 log.info("pof: published %d pages to the index (%s)", len(entries),
                          "new registration" if fresh else "after an index outage")
@@ -669,11 +665,19 @@ class Pool:
             pending, self._unwithdrawn = self._unwithdrawn, []
         if fresh:
             return
-        for start in range(0, len(pending), 1000):
-            if self._index_call("withdraw", self.index.withdraw, pending[start:start + 1000], default=False) is False:
-                with self._unwithdrawn_lock:
-                    self._unwithdrawn = (pending[start:] + self._unwithdrawn)[-UNWITHDRAWN_MAX:]
-                return
+        sent = self._send_in_batches("withdraw", self.index.withdraw, pending)
+        if sent < len(pending):
+            with self._unwithdrawn_lock:
+                self._unwithdrawn = (pending[sent:] + self._unwithdrawn)[-UNWITHDRAWN_MAX:]
+
+    def _send_in_batches(self, op: str, fn: Callable[[list[tuple[PageKey, Location]]], Any],
+                         entries: list[tuple[PageKey, Location]]) -> int:
+        """Send ``entries`` to the index in batches of :data:`INDEX_BATCH`, stopping at the first
+        batch it does not take; returns how many leading entries it took."""
+        for start in range(0, len(entries), INDEX_BATCH):
+            if self._index_call(op, fn, entries[start:start + INDEX_BATCH], default=False) is False:
+                return start
+        return len(entries)
 
     def _check_tiers(self) -> None:
         for tier in self.tiers:
