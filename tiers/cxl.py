@@ -82,17 +82,13 @@ class CxlTier(Tier):
             self._release_fd()
             raise
         _, _, partitions, slot_bytes, num_slots, gens_at, data_at, region_id = geometry
-        if slot_bytes < spec.page_bytes:
-            self._mm.close()
-            self._release_fd()
-            raise ConfigError(f"tiers.cxl.path: the region {self.path} has {slot_bytes}-byte slots, too small "
-                              f"for this model's {spec.page_bytes}-byte pages; use another path for this model")
-        if partitions != config.partitions:
-            self._mm.close()
-            self._release_fd()
-            raise ConfigError(f"tiers.cxl.partitions: {self.path} was formatted with {partitions} partitions, "
-                              f"configured {config.partitions}; allowed: {partitions} (or a new path)")
         try:
+            if slot_bytes < spec.page_bytes:
+                raise ConfigError(f"tiers.cxl.path: the region {self.path} has {slot_bytes}-byte slots, too small "
+                                  f"for this model's {spec.page_bytes}-byte pages; use another path for this model")
+            if partitions != config.partitions:
+                raise ConfigError(f"tiers.cxl.partitions: {self.path} was formatted with {partitions} partitions, "
+                                  f"configured {config.partitions}; allowed: {partitions} (or a new path)")
             self.partition = _claim_partition(fd, partitions, config.partition, self.path)
         except BaseException:
             self._mm.close()
