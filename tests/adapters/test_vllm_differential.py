@@ -24,7 +24,6 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import PofConfig
 from pof_connector.index.server import RedisServer
 from pof_connector.pages import PageError
+from tests.adapters.test_vllm_safety import scheduled
 
 pytestmark = pytest.mark.vllm
 
@@ -150,15 +150,9 @@ class Engine:
         self.update_from_output(invalid)
 
     def scheduler_output(self) -> Any:
-        new = [r for r in self.running.values() if r.new]
-        cached = [r for r in self.running.values() if not r.new]
-        return SimpleNamespace(
-            scheduled_new_reqs=[SimpleNamespace(req_id=r.request.request_id, block_ids=(r.blocks,),
-                                                num_computed_tokens=r.request.num_computed_tokens) for r in new],
-            scheduled_cached_reqs=SimpleNamespace(
-                req_ids=[r.request.request_id for r in cached], new_block_ids=[None] * len(cached),
-                resumed_req_ids=set(), num_computed_tokens=[r.request.num_computed_tokens for r in cached]),
-            num_scheduled_tokens={r.request.request_id: r.scheduled for r in self.running.values()})
+        running = self.running.values()
+        return scheduled([(r.request, r.blocks, r.scheduled) for r in running if r.new],
+                         [(r.request, r.request.num_computed_tokens, r.scheduled) for r in running if not r.new])
 
     def update_from_output(self, invalid: set[int]) -> None:
         """vLLM's ``_update_requests_with_invalid_blocks`` (recompute policy), then finish requests."""

@@ -149,14 +149,15 @@ def test_pages_computed_on_a_failed_load_are_not_stored_until_vllm_rewinds(runti
         w.close()
 
 
-def scheduled(new: list[tuple[Request, list[int]]], cached: list[tuple[Request, int, int]]) -> Any:
-    """vLLM's SchedulerOutput, as much of it as the scheduler half reads: ``new`` (request, blocks)
-    computing from ``num_computed_tokens``, ``cached`` (request, tokens computed, tokens scheduled)."""
-    num = {r.request_id: n for r, _ in new for n in [len(r.all_token_ids) - r.num_computed_tokens]}
+def scheduled(new: list[tuple[Request, list[int], int]], cached: list[tuple[Request, int, int]]) -> Any:
+    """vLLM's SchedulerOutput, as much of it as the scheduler half reads: ``new`` (request, blocks,
+    tokens scheduled) computing from ``num_computed_tokens``, ``cached`` (request, tokens computed,
+    tokens scheduled)."""
+    num = {r.request_id: n for r, _, n in new}
     num.update({r.request_id: n for r, _, n in cached})
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(b,),
-                                            num_computed_tokens=r.num_computed_tokens) for r, b in new],
+                                            num_computed_tokens=r.num_computed_tokens) for r, b, _ in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
                                               new_block_ids=[None] * len(cached), resumed_req_ids=set(),
                                               num_computed_tokens=[c for _, c, _ in cached]),
@@ -171,7 +172,7 @@ def test_scheduler_saves_again_after_vllm_rewinds_a_failed_load(runtime_dir: str
     try:
         req = request("r", list(range(3 * P + 5)))
         scheduler.after_alloc(req, list(range(8)), 0)
-        meta = scheduler.build_meta(scheduled([(req, list(range(8)))], []))
+        meta = scheduler.build_meta(scheduled([(req, list(range(8)), len(req.all_token_ids))], []))
         assert [len(s.keys) for s in meta.saves] == [3] and meta.rewound == []
         # The load of block 2 failed: vLLM rewinds to token 2 * N and schedules the rest again.
         meta = scheduler.build_meta(scheduled([], [(req, 2 * N, 3 * P + 5 - 2 * N)]))
