@@ -39,9 +39,13 @@ log = logging.getLogger("pof_connector.vllm")
 class _ActiveLoad:
     job: LoadJob
     reader: PageReader
-    readable: int
-    """The job's leading pages the reader covers; the rest this rank's pool does not hold (failed)."""
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def readable(self) -> int:
+        """The job's leading pages the reader covers (those with a source); the rest this rank's
+        pool does not hold, and they fail."""
+        return len(self.job.sources)
 
 
 @dataclass
@@ -107,9 +111,8 @@ class PoFWorker:
         assert self.pool is not None
         for job in meta.loads:
             job = self._for_this_rank(job)
-            readable = len(job.sources)
-            reader = self.pool.open_read(job.keys[:readable], job.sources[:readable])
-            self._loads.append(_ActiveLoad(job, reader, readable))
+            reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
+            self._loads.append(_ActiveLoad(job, reader))
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
         """The scheduler planned with rank 0's keys and locations. Another TP rank (other heads) or
