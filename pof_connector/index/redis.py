@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import operator
 import threading
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ K_INC_NODE = PREFIX + "inc-node"
 K_LIVE = PREFIX + "live"
 K_INFO = PREFIX + "info"
 K_SEQ = PREFIX + "seq"
+K_INC_OWNER = PREFIX + "inc-owner"
 FIELD_BYTES = 16
 RECORD = np.dtype([("inc", "<u4"), ("medium", "u1"), ("slot", "<u4"), ("gen", "<u8")])
 assert RECORD.itemsize == 17
@@ -68,32 +70,40 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# ARGV: node id, this client's last incarnation ('' if it never registered), TTL in ms, info JSON.
-# Returns {incarnation, 1} for a new registration, {incarnation, 0} for a renewal, and
-# {holder, -1} when another live incarnation registered the node id after this client did.
+# ARGV: node id, this client's last incarnation ('' if it never registered), TTL in ms, info JSON,
+# this client's owner token. Returns {incarnation, 1} for a new registration, {incarnation, 0} for
+# a renewal, and {holder, -1} when another live client registered the node id after this one.
+# Each incarnation records its owner's token (KEYS[6]): a registration that this very client made
+# by a heartbeat whose reply it never got (a timeout) is recognised as its own and adopted.
 _HEARTBEAT = _NOW + """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
 if #expired > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   redis.call('HDEL', KEYS[4], unpack(expired))
+  redis.call('HDEL', KEYS[6], unpack(expired))
 end
 local inc = redis.call('HGET', KEYS[1], ARGV[1])
 local live = inc and redis.call('ZSCORE', KEYS[3], inc)
 local fresh = 0
 if not (live and inc == ARGV[2]) then
-  if live and ARGV[2] ~= '' then
-    return {inc, -1}
-  end
-  if live then
-    -- A new process of a node whose registration is live: the node restarted, and what its
-    -- former incarnation published points into memory that is gone. It dies now, not at its TTL.
-    redis.call('ZREM', KEYS[3], inc)
-    redis.call('HDEL', KEYS[4], inc)
-  end
-  inc = tostring(redis.call('INCR', KEYS[5]))
-  redis.call('HSET', KEYS[1], ARGV[1], inc)
-  redis.call('HSET', KEYS[2], inc, ARGV[1])
   fresh = 1
+  if live and redis.call('HGET', KEYS[6], inc) == ARGV[5] then
+    -- Ours, registered by a heartbeat whose reply we lost: adopt it (and publish again).
+  elseif live and ARGV[2] ~= '' then
+    return {inc, -1}
+  else
+    if live then
+      -- A new process of a node whose registration is live: the node restarted, and what its
+      -- former incarnation published points into memory that is gone. It dies now, not at its TTL.
+      redis.call('ZREM', KEYS[3], inc)
+      redis.call('HDEL', KEYS[4], inc)
+      redis.call('HDEL', KEYS[6], inc)
+    end
+    inc = tostring(redis.call('INCR', KEYS[5]))
+    redis.call('HSET', KEYS[1], ARGV[1], inc)
+    redis.call('HSET', KEYS[2], inc, ARGV[1])
+    redis.call('HSET', KEYS[6], inc, ARGV[5])
+  end
 end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), inc)
 redis.call('HSET', KEYS[4], inc, ARGV[4])
@@ -146,6 +156,7 @@ return #fields / 16
 _LEAVE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
 return 1
 """
 
@@ -192,6 +203,7 @@ class RedisIndex(LocalityIndex):
         self._leave = self._r.register_script(_LEAVE)
         self._inc: int | None = None          # our live registration; None: not registered
         self._last_inc: int | None = None     # the last one we had (a newer holder of our id displaced it)
+        self._owner = uuid.uuid4().hex        # tells our registrations from another process's
         self._inc_names: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -211,8 +223,9 @@ class RedisIndex(LocalityIndex):
         with self._lock:
             prev = "" if self._last_inc is None else str(self._last_inc)
             inc, fresh = self._call("heartbeat", self._heartbeat,
-                                    keys=[K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ],
-                                    args=[info.node_id, prev, int(ttl_s * 1000), json.dumps(info.to_json())])
+                                    keys=[K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER],
+                                    args=[info.node_id, prev, int(ttl_s * 1000), json.dumps(info.to_json()),
+                                          self._owner])
             if int(fresh) < 0:
                 self._inc = None
                 raise node_id_taken(info.node_id)
@@ -342,7 +355,7 @@ class RedisIndex(LocalityIndex):
         self._require_node()
         with self._lock:
             if self._inc is not None:
-                self._call("leave", self._leave, keys=[K_LIVE, K_INFO], args=[self._inc])
+                self._call("leave", self._leave, keys=[K_LIVE, K_INFO, K_INC_OWNER], args=[self._inc])
             self._inc = None
 
     def stats(self) -> dict[str, int]:

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from pof_connector.config import PofConfig
-from pof_connector.index import IndexTimeout, IndexUnavailable, Location, NodeInfo
+from pof_connector.index import IndexTimeout, IndexUnavailable, Location, NodeIdTaken, NodeInfo
 from pof_connector.index.embedded import PIDFILE, SOCKET, ensure_embedded, restart_embedded, stop_embedded
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
@@ -229,3 +229,28 @@ def test_restarts_and_timeouts_are_prometheus_counters() -> None:
     text = generate_latest(registry).decode()
     assert 'pof_index_restarts_total{reason="server_died"} 1.0' in text
     assert 'pof_index_timeouts_total{op="lookup"} 1.0' in text
+
+
+def test_a_heartbeat_whose_reply_was_lost_is_not_taken_for_another_process(redis_server: RedisServer) -> None:
+    """A heartbeat that times out on the client may still have run on the server. If it
+    registered a new incarnation (the old one had expired while the host was too busy to renew
+    it), the client never saw it; its next heartbeat must recognise that registration as its own,
+    not conclude that another process took its node id (it would stop publishing for a TTL).
+    Seen in the TP=2 vLLM e2e on a saturated host."""
+    a = RedisIndex(redis_server.url, "a")
+    try:
+        assert a.heartbeat(NodeInfo("a"), 0.2) is True
+        time.sleep(0.3)                           # A's registration expires: the host was busy
+        lost = RedisIndex(redis_server.url, "a")  # stands in for A's heartbeat whose reply was lost:
+        lost._owner = a._owner                    # the same client, as the server sees it
+        lost._last_inc = a._last_inc
+        lost.heartbeat(NodeInfo("a"), 5.0)        # the server registers a new incarnation for A...
+        assert a.heartbeat(NodeInfo("a"), 5.0) is True     # ...which A adopts (and re-publishes)
+        assert a.incarnation == lost.incarnation
+        other = RedisIndex(redis_server.url, "a")           # a genuinely newer process still wins
+        other.heartbeat(NodeInfo("a"), 5.0)
+        with pytest.raises(NodeIdTaken):
+            a.heartbeat(NodeInfo("a"), 5.0)
+        other.close()
+    finally:
+        a.close()
