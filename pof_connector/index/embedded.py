@@ -186,6 +186,14 @@ def stop_embedded(runtime_dir: str | Path) -> bool:
     return stopped
 
 
+def write_pids(pidfile: Path, *pids: int) -> None:
+    """Replace ``pidfile`` atomically: a reader (``stop_embedded``) never sees it half written,
+    empty, between the truncation and the write."""
+    tmp = pidfile.with_name(f"{pidfile.name}.{os.getpid()}.tmp")
+    tmp.write_text(" ".join(map(str, pids)) + "\n")
+    os.replace(tmp, pidfile)
+
+
 def take_live_lock(runtime_dir: Path, wait_s: float = TAKE_LIVE_LOCK_S) -> IO[bytes] | None:
     """The open, exclusively locked ``embedded.live``; ``None`` when another server process holds it.
     Keep it open for as long as the server runs (and hand it to the server process)."""
@@ -211,7 +219,7 @@ def supervise(runtime_dir: Path, idle_s: float) -> int:
         print("another embedded index server lives in this runtime directory: not starting", file=sys.stderr)
         return 2
     pidfile = runtime_dir / PIDFILE
-    pidfile.write_text(f"{os.getpid()}\n")        # stoppable before the server answers
+    write_pids(pidfile, os.getpid())               # stoppable before the server answers
     stop = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -224,7 +232,7 @@ def supervise(runtime_dir: Path, idle_s: float) -> int:
     # the lock while it runs, and nobody starts a second one next to it.
     server = RedisServer(runtime_dir).start(pass_fds=(live.fileno(),))
     assert server.proc is not None
-    pidfile.write_text(f"{os.getpid()} {server.pid}\n")
+    write_pids(pidfile, os.getpid(), server.proc.pid)
     watch = redis.Redis.from_url(server.url, socket_timeout=2)
     idle_since = time.monotonic()
     code = 0

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,14 @@ import redis
 
 from pof_connector.config import PofConfig
 from pof_connector.index import IndexTimeout, IndexUnavailable, Location, NodeIdTaken, NodeInfo
-from pof_connector.index.embedded import PIDFILE, SOCKET, ensure_embedded, restart_embedded, stop_embedded
+from pof_connector.index.embedded import (
+    PIDFILE,
+    SOCKET,
+    ensure_embedded,
+    restart_embedded,
+    stop_embedded,
+    write_pids,
+)
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
 from pof_connector.keys import page_keys
@@ -254,3 +262,25 @@ def test_a_heartbeat_whose_reply_was_lost_is_not_taken_for_another_process(redis
         other.close()
     finally:
         a.close()
+
+
+def test_the_pidfile_is_never_seen_half_written(tmp_path: Path) -> None:
+    """The supervisor rewrites its pidfile once its server runs; ``stop_embedded`` reading it at
+    that moment must get the old or the new PIDs, never an empty file (it then stopped nothing)."""
+    pidfile = tmp_path / PIDFILE
+    write_pids(pidfile, 11)
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            write_pids(pidfile, 11, 12)
+            write_pids(pidfile, 11)
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        reads = [pidfile.read_text().split() for _ in range(20_000)]
+    finally:
+        stop.set()
+        writer.join()
+    assert all(r in (["11"], ["11", "12"]) for r in reads)
