@@ -185,6 +185,10 @@ class Pool:
             self._fabric.start(self._peer_meta)
         self._heartbeat_thread: threading.Thread | None = None
         if role == "worker":
+            # Registered before the constructor returns (unless the index is down): until then the
+            # node is not in the node list and its publishes are dropped, so a page stored at once
+            # was invisible to other nodes until the heartbeat thread first ran.
+            self._beat()
             self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="pof-heartbeat",
                                                       daemon=True)
             self._heartbeat_thread.start()
@@ -713,13 +717,15 @@ class Pool:
             self.stats.add("index_restarts", reason="server_died")
         self._index_down_until = 0.0       # try it at once
 
+    def _beat(self) -> None:
+        try:
+            self.heartbeat()
+        except Exception as e:   # keep heartbeating; a bug here must not silently stop liveness
+            self._log_once("heartbeat", logging.ERROR, "pof: heartbeat failed", exc_info=e)
+
     def _heartbeat_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                self.heartbeat()
-            except Exception as e:   # keep heartbeating; a bug here must not silently stop liveness
-                self._log_once("heartbeat", logging.ERROR, "pof: heartbeat failed", exc_info=e)
-            self._closed.wait(self.config.heartbeat_s)
+        while not self._closed.wait(self.config.heartbeat_s):
+            self._beat()
 
     # ---- plumbing ----------------------------------------------------------------------------
 

@@ -148,6 +148,30 @@ def test_two_nodes_share_a_cxl_region_through_redis(runtime_dir: str, namespace:
             p.close()
 
 
+def test_a_page_stored_the_moment_a_node_starts_is_found_at_once(runtime_dir: str, namespace: bytes,
+                                                                 shm_path: str, redis_server: RedisServer) -> None:
+    """A node registers before its constructor returns. It did so on its heartbeat thread: until
+    that ran, the node was missing from the node list and its publishes were dropped, so another
+    node found nothing of what it had just stored (CI: an SGLang MLA rank found none of rank 0's
+    pages on a busy host)."""
+    tiers = {"cxl": {"path": shm_path, "size": "2MiB", "partitions": 4}}
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    a = None
+    try:
+        for _ in range(5):
+            a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+            assert "a" in {n.node_id for n in b.index.nodes()}
+            keys = a.keys_for(np.random.default_rng().integers(0, 1000, 16 * 3))
+            a.store([(k, content(k)) for k in keys]).result()
+            assert b.lookup(keys).pages == 3
+            a.close()
+            a = None
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.close()
+
+
 def test_a_chain_split_over_nodes_is_found_whole(runtime_dir: str, namespace: bytes, shm_path: str,
                                                 redis_server: RedisServer) -> None:
     """a holds a prompt's head, b its tail (as after a spill, or an eviction on one node only):
