@@ -40,6 +40,15 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _state(task: Path) -> str:
+    """A thread's state letter from /proc (``T`` or ``t``: stopped); ``X`` once it is gone."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return "X"
+    return stat[stat.rindex(")") + 2]
+
+
 class _Child:
     """A test's child process, stopped by its PID."""
 
@@ -48,6 +57,18 @@ class _Child:
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGSTOP, then wait until every thread is stopped: the signal only asks. On a busy VM a
+        thread running on another vCPU answered one more READ after the kill returned (a flake:
+        a load "through a stalled owner" succeeded in 6 ms)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.pid}/task")
+        deadline = time.monotonic() + timeout
+        while not all(_state(t) in "tTX" for t in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.pid} did not stop within {timeout} s")
+            time.sleep(0.001)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

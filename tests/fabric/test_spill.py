@@ -125,7 +125,7 @@ def test_lease_expiry_reclaims_and_readers_miss(
     # M's heartbeat reports the leases (else "0 lent" below could be the report from before them).
     wait_for(lambda: m_lent(redis_server.url) >= 4, 5, "M's report of the leases")
     # B stops (no renewals): M reclaims the slots when the lease and its grace are over.
-    b.signal(signal.SIGSTOP)
+    b.stop()
     try:
         wait_for(lambda: m_lent(redis_server.url) == 0, LEASE_S + 3 * TIMEOUT_S + 2, "M's reclaim")
         r = a.call("load", seed=1, pages=4, saved="plan")
