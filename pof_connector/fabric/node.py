@@ -11,10 +11,10 @@ from pof_connector.config import PofConfig, format_size
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta, Region
 from pof_connector.fabric.notifier import Notifier
+from pof_connector.fabric.registered_staging import StagingArea
 from pof_connector.fabric.remote_reader import RemoteReader, layer_parts, part_spans
 from pof_connector.fabric.slot_lender import SlotLender
 from pof_connector.fabric.spill_writer import LEND_KEY, SpillWriter
-from pof_connector.fabric.staging import StagingArea
 from pof_connector.pages import PageSpec
 from pof_connector.tiers import Tier
 

@@ -39,8 +39,8 @@ import numpy as np
 
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import AGENT_KEY, PeerMeta
-from pof_connector.fabric.peer import Peer
-from pof_connector.fabric.staging import StagingArea, span_base
+from pof_connector.fabric.registered_staging import StagingArea, span_base
+from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.index import Location, NodeInfo
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
@@ -124,7 +124,7 @@ class _Group:
     medium: str
     meta: PeerMeta
     pages: list[int] = field(default_factory=list)      # positions in the load
-    peer: Peer | None = None
+    peer: RemoteNode | None = None
     slots: list[int] = field(default_factory=list)      # staging slots, parallel to pages; owned by the load
     handles: list[Any] = field(default_factory=list)    # per stage (parts, then generation); None: not in flight
     level: int = 0                                      # stages validated, in order
@@ -145,7 +145,7 @@ class RemoteReader:
         self.spans = part_spans(spec, self.parts)
         if staging.spans != self.spans:
             raise ValueError(f"staging prepared for spans {staging.spans}, reads need {self.spans}")
-        self._peers: dict[str, Peer] = {}
+        self._peers: dict[str, RemoteNode] = {}
         self._suspect: dict[str, float] = {}          # node → monotonic time it may be used again
         self._connecting: dict[str, tuple[str, Future[None]]] = {}    # node → (agent name, attempt)
         self._connector = ThreadPoolExecutor(1, thread_name_prefix="pof-fabric-connect")
@@ -173,13 +173,13 @@ class RemoteReader:
             log.info("pof fabric: dropping peer %s (left the index or restarted)", node)
             self._drop(node)
 
-    def connect(self, node: str, meta: PeerMeta) -> Peer:
+    def connect(self, node: str, meta: PeerMeta) -> RemoteNode:
         """The connected peer, for spill's WRITEs and control messages; :meth:`disconnect` after use.
         Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off). Waits for a
         new connection however long it takes (a spill runs on the store thread, not a request's)."""
         return self._acquire(node, meta, None)
 
-    def disconnect(self, peer: Peer) -> None:
+    def disconnect(self, peer: RemoteNode) -> None:
         self._release(peer)
 
     def back_off(self, node: str, seconds: float, *, drop: bool) -> None:
@@ -191,7 +191,7 @@ class RemoteReader:
             with self._lock:
                 self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + seconds)
 
-    def _acquire(self, node: str, meta: PeerMeta, deadline: float | None) -> Peer:
+    def _acquire(self, node: str, meta: PeerMeta, deadline: float | None) -> RemoteNode:
         """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use.
 
         Connecting runs on the connect thread: loading a peer's metadata opens UCX endpoints,
@@ -230,7 +230,7 @@ class RemoteReader:
     def _connect(self, node: str, meta: PeerMeta) -> None:
         """On the connect thread: load ``meta`` into our agent and prepare its descriptor lists."""
         try:
-            peer = Peer(self.agent, node, meta, self.spec.page_bytes, self.spans)
+            peer = RemoteNode(self.agent, node, meta, self.spec.page_bytes, self.spans)
         except FabricError as e:
             with self._lock:
                 self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + RECONNECT_AFTER_ERROR_S)
@@ -250,7 +250,7 @@ class RemoteReader:
             old.close(self.agent)
         log.info("pof fabric: connected to %s (%s)", node, peer.name)
 
-    def _release(self, peer: Peer) -> None:
+    def _release(self, peer: RemoteNode) -> None:
         with self._lock:
             peer.inflight -= 1
             close = peer.closing and peer.inflight == 0
@@ -266,7 +266,7 @@ class RemoteReader:
         if close and peer is not None:
             peer.close(self.agent)
 
-    def _detach(self, node: str) -> Peer | None:
+    def _detach(self, node: str) -> RemoteNode | None:
         """Under the lock: forget ``node``'s peer; it is closed by whoever sees inflight reach 0."""
         peer = self._peers.pop(node, None)
         if peer is not None:

@@ -32,9 +32,9 @@ from pof_connector.config import FabricConfig
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta
 from pof_connector.fabric.notifier import Notifier
-from pof_connector.fabric.peer import Peer
+from pof_connector.fabric.registered_staging import StagingArea
+from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.fabric.remote_reader import RemoteReader
-from pof_connector.fabric.staging import StagingArea
 from pof_connector.index import Location, NodeInfo
 from pof_connector.keys import PageKey
 from pof_connector.pages import GENERATION_AT, PageError, PageHeader, PageSpec, encode_header
@@ -76,7 +76,7 @@ class _Pending:
 
     key: PageKey
     target: Target
-    peer: Peer              # held (connected) until the write is done
+    peer: RemoteNode        # held (connected) until the write is done
     grant: _Grant
     stage: int
 
@@ -220,7 +220,7 @@ class SpillWriter:
         reserve = self._reserve.get((node, medium), [])
         return [g for g in reserve if g.expires - now > 2 * self.timeout_s]
 
-    def _take_grant(self, peer: Peer, target: Target) -> _Grant:
+    def _take_grant(self, peer: RemoteNode, target: Target) -> _Grant:
         now = time.monotonic()
         reserve = self._usable_reserve(target.node, target.medium, now)
         if not reserve:

@@ -22,7 +22,7 @@ QUARANTINE_S = 60.0
 
 def span_base(span: int, num_slots: int, num_spans: int) -> int:
     """Index of slot 0's descriptor of byte span ``span`` in a list laid out as :class:`StagingArea`
-    and :class:`~pof_connector.fabric.peer.Peer` lay theirs out: descriptors ``[0, n)`` are whole
+    and :class:`~pof_connector.fabric.remote_node.RemoteNode` lay theirs out: descriptors ``[0, n)`` are whole
     pages, ``[n, 2n)`` generation words, then ``n`` per span when a page is read in several spans
     (``num_spans`` > 1); a single span is the whole page."""
     return 0 if num_spans <= 1 else (2 + span) * num_slots
