@@ -14,8 +14,9 @@ from pof_connector.fabric.meta import PeerMeta, Region
 from pof_connector.fabric.notifier import Notifier
 from pof_connector.fabric.peers import Peers
 from pof_connector.fabric.registered_staging import StagingArea
-from pof_connector.fabric.remote_reader import RemoteReader, layer_parts, part_spans
+from pof_connector.fabric.remote_reader import RemoteReader
 from pof_connector.fabric.slot_lender import SlotLender
+from pof_connector.fabric.spans import layer_parts, part_spans
 from pof_connector.fabric.spill_writer import LEND_KEY, SpillWriter
 from pof_connector.pages import PageSpec
 from pof_connector.tiers import Tier

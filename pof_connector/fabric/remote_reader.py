@@ -40,8 +40,9 @@ import numpy as np
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta
 from pof_connector.fabric.peers import RECONNECT_AFTER_ERROR_S, SUSPECT_AFTER_TIMEOUT_S, Peers
-from pof_connector.fabric.registered_staging import StagingArea, span_base
+from pof_connector.fabric.registered_staging import StagedPage, StagingArea
 from pof_connector.fabric.remote_node import RemoteNode
+from pof_connector.fabric.spans import LAYER_REQUESTS, layer_parts, part_spans, span_base
 from pof_connector.index import Location, NodeInfo
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
@@ -51,62 +52,11 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.0002
 """Sleep between completion polls: busy polling starved UCX's progress thread on 2 cores."""
-LAYER_REQUESTS = 2
-"""READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers.
-Each extra request costs a round trip, a few milliseconds over TCP on a busy host (`pof bench
-fabric`, 60 batches each, 2-core host: ratio 0.77 and 0.77 with three requests, 0.82 and 0.90
-with two), while layer 0 arrives as early either way; an engine starts on layer 0 and finds the
-rest arriving as one stream."""
 PARTS_AHEAD = 1
 """Parts of a group in flight at once: the next is posted when the previous one is seen done.
 Posted all at once, UCX over TCP served them interleaved and layer 0 arrived only with the rest
 (40 pages of 1 MiB, loopback, busy 2-core machine: layer 0 after 70-270 ms of a 140-310 ms load,
 against 7-30 ms of a 100-300 ms load chained; tests/fabric/test_layer_reads.py prints both)."""
-
-
-def layer_parts(num_layers: int, requests: int = LAYER_REQUESTS) -> list[range]:
-    """The layers each READ request of a page fetches, in order: layer 0 alone first (when there
-    is more than one request), the rest split evenly."""
-    if requests <= 1 or num_layers <= 1:
-        return [range(num_layers)]
-    rest = num_layers - 1
-    n = min(requests - 1, rest)
-    bounds = [1 + rest * k // n for k in range(n + 1)]
-    return [range(1), *(range(bounds[k], bounds[k + 1]) for k in range(n))]
-
-
-def part_spans(spec: PageSpec, parts: Sequence[range]) -> list[tuple[int, int]]:
-    """Byte ranges of a page that ``parts`` read (the first includes the header); empty for one
-    part (the whole page is read with the whole-page descriptors)."""
-    if len(parts) <= 1:
-        return []
-    return [(0 if c == 0 else spec.segment_offset(p.start), spec.segment_offset(p.stop))
-            for c, p in enumerate(parts)]
-
-
-class StagedPage:
-    """Validated remote pages in staging, read through the same calls as a tier
-    (:class:`pof_connector.page_reader.SlotSource`); ``ref.slot`` is the staging slot."""
-
-    def __init__(self, staging: StagingArea, spec: PageSpec, medium: str) -> None:
-        self._staging = staging
-        self._spec = spec
-        self.medium = medium
-
-    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
-        page: np.ndarray = self._staging.page(ref.slot)
-        return page[self._spec.segment_offset(layer):self._spec.segment_offset(layer) + self._spec.segment_bytes]
-
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
-        """Nothing left to check: a layer is handed out only after it was validated on arrival
-        (:meth:`RemoteLoad.get`), and staging slots are pof's own (no one writes them until they
-        are given back)."""
-
-    def header(self, ref: SlotRef) -> np.ndarray:
-        return self._staging.page(ref.slot)[:self._spec.header_bytes]
-
-    def unpin(self, slot: int) -> None:
-        self._staging.give([slot])
 
 
 Fetched = tuple[StagedPage, SlotRef, PageHeader]
