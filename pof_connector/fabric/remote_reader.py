@@ -56,7 +56,8 @@ PARTS_AHEAD = 1
 """Parts of a group in flight at once: the next is posted when the previous one is seen done.
 Posted all at once, UCX over TCP served them interleaved and layer 0 arrived only with the rest
 (40 pages of 1 MiB, loopback, busy 2-core machine: layer 0 after 70-270 ms of a 140-310 ms load,
-against 7-30 ms of a 100-300 ms load chained; tests/fabric/test_layer_reads.py prints both)."""
+against 7-30 ms of a 100-300 ms load chained; tests/fabric/test_remote_reader_layers.py prints
+both)."""
 
 
 Fetched = tuple[StagedPage, SlotRef, PageHeader]
