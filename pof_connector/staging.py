@@ -3,7 +3,8 @@
 A fresh 100 MB ``numpy`` buffer costs more than the copy into it: every 4 KiB page faults and is
 zeroed by the kernel on first touch (measured here: a 96 MB layer-wise load took 238 ms into new
 buffers, 72 ms into reused ones). Adapters take buffers for a load or a save and give them back
-when the pool is done with them.
+when the pool is done with them. (The fabric's NIXL-registered staging that remote pages land in
+is :mod:`pof_connector.fabric.registered_staging`.)
 """
 
 from __future__ import annotations

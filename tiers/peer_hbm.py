@@ -5,6 +5,8 @@ allocates it on ``tiers.peer_hbm.device`` and publishes its CUDA IPC handle in t
 directory, the others map it. Like a CXL region, each writer owns a partition and everybody reads
 every slot; the tier's ``domain`` is the region, so the pool reads another process's pages here
 directly (the fabric is not involved).
+"Peer" here is another GPU of this host; the fabric's peers are other nodes
+(:mod:`pof_connector.fabric.remote_node`).
 
 Why CUDA IPC through torch and not NIXL VRAM: the peer is on the same node, so the copy is a plain
 device-to-device (or host↔device) ``copy_`` that the driver routes over NVLink/PCIe peer access;

@@ -1,4 +1,5 @@
-"""This node's side of the fabric: one NIXL agent, its tiers registered, a reader of peers."""
+"""This node's side of the fabric: one NIXL agent, its tiers registered, its connections to remote
+nodes, a reader of their pages."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pof_connector.config import PofConfig, format_size
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta, Region
 from pof_connector.fabric.notifier import Notifier
-from pof_connector.fabric.remote_reader import RemoteReader, layer_parts, part_spans
+from pof_connector.fabric.peers import Peers
+from pof_connector.fabric.registered_staging import StagingArea
+from pof_connector.fabric.remote_reader import RemoteReader
 from pof_connector.fabric.slot_lender import SlotLender
+from pof_connector.fabric.spans import layer_parts, part_spans
 from pof_connector.fabric.spill_writer import LEND_KEY, SpillWriter
-from pof_connector.fabric.staging import StagingArea
 from pof_connector.pages import PageSpec
 from pof_connector.tiers import Tier
 
@@ -51,9 +54,10 @@ class FabricNode:
                 self.agent.register(region)
                 regions[tier.medium] = Region(tier.medium, region.ctypes.data, region.nbytes, tier.slot_bytes,
                                               tier.num_slots)
-            self.staging = StagingArea(self.agent, spec.page_bytes, config.fabric.staging_size,
-                                       part_spans(spec, layer_parts(spec.num_layers)))
-            self.reader = RemoteReader(self.agent, self.staging, spec, config.fabric.timeout_s)
+            spans = part_spans(spec, layer_parts(spec.num_layers))
+            self.staging = StagingArea(self.agent, spec.page_bytes, config.fabric.staging_size, spans)
+            self.peers = Peers(self.agent, spec.page_bytes, spans, config.fabric.timeout_s)
+            self.reader = RemoteReader(self.agent, self.peers, self.staging, spec, config.fabric.timeout_s)
             self.meta = PeerMeta(name, self.agent.metadata(), regions)
             self.meta_strings = self.meta.to_meta()
             if config.fabric.spill:
@@ -76,7 +80,7 @@ class FabricNode:
             if meta is None or meta.agent != agent:
                 return False
             try:
-                self.reader.disconnect(self.reader.connect(node, meta))   # we answer to its agent
+                self.peers.release(self.peers.acquire(node, meta))   # we answer to its agent
             except FabricError:
                 return False
             return True
@@ -84,7 +88,7 @@ class FabricNode:
         fabric = self.config.fabric
         self.lender = SlotLender(self.config.node_id, self.tiers, fabric.spill_lease_s, fabric.timeout_s, authorize)
         self.notifier = Notifier(self.agent, self.lender.handle)
-        self.writer = SpillWriter(self.config.node_id, self.agent, self.reader, self.staging, self.notifier,
+        self.writer = SpillWriter(self.config.node_id, self.agent, self.peers, self.staging, self.notifier,
                                   self.spec, fabric)
 
     def lend_meta(self) -> dict[str, str]:
@@ -100,5 +104,5 @@ class FabricNode:
             self.notifier.close()
         if self.lender is not None:
             self.lender.reclaim_all()
-        self.reader.close()
+        self.peers.close()
         self.agent.close()

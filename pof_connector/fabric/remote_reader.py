@@ -19,6 +19,9 @@ had earlier layers released already: it fails as a whole, like a local page whos
 fails :meth:`~pof_connector.page_reader.PageReader.check` — the caller reports it and the engine
 recomputes it (vLLM: ``get_block_ids_with_load_errors``); the bytes it copied are not used.
 
+The connections to the nodes read from are :class:`~pof_connector.fabric.peers.Peers`' (shared
+with the spill writer); a node that fails a read is backed off there.
+
 Nothing here raises for a remote failure: a page that cannot be fetched or validated comes back
 as a :class:`~pof_connector.pages.PageError` (``remote_error``, ``timeout``, ``peer_down``,
 ``no_staging``, or a validation reason) and the engine recomputes it.
@@ -27,20 +30,19 @@ as a :class:`~pof_connector.pages.PageError` (``remote_error``, ``timeout``, ``p
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pof_connector.fabric.agent import FabricError, NixlAgent
-from pof_connector.fabric.meta import AGENT_KEY, PeerMeta
-from pof_connector.fabric.peer import Peer
-from pof_connector.fabric.staging import StagingArea, span_base
+from pof_connector.fabric.meta import PeerMeta
+from pof_connector.fabric.peers import RECONNECT_AFTER_ERROR_S, SUSPECT_AFTER_TIMEOUT_S, Peers
+from pof_connector.fabric.registered_staging import StagedPage, StagingArea
+from pof_connector.fabric.remote_node import RemoteNode
+from pof_connector.fabric.spans import LAYER_REQUESTS, layer_parts, part_spans, span_base
 from pof_connector.index import Location, NodeInfo
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
@@ -50,66 +52,12 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.0002
 """Sleep between completion polls: busy polling starved UCX's progress thread on 2 cores."""
-SUSPECT_AFTER_TIMEOUT_S = 5.0
-"""A peer that missed a deadline gets no new reads for this long (a stalled peer stays stalled)."""
-RECONNECT_AFTER_ERROR_S = 1.0
-"""After a disconnect, wait this long before connecting again from the index's metadata."""
-LAYER_REQUESTS = 2
-"""READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers.
-Each extra request costs a round trip, a few milliseconds over TCP on a busy host (`pof bench
-fabric`, 60 batches each, 2-core host: ratio 0.77 and 0.77 with three requests, 0.82 and 0.90
-with two), while layer 0 arrives as early either way; an engine starts on layer 0 and finds the
-rest arriving as one stream."""
 PARTS_AHEAD = 1
 """Parts of a group in flight at once: the next is posted when the previous one is seen done.
 Posted all at once, UCX over TCP served them interleaved and layer 0 arrived only with the rest
 (40 pages of 1 MiB, loopback, busy 2-core machine: layer 0 after 70-270 ms of a 140-310 ms load,
-against 7-30 ms of a 100-300 ms load chained; tests/fabric/test_layer_reads.py prints both)."""
-
-
-def layer_parts(num_layers: int, requests: int = LAYER_REQUESTS) -> list[range]:
-    """The layers each READ request of a page fetches, in order: layer 0 alone first (when there
-    is more than one request), the rest split evenly."""
-    if requests <= 1 or num_layers <= 1:
-        return [range(num_layers)]
-    rest = num_layers - 1
-    n = min(requests - 1, rest)
-    bounds = [1 + rest * k // n for k in range(n + 1)]
-    return [range(1), *(range(bounds[k], bounds[k + 1]) for k in range(n))]
-
-
-def part_spans(spec: PageSpec, parts: Sequence[range]) -> list[tuple[int, int]]:
-    """Byte ranges of a page that ``parts`` read (the first includes the header); empty for one
-    part (the whole page is read with the whole-page descriptors)."""
-    if len(parts) <= 1:
-        return []
-    return [(0 if c == 0 else spec.segment_offset(p.start), spec.segment_offset(p.stop))
-            for c, p in enumerate(parts)]
-
-
-class StagedPage:
-    """Validated remote pages in staging, read through the same calls as a tier
-    (:class:`pof_connector.page_reader.SlotSource`); ``ref.slot`` is the staging slot."""
-
-    def __init__(self, staging: StagingArea, spec: PageSpec, medium: str) -> None:
-        self._staging = staging
-        self._spec = spec
-        self.medium = medium
-
-    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
-        page: np.ndarray = self._staging.page(ref.slot)
-        return page[self._spec.segment_offset(layer):self._spec.segment_offset(layer) + self._spec.segment_bytes]
-
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
-        """Nothing left to check: a layer is handed out only after it was validated on arrival
-        (:meth:`RemoteLoad.get`), and staging slots are pof's own (no one writes them until they
-        are given back)."""
-
-    def header(self, ref: SlotRef) -> np.ndarray:
-        return self._staging.page(ref.slot)[:self._spec.header_bytes]
-
-    def unpin(self, slot: int) -> None:
-        self._staging.give([slot])
+against 7-30 ms of a 100-300 ms load chained; tests/fabric/test_remote_reader_layers.py prints
+both)."""
 
 
 Fetched = tuple[StagedPage, SlotRef, PageHeader]
@@ -124,7 +72,7 @@ class _Group:
     medium: str
     meta: PeerMeta
     pages: list[int] = field(default_factory=list)      # positions in the load
-    peer: Peer | None = None
+    peer: RemoteNode | None = None
     slots: list[int] = field(default_factory=list)      # staging slots, parallel to pages; owned by the load
     handles: list[Any] = field(default_factory=list)    # per stage (parts, then generation); None: not in flight
     level: int = 0                                      # stages validated, in order
@@ -133,10 +81,12 @@ class _Group:
 
 
 class RemoteReader:
-    def __init__(self, agent: NixlAgent, staging: StagingArea, spec: PageSpec, timeout_s: float,
+    """Reads other nodes' pages into ``staging`` over the connections ``peers`` keeps."""
+
+    def __init__(self, agent: NixlAgent, peers: Peers, staging: StagingArea, spec: PageSpec, timeout_s: float,
                  requests: int = LAYER_REQUESTS) -> None:
         """``requests``: READ requests per group and load (see :func:`layer_parts`); ``staging``
-        must have been made with the matching :func:`part_spans`."""
+        and ``peers`` must have been made with the matching :func:`part_spans`."""
         self.agent = agent
         self.staging = staging
         self.spec = spec
@@ -145,133 +95,25 @@ class RemoteReader:
         self.spans = part_spans(spec, self.parts)
         if staging.spans != self.spans:
             raise ValueError(f"staging prepared for spans {staging.spans}, reads need {self.spans}")
-        self._peers: dict[str, Peer] = {}
-        self._suspect: dict[str, float] = {}          # node → monotonic time it may be used again
-        self._connecting: dict[str, tuple[str, Future[None]]] = {}    # node → (agent name, attempt)
-        self._connector = ThreadPoolExecutor(1, thread_name_prefix="pof-fabric-connect")
-        self._closed = False
-        self._lock = threading.Lock()
+        if peers.spans != self.spans:
+            raise ValueError(f"peers prepared for spans {peers.spans}, reads need {self.spans}")
+        self.connections = peers
 
-    # ---- peers -------------------------------------------------------------------------------
+    # The pool reaches the connections through the reader (pool.py is split in another change);
+    # these three only forward to :class:`~pof_connector.fabric.peers.Peers`.
 
     @property
     def peers(self) -> list[str]:
         """Nodes connected now."""
-        with self._lock:
-            return list(self._peers)
+        return self.connections.connected
 
     def usable(self, node: str) -> bool:
         """False while ``node`` is in a back-off after a timeout or a disconnect."""
-        with self._lock:
-            return self._suspect.get(node, 0.0) <= time.monotonic()
+        return self.connections.usable(node)
 
     def retain(self, live: Mapping[str, NodeInfo]) -> None:
         """Disconnect peers that left the index (heartbeat expired) or restarted (new agent)."""
-        with self._lock:
-            gone = [n for n, p in self._peers.items() if n not in live or live[n].meta.get(AGENT_KEY) != p.name]
-        for node in gone:
-            log.info("pof fabric: dropping peer %s (left the index or restarted)", node)
-            self._drop(node)
-
-    def connect(self, node: str, meta: PeerMeta) -> Peer:
-        """The connected peer, for spill's WRITEs and control messages; :meth:`disconnect` after use.
-        Raises :class:`FabricError` (``peer_down`` while ``node`` is in a back-off). Waits for a
-        new connection however long it takes (a spill runs on the store thread, not a request's)."""
-        return self._acquire(node, meta, None)
-
-    def disconnect(self, peer: Peer) -> None:
-        self._release(peer)
-
-    def back_off(self, node: str, seconds: float, *, drop: bool) -> None:
-        """Use ``node`` for nothing during ``seconds``; ``drop`` also closes its connection (after a
-        disconnect error: it never recovers, reconnect from fresh metadata later)."""
-        if drop:
-            self._drop(node, seconds)
-        else:
-            with self._lock:
-                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + seconds)
-
-    def _acquire(self, node: str, meta: PeerMeta, deadline: float | None) -> Peer:
-        """The connected peer (connecting lazily from ``meta``); call :meth:`_release` after use.
-
-        Connecting runs on the connect thread: loading a peer's metadata opens UCX endpoints,
-        which blocks for seconds when the peer's address is unreachable (a cut link). A load
-        waits for it only until its ``deadline`` (``None``: as long as it takes); the connection
-        goes on in the background.
-        """
-        with self._lock:
-            if self._suspect.get(node, 0.0) > time.monotonic():
-                raise FabricError("peer_down", f"{node} failed recently; not reading from it for now")
-            peer = self._peers.get(node)
-            if peer is not None and peer.name != meta.agent:
-                self._detach(node)
-                peer = None
-            if peer is not None:
-                peer.inflight += 1
-                return peer
-            pending = self._connecting.get(node)
-            if pending is None or pending[0] != meta.agent:
-                # One connection attempt per peer incarnation, whoever asks (1-40 ms normally).
-                pending = (meta.agent, self._connector.submit(self._connect, node, meta))
-                self._connecting[node] = pending
-        try:
-            pending[1].result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            with self._lock:
-                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + SUSPECT_AFTER_TIMEOUT_S)
-            raise FabricError("timeout", f"connecting to {node} took longer than {self.timeout_s}s") from None
-        with self._lock:
-            peer = self._peers.get(node)
-            if peer is None or peer.name != meta.agent:
-                raise FabricError("peer_down", f"{node} was dropped while connecting")
-            peer.inflight += 1
-            return peer
-
-    def _connect(self, node: str, meta: PeerMeta) -> None:
-        """On the connect thread: load ``meta`` into our agent and prepare its descriptor lists."""
-        try:
-            peer = Peer(self.agent, node, meta, self.spec.page_bytes, self.spans)
-        except FabricError as e:
-            with self._lock:
-                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + RECONNECT_AFTER_ERROR_S)
-                self._connecting.pop(node, None)
-            log.warning("pof fabric: could not connect to %s: %s", node, e)
-            raise
-        with self._lock:
-            self._connecting.pop(node, None)
-            stale = self._closed or (node in self._peers and self._peers[node].name == peer.name)
-            if not stale:
-                old = self._detach(node)
-                self._peers[node] = peer
-        if stale:
-            peer.close(self.agent)
-            return
-        if old is not None and old.inflight == 0:
-            old.close(self.agent)
-        log.info("pof fabric: connected to %s (%s)", node, peer.name)
-
-    def _release(self, peer: Peer) -> None:
-        with self._lock:
-            peer.inflight -= 1
-            close = peer.closing and peer.inflight == 0
-        if close:
-            peer.close(self.agent)
-
-    def _drop(self, node: str, backoff_s: float = 0.0) -> None:
-        with self._lock:
-            if backoff_s:
-                self._suspect[node] = max(self._suspect.get(node, 0.0), time.monotonic() + backoff_s)
-            peer = self._detach(node)
-            close = peer is not None and peer.inflight == 0
-        if close and peer is not None:
-            peer.close(self.agent)
-
-    def _detach(self, node: str) -> Peer | None:
-        """Under the lock: forget ``node``'s peer; it is closed by whoever sees inflight reach 0."""
-        peer = self._peers.pop(node, None)
-        if peer is not None:
-            peer.closing = True
-        return peer
+        self.connections.retain(live)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -294,14 +136,6 @@ class RemoteReader:
         finally:
             load.close()
 
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._connector.shutdown(wait=True)     # a connection under way ends (or fails) first
-        with self._lock:
-            nodes = list(self._peers)
-        for node in nodes:
-            self._drop(node)
 
 
 class RemoteLoad:
@@ -370,7 +204,7 @@ class RemoteLoad:
     def _start(self, g: _Group) -> None:
         r = self._reader
         try:
-            g.peer = r._acquire(g.node, g.meta, time.monotonic() + r.timeout_s)
+            g.peer = r.connections.acquire(g.node, g.meta, time.monotonic() + r.timeout_s)
         except FabricError as e:
             self._fail_pages(g, e)
             return
@@ -550,7 +384,7 @@ class RemoteLoad:
             # The connection is dead for good (it never recovers, research notes §4), so nothing
             # can land in the staging slots any more: reuse them, reconnect later.
             r.staging.give(g.slots)
-            r._drop(g.node, RECONNECT_AFTER_ERROR_S)
+            r.connections.back_off(g.node, RECONNECT_AFTER_ERROR_S, drop=True)
         else:
             if in_flight:       # cancelled in flight: the peer's data may still arrive into these slots
                 r.staging.quarantine(g.slots)
@@ -560,9 +394,10 @@ class RemoteLoad:
                 pass                # the caller gave up, not the peer
             elif err.reason == "timeout":
                 # A stalled peer may recover on the same connection; leave it alone for a while.
-                r.back_off(g.node, SUSPECT_AFTER_TIMEOUT_S, drop=False)
+                r.connections.back_off(g.node, SUSPECT_AFTER_TIMEOUT_S, drop=False)
             else:
-                r._drop(g.node, RECONNECT_AFTER_ERROR_S)     # e.g. stale metadata: fetch it again
+                # e.g. stale metadata: fetch it again
+                r.connections.back_off(g.node, RECONNECT_AFTER_ERROR_S, drop=True)
         g.slots = []
         log.warning("pof fabric: %d page(s) from %s failed: %s", len(g.pages), g.node, err)
         self._fail_pages(g, err, replace=True)
@@ -578,7 +413,7 @@ class RemoteLoad:
         """``g`` needs its peer no more (complete or failed)."""
         g.over = True
         if g.peer is not None:
-            self._reader._release(g.peer)
+            self._reader.connections.release(g.peer)
             g.peer = None
 
     def close(self) -> None:

@@ -32,9 +32,9 @@ from pof_connector.config import FabricConfig
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta
 from pof_connector.fabric.notifier import Notifier
-from pof_connector.fabric.peer import Peer
-from pof_connector.fabric.remote_reader import RemoteReader
-from pof_connector.fabric.staging import StagingArea
+from pof_connector.fabric.peers import Peers
+from pof_connector.fabric.registered_staging import StagingArea
+from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.index import Location, NodeInfo
 from pof_connector.keys import PageKey
 from pof_connector.pages import GENERATION_AT, PageError, PageHeader, PageSpec, encode_header
@@ -76,7 +76,7 @@ class _Pending:
 
     key: PageKey
     target: Target
-    peer: Peer              # held (connected) until the write is done
+    peer: RemoteNode        # held (connected) until the write is done
     grant: _Grant
     stage: int
 
@@ -85,11 +85,11 @@ class SpillWriter:
     """Spills pages of this node (``node_id``) over ``agent``. Not thread-safe: the pool calls it
     from its store thread only."""
 
-    def __init__(self, node_id: str, agent: NixlAgent, reader: RemoteReader, staging: StagingArea,
+    def __init__(self, node_id: str, agent: NixlAgent, peers: Peers, staging: StagingArea,
                  notifier: Notifier, spec: PageSpec, config: FabricConfig) -> None:
         self.node_id = node_id
         self.agent = agent
-        self.reader = reader
+        self.peers = peers
         self.staging = staging
         self.notifier = notifier
         self.spec = spec
@@ -122,7 +122,7 @@ class SpillWriter:
             if info.node_id == self.node_id or info.meta.get(LEND_KEY) != "1":
                 continue
             meta = PeerMeta.from_meta(info.meta)
-            if meta is None or not self.reader.usable(info.node_id):
+            if meta is None or not self.peers.usable(info.node_id):
                 continue
             for medium, usage in info.tiers.items():
                 region = meta.regions.get(medium)
@@ -160,7 +160,7 @@ class SpillWriter:
         :class:`PageError` with the reason it was dropped (``spill_full``, ``timeout``,
         ``remote_error``, ``peer_down``, ``no_staging``)."""
         try:
-            peer = self.reader.connect(target.node, target.meta)
+            peer = self.peers.acquire(target.node, target.meta)
         except FabricError as e:
             raise PageError(e.reason, f"{target.node}: {e.detail}") from None
         try:
@@ -173,7 +173,7 @@ class SpillWriter:
             if not stage:
                 raise PageError("no_staging", "every staging slot is in use")
         except PageError:
-            self.reader.disconnect(peer)
+            self.peers.release(peer)
             raise
         spec = self.spec
         buf = self.staging.page(stage[0])
@@ -201,7 +201,7 @@ class SpillWriter:
                 continue
             finally:
                 for p in group:
-                    self.reader.disconnect(p.peer)
+                    self.peers.release(p.peer)
             for p in group:
                 loc = Location(node, medium, p.grant.slot, p.grant.generation)
                 old = self._spilled.pop(p.key, None)
@@ -220,7 +220,7 @@ class SpillWriter:
         reserve = self._reserve.get((node, medium), [])
         return [g for g in reserve if g.expires - now > 2 * self.timeout_s]
 
-    def _take_grant(self, peer: Peer, target: Target) -> _Grant:
+    def _take_grant(self, peer: RemoteNode, target: Target) -> _Grant:
         now = time.monotonic()
         reserve = self._usable_reserve(target.node, target.medium, now)
         if not reserve:
@@ -229,10 +229,10 @@ class SpillWriter:
                 reply = self.notifier.request(peer.name, {"op": "grant", "node": self.node_id, "medium": target.medium,
                                                           "n": GRANT_BATCH, "lease_s": self.lease_s}, self.timeout_s)
             except FabricError as e:
-                self.reader.back_off(target.node, DOWN_BACKOFF_S, drop=True)
+                self.peers.back_off(target.node, DOWN_BACKOFF_S, drop=True)
                 raise PageError(e.reason, f"{target.node}: grant request: {e.detail}") from None
             if reply is None:
-                self.reader.back_off(target.node, DOWN_BACKOFF_S, drop=False)
+                self.peers.back_off(target.node, DOWN_BACKOFF_S, drop=False)
                 raise PageError("timeout", f"{target.node} did not answer a grant request in {self.timeout_s}s")
             slots, lease_s = reply.get("slots"), reply.get("lease_s")
             if not isinstance(slots, list) or not isinstance(lease_s, (int, float)):
@@ -265,10 +265,10 @@ class SpillWriter:
             # The grants are not reused: a cancelled WRITE may still land in them. They expire.
             if e.disconnected:
                 self.staging.give(stages)
-                self.reader.back_off(node, DOWN_BACKOFF_S, drop=True)
+                self.peers.back_off(node, DOWN_BACKOFF_S, drop=True)
             else:
                 self.staging.quarantine(stages)      # a cancelled WRITE may still read them
-                self.reader.back_off(node, DOWN_BACKOFF_S, drop=e.reason != "timeout")
+                self.peers.back_off(node, DOWN_BACKOFF_S, drop=e.reason != "timeout")
             raise PageError(e.reason, f"{node}: {e.detail}") from None
         self.agent.release(handle)
         self.staging.give(stages)
@@ -313,7 +313,7 @@ class SpillWriter:
         slots = {self._spilled[k][0].slot: k for k in keys}
         asked = time.monotonic()
         try:
-            peer = self.reader.connect(node, meta)
+            peer = self.peers.acquire(node, meta)
         except FabricError:
             return                              # it is backing off: the leases run out
         try:
@@ -324,7 +324,7 @@ class SpillWriter:
             log.info("pof spill: could not renew leases on %s: %s", node, e)
             return
         finally:
-            self.reader.disconnect(peer)
+            self.peers.release(peer)
         if reply is None or not isinstance(reply.get("slots"), list) or not isinstance(reply.get("lease_s"),
                                                                                         (int, float)):
             return
@@ -343,7 +343,7 @@ class SpillWriter:
             if meta is None:
                 continue
             try:
-                peer = self.reader.connect(node, meta)
+                peer = self.peers.acquire(node, meta)
             except FabricError:
                 continue                        # backing off: the owner then only invalidates
             try:
@@ -359,14 +359,14 @@ class SpillWriter:
             except FabricError as e:
                 log.info("pof spill: could not tell %s what it holds: %s", node, e)
             finally:
-                self.reader.disconnect(peer)
+                self.peers.release(peer)
 
     def _send_release(self, node: str, medium: str, slots: list[int]) -> None:
         meta = self._metas.get(node)
         if meta is None or not slots:
             return
         try:
-            peer = self.reader.connect(node, meta)
+            peer = self.peers.acquire(node, meta)
         except FabricError:
             return                              # unreachable: the owner reclaims them when they expire
         try:
@@ -374,7 +374,7 @@ class SpillWriter:
         except FabricError as e:
             log.info("pof spill: could not give slots back to %s: %s", node, e)
         finally:
-            self.reader.disconnect(peer)
+            self.peers.release(peer)
 
     def close(self) -> list[tuple[PageKey, Location]]:
         """Give every granted slot back; returns the spilled entries to withdraw."""

@@ -89,7 +89,7 @@ class Node:
 
     def op_peers(self) -> dict[str, Any]:
         fabric = self.pool._fabric
-        return {"peers": [] if fabric is None else fabric.reader.peers,
+        return {"peers": [] if fabric is None else fabric.peers.connected,
                 "quarantined": 0 if fabric is None else fabric.staging.quarantined_slots}
 
     def op_spill(self) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""pof-owned local memory that remote pages land in before they are validated.
+"""pof-owned local memory, registered with the NIXL agent, that remote pages land in before they
+are validated (and spilled pages leave from); not :mod:`pof_connector.staging`, the adapters'
+reusable host buffers.
 
 Remote READs never target an engine's buffers: a cancelled READ (deadline passed) can still write
 its destination much later (measured: 16.7 of 16.8 MB landed after the cancel), so its staging
@@ -14,31 +16,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from pof_connector.fabric.agent import NixlAgent
+from pof_connector.fabric.spans import span_descs
+from pof_connector.pages import PageHeader, PageSpec
+from pof_connector.tiers import SlotRef
 
 SLOT_ALIGN = 64
 QUARANTINE_S = 60.0
 """How long the staging slots of a cancelled READ stay unused (late data may still arrive)."""
-
-
-def span_base(span: int, num_slots: int, num_spans: int) -> int:
-    """Index of slot 0's descriptor of byte span ``span`` in a list laid out as :class:`StagingArea`
-    and :class:`~pof_connector.fabric.peer.Peer` lay theirs out: descriptors ``[0, n)`` are whole
-    pages, ``[n, 2n)`` generation words, then ``n`` per span when a page is read in several spans
-    (``num_spans`` > 1); a single span is the whole page."""
-    return 0 if num_spans <= 1 else (2 + span) * num_slots
-
-
-def span_descs(starts: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Descriptors (address, length, device 0) of ``spans`` (byte ranges of a page) of the pages
-    at ``starts``, span after span; empty for one span or none (the whole-page list serves)."""
-    if len(spans) <= 1:
-        return np.zeros((0, 3), dtype=np.uint64)
-    n = len(starts)
-    descs = np.zeros((len(spans) * n, 3), dtype=np.uint64)
-    for c, (begin, end) in enumerate(spans):
-        descs[c * n:(c + 1) * n, 0] = starts + np.uint64(begin)
-        descs[c * n:(c + 1) * n, 1] = end - begin
-    return descs
 
 
 class StagingArea:
@@ -121,3 +105,28 @@ class StagingArea:
     def set_generation(self, slot: int, generation: int) -> None:
         """The word a spill WRITEs last into the remote slot's live generation."""
         self._gens[slot] = generation
+
+
+class StagedPage:
+    """Validated remote pages in staging, read through the same calls as a tier
+    (:class:`pof_connector.page_reader.SlotSource`); ``ref.slot`` is the staging slot."""
+
+    def __init__(self, staging: StagingArea, spec: PageSpec, medium: str) -> None:
+        self._staging = staging
+        self._spec = spec
+        self.medium = medium
+
+    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
+        page: np.ndarray = self._staging.page(ref.slot)
+        return page[self._spec.segment_offset(layer):self._spec.segment_offset(layer) + self._spec.segment_bytes]
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+        """Nothing left to check: a layer is handed out only after it was validated on arrival
+        (:meth:`~pof_connector.fabric.remote_reader.RemoteLoad.get`), and staging slots are pof's
+        own (no one writes them until they are given back)."""
+
+    def header(self, ref: SlotRef) -> np.ndarray:
+        return self._staging.page(ref.slot)[:self._spec.header_bytes]
+
+    def unpin(self, slot: int) -> None:
+        self._staging.give([slot])

@@ -1,4 +1,6 @@
-"""One connected remote node: its NIXL agent loaded into ours, with descriptor lists prepared once."""
+"""One connected remote node (another host's pof process; "peer" in the fabric's sense, not a GPU of
+this host as in :mod:`pof_connector.tiers.peer_hbm`): its NIXL agent loaded into ours, with
+descriptor lists prepared once."""
 
 from __future__ import annotations
 
@@ -9,16 +11,16 @@ import numpy as np
 
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta
-from pof_connector.fabric.staging import span_descs
+from pof_connector.fabric.spans import span_descs
 from pof_connector.pages import GENERATION_AT
 
 
-class Peer:
+class RemoteNode:
     """``dlists[medium]`` is a prepared list over that region: descriptor ``s`` reads the page in
     slot ``s`` (``page_bytes`` from the slot start), descriptor ``num_slots + s`` reads the slot's
     live generation word, then, with several ``spans`` (byte ranges of a page), descriptor
     ``span_base(c, num_slots, len(spans)) + s`` reads span ``c`` of slot ``s`` (see
-    :func:`~pof_connector.fabric.staging.span_base`). Preparing once costs ~1 ms per 1,000
+    :func:`~pof_connector.fabric.spans.span_base`). Preparing once costs ~1 ms per 1,000
     descriptors; each load then only passes index arrays (0.06 ms instead of 0.2-0.3 ms per request)."""
 
     def __init__(self, agent: NixlAgent, node: str, meta: PeerMeta, page_bytes: int,
