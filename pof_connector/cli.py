@@ -146,10 +146,10 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
 
 
 def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
-    """Serve the locality API (pof_connector.router.api) on a thread of this process."""
+    """Serve the locality API (pof_connector.locality.api) on a thread of this process."""
     import uvicorn
 
-    from pof_connector.router.api import load_tokenizer, make_app
+    from pof_connector.locality.api import load_tokenizer, make_app
 
     tokenizers = {}
     for item in args.tokenizer or []:

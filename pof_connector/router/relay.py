@@ -7,7 +7,7 @@ The relay subscribes to its vLLM server's own KV events and does two things with
    from the events' tokens with :mod:`pof_connector.keys`, chained from the parent block), and
    withdrawn on ``BlockRemoved`` / ``AllBlocksCleared``. The node's meta names the pool node
    (``engine_of``) and carries the pool's ``model``, ``namespace`` and ``page_tokens``, plus
-   this relay's endpoints; :class:`~pof_connector.router.locator.Locator` merges it into the
+   this relay's endpoints; :class:`~pof_connector.locality.locator.Locator` merges it into the
    pool node. No pool ever loads from it: no pool has an ``"engine"`` tier.
 
 2. **One event stream for a router** (``vllm-router --policy kv_aware --kv-event-source
@@ -61,6 +61,7 @@ import zmq
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeIdTaken, NodeInfo, open_index
 from pof_connector.keys import PageKey
+from pof_connector.locality.locator import ENGINE_MEDIUM, Locator, UnknownModel
 from pof_connector.router.engine_load_poller import EngineLoadPoller
 from pof_connector.router.kv_events import (
     END_SEQ,
@@ -76,7 +77,6 @@ from pof_connector.router.kv_events import (
     read_seq,
     seq_frame,
 )
-from pof_connector.router.locator import ENGINE_MEDIUM, Locator, UnknownModel
 from pof_connector.router.relay_chains import Page, PageChains
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,10 @@ from pof_connector.config import PofConfig
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import page_keys
+from pof_connector.locality.api import make_app
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.locality.locator import Locator
 from pof_connector.pool import Pool
-from pof_connector.router.api import make_app
-from pof_connector.router.engine_load import EngineLoad
 from pof_connector.router.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -43,12 +44,11 @@ from pof_connector.router.kv_events import (
     read_seq,
     seq_frame,
 )
-from pof_connector.router.locator import Locator
 from pof_connector.router.relay import Relay
 from pof_connector.router.relay_chains import PageChains
-from tests.router.test_api import NS, node
-from tests.router.test_engine_load import VLLM, MetricsServer
-from tests.router.test_locator import fabric_node
+from tests.locality.test_api import NS, node
+from tests.locality.test_engine_load import VLLM, MetricsServer
+from tests.locality.test_locator import fabric_node
 
 PAGE = 16
 SEG = [np.zeros(512, np.uint8)] * 2
