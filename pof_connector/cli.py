@@ -622,21 +622,23 @@ def _add_bench(sub: Any) -> None:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    """Run a :class:`~pof_connector.router.relay.Relay` until SIGTERM or Ctrl-C."""
+    """Run a :class:`~pof_connector.relay.relay.Relay` until SIGTERM or Ctrl-C."""
     import logging
     import signal
 
     import zmq
 
-    from pof_connector.router.relay import Relay
+    from pof_connector.relay.config import RelayConfig
+    from pof_connector.relay.relay import Relay
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     config = PofConfig.from_file(args.config)
+    settings = RelayConfig(args.engine_events, args.bind, replay_bind=args.replay_bind, engine_topic=args.engine_topic,
+                           advertise_engine_events=args.advertise_engine_events,
+                           pool_residency=not args.no_pool_residency, poll_s=args.poll_s, refresh_s=args.refresh_s,
+                           engine_url=args.engine_url)
     try:
-        relay = Relay(config, args.engine_events, args.bind, replay_bind=args.replay_bind,
-                      engine_topic=args.engine_topic, advertise_engine_events=args.advertise_engine_events,
-                      pool_residency=not args.no_pool_residency, poll_s=args.poll_s, refresh_s=args.refresh_s,
-                      engine_url=args.engine_url)
+        relay = Relay(config, settings)
     except zmq.ZMQError as e:            # e.g. the bind address is taken
         raise CommandError(f"relay: {e}") from e
     stop = threading.Event()
