@@ -3,7 +3,8 @@
 Each benchmark returns one plain dict (what ``--json`` prints) whose ``ratio`` compares pof with
 the cheapest thing that does the same job on the same machine in the same run, so the figure
 means something on any host: :mod:`.tiers` against ``numpy.copyto`` of the same bytes, and
-:mod:`.index` against one bare Redis round trip.
+:mod:`.index` against one bare Redis round trip. :mod:`.cli` registers them as ``pof bench``
+commands and prints their tables.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
         hot_share: float, kv_tokens: int, seed: int, progress: Progress) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from pof_connector.router.locator import load_tokenizer
+    from pof_connector.locality.locator import load_tokenizer
 
     if not 0 < hot_share < 1 or tenants < 2:
         raise BenchError("--hot-share must be in (0, 1) and --tenants at least 2")

@@ -26,8 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
-from pof_connector.router.locator import Tokenizer
 from pof_connector.router.router import Decision, NoBackend, Router
 
 log = logging.getLogger("pof.router")

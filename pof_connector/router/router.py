@@ -1,7 +1,7 @@
 """The routing decision of `pof router` (no HTTP here: the proxy in proxy.py calls :meth:`choose`).
 
 Policy ``pof``: ask the locality index where the prompt's prefix lives (engine prefix caches and
-pools, see :class:`~pof_connector.router.locator.Locator`) and pick the healthy backend with the
+pools, see :class:`~pof_connector.locality.locator.Locator`) and pick the healthy backend with the
 lowest estimated time to first token (:class:`~pof_connector.router.cost_model.CostModel`).
 Without tokens, or when the index cannot be reached, fall back to the least loaded backend.
 ``least_loaded`` and ``round_robin`` exist for comparison.
@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 
 from pof_connector.index import IndexUnavailable
+from pof_connector.locality.index_health import IndexHealth
+from pof_connector.locality.locator import Locality, Locator, ModelRequired, UnknownModel
 from pof_connector.router.backend import Backend
 from pof_connector.router.cost_model import Candidate, CostModel, Estimate
-from pof_connector.router.index_health import IndexHealth
-from pof_connector.router.locator import Locality, Locator, ModelRequired, UnknownModel
 from pof_connector.router.router_config import RouterConfig
 
 log = logging.getLogger("pof.router")

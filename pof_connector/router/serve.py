@@ -8,7 +8,7 @@ from typing import Any
 
 from pof_connector.config import ConfigError
 from pof_connector.index.redis import RedisIndex
-from pof_connector.router.locator import Locator
+from pof_connector.locality.locator import Locator
 from pof_connector.router.router import Router
 from pof_connector.router.router_config import RouterConfig
 
@@ -35,7 +35,7 @@ def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pof_connector.router.locator import load_tokenizer
+    from pof_connector.locality.locator import load_tokenizer
     from pof_connector.router.proxy import make_app
 
     config = RouterConfig.from_file(args.config)

@@ -30,8 +30,8 @@ from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
-from pof_connector.router.engine_load import EngineLoad
-from pof_connector.router.kv_events import AllBlocksCleared, BlockStored, decode_batch
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.relay.kv_events import AllBlocksCleared, BlockStored, decode_batch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

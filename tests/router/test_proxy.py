@@ -24,7 +24,7 @@ from pof_connector.index.server import RedisServer
 from pof_connector.router.proxy import make_app
 from pof_connector.router.router_config import RouterConfig
 from pof_connector.router.serve import build
-from tests.router.test_api import node
+from tests.locality.test_api import node
 
 SEG = [np.zeros(512, np.uint8)] * 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pof_connector.router.kv_events import (
+from pof_connector.relay.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

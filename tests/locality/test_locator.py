@@ -15,9 +15,9 @@ from pof_connector.fabric.meta import PeerMeta, Region
 from pof_connector.index import Location, NodeInfo
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
+from pof_connector.locality.locator import Locator, ModelRequired, UnknownModel
 from pof_connector.pool import Pool
-from pof_connector.router.locator import Locator, ModelRequired, UnknownModel
-from tests.router.test_api import NS, SPEC, node
+from tests.locality.test_api import NS, SPEC, node
 
 SEG = [np.zeros(512, np.uint8)] * 2
 

@@ -6,7 +6,7 @@ node's free capacity and its engine's load (when a relay reads it). ``GET /v1/no
 nodes, ``/metrics`` is Prometheus, ``/healthz`` says whether the index answers, ``/docs`` and
 ``/openapi.json`` describe it all.
 
-The answer comes from :class:`~pof_connector.router.locator.Locator`, which `pof router` uses
+The answer comes from :class:`~pof_connector.locality.locator.Locator`, which `pof router` uses
 too. Served by ``pof index serve`` on 127.0.0.1 by default; a bearer token can be
 required (``/healthz`` stays open for probes).
 """
@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field, model_validator
 
 from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
-from pof_connector.router.index_health import IndexHealth
-from pof_connector.router.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
+from pof_connector.locality.index_health import IndexHealth
+from pof_connector.locality.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
 
 log = logging.getLogger("pof.api")
 

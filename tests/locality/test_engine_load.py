@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from pof_connector.router.engine_load import EngineLoad, parse_engine_load, read_engine_load
+from pof_connector.locality.engine_load import EngineLoad, parse_engine_load, read_engine_load
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

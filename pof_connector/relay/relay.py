@@ -7,7 +7,7 @@ The relay subscribes to its vLLM server's own KV events and does two things with
    from the events' tokens with :mod:`pof_connector.keys`, chained from the parent block), and
    withdrawn on ``BlockRemoved`` / ``AllBlocksCleared``. The node's meta names the pool node
    (``engine_of``) and carries the pool's ``model``, ``namespace`` and ``page_tokens``, plus
-   this relay's endpoints; :class:`~pof_connector.router.locator.Locator` merges it into the
+   this relay's endpoints; :class:`~pof_connector.locality.locator.Locator` merges it into the
    pool node. No pool ever loads from it: no pool has an ``"engine"`` tier.
 
 2. **One event stream for a router** (``vllm-router --policy kv_aware --kv-event-source
@@ -36,117 +36,77 @@ The relay subscribes to its vLLM server's own KV events and does two things with
    Lost engine events (a sequence gap, or an engine restart) are answered with
    ``AllBlocksCleared`` followed by the pool view: the engine's cache is unknown from then on.
 
-Which pages the pool can load is asked from the index (:class:`Locator`, per known chain, every
-``poll_s``); their tokens come from KV events — this engine's, and those of other engines whose
+Which pages the pool can load is asked from the index (:mod:`.announcements`, per known chain,
+every ``poll_s``); their tokens come from KV events — this engine's, and those of other engines whose
 relays advertise ``engine_events`` in their ``:engine`` node (pages computed elsewhere that this
 node can read through a shared tier). The relay also serves vLLM's replay protocol on
-``replay_bind`` (``--kv-event-replay-source``) from a buffer of its last ``buffer_steps`` batches.
+``replay_bind`` (``--kv-event-replay-source``) from a buffer of its last ``buffer_steps`` batches
+(:mod:`.wire`).
 With ``engine_url`` it also reads the engine's running / waiting requests from its ``/metrics``
 every heartbeat and publishes them in its index node (the locality API's node load).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import zmq
 
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeIdTaken, NodeInfo, open_index
 from pof_connector.keys import PageKey
-from pof_connector.router.engine_load_poller import EngineLoadPoller
-from pof_connector.router.kv_events import (
-    END_SEQ,
-    MEDIUM_CPU,
+from pof_connector.locality.locator import ENGINE_MEDIUM, Locator
+from pof_connector.relay.announcements import PoolAnnouncer
+from pof_connector.relay.chains import PageChains
+from pof_connector.relay.config import RelayConfig
+from pof_connector.relay.engine_load_poller import EngineLoadPoller
+from pof_connector.relay.kv_events import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     ExternalBlockHash,
     KVEvent,
-    KVEventBatch,
     decode_batch,
-    encode_batch,
     read_seq,
-    seq_frame,
 )
-from pof_connector.router.locator import ENGINE_MEDIUM, Locator, UnknownModel
-from pof_connector.router.relay_chains import Page, PageChains
+from pof_connector.relay.log_once import LogOnce
+from pof_connector.relay.wire import RelayWire
 
 log = logging.getLogger(__name__)
 OWN = "engine"
 """The :class:`PageChains` source name of this relay's engine (peers are named by endpoint)."""
-POOL_MEDIUM = MEDIUM_CPU
-FAR_OWNER = "pof"
-"""``ownership`` of pool pages that only the fabric reaches: vllm-router credits them as an external
-tier (``--kv-penalty-external``, 0.6) and files them under this cache owner, which the engine's
-``AllBlocksCleared`` leaves alone and a relay restart (its seq starts over) clears."""
-FAR_LOCALITY = "REMOTE"
-DRAIN = 1000          # messages taken from one socket before the loop looks at the others
+PUBLISH_BATCH = 1000
 
 
 class Relay:
     """Relays one engine's KV events plus its pool's residency; see the module docstring.
 
-    ``engine_events``: the engine's PUB endpoint to connect to. ``bind``: where routers connect
-    (``tcp://127.0.0.1:0`` picks a port: read :attr:`endpoint`). ``replay_bind``: ``None`` serves
-    no replay. ``advertise_engine_events``: the engine endpoint as other hosts reach it (default
-    ``engine_events``). ``pool_residency=False`` forwards the engine's events only.
-    ``index``: an index client bound to ``<node_id>:engine`` (default: opened from ``config``).
-    ``engine_url``: the engine's HTTP base URL, whose ``/metrics`` give its load; ``None``
-    publishes no load.
+    ``config``: the engine's pof config (its ``node_id``, ``index_url``); ``relay``: the relay's
+    endpoints and periods. ``index``: an index client bound to ``<node_id>:engine`` (default:
+    opened from ``config``). Raises ``zmq.ZMQError`` when a bind address is taken.
     """
 
-    def __init__(self, config: PofConfig, engine_events: str, bind: str, *, replay_bind: str | None = None,
-                 engine_topic: str = "", advertise_engine_events: str | None = None,
-                 pool_residency: bool = True, poll_s: float = 0.5, refresh_s: float = 30.0,
-                 buffer_steps: int = 10_000, max_pages: int = 1 << 16,
-                 index: LocalityIndex | None = None, engine_url: str | None = None) -> None:
+    def __init__(self, config: PofConfig, relay: RelayConfig, *, index: LocalityIndex | None = None) -> None:
         if config.index_url == "local" and index is None:
             raise ConfigError("index_url: 'local' lives inside one process; the relay needs the index the "
                               "engines use ('embedded' on their host, or redis://…)")
         self.config = config
+        self.relay_config = relay
         self.pool_node = config.node_id
         self.node_id = f"{config.node_id}:engine"
-        self.engine_events = engine_events
-        self.advertise_engine_events = advertise_engine_events or engine_events
-        self.pool_residency = pool_residency
-        self.poll_s = poll_s
-        self.refresh_s = refresh_s
-        self.max_pages = max_pages
         self.index = index if index is not None else open_index(config, self.node_id)
         self.locator = Locator(self.index)
-        self.engine_url = engine_url
-        self._load = EngineLoadPoller(engine_url, config.heartbeat_s) if engine_url else None
+        self._load = EngineLoadPoller(relay.engine_url, config.heartbeat_s) if relay.engine_url else None
         self.stats: dict[str, int] = {"engine_batches": 0, "peer_batches": 0, "batches_out": 0,
                                       "engine_gaps": 0, "decode_errors": 0, "replays": 0}
-        self._ctx = zmq.Context()
-        self._engine = self._ctx.socket(zmq.SUB)
-        self._engine.setsockopt(zmq.SUBSCRIBE, engine_topic.encode())
-        self._engine.connect(engine_events)
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(100_000)
-        self._pub.bind(bind)
-        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._replay: zmq.Socket[bytes] | None = None
-        self.replay_endpoint: str | None = None
-        if replay_bind is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay_bind)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._poller = zmq.Poller()
-        self._poller.register(self._engine, zmq.POLLIN)
-        if self._replay is not None:
-            self._poller.register(self._replay, zmq.POLLIN)
-        self._peers: dict[str, zmq.Socket[bytes]] = {}
-        self._seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._log_once = LogOnce(log)
+        self._wire = RelayWire(relay, self.stats, self._log_once)
+        self.endpoint: str = self._wire.endpoint
+        self.replay_endpoint: str | None = self._wire.replay_endpoint
+        self._pool = PoolAnnouncer(self.pool_node, self.locator, self._log_once)
         self._engine_seq: int | None = None
         self._rank: int | None = None
         self._block_size: int | None = None
@@ -155,10 +115,7 @@ class Relay:
         self._chains: PageChains | None = None
         self._resident: dict[ExternalBlockHash, set[str | None]] = {}   # engine block -> media holding it
         self._engine_pages: set[bytes] = set()              # page digests published as engine-resident
-        self._announced: set[bytes] = set()                 # page digests announced to routers as pool
-        self._announced_far: set[bytes] = set()             # ... as external pool copies (over the fabric)
         self._republish = False
-        self._logged: set[str] = set()
         self._stop = threading.Event()
 
     # ---- the loop -------------------------------------------------------------------------
@@ -166,45 +123,41 @@ class Relay:
     def run(self, stop: threading.Event | None = None) -> None:
         """Relay until ``stop`` (or :meth:`stop`) is set; then leave the index and close."""
         stop = stop if stop is not None else self._stop
+        rc = self.relay_config
         log.info("pof relay %s: engine events from %s, routers connect to %s%s; pool residency %s",
-                 self.node_id, self.engine_events, self.endpoint,
+                 self.node_id, rc.engine_events, self.endpoint,
                  f" (replay {self.replay_endpoint})" if self.replay_endpoint else "",
-                 "on" if self.pool_residency else "off")
+                 "on" if rc.pool_residency else "off")
         if self._load is not None:
             self._load.start()
         now = time.monotonic()
-        next_beat, next_poll, next_refresh = now, now + self.poll_s, now + self.refresh_s
+        next_beat, next_poll, next_refresh = now, now + rc.poll_s, now + rc.refresh_s
         try:
             while not stop.is_set():
                 wait = min(next_beat, next_poll, next_refresh, time.monotonic() + 0.2) - time.monotonic()
-                for sock, _ in self._poller.poll(max(0, int(wait * 1000))):
-                    self._on_readable(sock)
+                for source, frames in self._wire.receive(wait):
+                    if source is None:
+                        self._on_engine(frames)
+                    else:
+                        self._on_peer(source, frames)
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat()
                     next_beat = now + self.config.heartbeat_s
                 if now >= next_refresh:
                     self._emit(self._sync_pool(force=True))
-                    next_refresh, next_poll = now + self.refresh_s, now + self.poll_s
+                    next_refresh, next_poll = now + rc.refresh_s, now + rc.poll_s
                 elif now >= next_poll:
                     self._emit(self._sync_pool())
-                    next_poll = now + self.poll_s
+                    next_poll = now + rc.poll_s
         finally:
             self.close()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _on_readable(self, sock: zmq.Socket[bytes]) -> None:
-        if sock is self._replay:
-            self._serve_replay()
-            return
-        peer = next((ep for ep, s in self._peers.items() if s is sock), None)
-        for frames in _drain(sock):
-            if sock is self._engine:
-                self._on_engine(frames)
-            elif peer is not None:
-                self._on_peer(peer, frames)
+    def _emit(self, events: list[KVEvent], ts: float | None = None) -> None:
+        self._wire.emit(events, ts, self._rank)
 
     # ---- the engine's events --------------------------------------------------------------
 
@@ -314,84 +267,17 @@ class Relay:
                     or m.get("namespace") != self._space[0].hex() or m.get("page_tokens") != str(self._space[1])):
                 continue
             want.add(m["engine_events"])
-        for ep in set(self._peers) - want:
-            sock = self._peers.pop(ep)
-            self._poller.unregister(sock)
-            sock.close(linger=0)
-            log.info("pof relay: stopped following %s", ep)
-        for ep in want - set(self._peers):
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(ep)
-            self._peers[ep] = sock
-            self._poller.register(sock, zmq.POLLIN)
-            log.info("pof relay: following the KV events of %s for pool pages computed there", ep)
+        self._wire.follow(want)
 
     # ---- pool residency --------------------------------------------------------------------
 
     def _sync_pool(self, force: bool = False) -> list[KVEvent]:
-        """Events that bring routers' view of the pool to what the index says now; with
-        ``force``, every loadable chain again (after a clear, and for late routers)."""
-        chains, bs, space = self._chains, self._block_size, self._space
-        if not self.pool_residency or chains is None or bs is None or space is None or self._model is None:
+        """The pool announcements due now (:meth:`PoolAnnouncer.sync`); none before the pool node
+        and the engine's block size are known, or with ``pool_residency`` off."""
+        chains, bs, space, model = self._chains, self._block_size, self._space, self._model
+        if not self.relay_config.pool_residency or chains is None or bs is None or space is None or model is None:
             return []
-        if space[1] % bs:
-            self._log_once("block-size", logging.ERROR, "pof relay: page_tokens %d is not a multiple of the "
-                           "engine's block size %d; pool residency is not announced", space[1], bs)
-            return []
-        # Two claims per chain: the run the pool loads from its own (or shared) memory, as host
-        # memory; and, when the fabric extends it, the whole loadable run as an external pool copy.
-        near_ok: dict[bytes, bool] = {}
-        far_ok: dict[bytes, bool] = {}
-        stores: list[tuple[list[Page], bool]] = []
-        for leaf in chains.leaves():
-            chain = chains.chain(leaf)
-            if not chain:
-                continue
-            tokens = [t for p in chain for t in p.token_list()]
-            try:
-                me = self.locator.locate(tokens, self._model).nodes.get(self.pool_node)
-            except UnknownModel:      # no live pool stores the model any more: nothing is loadable
-                me = None
-            except IndexUnavailable as e:
-                self._log_once("locate", logging.WARNING, "pof relay: cannot look the pool up (%s); keeping "
-                               "what routers were told", e)
-                return []
-            near = me.near_tokens // space[1] if me is not None else 0
-            n = me.usable_tokens // space[1] if me is not None else 0
-            far = n if n > near else 0
-            for i, p in enumerate(chain):
-                near_ok[p.digest] = near_ok.get(p.digest, False) or i < near
-                far_ok[p.digest] = far_ok.get(p.digest, False) or i < far
-            if near and (force or any(p.digest not in self._announced for p in chain[:near])):
-                stores.append((chain[:near], False))
-            if far and (force or any(p.digest not in self._announced_far for p in chain[:far])):
-                stores.append((chain[:far], True))
-        out: list[KVEvent] = []
-        for announced, ok, far_claim in ((self._announced, near_ok, False), (self._announced_far, far_ok, True)):
-            gone = [d for d in announced if not ok.get(d, False)]
-            if gone:
-                out.append(BlockRemoved(block_hashes=[h for d in gone for h in self._block_ids(d, far_claim)],
-                                        medium=POOL_MEDIUM, ownership=FAR_OWNER if far_claim else None,
-                                        locality=FAR_LOCALITY if far_claim else None))
-                announced.difference_update(gone)
-        for chain, far_claim in stores:
-            out.append(BlockStored(block_hashes=[h for p in chain for h in self._block_ids(p.digest, far_claim)],
-                                   parent_block_hash=None, token_ids=[t for p in chain for t in p.token_list()],
-                                   block_size=bs, lora_id=None, medium=POOL_MEDIUM, lora_name=None,
-                                   ownership=FAR_OWNER if far_claim else None,
-                                   locality=FAR_LOCALITY if far_claim else None))
-            (self._announced_far if far_claim else self._announced).update(p.digest for p in chain)
-        return out
-
-    def _block_ids(self, digest: bytes, far: bool = False) -> list[int]:
-        """Router block ids of a pool page: derived from its pof digest, so they are the same after
-        a relay restart and never collide with the engine's own (another hash of other bytes); the
-        external claim (``far``) gets ids of its own."""
-        assert self._space is not None and self._block_size is not None
-        salt = b"pof-relay-far" if far else b"pof-relay"
-        return [int.from_bytes(hashlib.sha256(salt + digest + j.to_bytes(4, "big")).digest()[:8], "big")
-                for j in range(self._space[1] // self._block_size)]
+        return self._pool.sync(chains, bs, space, model, force)
 
     # ---- index -----------------------------------------------------------------------------
 
@@ -412,7 +298,8 @@ class Relay:
             self._adopt(pool)
         assert self._space is not None
         meta = {"engine_of": self.pool_node, "model": self._model or "", "namespace": self._space[0].hex(),
-                "page_tokens": str(self._space[1]), "engine_events": self.advertise_engine_events,
+                "page_tokens": str(self._space[1]),
+                "engine_events": self.relay_config.advertised_engine_events,
                 "relay_events": self.endpoint}
         if self.replay_endpoint:
             meta["relay_replay"] = self.replay_endpoint
@@ -424,8 +311,8 @@ class Relay:
             if fresh or self._republish:
                 self._republish = False
                 entries = self._engine_entries(self._engine_pages)
-                for start in range(0, len(entries), 1000):
-                    self.index.publish(entries[start:start + 1000])
+                for start in range(0, len(entries), PUBLISH_BATCH):
+                    self.index.publish(entries[start:start + PUBLISH_BATCH])
         except IndexUnavailable as e:
             self._log_once("index", logging.ERROR, "pof relay: index unavailable (%s); retrying", e)
             self._republish = True
@@ -433,8 +320,7 @@ class Relay:
         except NodeIdTaken as e:     # a newer relay runs under our node id: do not take it back
             self._log_once("node-id-taken", logging.ERROR, "pof relay: %s; publishing nothing until it stops", e)
             return
-        if "index" in self._logged:
-            self._logged.discard("index")
+        if self._log_once.clear("index"):
             log.warning("pof relay: index reachable again")
         self._discover(nodes)
 
@@ -448,9 +334,8 @@ class Relay:
             self._index_write(self.index.withdraw, self._engine_entries(self._engine_pages))
             self._engine_pages.clear()
         self._space = space
-        self._chains = PageChains(space[1], max_pages=self.max_pages)
-        self._announced.clear()
-        self._announced_far.clear()
+        self._chains = PageChains(space[1], max_pages=self.relay_config.max_pages)
+        self._pool.reset()
         log.info("pof relay: pool node %s stores model %s, namespace %s, pages of %d tokens", self.pool_node,
                  self._model, space[0].hex(), space[1])
 
@@ -461,44 +346,11 @@ class Relay:
             self._log_once("index", logging.ERROR, "pof relay: index unavailable (%s); retrying", e)
             self._republish = True
 
-    # ---- the router side -------------------------------------------------------------------
-
-    def _emit(self, events: list[KVEvent], ts: float | None = None) -> None:
-        if not events:
-            return
-        payload = encode_batch(KVEventBatch(ts=time.time() if ts is None else ts, events=events,
-                                            data_parallel_rank=self._rank))
-        seq = self._seq
-        self._seq += 1
-        self._pub.send_multipart([b"", seq_frame(seq), payload])
-        self._buffer.append((seq, payload))
-        self.stats["batches_out"] += 1
-
-    def _serve_replay(self) -> None:
-        """vLLM's replay protocol: every buffered batch from the asked seq on, then END_SEQ."""
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            self._log_once("replay", logging.WARNING, "pof relay: ignoring a replay request of %d frames", len(frames))
-            return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        self.stats["replays"] += 1
-        for seq, payload in self._buffer:
-            if seq >= first:
-                self._replay.send_multipart([client, b"", b"", seq_frame(seq), payload])
-        self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
-
     # ---- plumbing --------------------------------------------------------------------------
-
-    def _log_once(self, what: str, level: int, msg: str, *args: object) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            log.log(level, msg, *args)
 
     def close(self) -> None:
         """Leave the index (the engine pages stop being returned) and close the sockets. Idempotent."""
-        if self._ctx.closed:
+        if self._wire.closed:
             return
         try:
             if self._space is not None:
@@ -506,18 +358,7 @@ class Relay:
         except IndexUnavailable as e:
             log.warning("pof relay: could not leave the index (%s); the node expires by itself", e)
         self.index.close()
-        for sock in (self._engine, self._pub, self._replay, *self._peers.values()):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.term()
+        self._wire.close()
         if self._load is not None:
             self._load.close()
         log.info("pof relay %s stopped", self.node_id)
-
-
-def _drain(sock: zmq.Socket[bytes]) -> Iterator[list[bytes]]:
-    for _ in range(DRAIN):
-        try:
-            yield sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pof_connector.router.kv_events import BlockStored, ExternalBlockHash
+from pof_connector.relay.kv_events import BlockStored, ExternalBlockHash
 
 BlockId = tuple[Hashable, ExternalBlockHash]
 """(event source, engine block hash): engines may hash differently (e.g. PYTHONHASHSEED)."""

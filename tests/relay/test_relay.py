@@ -28,10 +28,13 @@ from pof_connector.config import PofConfig
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import page_keys
+from pof_connector.locality.api import make_app
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.locality.locator import Locator
 from pof_connector.pool import Pool
-from pof_connector.router.api import make_app
-from pof_connector.router.engine_load import EngineLoad
-from pof_connector.router.kv_events import (
+from pof_connector.relay.chains import PageChains
+from pof_connector.relay.config import RelayConfig
+from pof_connector.relay.kv_events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -43,12 +46,10 @@ from pof_connector.router.kv_events import (
     read_seq,
     seq_frame,
 )
-from pof_connector.router.locator import Locator
-from pof_connector.router.relay import Relay
-from pof_connector.router.relay_chains import PageChains
-from tests.router.test_api import NS, node
-from tests.router.test_engine_load import VLLM, MetricsServer
-from tests.router.test_locator import fabric_node
+from pof_connector.relay.relay import Relay
+from tests.locality.test_api import NS, node
+from tests.locality.test_engine_load import VLLM, MetricsServer
+from tests.locality.test_locator import fabric_node
 
 PAGE = 16
 SEG = [np.zeros(512, np.uint8)] * 2
@@ -142,8 +143,8 @@ class Harness:
     def __init__(self, ctx: zmq.Context[Any], pool: Pool, **kw: Any) -> None:
         self.engine = FakeEngine(ctx)
         cfg = PofConfig.from_mapping({**pool.config.to_mapping(), "heartbeat_s": 0.1, "node_ttl_s": 2.0})
-        self.relay = Relay(cfg, self.engine.endpoint, "tcp://127.0.0.1:0", replay_bind="tcp://127.0.0.1:0",
-                           poll_s=0.05, **kw)
+        self.relay = Relay(cfg, RelayConfig(self.engine.endpoint, "tcp://127.0.0.1:0", replay_bind="tcp://127.0.0.1:0",
+                                            poll_s=0.05, **kw))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.relay.run, args=(self.stop,), daemon=True)
         self.thread.start()

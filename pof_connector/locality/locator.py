@@ -28,7 +28,7 @@ from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo, PrefixMatch
 from pof_connector.index.base import LOOKUP_ROUNDS, MEDIA
 from pof_connector.keys import PageKey, page_keys
-from pof_connector.router.engine_load import EngineLoad
+from pof_connector.locality.engine_load import EngineLoad
 
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = "engine"

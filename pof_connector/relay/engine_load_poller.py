@@ -7,7 +7,7 @@ import threading
 
 import httpx
 
-from pof_connector.router.engine_load import EngineLoad, read_engine_load
+from pof_connector.locality.engine_load import EngineLoad, read_engine_load
 
 log = logging.getLogger(__name__)
 
