@@ -680,7 +680,7 @@ def cmd_memd(args: argparse.Namespace) -> int:
     import signal
 
     from pof_connector.fabric import FabricError
-    from pof_connector.fabric.memory_node import MemoryNode
+    from pof_connector.memd import MemoryNode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     config = PofConfig.from_file(args.config)
