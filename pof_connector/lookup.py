@@ -79,11 +79,15 @@ class SourceFinder:
             own.append(loc)
         for key in reversed(keys[:len(own)]):
             self.own.touch(key)       # the prefix head ends most recently used
-        runs: list[Run] = []
+        got = reach(self.node_id, [], near={}, far={}, own=own)
         if len(own) < len(keys):
-            runs = gather_runs(keys, lambda ks: self.guard.call("lookup", self.index.longest_prefix, ks, default={}),
-                               lambda rs: self._reach(rs, own, len(keys)).pages)
-        got = self._reach(runs, own, len(keys))
+            def covered(runs: list[Run]) -> int:
+                nonlocal got          # the last round's answer is the lookup's: not computed twice
+                got = self._reach(runs, own, len(keys))
+                return got.pages
+
+            gather_runs(keys, lambda ks: self.guard.call("lookup", self.index.longest_prefix, ks, default={}),
+                        covered)
         result = Lookup(keys, got.sources, got.elsewhere)
         for medium, n in result.per_tier().items() if count else ():
             self.stats.add("hit_pages", n, tier=medium)

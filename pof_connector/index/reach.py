@@ -54,40 +54,44 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
     ``far``: media it reads over the fabric. ``own``: leading pages already found in ``me``'s own
     tiers (taken as they are). ``length``: pages in the query (``None``: no bound but the runs)."""
     order = sorted(runs, key=lambda r: r[1].node != me)      # own first, else as the index gave them
-    # Per run: its media codes, and per code whether ``me`` reads it near / far (asked once per run).
-    codes: list[tuple[int, PrefixMatch, list[int], list[bool], list[bool]]] = []
+    # Per run, as plain lists (a lookup walks thousands of pages): where it starts and stops, its
+    # holder, media codes, slots, generations, and per code whether ``me`` reads it near / far.
+    prepared: list[tuple[int, int, str, list[int], list[int], list[int], list[bool], list[bool]]] = []
+    elsewhere: dict[str, int] = {}
     for at, m in order:
         near_media = near.get(m.node, ()) if m.node != me else MEDIA
         far_media = far.get(m.node, ()) if m.node != me else ()
-        codes.append((at, m, m.media.tolist(), [md != ENGINE and md in near_media for md in MEDIA],
-                      [md != ENGINE and md in far_media for md in MEDIA]))
-    elsewhere: dict[str, int] = {}
-    for at, m, media, nr, fr in codes:
-        if any(not (nr[c] or fr[c]) for c in media):
+        nr = [md != ENGINE and md in near_media for md in MEDIA]
+        fr = [md != ENGINE and md in far_media for md in MEDIA]
+        media = m.media.tolist()
+        if any(not (nr[c] or fr[c]) for c in set(media)):
             elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
+        prepared.append((at, at + len(media), m.node, media, m.slots.tolist(), m.generations.tolist(), nr, fr))
     sources = list(own or [])
     fabric = [False] * len(sources)
     end = max((at + m.pages for at, m in runs), default=0)
     if length is not None:
         end = min(end, length)
-    i = len(sources)
-    while i < end:
+    for i in range(len(sources), end):
         got: Location | None = None
         remote: Location | None = None
-        for at, m, media, nr, fr in codes:
-            if not at <= i < at + len(media):
-                continue
-            c = media[i - at]
-            if nr[c]:
-                got = m.location(i - at)
-                break
-            if remote is None and fr[c]:
-                remote = m.location(i - at)
-        if got is None and remote is None:
+        for at, stop, node, media, slots, gens, nr, fr in prepared:
+            if at <= i < stop:
+                j = i - at
+                c = media[j]
+                if nr[c]:
+                    got = Location(node, MEDIA[c], slots[j], gens[j])
+                    break
+                if remote is None and fr[c]:
+                    remote = Location(node, MEDIA[c], slots[j], gens[j])
+        if got is not None:
+            sources.append(got)
+            fabric.append(False)
+        elif remote is not None:
+            sources.append(remote)
+            fabric.append(True)
+        else:
             break
-        sources.append(got if got is not None else remote)  # type: ignore[arg-type]
-        fabric.append(got is None)
-        i += 1
     return Reach(sources, fabric, elsewhere)
 
 
@@ -104,7 +108,10 @@ def gather_runs(keys: list[PageKey], ask: Callable[[list[PageKey]], Mapping[str,
     for _ in range(rounds):
         if start >= len(keys):
             break
-        runs += [(start, m) for m in ask(keys[start:]).values()]
+        more = ask(keys[start:])
+        if not more:
+            break             # nothing further: the runs so far are the answer
+        runs += [(start, m) for m in more.values()]
         nxt = covered(runs)
         if nxt <= start:
             break

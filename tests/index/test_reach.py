@@ -111,3 +111,5 @@ def test_gather_runs_stops_without_progress_and_after_the_last_round() -> None:
     gather_runs(ks, ask, lambda rs: len(rs))    # one more page per round
     assert asked == list(range(LOOKUP_ROUNDS))
     assert gather_runs([], ask, lambda rs: 0) == []
+    asked.clear()
+    assert gather_runs(ks, lambda q: asked.append(0) or {}, lambda rs: 1 / 0) == [] and asked == [0]
