@@ -82,28 +82,28 @@ class PageSource(Protocol):
 
 
 class PageReader:
-    def __init__(self, pool: PageSource, keys: list[PageKey], sources: list[Location],
+    def __init__(self, source: PageSource, keys: list[PageKey], sources: list[Location],
                  headers: list[np.ndarray] | None = None) -> None:
         """``headers[i]``, when given, receives page ``i``'s header (else a scratch buffer does)."""
-        self._pool = pool
+        self._source = source
         self.keys = keys
         self.sources = sources
         self.failed: dict[int, str] = {}
         self._pages: list[tuple[SlotSource, SlotRef, PageHeader, bool] | None] = []
         self._headers = headers
         self._started = time.perf_counter()
-        scratch = np.empty(pool.spec.header_bytes, dtype=np.uint8)
+        scratch = np.empty(source.spec.header_bytes, dtype=np.uint8)
         # Remote pages: posted now, resolved on first use (segment); the load owns their staging.
         self._remote: RemoteLoad | None = None
         self._remote_at: dict[int, int] = {}
-        self._remote, self._remote_at = pool.fetch_remote(keys, sources)
+        self._remote, self._remote_at = source.fetch_remote(keys, sources)
         for i, (key, src) in enumerate(zip(keys, sources, strict=True)):
             header_buf = headers[i] if headers is not None else scratch
             if i in self._remote_at:
                 self._pages.append(None)
                 continue
             try:
-                tier, ref, pinned = pool.resolve(key, src)
+                tier, ref, pinned = source.resolve(key, src)
             except PageError as e:
                 self._fail(i, e)
                 self._pages.append(None)
@@ -164,14 +164,14 @@ class PageReader:
         if page in self.failed:
             return
         self.failed[page] = err.reason
-        self._pool.count_load_failure(err)
+        self._source.count_load_failure(err)
         if read is not None:
-            self._pool.drop_if_corrupt(self.keys[page], self.sources[page], err, *read)
+            self._source.drop_if_corrupt(self.keys[page], self.sources[page], err, *read)
 
     def close(self) -> None:
         """Unpin and count. Idempotent. A remote page whose every layer was not read and
         validated (the caller stopped early) counts as failed."""
-        spec = self._pool.spec
+        spec = self._source.spec
         if self._remote is not None:
             for i, pos in self._remote_at.items():
                 if i not in self.failed and not self._remote.complete(pos):
@@ -185,7 +185,7 @@ class PageReader:
             if pinned:
                 tier.unpin(ref.slot)
             if i not in self.failed:
-                self._pool.stats.add("loaded_pages", tier=tier.medium)
-                self._pool.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
+                self._source.stats.add("loaded_pages", tier=tier.medium)
+                self._source.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
         self._pages = [None] * len(self._pages)
-        self._pool.stats.add("load_seconds", time.perf_counter() - self._started)
+        self._source.stats.add("load_seconds", time.perf_counter() - self._started)

@@ -9,8 +9,8 @@ For every live pool node the :class:`Locator` tells
 - ``usable``: the leading pages the node's pool can *load*, per tier: its own pages, and pages of
   other nodes in a tier it shares with them (equal ``domain``, e.g. one CXL region) and, when
   both nodes publish fabric metadata, pages in other nodes' tiers it reads over NIXL (tier
-  ``"remote"``), taken page by page from the first readable holder, nearest first, the way
-  :meth:`Pool.lookup` takes them.
+  ``"remote"``), taken page by page from the first readable holder, nearest first: the rule
+  :meth:`Pool.lookup <pof_connector.pool.Pool.lookup>` loads by (:mod:`pof_connector.index.reach`).
 
 Keys are computed per namespace: every node publishes the namespace digest and page size of
 what it stores, and a node is answered with keys of its own namespace.
