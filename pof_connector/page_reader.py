@@ -5,8 +5,8 @@ An engine adapter copies each layer straight from tier memory into its KV blocks
 layout on the way, so a page is copied once instead of twice (tier → staging → engine) and no
 I/O thread competes with the forward pass for cores. Safety is the same as for a staged read:
 
-1. :meth:`Pool.open_read` copies and checks every page header (key, generation, geometry) and
-   pins this node's slots;
+1. :meth:`Pool.open_read <pof_connector.pool.Pool.open_read>` copies and checks every page header
+   (key, generation, geometry) and pins this node's slots;
 2. :meth:`PageReader.segment` gives layer ``l`` of page ``i`` in place; the caller copies it;
 3. :meth:`PageReader.check` then verifies the checksum of those same bytes and that the slot's
    live generation did not change (a writer zeroes it before touching any byte). A page that
@@ -31,12 +31,12 @@ import numpy as np
 
 from pof_connector.index import Location
 from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageHeader
-from pof_connector.tiers import SlotRef
+from pof_connector.metrics import PoolStats
+from pof_connector.pages import PageError, PageHeader, PageSpec
+from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
     from pof_connector.fabric.remote_reader import RemoteLoad
-    from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)
 
@@ -55,29 +55,55 @@ class SlotSource(Protocol):
     def unpin(self, slot: int) -> None: ...
 
 
+class PageSource(Protocol):
+    """What a :class:`PageReader` reads through (the pool's :class:`~pof_connector.reads.Reads`)."""
+
+    @property
+    def spec(self) -> PageSpec: ...
+
+    @property
+    def stats(self) -> PoolStats: ...
+
+    def fetch_remote(self, keys: list[PageKey], sources: list[Location]) -> tuple[RemoteLoad | None, dict[int, int]]:
+        """Start fetching the pages only the fabric reaches: the load in flight (``None``: no such
+        page) and, per such page index, its position in that load."""
+        ...
+
+    def resolve(self, key: PageKey, src: Location) -> tuple[Tier, SlotRef, bool]:
+        """The tier and slot to read ``key`` from, and whether the slot was pinned (unpin it after);
+        raises ``PageError`` when this node cannot read it."""
+        ...
+
+    def count_load_failure(self, err: PageError) -> None: ...
+
+    def drop_if_corrupt(self, key: PageKey, src: Location, err: PageError, ref: SlotRef, own: bool) -> None:
+        """Forget a page of this node that failed its checksums (``ref``: the slot read; ``own``: pinned)."""
+        ...
+
+
 class PageReader:
-    def __init__(self, pool: Pool, keys: list[PageKey], sources: list[Location],
+    def __init__(self, source: PageSource, keys: list[PageKey], sources: list[Location],
                  headers: list[np.ndarray] | None = None) -> None:
         """``headers[i]``, when given, receives page ``i``'s header (else a scratch buffer does)."""
-        self._pool = pool
+        self._source = source
         self.keys = keys
         self.sources = sources
         self.failed: dict[int, str] = {}
         self._pages: list[tuple[SlotSource, SlotRef, PageHeader, bool] | None] = []
         self._headers = headers
         self._started = time.perf_counter()
-        scratch = np.empty(pool.spec.header_bytes, dtype=np.uint8)
+        scratch = np.empty(source.spec.header_bytes, dtype=np.uint8)
         # Remote pages: posted now, resolved on first use (segment); the load owns their staging.
         self._remote: RemoteLoad | None = None
         self._remote_at: dict[int, int] = {}
-        self._remote, self._remote_at = pool._fetch_remote(keys, sources)
+        self._remote, self._remote_at = source.fetch_remote(keys, sources)
         for i, (key, src) in enumerate(zip(keys, sources, strict=True)):
             header_buf = headers[i] if headers is not None else scratch
             if i in self._remote_at:
                 self._pages.append(None)
                 continue
             try:
-                tier, ref, pinned = pool._resolve(key, src)
+                tier, ref, pinned = source.resolve(key, src)
             except PageError as e:
                 self._fail(i, e)
                 self._pages.append(None)
@@ -138,14 +164,14 @@ class PageReader:
         if page in self.failed:
             return
         self.failed[page] = err.reason
-        self._pool._count_load_failure(err)
+        self._source.count_load_failure(err)
         if read is not None:
-            self._pool._drop_if_corrupt(self.keys[page], self.sources[page], err, *read)
+            self._source.drop_if_corrupt(self.keys[page], self.sources[page], err, *read)
 
     def close(self) -> None:
         """Unpin and count. Idempotent. A remote page whose every layer was not read and
         validated (the caller stopped early) counts as failed."""
-        spec = self._pool.spec
+        spec = self._source.spec
         if self._remote is not None:
             for i, pos in self._remote_at.items():
                 if i not in self.failed and not self._remote.complete(pos):
@@ -159,7 +185,7 @@ class PageReader:
             if pinned:
                 tier.unpin(ref.slot)
             if i not in self.failed:
-                self._pool.stats.add("loaded_pages", tier=tier.medium)
-                self._pool.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
+                self._source.stats.add("loaded_pages", tier=tier.medium)
+                self._source.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
         self._pages = [None] * len(self._pages)
-        self._pool.stats.add("load_seconds", time.perf_counter() - self._started)
+        self._source.stats.add("load_seconds", time.perf_counter() - self._started)

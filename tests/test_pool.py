@@ -211,7 +211,7 @@ def test_a_peer_that_joined_after_the_last_node_refresh_is_readable_at_once(
     a = None
     try:
         b.lookup(b.keys_for(np.arange(16)))          # b's node list is fresh now, without a
-        assert not b._readable("a", "cxl")
+        assert not b.finder.readable("a", "cxl")
         a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
         keys = a.keys_for(np.arange(16 * 4))
         a.store([(k, content(k)) for k in keys]).result()
@@ -361,7 +361,7 @@ def test_zero_copy_reader_rejects_a_slot_rewritten_mid_read(pool: Pool) -> None:
 
 
 def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtime_dir: str, namespace: bytes) -> None:
-    """Pool._make_room chooses an unpinned LRU victim, then removes it: a reader that pins it in
+    """Placement._make_room chooses an unpinned LRU victim, then removes it: a reader that pins it in
     between must read the page whole, and the store must make room elsewhere."""
     pool = Pool(cfg("a", runtime_dir, cpu_dram={"size": 2 * slot_bytes_for(SPEC)}), SPEC, namespace)
     try:

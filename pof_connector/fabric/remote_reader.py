@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from pof_connector.fabric.peers import RECONNECT_AFTER_ERROR_S, SUSPECT_AFTER_TI
 from pof_connector.fabric.registered_staging import StagedPage, StagingArea
 from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.fabric.spans import LAYER_REQUESTS, layer_parts, part_spans, span_base
-from pof_connector.index import Location, NodeInfo
+from pof_connector.index import Location
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
 from pof_connector.tiers import SlotRef
@@ -98,22 +98,6 @@ class RemoteReader:
         if peers.spans != self.spans:
             raise ValueError(f"peers prepared for spans {peers.spans}, reads need {self.spans}")
         self.connections = peers
-
-    # The pool reaches the connections through the reader (pool.py is split in another change);
-    # these three only forward to :class:`~pof_connector.fabric.peers.Peers`.
-
-    @property
-    def peers(self) -> list[str]:
-        """Nodes connected now."""
-        return self.connections.connected
-
-    def usable(self, node: str) -> bool:
-        """False while ``node`` is in a back-off after a timeout or a disconnect."""
-        return self.connections.usable(node)
-
-    def retain(self, live: Mapping[str, NodeInfo]) -> None:
-        """Disconnect peers that left the index (heartbeat expired) or restarted (new agent)."""
-        self.connections.retain(live)
 
     # ---- reads -------------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ For every live pool node the :class:`Locator` tells
 - ``usable``: the leading pages the node's pool can *load*, per tier: its own pages, and pages of
   other nodes in a tier it shares with them (equal ``domain``, e.g. one CXL region) and, when
   both nodes publish fabric metadata, pages in other nodes' tiers it reads over NIXL (tier
-  ``"remote"``), taken page by page from the first readable holder, nearest first, the way
-  :meth:`Pool.lookup` takes them.
+  ``"remote"``), taken page by page from the first readable holder, nearest first: the rule
+  :meth:`Pool.lookup <pof_connector.pool.Pool.lookup>` loads by (:mod:`pof_connector.index.reach`).
 
 Keys are computed per namespace: every node publishes the namespace digest and page size of
 what it stores, and a node is answered with keys of its own namespace.
@@ -25,18 +25,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
-from pof_connector.index import LocalityIndex, NodeInfo, PrefixMatch
-from pof_connector.index.base import LOOKUP_ROUNDS, MEDIA
-from pof_connector.keys import PageKey, page_keys
+from pof_connector.index import LocalityIndex, NodeInfo
+from pof_connector.index.reach import ENGINE, Run, gather_runs, reach
+from pof_connector.keys import page_keys
 from pof_connector.locality.engine_load import EngineLoad
 
 Tokenizer = Callable[[str], list[int]]
-ENGINE_MEDIUM = "engine"
+ENGINE_MEDIUM = ENGINE
 """The medium of an engine's own prefix cache in the index (published by `pof relay`)."""
 REMOTE = "remote"
 """The ``usable`` tier of pages a node reads from other nodes' tiers over the fabric."""
-Run = tuple[int, PrefixMatch]
-"""A node's run of pages of a query, and the page it starts at."""
 
 
 def load_tokenizer(path: str, *, special_tokens: bool) -> Tokenizer:
@@ -132,15 +130,15 @@ class Locator:
         pools = [n for n in live if n.meta.get("model") == model and "engine_of" not in n.meta
                  and _space(n) is not None]
         engines = {n.meta["engine_of"]: n for n in live if "engine_of" in n.meta and _space(n) is not None}
-        matches: dict[tuple[bytes, int], dict[str, PrefixMatch]] = {}
-        later: dict[tuple[bytes, int], list[Run]] = {}
+        runs: dict[tuple[bytes, int], list[Run]] = {}
         for n in [*pools, *engines.values()]:
             space = _space(n)
             assert space is not None
-            if space not in matches:
+            if space not in runs:
                 keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
-                matches[space] = self.index.longest_prefix(keys) if keys else {}
-                later[space] = self._later_runs(keys, matches[space])
+                # Asked once per namespace for every node: later rounds start where the longest run stops.
+                runs[space] = gather_runs(keys, self.index.longest_prefix,
+                                          lambda rs: max((at + m.pages for at, m in rs), default=0))
         domains = {n.node_id: {m: t.domain for m, t in n.tiers.items()} for n in pools}
         fabric = {n.node_id: media for n in pools if (media := _fabric_media(n.meta)) is not None}
         out: dict[str, NodeLocality] = {}
@@ -149,39 +147,23 @@ class Locator:
             space = _space(n)
             assert space is not None
             page = space[1]
-            found = matches[space]
+            found = {m.node: m for at, m in runs[space] if at == 0}
             loc = NodeLocality(n.node_id, page, info=n)
             own = found.get(n.node_id)
             if own is not None:
                 loc.held = {m: p * page for m, p in own.per_tier().items()}
-            runs = [(0, m) for m in found.values()] + later[space]
-            usable, near = _usable(n.node_id, runs, domains, fabric)
+            usable, near = _usable(n.node_id, runs[space], domains, fabric)
             loc.usable = {m: p * page for m, p in usable.items()}
             loc.near_tokens = near * page
             eng = engines.get(n.node_id)
             if eng is not None:
-                em = matches[_space(eng)].get(eng.node_id)  # type: ignore[index]
+                eng_space = _space(eng)
+                assert eng_space is not None
+                em = next((m for at, m in runs[eng_space] if at == 0 and m.node == eng.node_id), None)
                 loc.engine_tokens = em.pages * page if em is not None else 0
                 loc.load = EngineLoad.from_meta(eng.meta)
             out[n.node_id] = loc
         return Locality(model, len(tokens), page, out)
-
-    def _later_runs(self, keys: list[PageKey], first: dict[str, PrefixMatch]) -> list[Run]:
-        """Runs that start after page 0: the index counts each node's pages from the first key it
-        is asked for, so a chain whose head and tail live on different nodes (a spilled tail) is
-        asked for again from where the runs so far stop, as :meth:`Pool.lookup` does (one more
-        round trip, only for a partial hit)."""
-        runs: list[Run] = []
-        covered = max((m.pages for m in first.values()), default=0)
-        for _ in range(LOOKUP_ROUNDS - 1):
-            if not 0 < covered < len(keys):
-                break
-            more = self.index.longest_prefix(keys[covered:])
-            if not more:
-                break
-            runs += [(covered, m) for m in more.values()]
-            covered += max(m.pages for m in more.values())
-        return runs
 
     def pick_model(self, model: str | None, *, nodes: list[NodeInfo] | None = None) -> str:
         """``model`` when a live node stores it; the only model when ``None``. Raises
@@ -223,34 +205,16 @@ def _space(n: NodeInfo) -> tuple[bytes, int] | None:
 
 def _usable(me: str, runs: list[Run], domains: dict[str, dict[str, str]],
             fabric: Mapping[str, frozenset[str]]) -> tuple[dict[str, int], int]:
-    """Pages per tier that node ``me`` can load, and how many leading ones it loads without the
-    fabric: page by page from the first readable holder (its own pages, then tiers it shares,
-    then, when both ends publish fabric metadata, other nodes' tiers under :data:`REMOTE`),
-    stopping at the first page nobody readable holds. ``runs``: (first page, the holder's run
-    from there)."""
+    """Pages per tier that node ``me`` can load (:func:`~pof_connector.index.reach.reach`: its own
+    pages, then tiers it shares, then, when both ends publish fabric metadata, other nodes' tiers
+    under :data:`REMOTE`), and how many leading ones it loads without the fabric."""
     mine = domains.get(me, {})
-
-    def near(holder: str, medium: str) -> bool:
-        if medium == ENGINE_MEDIUM:
-            return False
-        if holder == me:
-            return True
-        return medium in mine and mine[medium] == domains.get(holder, {}).get(medium)
-
-    def far(holder: str, medium: str) -> bool:
-        return me in fabric and holder != me and medium in fabric.get(holder, ())
-
-    order = sorted(runs, key=lambda r: r[1].node != me)
+    holders = {m.node for _, m in runs}
+    near = {h: [m for m, d in mine.items() if domains.get(h, {}).get(m) == d] for h in holders}
+    far = {h: fabric.get(h, frozenset()) for h in holders} if me in fabric else {}
+    got = reach(me, runs, near=near, far=far)
     per_tier: dict[str, int] = {}
-    near_run: int | None = None
-    i = 0
-    while True:
-        held = [(m.node, MEDIA[int(m.media[i - at])]) for at, m in order if at <= i < at + m.pages]
-        source = next((medium for node, medium in held if near(node, medium)), None)
-        if source is None and any(far(node, medium) for node, medium in held):
-            source = REMOTE
-            near_run = i if near_run is None else near_run
-        if source is None:
-            return per_tier, i if near_run is None else near_run
-        per_tier[source] = per_tier.get(source, 0) + 1
-        i += 1
+    for src, remote in zip(got.sources, got.fabric, strict=True):
+        tier = REMOTE if remote else src.medium
+        per_tier[tier] = per_tier.get(tier, 0) + 1
+    return per_tier, got.near_pages

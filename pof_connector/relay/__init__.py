@@ -9,6 +9,5 @@
 * :mod:`.chains` — engine blocks to pof pages, from ``BlockStored`` events;
 * :mod:`.kv_events` — vLLM's KV-event wire format, without importing vLLM;
 * :mod:`.engine_load_poller` — the engine's running / waiting requests, read in the background;
-* :mod:`.log_once` — one log line per kind of trouble;
 * :mod:`.cli` — the ``pof relay`` command.
 """

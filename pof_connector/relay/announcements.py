@@ -14,10 +14,10 @@ import hashlib
 import logging
 
 from pof_connector.index import IndexUnavailable
+from pof_connector.index.guarded import LogOnce
 from pof_connector.locality.locator import Locator, UnknownModel
 from pof_connector.relay.chains import Page, PageChains
 from pof_connector.relay.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
-from pof_connector.relay.log_once import LogOnce
 
 POOL_MEDIUM = MEDIUM_CPU
 FAR_OWNER = "pof"

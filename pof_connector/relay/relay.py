@@ -58,6 +58,7 @@ import msgspec
 
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeIdTaken, NodeInfo, open_index
+from pof_connector.index.guarded import LogOnce, batches
 from pof_connector.keys import PageKey
 from pof_connector.locality.locator import ENGINE_MEDIUM, Locator
 from pof_connector.relay.announcements import PoolAnnouncer
@@ -72,13 +73,11 @@ from pof_connector.relay.kv_events import (
     decode_batch,
     read_seq,
 )
-from pof_connector.relay.log_once import LogOnce
 from pof_connector.relay.wire import RelayWire
 
 log = logging.getLogger(__name__)
 OWN = "engine"
 """The :class:`PageChains` source name of this relay's engine (peers are named by endpoint)."""
-PUBLISH_BATCH = 1000
 
 
 class Relay:
@@ -311,8 +310,8 @@ class Relay:
             if fresh or self._republish:
                 self._republish = False
                 entries = self._engine_entries(self._engine_pages)
-                for start in range(0, len(entries), PUBLISH_BATCH):
-                    self.index.publish(entries[start:start + PUBLISH_BATCH])
+                for batch in batches(entries):
+                    self.index.publish(batch)
         except IndexUnavailable as e:
             self._log_once("index", logging.ERROR, "pof relay: index unavailable (%s); retrying", e)
             self._republish = True

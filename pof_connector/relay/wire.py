@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import zmq
 
+from pof_connector.index.guarded import LogOnce
 from pof_connector.relay.config import RelayConfig
 from pof_connector.relay.kv_events import END_SEQ, KVEvent, KVEventBatch, encode_batch, seq_frame
-from pof_connector.relay.log_once import LogOnce
 
 log = logging.getLogger(__name__)
 DRAIN = 1000          # messages taken from one socket before the loop looks at the others

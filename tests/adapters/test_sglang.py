@@ -237,7 +237,7 @@ def test_a_timed_out_store_keeps_its_staging_buffer(extra: dict[str, Any], monke
     stall = threading.Event()
     try:
         assert b.pool is not None
-        b.pool._store.submit(stall.wait, 30)     # the store thread is stuck (as behind a spill to a cut peer)
+        b.pool.placement.submit(stall.wait, 30)     # the store thread is stuck (as behind a spill to a cut peer)
         k1, k2 = page_keys(list(range(1, 1 + PS))), page_keys(list(range(900, 900 + PS)))
         fill(pool, [1, 2], seed=7)
         assert b.batch_set_v1(k1, indices([1])) == [False]        # timed out: SGLang hears it failed

@@ -88,13 +88,13 @@ class Node:
                 "seconds": seconds}
 
     def op_peers(self) -> dict[str, Any]:
-        fabric = self.pool._fabric
+        fabric = self.pool.fabric
         return {"peers": [] if fabric is None else fabric.peers.connected,
                 "quarantined": 0 if fabric is None else fabric.staging.quarantined_slots}
 
     def op_spill(self) -> dict[str, Any]:
         """Pages of this node living in other nodes' slots now."""
-        fabric = self.pool._fabric
+        fabric = self.pool.fabric
         writer = None if fabric is None else fabric.writer
         return {"spilled": 0 if writer is None else writer.spilled}
 

@@ -112,10 +112,10 @@ def test_a_slot_rewritten_between_data_and_generation_read_is_rejected(
         a.store([(k, content(k)) for k in keys]).result()
         wait_for(lambda: b.lookup(keys).pages == 4)
         lk = b.lookup(keys)
-        assert b._fabric is not None
-        agent = b._fabric.agent
+        assert b.fabric is not None
+        agent = b.fabric.agent
         post = agent.post_read
-        n = b._fabric.staging.num_slots
+        n = b.fabric.staging.num_slots
 
         def post_then_rewrite(*args):  # type: ignore[no-untyped-def]
             # Local descriptors [n, 2n) are generation words: the generation READ, posted after
@@ -178,8 +178,8 @@ def test_a_load_larger_than_staging_misses_the_excess_and_staging_is_reused(
 
     a, b = Pool(config("a"), SPEC, NAMESPACE), Pool(config("b"), SPEC, NAMESPACE)
     try:
-        assert b._fabric is not None
-        room = b._fabric.staging.num_slots          # 256KiB of 6KiB pages
+        assert b.fabric is not None
+        room = b.fabric.staging.num_slots          # 256KiB of 6KiB pages
         keys = a.keys_for(np.arange(16 * (room + 3)))
         a.store([(k, content(k)) for k in keys]).result()
         wait_for(lambda: b.lookup(keys).pages == len(keys))
@@ -189,7 +189,7 @@ def test_a_load_larger_than_staging_misses_the_excess_and_staging_is_reused(
             h = b.load(keys, lk.sources, bufs)
             assert h.wait(10)
             assert sorted(h.failed.values()) == ["no_staging"] * 3
-        assert len(b._fabric.staging.take(room + 1)) == room and b._fabric.staging.quarantined_slots == 0
+        assert len(b.fabric.staging.take(room + 1)) == room and b.fabric.staging.quarantined_slots == 0
     finally:
         b.close()
         a.close()

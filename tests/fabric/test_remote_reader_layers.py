@@ -121,8 +121,8 @@ def test_layer_0_is_released_before_the_last_part_arrives(a_and_b: tuple[Pool, P
               f"whole load {t_all * 1e3:.1f} ms")
         assert t_layer0 <= t_all
 
-    assert b._fabric is not None
-    gate = PartGate(b._fabric.agent, b._fabric.staging.num_slots)
+    assert b.fabric is not None
+    gate = PartGate(b.fabric.agent, b.fabric.staging.num_slots)
     # Pool.load (I/O thread): layer 0 is in every buffer, validated, while later parts are held.
     bufs = [np.zeros(BIG.page_bytes, np.uint8) for _ in keys]
     h = b.load(keys, lk.sources, bufs)
@@ -151,24 +151,24 @@ def test_layer_0_is_released_before_the_last_part_arrives(a_and_b: tuple[Pool, P
         reader.close()
 
     # RemoteReader.read: whole pages at once; the caller gives the good ones' staging back.
-    meta = b._remote_meta("a", "cpu_dram")
+    meta = b.finder.remote_meta("a", "cpu_dram")
     assert meta is not None
-    got = b._fabric.reader.read(keys[:4], lk.sources[:4], [meta] * 4)
+    got = b.fabric.reader.read(keys[:4], lk.sources[:4], [meta] * 4)
     for fetched, k in zip(got, keys[:4], strict=True):
         assert not isinstance(fetched, PageError), fetched
         staged, ref, _ = fetched
         assert all(staged.segment_view(ref, layer).tobytes() == segments(k)[layer] for layer in range(BIG.num_layers))
         staged.unpin(ref.slot)
-    assert b._fabric.staging.quarantined_slots == 0
-    assert len(b._fabric.staging.take(b._fabric.staging.num_slots)) == b._fabric.staging.num_slots
+    assert b.fabric.staging.quarantined_slots == 0
+    assert len(b.fabric.staging.take(b.fabric.staging.num_slots)) == b.fabric.staging.num_slots
 
 
 def test_a_slot_reused_after_layer_0_was_released_fails_the_whole_page(
         a_and_b: tuple[Pool, Pool, list[PageKey]]) -> None:
     a, b, keys = a_and_b
     lk = b.lookup(keys)
-    assert b._fabric is not None
-    gate = PartGate(b._fabric.agent, b._fabric.staging.num_slots)
+    assert b.fabric is not None
+    gate = PartGate(b.fabric.agent, b.fabric.staging.num_slots)
     bufs = [np.zeros(BIG.page_bytes, np.uint8) for _ in keys]
     h = b.load(keys, lk.sources, bufs)
     assert h.wait_layer(0, TIMEOUT_S)
@@ -190,8 +190,8 @@ def test_a_slot_reused_after_layer_0_was_released_fails_the_whole_page(
     h = b.load(keys[:half], lk.sources[:half], bufs[:half])
     assert h.wait(TIMEOUT_S) and set(h.failed) == set(range(half)), h.failed
     assert set(h.failed.values()) <= REUSED and gate.posted == [0], (h.failed, gate.posted)
-    n = b._fabric.staging.num_slots
-    assert b._fabric.staging.quarantined_slots == 0 and len(b._fabric.staging.take(n)) == n
+    n = b.fabric.staging.num_slots
+    assert b.fabric.staging.quarantined_slots == 0 and len(b.fabric.staging.take(n)) == n
 
 
 def test_an_owner_killed_mid_load_gives_misses_not_a_hang_and_b_keeps_working(
@@ -215,8 +215,8 @@ def test_an_owner_killed_mid_load_gives_misses_not_a_hang_and_b_keeps_working(
         # One load of A's 40 pages and C's 8; A dies once layer 0 is out. The gate keeps B from
         # finishing A's pages before the kill lands, however slow this machine is: B sees the
         # later parts done only after the kill (their bytes keep flowing until it).
-        assert b._fabric is not None
-        gate = PartGate(b._fabric.agent, b._fabric.staging.num_slots)
+        assert b.fabric is not None
+        gate = PartGate(b.fabric.agent, b.fabric.staging.num_slots)
         both = keys + from_c
         bufs = [np.zeros(BIG.page_bytes, np.uint8) for _ in both]
         h = b.load(both, lk.sources + lk_c.sources, bufs)
@@ -249,7 +249,7 @@ def test_an_owner_killed_mid_load_gives_misses_not_a_hang_and_b_keeps_working(
         h = b.load(from_c, lk_c.sources, bufs[:8])
         assert h.wait(TIMEOUT_S) and h.failed == {}
         assert all(exact(buf, k) for buf, k in zip(bufs[:8], from_c, strict=True))
-        assert b._fabric.staging.quarantined_slots == 0       # a dead peer writes nothing late
+        assert b.fabric.staging.quarantined_slots == 0       # a dead peer writes nothing late
     finally:
         for p in procs:
             p.close()

@@ -83,7 +83,7 @@ def test_lend_bumps_generation_and_take_back_invalidates(spec: PageSpec) -> None
 
 class _StoreBetweenFreeAndInvalidate(CpuDramTier):
     """Runs a store at the moment ``remove`` invalidates a slot: the store thread getting the CPU
-    while a reader thread drops a corrupt page (``Pool._drop_if_corrupt``)."""
+    while a reader thread drops a corrupt page (``Reads.drop_if_corrupt``)."""
 
     def __init__(self, spec: PageSpec, size: int) -> None:
         super().__init__(spec, size)

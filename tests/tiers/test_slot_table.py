@@ -51,7 +51,7 @@ def test_lent_slots_are_used_never_evicted_and_taken_back() -> None:
 
 
 def test_a_pinned_page_that_is_removed_keeps_its_slot_until_the_last_unpin() -> None:
-    """The race in Pool._make_room: the victim is chosen unpinned, a reader pins it, then it is
+    """The race in Placement._make_room: the victim is chosen unpinned, a reader pins it, then it is
     removed. The slot must not be reused under the reader."""
     t = SlotTable(range(2))
     for i in range(2):

@@ -62,7 +62,7 @@ class MemoryNode:
 
     def usage(self) -> dict[str, tuple[int, int, int]]:
         """Per medium: (slots lent, capacity in slots, writers holding leases)."""
-        fabric = self.pool._fabric
+        fabric = self.pool.fabric
         lent = {} if fabric is None or fabric.lender is None else fabric.lender.usage()
         return {t.medium: (lent.get(t.medium, (0, 0))[0], t.capacity_slots, lent.get(t.medium, (0, 0))[1])
                 for t in self.pool.tiers}

@@ -1,0 +1,212 @@
+"""Where this node's pages go: stored into the first tier, the LRU page of a full tier moved
+down to the next one (or dropped), and, past the last tier, spilled into a slot another node
+grants over the fabric. Everything runs on the one store thread, which is also the spill
+writer's only thread; the index learns of each batch once it is written."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from pof_connector.index import Location
+from pof_connector.index.guarded import LogOnce
+from pof_connector.keys import PageKey
+from pof_connector.lookup import SourceFinder
+from pof_connector.metrics import PoolStats
+from pof_connector.own_tiers import OwnTiers
+from pof_connector.pages import PageError, PageSpec
+from pof_connector.publisher import Event, Publisher
+from pof_connector.tiers import SlotRef, Tier
+
+if TYPE_CHECKING:
+    from pof_connector.fabric.node import FabricNode
+
+T = TypeVar("T")
+
+
+class Placement:
+    """Stores and moves the pages of ``own``'s tiers; ``fabric``: spills past the last tier
+    through its writer (``None``, or no writer: the last tier drops its LRU page)."""
+
+    def __init__(self, spec: PageSpec, own: OwnTiers, finder: SourceFinder, publisher: Publisher,
+                 stats: PoolStats, log_once: LogOnce, fabric: FabricNode | None) -> None:
+        self.spec = spec
+        self.node_id = own.node_id
+        self.own = own
+        self.finder = finder
+        self.publisher = publisher
+        self.stats = stats
+        self.log_once = log_once
+        self.fabric = fabric
+        self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
+        self._staging = np.empty(spec.page_bytes, dtype=np.uint8)    # store thread only
+        self._spill_buf = np.empty(spec.page_bytes, dtype=np.uint8)  # store thread only
+        self._maintaining = threading.Event()     # a spill-lease upkeep is queued on the store thread
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn`` on the store thread (after what is queued). Raises ``RuntimeError`` once closed."""
+        return self._store.submit(fn, *args)
+
+    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]]) -> Future[int]:
+        return self._store.submit(self._store_batch, list(items))
+
+    def flush(self) -> None:
+        """Wait until every store submitted so far is written and published."""
+        self._store.submit(lambda: None).result()
+
+    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]]) -> int:
+        events: list[Event] = []
+        live = self.own.live()
+        if not live:
+            return 0
+        first = live[0]
+        level = self.own.all.index(first)
+        written = 0
+        try:
+            # Tail pages first: LRU then evicts a chain from its end and keeps the shared head longest.
+            for key, layers in reversed(items):
+                if self.own.contains(key):
+                    continue
+                self._make_room(level, events)
+                if self._put(first, key, functools.partial(_write_layers, first, key, layers), events) is None:
+                    continue
+                self.stats.add("stored_pages", tier=first.medium)
+                self.stats.add("stored_bytes", self.spec.page_bytes, tier=first.medium)
+                written += 1
+        finally:
+            self._complete_spills(events)
+            self.publisher.publish(events)
+        return written
+
+    def _put(self, tier: Tier, key: PageKey, write: Callable[[SlotRef], None], events: list[Event]) -> Location | None:
+        """Prepare a slot of ``tier`` for ``key``, ``write`` it, complete the store (a failed write
+        leaves no page) and queue the publication; ``None`` when the tier takes no page now."""
+        got = tier.prepare_store(key)
+        if got is None:
+            return None
+        ref, evicted = got
+        if evicted is not None:
+            events.append((False, evicted, Location(self.node_id, tier.medium, ref.slot, ref.generation - 1)))
+            self.stats.add("evicted_pages", tier=tier.medium)
+        ok = False
+        try:
+            write(ref)
+            ok = True
+        finally:
+            tier.complete_store(key, ok)
+        loc = Location(self.node_id, tier.medium, ref.slot, ref.generation)
+        events.append((True, key, loc))
+        return loc
+
+    def _make_room(self, level: int, events: list[Event]) -> None:
+        """Free one slot of ``tiers[level]`` by moving its LRU page to the next tier (or dropping it)."""
+        tiers = self.own.all
+        tier = tiers[level]
+        if tier.free_slots > 0:
+            return
+        victim = tier.lru_victim()
+        if victim is None:
+            return
+        key, ref = victim
+        if level + 1 < len(tiers) and not self.own.is_broken(tiers[level + 1].medium):
+            lower = tiers[level + 1]
+            try:
+                tier.read(ref, key, self._staging)
+                self._make_room(level + 1, events)
+                if self._put(lower, key, lambda ref2: lower.write_page(ref2, self._staging), events) is not None:
+                    self.stats.add("demoted_pages", tier=tier.medium)
+            except PageError as e:
+                self.log_once("demote", logging.WARNING, "pof: could not move a page down a tier: %s", e)
+        elif level + 1 == len(tiers) and self.fabric is not None and self.fabric.writer is not None:
+            self._spill(tier, key, ref, events)
+        removed = tier.remove(key)
+        if removed is not None:
+            events.append((False, key, Location(self.node_id, tier.medium, removed.slot, removed.generation)))
+            self.stats.add("evicted_pages", tier=tier.medium)
+
+    def _spill(self, tier: Tier, key: PageKey, ref: SlotRef, events: list[Event]) -> None:
+        """The last tier is full: write its LRU page into a slot another node grants (see
+        :mod:`pof_connector.fabric.spill_writer`) instead of dropping it. Any failure drops it."""
+        assert self.fabric is not None and self.fabric.writer is not None
+        writer = self.fabric.writer
+        target = writer.choose(self.finder.all_nodes().values(), [t.medium for t in self.own.all])
+        if target is None:
+            self.stats.add("spill_failures", reason="no_target")
+            return
+        if writer.pending >= writer.batch_limit:
+            self._complete_spills(events)
+        try:
+            # Its own buffer: the caller may hold a page being demoted in self._staging.
+            tier.read(ref, key, self._spill_buf)
+            writer.prepare_spill(key, self._spill_buf, target)
+        except PageError as e:
+            self._count_spill_failure(e)
+
+    def _complete_spills(self, events: list[Event]) -> None:
+        """Write the pages staged by :meth:`_spill` (one WRITE per owner) and queue their publication."""
+        if self.fabric is None or self.fabric.writer is None or not self.fabric.writer.pending:
+            return
+        for key, got in self.fabric.writer.complete_spills():
+            if isinstance(got, PageError):
+                self._count_spill_failure(got)
+            else:
+                events.append((True, key, got))
+                self.stats.add("spilled_pages", tier=got.medium)
+
+    def _count_spill_failure(self, err: PageError) -> None:
+        self.stats.add("spill_failures", reason=err.reason)
+        self.log_once(f"spill-{err.reason}", logging.WARNING, "pof: could not spill a page (%s); it is dropped "
+                      "and recomputed when needed. Further failures are counted in pof_spill_failures_total", err)
+
+    # ---- spill upkeep, asked for by the heartbeat --------------------------------------------
+
+    def maintain_spills_soon(self) -> None:
+        """Queue a lease upkeep on the store thread (the spill writer's only thread), unless one is queued."""
+        if self.fabric is None or self.fabric.writer is None or self._maintaining.is_set():
+            return
+        self._maintaining.set()
+        try:
+            self._store.submit(self._maintain_spill)
+        except RuntimeError:         # the store thread is shut down: closing
+            pass
+
+    def _maintain_spill(self) -> None:
+        """On the store thread: renew leases, withdraw lost pages."""
+        self._maintaining.clear()
+        if self.fabric is not None and self.fabric.writer is not None:
+            ended = self.fabric.writer.maintain()
+            if ended:
+                self.publisher.withdraw(ended)
+
+    def republish_spills_soon(self) -> None:
+        """After an index restart or outage: the pages this node spilled are published again (queued
+        on the writer's own thread)."""
+        if self.fabric is None or self.fabric.writer is None:
+            return
+        try:
+            self._store.submit(self._republish_spilled)
+        except RuntimeError:     # closing
+            pass
+
+    def _republish_spilled(self) -> None:
+        if self.fabric is not None and self.fabric.writer is not None:
+            self.publisher.publish_all(self.fabric.writer.entries())
+
+    def close(self) -> None:
+        """Give back the spilled pages' slots (withdrawing them), then stop the store thread once
+        what is queued ran."""
+        if self.fabric is not None and self.fabric.writer is not None:
+            gone = self._store.submit(self.fabric.writer.close).result()    # the writer's own thread
+            if gone:
+                self.publisher.withdraw(gone)
+        self._store.shutdown(wait=True)
+
+
+def _write_layers(tier: Tier, key: PageKey, layers: Sequence[Any], ref: SlotRef) -> None:
+    tier.write(ref, key, layers)
