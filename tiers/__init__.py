@@ -1,4 +1,11 @@
-"""Tiers: the media a pool node stores pages in (import path ``pof_connector.tiers``)."""
+"""Tiers: the media a pool node stores pages in (import path ``pof_connector.tiers``).
+
+* :mod:`.base` — :class:`~.base.Tier`: fixed slots, LRU, pins, per-slot generations (the seqlock);
+* :mod:`.slot_table` — the books of which key sits in which slot;
+* :mod:`.cpu_dram` — process-private DRAM; :mod:`.cxl` — one shared region, a partition per writer;
+* :mod:`.peer_hbm` and :mod:`.peer_region` — a GPU of this host mapped by CUDA IPC;
+* :mod:`.ordering` — the store-order guarantee the seqlock needs (x86 TSO).
+"""
 
 from __future__ import annotations
 

@@ -142,6 +142,11 @@ class PeerHbmTier(Tier):
         out = scratch.numpy()
         return out
 
+    @property
+    def device_bytes(self) -> Any:
+        """The whole mapped region as a uint8 tensor (no checks: for benchmarks against raw copies)."""
+        return self._dev
+
     def _slot_t(self, slot: int) -> Any:
         start = slot * self.slot_bytes
         return self._dev[start:start + self.spec.page_bytes]

@@ -2,9 +2,13 @@
 
 Each benchmark returns one plain dict (what ``--json`` prints) whose ``ratio`` compares pof with
 the cheapest thing that does the same job on the same machine in the same run, so the figure
-means something on any host: :mod:`.tiers` against ``numpy.copyto`` of the same bytes, and
-:mod:`.index` against one bare Redis round trip. :mod:`.cli` registers them as ``pof bench``
-commands and prints their tables.
+means something on any host: :mod:`.tiers` against ``numpy.copyto`` of the same bytes,
+:mod:`.index` against one bare Redis round trip, :mod:`.fabric` against a raw NIXL READ
+(:mod:`.fabric_owner`, :mod:`.raw_nixl_reader`), :mod:`.hbm` against raw torch copies,
+:mod:`.vllm` against recompute and vLLM's own connector, :mod:`.router` against vllm-router.
+Helpers: :mod:`.service_process`, :mod:`.vllm_server`, :mod:`.router_process` (processes stopped
+by PID) and :mod:`.make_model` (the local test models). :mod:`.cli` registers them as
+``pof bench`` commands and prints their tables.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
     pages = len(keys)
     refs = _store(peer_tier, keys, segments)
     host_refs = _store(host_tier, keys, segments)
-    region = peer_tier._dev                                    # the raw bytes the tier reads
+    region = peer_tier.device_bytes                            # the raw bytes the tier reads
     slots = [region[r.slot * peer_tier.slot_bytes:r.slot * peer_tier.slot_bytes + pb] for r in refs]
     dev_out = torch.empty(pages * pb, dtype=torch.uint8, device=eng)
     dev_pages = [dev_out[i * pb:(i + 1) * pb] for i in range(pages)]

@@ -1,4 +1,15 @@
-"""The locality index: where each page lives, cluster-wide (see :mod:`.base`)."""
+"""The locality index: where each page lives, cluster-wide.
+
+* :mod:`.base` — the :class:`~.base.LocalityIndex` interface and its records;
+* :mod:`.redis` — the Redis implementation (schema in its docstring); :mod:`.local` — in-process;
+* :mod:`.server` — starting a Redis-protocol server; :mod:`.embedded` — the per-host embedded
+  server and its supervisor;
+* :mod:`.guarded` — index calls that never raise into the pool or the relay (count, back off,
+  log once);
+* :mod:`.reach` — the one rule for which holders' runs a node can load, used by the pool's
+  lookup and the locator;
+* :mod:`.cli` and :mod:`.stats_view` — ``pof index ...`` and ``pof stats``.
+"""
 
 from __future__ import annotations
 
