@@ -18,7 +18,8 @@ import secrets
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field, model_validator
 
@@ -30,6 +31,11 @@ log = logging.getLogger("pof.api")
 
 MAX_TOKENS = 1 << 20          # a 1M-token prompt is 4 MiB of JSON: beyond that, refuse
 MAX_TOKEN_ID = 0xFFFFFFFF
+MAX_BODY_BYTES = 16 << 20
+"""Larger bodies are refused (413) from their Content-Length, before they are read: the longest
+valid query (MAX_TOKENS ids of 10 digits, or 8 x MAX_TOKENS characters of text) is smaller."""
+MAX_ERRORS = 10
+"""Validation errors listed in a 422 (a million wrong token ids would be a million errors)."""
 
 
 class LocalityQuery(BaseModel):
@@ -93,6 +99,25 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
     locator = Locator(index, tokenizers=tokenizers, nodes_ttl_s=0.0)
     health = IndexHealth("pof locality API", log)
     registry.register(health)
+
+    @app.middleware("http")
+    async def body_limit(request: Request, call_next: Any) -> Any:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            requests.labels(request.url.path, "413").inc()
+            return JSONResponse({"detail": f"the body is {declared} bytes; at most {MAX_BODY_BYTES}"}, status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 echoes each wrong value ("input"): a 50 MB query got a 52 MB answer.
+        errors = exc.errors()
+        detail: list[dict[str, Any]] = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))[:300],
+                                         "type": e.get("type", "")} for e in errors[:MAX_ERRORS]]
+        if len(errors) > MAX_ERRORS:
+            detail.append({"loc": [], "msg": f"and {len(errors) - MAX_ERRORS} more errors", "type": "truncated"})
+        requests.labels(request.url.path, "422").inc()
+        return JSONResponse({"detail": detail}, status_code=422)
 
     def unavailable(e: IndexUnavailable) -> HTTPException:
         health.lost(type(e).__name__, str(e), "answering 503 until it is back")

@@ -4,7 +4,15 @@
 :class:`~pof_connector.router.router.Router` picks; the body is forwarded unchanged and the
 answer streamed back with a header ``x-pof-backend`` naming the backend. A backend that refuses
 the connection is taken out and the request goes to the next best one. ``GET /v1/models``,
-``/health``, ``/metrics`` (Prometheus) and ``/pof/backends`` (the router's view) complete it.
+``/health``, ``/metrics`` (Prometheus) and ``/pof/backends`` (the router's view) complete it;
+every other path (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...) is passed to the
+least loaded backend unchanged.
+
+Hostile input is answered, not served: a body over ``max_body_bytes`` is refused (413) before it
+is read whole, a body that is not a JSON object (or nests too deeply) and token ids outside
+0..2^32-1 get a 400 with an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not
+tokenized (the backend's own length check refuses it). A client that disconnects while its
+non-streamed answer is computed closes the backend connection, so the engine aborts the request.
 
 Prompt tokens: token-id prompts are used as given; text and chat messages are tokenized by a
 backend's ``POST /tokenize`` (vLLM's; exact, chat template included) unless a local tokenizer
@@ -32,6 +40,9 @@ from pof_connector.router.router import Decision, NoBackend, Router
 
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
+MAX_TOKEN_ID = 0xFFFFFFFF
+DISCONNECT_POLL_S = 0.25
+"""How often a request waiting for its backend's answer checks that its client is still there."""
 
 
 class _Metrics:
@@ -42,6 +53,9 @@ class _Metrics:
                                 registry=self.registry)
         self.errors = Counter("pof_router_backend_errors", "Requests a backend failed", ["backend"],
                               registry=self.registry)
+        self.abandoned = Counter("pof_router_abandoned", "Requests whose client left before the answer began "
+                                 "(the backend connection was closed, so the engine aborts them)", ["backend"],
+                                 registry=self.registry)
         self.ttft = Histogram("pof_router_ttft_seconds", "Time to first streamed chunk", ["backend"],
                               registry=self.registry,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8))
@@ -82,34 +96,37 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
 
     async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids to route on; ``None``: route without them (no prompt, a prompt
+        too long to tokenize first, or no tokenizer answered). Raises :class:`_BadRequest`."""
         if path.endswith("/completions") and "chat" not in path:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
                 prompt = prompt[0]            # a batch: route on its first prompt
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-            if not isinstance(prompt, str):
+            if isinstance(prompt, list):
+                return _token_ids(prompt)
+            if not isinstance(prompt, str) or len(prompt) > cfg.max_tokenize_chars:
                 return None
             if tokenizer is not None:          # milliseconds of CPU for a long prompt: off the event loop
                 return await asyncio.to_thread(tokenizer, prompt)
             return await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
         messages = body.get("messages")
-        if not isinstance(messages, list):
+        if not isinstance(messages, list) or _text_length(messages) > cfg.max_tokenize_chars:
             return None
         return await _tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
 
-    async def proxy(request: Request, path: str) -> Response:
-        raw = await request.body()
+    async def proxy(request: Request, path: str, *, route_by_prompt: bool = True) -> Response:
+        """Forward ``request`` to the backend the router picks, routing on the prompt when
+        ``route_by_prompt`` (completions and chat) and least-loaded otherwise."""
         try:
-            body = json.loads(raw)
-        except ValueError as e:
-            return _error(400, f"the request body is not JSON: {e}")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        tokens = await prompt_tokens(path, body)
+            raw = await _body(request, cfg.max_body_bytes)
+            body = _json_object(raw) if route_by_prompt else None
+            tokens = await prompt_tokens(path, body) if body is not None else None
+        except _BadRequest as e:
+            return _error(e.status, str(e))
         session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        target = path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[str] = set()
         while True:
             try:
@@ -120,15 +137,21 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             b = decision.backend
             ticket = b.admit(decision.prefill_tokens)
             sent = time.perf_counter()
+            req = state["client"].build_request(request.method, b.url + target, content=raw, headers=headers)
             try:
-                req = state["client"].build_request("POST", b.url + path, content=raw, headers=headers)
-                resp = await state["client"].send(req, stream=True)
+                resp = await _send_unless_gone(state["client"], req, request)
             except httpx.TransportError as e:
                 b.finish(ticket)
                 b.check_failed(f"{type(e).__name__}: {e}", now=True)
                 metrics.errors.labels(b.name).inc()
                 tried.add(b.name)
                 continue
+            except _ClientGone:
+                # A non-streamed answer has no headers until it is complete: the client left while
+                # the backend computed it. Dropping the connection makes the engine abort it.
+                b.finish(ticket)
+                metrics.abandoned.labels(b.name).inc()
+                return Response(status_code=499)
             metrics.requests.labels(b.name, decision.reason).inc()
             out_headers = {"x-pof-backend": b.name, "x-pof-reason": decision.reason}
             if decision.estimate is not None:
@@ -190,7 +213,86 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     def prom() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def passthrough(request: Request, path: str) -> Response:
+        """The rest of the engine's API (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...)
+        goes to the least loaded healthy backend, unchanged."""
+        return await proxy(request, "/" + path, route_by_prompt=False)
+
     return app
+
+
+class _BadRequest(ValueError):
+    """A request the router refuses; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the backend's answer began."""
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) past ``limit`` bytes without reading it whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _BadRequest(413, f"the request body is {int(declared)} bytes; this router takes at most {limit} "
+                               f"(max_body_bytes)")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _BadRequest(413, f"the request body is over {limit} bytes (max_body_bytes)")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _BadRequest(400, "the request body is JSON nested too deeply") from None
+    except ValueError as e:
+        raise _BadRequest(400, f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest(400, "the request body must be a JSON object")
+    return body
+
+
+def _token_ids(prompt: list[Any]) -> list[int]:
+    """``prompt`` as token ids; a list that is not (ints in 0..2^32-1) is refused, as vLLM does."""
+    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        raise _BadRequest(400, f"'prompt' as a list must hold token ids, integers in 0..{MAX_TOKEN_ID}")
+    return prompt
+
+
+def _text_length(messages: list[Any]) -> int:
+    """Characters of the chat messages' text content (what a tokenizer would have to read)."""
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
+async def _send_unless_gone(client: httpx.AsyncClient, req: httpx.Request, request: Request) -> httpx.Response:
+    """Send ``req`` and wait for the response headers, unless ``request``'s client disconnects
+    first (then the send is cancelled, closing the backend connection, and :class:`_ClientGone`)."""
+    send = asyncio.ensure_future(client.send(req, stream=True))
+    while True:
+        done, _ = await asyncio.wait({send}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return send.result()
+        if await request.is_disconnected():
+            send.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.TransportError):
+                await send
+            raise _ClientGone()
 
 
 async def _tokenize(router: Router, client: httpx.AsyncClient, body: dict[str, Any]) -> list[int] | None:

@@ -73,6 +73,10 @@ class RouterConfig(_Frozen):
     tokenizer: str | None = Field(None, description="tokenizer.json or model dir for text prompts; None: ask "
                                                      "the backend's /tokenize")
     request_timeout_s: float = Field(600.0, gt=0)
+    max_body_bytes: int = Field(64 << 20, ge=1 << 10, description="larger request bodies are refused (413) "
+                                                                  "before they are read whole")
+    max_tokenize_chars: int = Field(1_000_000, ge=0, description="longer text prompts are routed without "
+                                                                 "their tokens (least loaded), not tokenized")
     backends: list[BackendConfig] = Field(min_length=1)
     cost: CostConfig = CostConfig()
     health: HealthConfig = HealthConfig()

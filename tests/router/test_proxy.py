@@ -5,12 +5,14 @@ vLLM servers is tested in tests/adapters/test_vllm_router.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -27,6 +29,8 @@ from pof_connector.router.serve import build
 from tests.locality.test_api import node
 
 SEG = [np.zeros(512, np.uint8)] * 2
+SLOW = 9999
+"""``max_tokens`` that makes a stand-in engine take 10 s over a non-streamed answer."""
 
 
 class StandInEngine:
@@ -38,7 +42,17 @@ class StandInEngine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.prompts: list[Any] = []
+        self.tokenized = 0
+        self.aborted = 0          # slow requests whose client went away (vLLM aborts those)
         app = FastAPI()
+
+        @app.get("/version")
+        def version() -> dict[str, str]:
+            return {"version": self.name}
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> dict[str, str]:
+            return {"prompt": "".join(chr(t) for t in (await request.json())["tokens"])}
 
         @app.get("/health")
         def health() -> dict[str, bool]:
@@ -47,6 +61,7 @@ class StandInEngine:
         @app.post("/tokenize")
         async def tokenize(request: Request) -> dict[str, Any]:
             body = await request.json()
+            self.tokenized += 1
             text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
             return {"tokens": [ord(c) for c in text], "count": len(text)}
 
@@ -54,6 +69,12 @@ class StandInEngine:
         @app.post("/v1/chat/completions")
         async def complete(request: Request) -> Any:
             body = await request.json()
+            if body.get("max_tokens") == SLOW:      # a long non-streamed answer: 10 s unless the client leaves
+                for _ in range(200):
+                    if await request.is_disconnected():
+                        self.aborted += 1
+                        return None
+                    await asyncio.sleep(0.05)
             self.prompts.append(body.get("prompt", body.get("messages")))
             text = f"{self.name}:{len(json.dumps(self.prompts[-1]))}"
             if not body.get("stream"):
@@ -229,3 +250,73 @@ def test_routing_without_the_index_is_logged_once_per_transition_and_exported(
         index.close()
     finally:
         a.close()
+
+
+def test_hostile_input_is_answered_with_a_clear_error_and_the_router_keeps_serving(
+        engines: dict[str, StandInEngine]) -> None:
+    """Issue 19: token ids out of range and deeply nested JSON were 500s (text/plain); a 50 MB
+    text prompt was tokenized by every backend in turn. Each is now a 4xx with an OpenAI-style
+    error, or (a text prompt too long to tokenize first) routed without its tokens."""
+    router, _ = build(router_config(engines, policy="least_loaded", max_body_bytes=1 << 20,
+                                    max_tokenize_chars=10_000))
+    with TestClient(make_app(router)) as client:
+        for prompt in ([-1, 5], [5, 1 << 32], [[1, "x"], [3]], [1.5], [True]):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+            assert r.status_code == 400 and "token ids" in r.json()["error"]["message"], (prompt, r.text)
+        deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = client.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (2 << 20) + b'"}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+        assert sum(e.tokenized for e in engines.values()) == 0 and not any(e.prompts for e in engines.values())
+
+        served, _ = post(client, "y" * 20_000)                 # too long to tokenize first: sent as it is
+        assert sum(e.tokenized for e in engines.values()) == 0 and engines[served].prompts == ["y" * 20_000]
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "z" * 20_000}]})
+        assert r.status_code == 200 and sum(e.tokenized for e in engines.values()) == 0
+        assert post(client, "short")[0] in engines and sum(e.tokenized for e in engines.values()) == 1
+        assert post(client, [1, 2, 3])[0] in engines           # still serving
+
+
+def test_the_rest_of_the_engine_api_is_passed_through(engines: dict[str, StandInEngine]) -> None:
+    """Issue 19: routes a vLLM user calls (``/tokenize``, ``/detokenize``, ``/version``, ...) were
+    404 through the router."""
+    router, _ = build(router_config(engines, policy="least_loaded"))
+    with TestClient(make_app(router)) as client:
+        r = client.post("/detokenize", json={"tokens": [104, 105]})
+        assert r.status_code == 200 and r.json() == {"prompt": "hi"} and r.headers["x-pof-backend"] in engines
+        r = client.get("/version")
+        assert r.status_code == 200 and r.json()["version"] == r.headers["x-pof-backend"]
+        r = client.post("/tokenize", json={"prompt": "abc"})
+        assert r.status_code == 200 and r.json()["tokens"] == [97, 98, 99]
+        assert client.get("/no/such/route").status_code == 404          # the backend's own 404
+
+
+def test_a_client_that_leaves_a_non_streamed_request_cancels_it(engines: dict[str, StandInEngine]) -> None:
+    """Issue 19: a non-streamed request whose client disconnected ran to its end on the engine
+    (the router was waiting for the answer's headers, which come only with the whole answer).
+    The router now closes the backend connection, which is how vLLM learns to abort."""
+    router, _ = build(router_config(engines, policy="least_loaded"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(make_app(router), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": SLOW}, timeout=0.5)
+        deadline = time.monotonic() + 3
+        while sum(e.aborted for e in engines.values()) == 0:
+            assert time.monotonic() < deadline, "the engine kept computing for a client that left"
+            time.sleep(0.05)
+        assert "pof_router_abandoned_total" in httpx.get(url + "/metrics").text
+        state = httpx.get(url + "/pof/backends").json()
+        assert all(b["running"] == 0 for b in state["backends"])      # its ticket was given back
+    finally:
+        server.should_exit = True
+        thread.join(10)
