@@ -356,6 +356,16 @@ class PofConfig:
         }
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its password (``redis://user:PASSWORD@host``) replaced by ``***``: for logs,
+    errors and tables, which must never carry a secret."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
 INDEX_URL_FORMS = "'embedded', 'local', 'redis://host:port/db', 'rediss://…' or 'unix:///path/to.sock'"
 
 
@@ -364,4 +374,5 @@ def _index_url(value: Any) -> str:
         value in ("embedded", "local") or value.startswith(("redis://", "rediss://", "unix://"))
     ):
         return value
-    raise ConfigError(f"index_url: expected {INDEX_URL_FORMS}, got {value!r}")
+    shown = redact_url(value) if isinstance(value, str) else value
+    raise ConfigError(f"index_url: expected {INDEX_URL_FORMS}, got {shown!r}")

@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 
 from pof_connector.cli import main
-from pof_connector.index.base import NodeInfo, TierUsage
+from pof_connector.config import ConfigError, PofConfig, redact_url
+from pof_connector.index.base import IndexUnavailable, NodeInfo, TierUsage
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
+from pof_connector.pages import PageSpec
+from pof_connector.pool import Pool
 
 
 @pytest.fixture
@@ -226,3 +229,30 @@ def test_bench_hbm_without_torch_says_where_to_run_it(capsys: pytest.CaptureFixt
         pass
     assert main(["bench", "hbm", "--json"]) == 1
     assert "PyTorch is not installed" in capsys.readouterr().err
+
+
+def test_an_index_password_never_appears_in_errors_logs_or_tables(runtime_dir: str, capsys: pytest.CaptureFixture[str],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 19: secrets never appear in logs, `pof stats` or error messages. A Redis URL carries
+    its password (``redis://user:PASSWORD@host``); every place that shows the URL redacts it."""
+    secret = "s3cret-pw"
+    url = f"redis://pof:{secret}@127.0.0.1:1/0"          # nothing listens on port 1: every call fails
+    assert redact_url(url) == "redis://pof:***@127.0.0.1:1/0"
+    assert redact_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+    with pytest.raises(IndexUnavailable) as failed:
+        RedisIndex(url, None, timeout_s=0.2).nodes()
+    assert secret not in str(failed.value) and "pof:***@" in str(failed.value)
+    with pytest.raises(ConfigError) as bad:
+        PofConfig.from_mapping({"index_url": f"http://pof:{secret}@host"})
+    assert secret not in str(bad.value)
+    assert main(["stats", "--url", url]) == 1
+    out = capsys.readouterr()
+    assert secret not in out.err + out.out and "pof:***@" in out.err
+    pool = Pool(PofConfig.from_mapping({"node_id": "n", "index_url": url, "runtime_dir": runtime_dir,
+                                        "index_timeout_s": 0.2, "tiers": {"cpu_dram": {"size": "1MiB"}}}),
+                PageSpec(2, 512, 16), b"n" * 16)
+    try:
+        pool.lookup(pool.keys_for(list(range(32))))
+    finally:
+        pool.close()
+    assert "locality index unavailable" in caplog.text and secret not in caplog.text

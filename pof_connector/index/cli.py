@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.cli_support import CommandError, err_console, out_console, print_json, usage
-from pof_connector.config import PofConfig
+from pof_connector.config import PofConfig, redact_url
 from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, restarts, stop_embedded, supervise
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import ping
@@ -86,7 +86,7 @@ def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
 def cmd_index_api(args: argparse.Namespace) -> int:
     """Serve the locality API for an index this process does not run (e.g. a Redis cluster's)."""
     if not ping(args.url):
-        raise CommandError(f"no index server answers at {args.url}")
+        raise CommandError(f"no index server answers at {redact_url(args.url)}")
     _start_api(args.url, args).join()
     return 0
 
@@ -160,7 +160,7 @@ def cmd_index_stats(args: argparse.Namespace) -> int:
             out_console().print(f"the embedded index server was restarted {len(restarted)} time(s) after it died; "
                          f"last: {restarted[-1]}", style="yellow")
     if args.json:
-        print_json({"url": url, "nodes": [node_json(n) for n in nodes], "totals": totals})
+        print_json({"url": redact_url(url), "nodes": [node_json(n) for n in nodes], "totals": totals})
     else:
         print_stats(url, nodes, totals)
     return 0
@@ -186,12 +186,13 @@ def _stats_url(args: argparse.Namespace) -> str:
         url = embedded_url(config.runtime_dir) if config.index_url == "embedded" else config.index_url
     if not ping(url):
         runtime_dir = _embedded_dir(args)
+        shown = redact_url(url)
         if runtime_dir is not None and embedded_alive(runtime_dir):
-            raise CommandError(f"the index server at {url} runs but does not answer (a busy host, or stopped)")
+            raise CommandError(f"the index server at {shown} runs but does not answer (a busy host, or stopped)")
         if args.url or config.index_url != "embedded":
-            raise CommandError(f"no index server running at {url}")
+            raise CommandError(f"no index server running at {shown}")
         serve = "pof index serve" + (f" --config {args.config}" if args.config else "")
-        raise CommandError(f"no index server running at {url}. Engines with index_url: embedded start it when "
+        raise CommandError(f"no index server running at {shown}. Engines with index_url: embedded start it when "
                            f"they start; `{serve}` runs one in the foreground. The index of "
                            "examples/quickstart.sh and examples/core/two_nodes.py is private to their run "
                            "and stopped with it.")

@@ -40,6 +40,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pof_connector.config import redact_url
 from pof_connector.index.base import (
     MEDIA,
     IndexTimeout,
@@ -191,6 +192,8 @@ class RedisIndex(LocalityIndex):
     def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0) -> None:
         super().__init__(node_id)
         self.url = url
+        self.shown_url = redact_url(url)
+        """``url`` as logs and errors show it (no password)."""
         self._r = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             # One retry for a connection the server closed (it restarted); none for a timeout: a
@@ -211,9 +214,9 @@ class RedisIndex(LocalityIndex):
         try:
             return fn(*args, **kw)
         except redis.TimeoutError as e:
-            raise IndexTimeout(f"index {self.url}: {what} timed out: {e}") from e
+            raise IndexTimeout(f"index {self.shown_url}: {what} timed out: {e}") from e
         except redis.RedisError as e:
-            raise IndexUnavailable(f"index {self.url}: {what} failed: {e}") from e
+            raise IndexUnavailable(f"index {self.shown_url}: {what} failed: {e}") from e
 
     @property
     def incarnation(self) -> int | None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from pof_connector.cli_support import out_console
-from pof_connector.config import format_size
+from pof_connector.config import format_size, redact_url
 from pof_connector.index.base import NodeInfo
 
 
@@ -32,7 +32,7 @@ def node_json(node: NodeInfo) -> dict[str, object]:
 
 
 def print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) -> None:
-    table = Table(title=f"live nodes at {url}", title_justify="left")
+    table = Table(title=f"live nodes at {redact_url(url)}", title_justify="left")
     table.add_column("node", no_wrap=True)
     table.add_column("tier")
     for name in ("capacity", "used", "free"):
