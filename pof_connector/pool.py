@@ -92,9 +92,9 @@ class Pool:
         self._own = own
         self.finder = SourceFinder(config, own, index, guard, self.stats, self._fabric)
         """What this node can read, and from where."""
-        self._reads = Reads(spec, own, self.finder, index, guard, self.stats, log_once, self._fabric,
-                            config.io_threads)
         self._publisher = Publisher(index, guard)
+        self._reads = Reads(spec, own, self.finder, self._publisher, self.stats, log_once, self._fabric,
+                            config.io_threads)
         self._guard = guard
         self.placement = Placement(spec, own, self.finder, self._publisher, self.stats, log_once, self._fabric)
         """Stores, demotions and spills (on the one store thread)."""

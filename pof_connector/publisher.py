@@ -33,17 +33,19 @@ class Publisher:
             final[(key, loc.node, loc.medium)] = (pub, loc)
         out = [(k, loc) for (k, _, _), (pub, loc) in final.items() if not pub]
         put = [(k, loc) for (k, _, _), (pub, loc) in final.items() if pub]
-        if out and self.guard.call("withdraw", self.index.withdraw, out, default=False) is False:
-            with self._unwithdrawn_lock:
-                # Sent again by the heartbeat. Past the cap (a long outage) the oldest are given up:
-                # a stale record costs a failed load (its generation does not match), never a wrong page.
-                self._unwithdrawn = (self._unwithdrawn + out)[-UNWITHDRAWN_MAX:]
+        if out:
+            self.withdraw(out)
         if put and self.guard.call("publish", self.index.publish, put, default=False) is False:
             self._republish = True            # the heartbeat publishes everything again
 
     def withdraw(self, entries: list[tuple[PageKey, Location]]) -> None:
-        """Withdraw once (not retried: the records lead to misses, e.g. of slots that are gone)."""
-        self.guard.call("withdraw", self.index.withdraw, entries, default=None)
+        """Withdraw ``entries``; what the index does not take is sent again by the heartbeat (a
+        withdrawal removes exactly its records, so a late one never removes a newer page's)."""
+        if entries and self.guard.call("withdraw", self.index.withdraw, entries, default=False) is False:
+            with self._unwithdrawn_lock:
+                # Past the cap (a long outage) the oldest are given up: a stale record costs a
+                # failed load (its generation does not match), never a wrong page.
+                self._unwithdrawn = (self._unwithdrawn + entries)[-UNWITHDRAWN_MAX:]
 
     def publish_all(self, entries: list[tuple[PageKey, Location]]) -> None:
         """Publish many (a re-publish) in batches; what the index does not take is asked for again."""

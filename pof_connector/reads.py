@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from pof_connector.fabric import PeerMeta
-from pof_connector.index import LocalityIndex, Location
-from pof_connector.index.guarded import IndexGuard, LogOnce
+from pof_connector.index import Location
+from pof_connector.index.guarded import LogOnce
 from pof_connector.keys import PageKey
 from pof_connector.load_handle import LoadHandle, copy_layers, finished
 from pof_connector.lookup import SourceFinder
@@ -20,6 +20,7 @@ from pof_connector.metrics import PoolStats
 from pof_connector.own_tiers import OwnTiers
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import PageError, PageSpec, as_array
+from pof_connector.publisher import Publisher
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
@@ -30,15 +31,14 @@ if TYPE_CHECKING:
 class Reads:
     """Reads of node ``own.node_id`` (a client's pool has no tiers: every read fails "unreachable")."""
 
-    def __init__(self, spec: PageSpec, own: OwnTiers, finder: SourceFinder, index: LocalityIndex, guard: IndexGuard,
+    def __init__(self, spec: PageSpec, own: OwnTiers, finder: SourceFinder, publisher: Publisher,
                  stats: PoolStats, log_once: LogOnce, fabric: FabricNode | None, io_threads: int) -> None:
         self._spec = spec
         self._stats = stats
         self.node_id = own.node_id
         self.own = own
         self.finder = finder
-        self.index = index
-        self.guard = guard
+        self.publisher = publisher
         self.log_once = log_once
         self.fabric = fabric
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="pof-io")
@@ -140,12 +140,11 @@ class Reads:
         if own:
             gone = tier.remove(key, slot=ref.slot)     # only that copy: the key may be stored anew elsewhere
             if gone is not None:
-                self.guard.call("withdraw", self.index.withdraw,
-                                [(key, Location(self.node_id, src.medium, gone.slot, gone.generation))], default=None)
+                self.publisher.withdraw([(key, Location(self.node_id, src.medium, gone.slot, gone.generation))])
         elif tier.is_lent(ref.slot):
             # Spilled into a slot we lent and published as ours: the writer's entry leads only to
             # misses. The slot stays the writer's until its lease ends.
-            self.guard.call("withdraw", self.index.withdraw, [(key, src)], default=None)
+            self.publisher.withdraw([(key, src)])
 
     def count_load_failure(self, err: PageError) -> None:
         self._stats.add("load_failures", reason=err.reason)

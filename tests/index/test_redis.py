@@ -160,6 +160,39 @@ def test_timed_out_publish_and_withdraw_are_sent_again(redis_server: RedisServer
         pool.close()
 
 
+def test_a_timed_out_withdrawal_of_a_corrupt_page_is_sent_again(redis_server: RedisServer, runtime_dir: str,
+                                                                 namespace: bytes) -> None:
+    """Withdrawals other than evictions (a corrupt page dropped, a lost tier, a lease that ended,
+    a lent slot reclaimed) were sent once: one that timed out left the index offering the page to
+    every other node, each load then failing. They are now re-sent like evictions."""
+    spec = PageSpec(2, 1024, 16)
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
+                                  "node_ttl_s": 5.0, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "64KiB"}}})
+    pool = Pool(cfg, spec, namespace)
+    reader = RedisIndex(redis_server.url, None)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = page_keys(namespace, list(range(32)), 16)
+        pool.store([(k, [np.full(1024, i, np.uint8)] * 2) for i, k in enumerate(keys)]).result()
+        wait_until(lambda: reader.longest_prefix(keys).get("a") is not None)
+        tier = pool.tiers[0]
+        ref = tier.find(keys[0])
+        assert ref is not None
+        tier.region[tier.slot_offset(ref.slot) + spec.segment_offset(0)] ^= 1
+        admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        sources = pool.lookup(keys).sources
+        handle = pool.load(keys, sources, [np.zeros(spec.page_bytes, np.uint8) for _ in keys])
+        assert handle.wait(5) and handle.failed == {0: "bad_checksum"}
+        assert pool.stats.get("index_timeouts", op="withdraw") >= 1
+        wait_until(lambda: reader.longest_prefix(keys).get("a") is None, 10)     # page 0 no longer offered
+        assert pool.stats.get("index_restarts") == 0
+    finally:
+        admin.close()
+        reader.close()
+        pool.close()
+
+
 def wait_until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not pred():
