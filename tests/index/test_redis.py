@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -130,20 +132,32 @@ def test_embedded_supervisor_exits_when_idle(runtime_dir: str) -> None:
                 os.kill(p, 9)
 
 
+@contextlib.contextmanager
+def paused_pool(redis_server: RedisServer, runtime_dir: str, namespace: bytes,
+                dram: str) -> Iterator[tuple[Pool, RedisIndex, redis.Redis]]:
+    """Node "a" with a short index timeout, a reader of the index, and an admin client that can
+    pause the server's writes (CLIENT PAUSE ... WRITE)."""
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
+                                  "node_ttl_s": 5.0, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": dram}}})
+    pool = Pool(cfg, PageSpec(2, 1024, 16), namespace)
+    reader = RedisIndex(redis_server.url, None)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        yield pool, reader, admin
+    finally:
+        admin.close()
+        reader.close()
+        pool.close()
+
+
 def test_timed_out_publish_and_withdraw_are_sent_again(redis_server: RedisServer, runtime_dir: str,
                                                        namespace: bytes) -> None:
     """The server pauses writes (CLIENT PAUSE) while the pool stores a chain that evicts another:
     the publish and the withdrawals time out, and a paused client that gives up has its commands
     dropped. Once writes resume, the heartbeat sends both again: the new chain is found, the
     evicted one is no longer claimed by the node."""
-    spec = PageSpec(2, 1024, 16)
-    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
-                                  "node_ttl_s": 5.0, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
-                                  "tiers": {"cpu_dram": {"size": "8KiB"}}})
-    pool = Pool(cfg, spec, namespace)
-    reader = RedisIndex(redis_server.url, None)
-    admin = redis.Redis.from_url(redis_server.url)
-    try:
+    with paused_pool(redis_server, runtime_dir, namespace, "8KiB") as (pool, reader, admin):
         seg = [np.zeros(1024, np.uint8)] * 2
         old, new = page_keys(namespace, list(range(48)), 16), page_keys(namespace, list(range(100, 148)), 16)
         pool.store([(k, seg) for k in old]).result()
@@ -154,10 +168,6 @@ def test_timed_out_publish_and_withdraw_are_sent_again(redis_server: RedisServer
         wait_until(lambda: "a" in reader.longest_prefix(new), 10)
         wait_until(lambda: "a" not in reader.longest_prefix(old), 5)
         assert pool.lookup(old).pages == 0 and pool.stats.get("index_restarts") == 0
-    finally:
-        admin.close()
-        reader.close()
-        pool.close()
 
 
 def test_a_timed_out_withdrawal_of_a_corrupt_page_is_sent_again(redis_server: RedisServer, runtime_dir: str,
@@ -165,32 +175,21 @@ def test_a_timed_out_withdrawal_of_a_corrupt_page_is_sent_again(redis_server: Re
     """Withdrawals other than evictions (a corrupt page dropped, a lost tier, a lease that ended,
     a lent slot reclaimed) were sent once: one that timed out left the index offering the page to
     every other node, each load then failing. They are now re-sent like evictions."""
-    spec = PageSpec(2, 1024, 16)
-    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
-                                  "node_ttl_s": 5.0, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
-                                  "tiers": {"cpu_dram": {"size": "64KiB"}}})
-    pool = Pool(cfg, spec, namespace)
-    reader = RedisIndex(redis_server.url, None)
-    admin = redis.Redis.from_url(redis_server.url)
-    try:
+    with paused_pool(redis_server, runtime_dir, namespace, "64KiB") as (pool, reader, admin):
         keys = page_keys(namespace, list(range(32)), 16)
         pool.store([(k, [np.full(1024, i, np.uint8)] * 2) for i, k in enumerate(keys)]).result()
         wait_until(lambda: reader.longest_prefix(keys).get("a") is not None)
         tier = pool.tiers[0]
         ref = tier.find(keys[0])
         assert ref is not None
-        tier.region[tier.slot_offset(ref.slot) + spec.segment_offset(0)] ^= 1
+        tier.region[tier.slot_offset(ref.slot) + pool.spec.segment_offset(0)] ^= 1
         admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
         sources = pool.lookup(keys).sources
-        handle = pool.load(keys, sources, [np.zeros(spec.page_bytes, np.uint8) for _ in keys])
+        handle = pool.load(keys, sources, [np.zeros(pool.spec.page_bytes, np.uint8) for _ in keys])
         assert handle.wait(5) and handle.failed == {0: "bad_checksum"}
         assert pool.stats.get("index_timeouts", op="withdraw") >= 1
         wait_until(lambda: reader.longest_prefix(keys).get("a") is None, 10)     # page 0 no longer offered
         assert pool.stats.get("index_restarts") == 0
-    finally:
-        admin.close()
-        reader.close()
-        pool.close()
 
 
 def wait_until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
