@@ -3,7 +3,8 @@
 The core (this package) imports no engine. Its modules:
 
 * :mod:`.config` — one validated config; :mod:`.keys` — page keys; :mod:`.pages` — page layout;
-* :mod:`.pool` — :class:`~.pool.Pool`, what adapters call; it delegates to :mod:`.own_tiers`
+* :mod:`.pool` — :class:`~.pool.Pool`, what adapters call; it builds :mod:`.node_parts` (what its parts
+  share) and delegates to :mod:`.own_tiers`
   (this node's tiers), :mod:`.lookup` (the sources a node can read), :mod:`.reads` (loads and
   zero-copy reads, with :mod:`.load_handle` and :mod:`.page_reader`), :mod:`.placement` (store,
   demote, spill), :mod:`.publisher` (publish / withdraw) and :mod:`.membership` (heartbeat,

@@ -9,17 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pof_connector.config import PofConfig
 from pof_connector.fabric import PeerMeta
-from pof_connector.index import MEDIA, LocalityIndex, Location, NodeInfo
-from pof_connector.index.guarded import IndexGuard
+from pof_connector.index import MEDIA, Location, NodeInfo
 from pof_connector.index.reach import Reach, Run, gather_runs, reach
 from pof_connector.keys import PageKey
-from pof_connector.metrics import PoolStats
-from pof_connector.own_tiers import OwnTiers
+from pof_connector.node_parts import NodeParts
 
 if TYPE_CHECKING:
-    from pof_connector.fabric.node import FabricNode
+    pass
 
 NODES_MISS_REFRESH_S = 0.05
 """Least age of the node list before an unknown node triggers a refresh."""
@@ -54,15 +51,14 @@ class SourceFinder:
     node list at most a heartbeat old. ``fabric``: this node's fabric endpoint (``None``: fabric
     disabled, or a client, which reads nothing itself)."""
 
-    def __init__(self, config: PofConfig, own: OwnTiers, index: LocalityIndex, guard: IndexGuard,
-                 stats: PoolStats, fabric: FabricNode | None) -> None:
-        self.config = config
-        self.node_id = own.node_id
-        self.own = own
-        self.index = index
-        self.guard = guard
-        self.stats = stats
-        self.fabric = fabric
+    def __init__(self, parts: NodeParts) -> None:
+        self.config = parts.config
+        self.node_id = parts.own.node_id
+        self.own = parts.own
+        self.index = parts.index
+        self.guard = parts.guard
+        self.stats = parts.stats
+        self.fabric = parts.fabric
         self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._peer_metas: dict[str, tuple[dict[str, str], PeerMeta | None]] = {}
 

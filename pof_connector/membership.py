@@ -10,17 +10,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from pof_connector.config import PofConfig
-from pof_connector.index import LocalityIndex, NodeIdTaken, NodeInfo, TierUsage
-from pof_connector.index.guarded import IndexGuard, LogOnce
+from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.lookup import SourceFinder
-from pof_connector.metrics import PoolStats
-from pof_connector.own_tiers import OwnTiers
+from pof_connector.node_parts import NodeParts
 from pof_connector.placement import Placement
-from pof_connector.publisher import Publisher
 
 if TYPE_CHECKING:
-    from pof_connector.fabric.node import FabricNode
+    pass
 
 log = logging.getLogger("pof_connector.pool")     # the pool's one logger: filters set on it keep working
 EMBEDDED_RESTART_S = 5.0
@@ -30,21 +26,19 @@ EMBEDDED_RESTART_S = 5.0
 class Membership:
     """Heartbeats of a worker node (``meta``: the node meta it reports, the fabric's lending state added)."""
 
-    def __init__(self, config: PofConfig, meta: dict[str, str], own: OwnTiers, index: LocalityIndex,
-                 guard: IndexGuard, publisher: Publisher, placement: Placement, finder: SourceFinder,
-                 stats: PoolStats, log_once: LogOnce, fabric: FabricNode | None) -> None:
-        self.config = config
-        self.node_id = own.node_id
+    def __init__(self, parts: NodeParts, meta: dict[str, str], finder: SourceFinder, placement: Placement) -> None:
+        self.config = parts.config
+        self.node_id = parts.own.node_id
         self.meta = meta
-        self.own = own
-        self.index = index
-        self.guard = guard
-        self.publisher = publisher
+        self.own = parts.own
+        self.index = parts.index
+        self.guard = parts.guard
+        self.publisher = parts.publisher
         self.placement = placement
         self.finder = finder
-        self.stats = stats
-        self.log_once = log_once
-        self.fabric = fabric
+        self.stats = parts.stats
+        self.log_once = parts.log_once
+        self.fabric = parts.fabric
         self._next_index_restart = 0.0
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None

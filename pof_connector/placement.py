@@ -15,17 +15,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from pof_connector.index import Location
-from pof_connector.index.guarded import LogOnce
 from pof_connector.keys import PageKey
 from pof_connector.lookup import SourceFinder
-from pof_connector.metrics import PoolStats
-from pof_connector.own_tiers import OwnTiers
-from pof_connector.pages import PageError, PageSpec
-from pof_connector.publisher import Event, Publisher
+from pof_connector.node_parts import NodeParts
+from pof_connector.pages import PageError
+from pof_connector.publisher import Event
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
-    from pof_connector.fabric.node import FabricNode
+    pass
 
 T = TypeVar("T")
 
@@ -34,19 +32,18 @@ class Placement:
     """Stores and moves the pages of ``own``'s tiers; ``fabric``: spills past the last tier
     through its writer (``None``, or no writer: the last tier drops its LRU page)."""
 
-    def __init__(self, spec: PageSpec, own: OwnTiers, finder: SourceFinder, publisher: Publisher,
-                 stats: PoolStats, log_once: LogOnce, fabric: FabricNode | None) -> None:
-        self.spec = spec
-        self.node_id = own.node_id
-        self.own = own
+    def __init__(self, parts: NodeParts, finder: SourceFinder) -> None:
+        self.spec = parts.spec
+        self.node_id = parts.own.node_id
+        self.own = parts.own
         self.finder = finder
-        self.publisher = publisher
-        self.stats = stats
-        self.log_once = log_once
-        self.fabric = fabric
+        self.publisher = parts.publisher
+        self.stats = parts.stats
+        self.log_once = parts.log_once
+        self.fabric = parts.fabric
         self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
-        self._staging = np.empty(spec.page_bytes, dtype=np.uint8)    # store thread only
-        self._spill_buf = np.empty(spec.page_bytes, dtype=np.uint8)  # store thread only
+        self._staging = np.empty(parts.spec.page_bytes, dtype=np.uint8)    # store thread only
+        self._spill_buf = np.empty(parts.spec.page_bytes, dtype=np.uint8)  # store thread only
         self._maintaining = threading.Event()     # a spill-lease upkeep is queued on the store thread
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:

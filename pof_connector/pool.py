@@ -43,6 +43,7 @@ from pof_connector.load_handle import LoadHandle
 from pof_connector.lookup import NODES_MISS_REFRESH_S, Lookup, SourceFinder
 from pof_connector.membership import Membership
 from pof_connector.metrics import PoolStats
+from pof_connector.node_parts import NodeParts
 from pof_connector.own_tiers import OwnTiers
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import PageSpec
@@ -90,16 +91,15 @@ class Pool:
         guard = IndexGuard(self.stats, republishes=role == "worker")
         own = OwnTiers(self.node_id, self.tiers)
         self._own = own
-        self.finder = SourceFinder(config, own, index, guard, self.stats, self._fabric)
-        """What this node can read, and from where."""
         self._publisher = Publisher(index, guard)
-        self._reads = Reads(spec, own, self.finder, self._publisher, self.stats, log_once, self._fabric,
-                            config.io_threads)
         self._guard = guard
-        self.placement = Placement(spec, own, self.finder, self._publisher, self.stats, log_once, self._fabric)
+        parts = NodeParts(config, spec, own, index, guard, self._publisher, self.stats, log_once, self._fabric)
+        self.finder = SourceFinder(parts)
+        """What this node can read, and from where."""
+        self._reads = Reads(parts, self.finder)
+        self.placement = Placement(parts, self.finder)
         """Stores, demotions and spills (on the one store thread)."""
-        self._membership = Membership(config, self.meta, own, index, guard, self._publisher, self.placement,
-                                      self.finder, self.stats, log_once, self._fabric)
+        self._membership = Membership(parts, self.meta, self.finder, self.placement)
         self._closed = False
         if self._fabric is not None:
             self._fabric.start(self.finder.peer_meta)

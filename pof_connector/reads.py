@@ -12,36 +12,32 @@ from typing import TYPE_CHECKING, Any
 
 from pof_connector.fabric import PeerMeta
 from pof_connector.index import Location
-from pof_connector.index.guarded import LogOnce
 from pof_connector.keys import PageKey
 from pof_connector.load_handle import LoadHandle, copy_layers, finished
 from pof_connector.lookup import SourceFinder
 from pof_connector.metrics import PoolStats
-from pof_connector.own_tiers import OwnTiers
+from pof_connector.node_parts import NodeParts
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import PageError, PageSpec, as_array
-from pof_connector.publisher import Publisher
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
-    from pof_connector.fabric.node import FabricNode
     from pof_connector.fabric.remote_reader import RemoteLoad
 
 
 class Reads:
     """Reads of node ``own.node_id`` (a client's pool has no tiers: every read fails "unreachable")."""
 
-    def __init__(self, spec: PageSpec, own: OwnTiers, finder: SourceFinder, publisher: Publisher,
-                 stats: PoolStats, log_once: LogOnce, fabric: FabricNode | None, io_threads: int) -> None:
-        self._spec = spec
-        self._stats = stats
-        self.node_id = own.node_id
-        self.own = own
+    def __init__(self, parts: NodeParts, finder: SourceFinder) -> None:
+        self._spec = parts.spec
+        self._stats = parts.stats
+        self.node_id = parts.own.node_id
+        self.own = parts.own
         self.finder = finder
-        self.publisher = publisher
-        self.log_once = log_once
-        self.fabric = fabric
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="pof-io")
+        self.publisher = parts.publisher
+        self.log_once = parts.log_once
+        self.fabric = parts.fabric
+        self._io = ThreadPoolExecutor(parts.config.io_threads, thread_name_prefix="pof-io")
 
     @property
     def spec(self) -> PageSpec:

@@ -1,0 +1,33 @@
+"""What the pool's parts share (:class:`NodeParts`), built once by :class:`~pof_connector.pool.Pool`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pof_connector.config import PofConfig
+from pof_connector.index import LocalityIndex
+from pof_connector.index.guarded import IndexGuard, LogOnce
+from pof_connector.metrics import PoolStats
+from pof_connector.own_tiers import OwnTiers
+from pof_connector.pages import PageSpec
+from pof_connector.publisher import Publisher
+
+if TYPE_CHECKING:
+    from pof_connector.fabric.node import FabricNode
+
+
+@dataclass(frozen=True)
+class NodeParts:
+    """One node's config, page geometry, tiers, index (and its guard and publisher), counters and
+    fabric; ``fabric`` is ``None`` when the fabric is off or the pool is a client."""
+
+    config: PofConfig
+    spec: PageSpec
+    own: OwnTiers
+    index: LocalityIndex
+    guard: IndexGuard
+    publisher: Publisher
+    stats: PoolStats
+    log_once: LogOnce
+    fabric: FabricNode | None
