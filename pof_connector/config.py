@@ -151,7 +151,7 @@ UCX_TRANSPORTS = (
 """UCX transport names accepted in ``fabric.tls`` (each may carry UCX's ``^`` exclusion prefix)."""
 _UCX_DEVICES_RE = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
 _FABRIC_KEYS = ("enabled", "ucx_devices", "tls", "timeout_s", "staging_size", "spill", "spill_lease_s",
-                "progress_wakeup_ms")
+                "progress_wakeup_ms", "max_lent_fraction_per_writer")
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,8 @@ class FabricConfig:
     ``progress_wakeup_ms``: the longest the NIXL agent's progress thread sleeps between checks
     when UCX signals nothing (it wakes on UCX's events at once); 0 polls without sleeping, which
     is NIXL's own default and costs a whole CPU core per agent, idle or not.
+    ``max_lent_fraction_per_writer``: the most of one tier's slots this node lends to one writer
+    (0 < f <= 1), so one writer cannot take a lender's whole memory.
     """
 
     enabled: bool = False
@@ -182,6 +184,7 @@ class FabricConfig:
     spill: bool = False
     spill_lease_s: float = 30.0
     progress_wakeup_ms: int = 1
+    max_lent_fraction_per_writer: float = 0.5
 
 
 def _fabric(raw: Any) -> FabricConfig:
@@ -217,6 +220,12 @@ def _fabric(raw: Any) -> FabricConfig:
         kw["spill_lease_s"] = _float(raw["spill_lease_s"], "fabric.spill_lease_s", lo=0.1)
     if "progress_wakeup_ms" in raw:
         kw["progress_wakeup_ms"] = _int(raw["progress_wakeup_ms"], "fabric.progress_wakeup_ms", 0, 1000)
+    if "max_lent_fraction_per_writer" in raw:
+        f = raw["max_lent_fraction_per_writer"]
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ConfigError(f"fabric.max_lent_fraction_per_writer: expected a number > 0 and <= 1 (the share of "
+                              f"a tier's slots one writer may hold), got {f!r}")
+        kw["max_lent_fraction_per_writer"] = float(f)
     config = FabricConfig(**kw)
     if config.spill and not config.enabled:
         raise ConfigError("fabric.spill: spilling writes over the fabric; allowed: false, or true with "
@@ -352,7 +361,8 @@ class PofConfig:
             "fabric": {"enabled": self.fabric.enabled, "ucx_devices": self.fabric.ucx_devices,
                        "tls": self.fabric.tls, "timeout_s": self.fabric.timeout_s,
                        "staging_size": self.fabric.staging_size, "spill": self.fabric.spill,
-                       "spill_lease_s": self.fabric.spill_lease_s},
+                       "spill_lease_s": self.fabric.spill_lease_s,
+                       "max_lent_fraction_per_writer": self.fabric.max_lent_fraction_per_writer},
         }
 
 

@@ -4,12 +4,14 @@ pages of a prompt it can load from them (the rule itself: :mod:`pof_connector.in
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pof_connector.fabric import PeerMeta
+from pof_connector.fabric.meta import has_fabric_meta
 from pof_connector.index import MEDIA, Location, NodeInfo
 from pof_connector.index.reach import Reach, Run, gather_runs, reach
 from pof_connector.keys import PageKey
@@ -59,6 +61,7 @@ class SourceFinder:
         self.guard = parts.guard
         self.stats = parts.stats
         self.fabric = parts.fabric
+        self.log_once = parts.log_once
         self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._peer_metas: dict[str, tuple[dict[str, str], PeerMeta | None]] = {}
 
@@ -151,6 +154,11 @@ class SourceFinder:
         if memo is None or memo[0] is not info.meta:
             memo = (info.meta, PeerMeta.from_meta(info.meta))    # decoded once per node list
             self._peer_metas[node] = memo
+            if memo[1] is None and has_fabric_meta(info.meta):
+                self.stats.add("index_refused", reason="node_meta")
+                self.log_once("index-refused-node_meta", logging.WARNING, "pof: refused the fabric metadata "
+                              "of node %s (malformed or out of bounds); its pages are not read over the fabric. "
+                              "Further ones are counted in pof_index_refused_total", node)
         meta = memo[1]
         if meta is None or medium not in meta.regions:
             return None

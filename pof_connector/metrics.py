@@ -25,6 +25,8 @@ COUNTERS: dict[str, str] = {
     "demoted_pages": "Pages moved to the next tier on eviction, by tier",
     "spilled_pages": "Pages evicted from the last tier and written into another node's granted slots, by tier",
     "spill_failures": "Evicted pages that could not be spilled (dropped instead), by reason",
+    "index_refused": "Index records a lookup refused (cut short, an unknown medium: a corrupt or hostile index "
+                     "writer); their pages are misses, by reason",
     "index_errors": "Failed calls to the locality index, by operation",
     "index_timeouts": "Calls to the locality index that timed out (counted in index_errors too: a miss, or a "
                       "publish sent again later; never a server restart), by operation",

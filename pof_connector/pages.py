@@ -53,7 +53,8 @@ assert _CHECKSUM_AT == 80 and struct.calcsize("<4sHH16s32s") == GENERATION_AT
 
 class PageError(ValueError):
     """A page was rejected. ``reason`` is one of: bad_header, geometry, wrong_key,
-    stale_generation, bad_checksum."""
+    stale_generation, bad_checksum, bad_location (a slot outside its region: a hostile or broken
+    index record), and the read errors of the fabric."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")

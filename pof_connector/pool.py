@@ -88,6 +88,7 @@ class Pool:
         self.index = index
         log_once = LogOnce()
         self._log_once = log_once
+        index.on_refused = self._count_refused
         guard = IndexGuard(self.stats, republishes=role == "worker")
         own = OwnTiers(self.node_id, self.tiers)
         self._own = own
@@ -175,6 +176,13 @@ class Pool:
         self.stats.add("adapter_errors", hook=hook)
         self._log_once(f"adapter-{hook}", logging.ERROR, "pof: unexpected error in %s; the engine recomputes "
                        "instead (further errors are counted in pof_adapter_errors_total)", hook, exc_info=err)
+
+    def _count_refused(self, n: int, why: str) -> None:
+        """The index client refused ``n`` records (``why``): count them, log once per reason."""
+        self.stats.add("index_refused", n, reason=why)
+        self._log_once(f"index-refused-{why}", logging.WARNING, "pof: refused %d index record(s) (%s: a corrupt or "
+                       "hostile index writer); those pages are misses. Further ones are counted in "
+                       "pof_index_refused_total", n, why)
 
     def close(self) -> None:
         """Stop threads, leave the index, release tiers. Idempotent."""

@@ -52,6 +52,9 @@ def test_fabric_section() -> None:
     assert PofConfig().fabric.progress_wakeup_ms == 1
     assert PofConfig.from_mapping({"fabric": {"progress_wakeup_ms": 0}}).fabric.progress_wakeup_ms == 0
     assert PofConfig.from_mapping(c.to_mapping()) == c
+    assert PofConfig().fabric.max_lent_fraction_per_writer == 0.5
+    c = PofConfig.from_mapping({"fabric": {"max_lent_fraction_per_writer": 1}})
+    assert c.fabric.max_lent_fraction_per_writer == 1.0 and PofConfig.from_mapping(c.to_mapping()) == c
 
 
 @pytest.mark.parametrize("raw,key,allowed", [
@@ -81,6 +84,10 @@ def test_fabric_section() -> None:
     ({"fabric": {"progress_wakeup_ms": -1}}, "fabric.progress_wakeup_ms", "0..1000"),
     ({"fabric": {"progress_wakeup_ms": 0.5}}, "fabric.progress_wakeup_ms", "0..1000"),
     ({"fabric": {"spill_lease_s": "long"}}, "fabric.spill_lease_s", ">= 0.1"),
+    ({"fabric": {"max_lent_fraction_per_writer": 0}}, "fabric.max_lent_fraction_per_writer", "> 0 and <= 1"),
+    ({"fabric": {"max_lent_fraction_per_writer": 1.5}}, "fabric.max_lent_fraction_per_writer", "> 0 and <= 1"),
+    ({"fabric": {"max_lent_fraction_per_writer": "half"}}, "fabric.max_lent_fraction_per_writer", "> 0 and <= 1"),
+    ({"fabric": {"max_lent_fraction_per_writer": True}}, "fabric.max_lent_fraction_per_writer", "> 0 and <= 1"),
 ])
 def test_bad_values_name_key_and_allowed(raw: dict[str, object], key: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -304,7 +304,7 @@ class Tier(ABC):
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
-            raise PageError("bad_header", f"slot {slot} outside 0..{self.num_slots - 1}")
+            raise PageError("bad_location", f"slot {slot} outside 0..{self.num_slots - 1}")
 
     # ---- identity --------------------------------------------------------------------------
 

@@ -19,6 +19,16 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pof_connector.index.base import MEDIA
+
+MAX_REGION_SLOTS = 1 << 22
+"""Most slots a published region may have (a reader prepares descriptors for each: ~100 bytes a
+slot). 4M slots of a 2 MiB page are 8 TiB."""
+MAX_METADATA_BYTES = 1 << 20
+"""Largest agent metadata taken from the index (NIXL's is a few KiB)."""
+MAX_AGENT_CHARS = 256
+ADDRESS_LIMIT = 1 << 64
+
 AGENT_KEY = "fabric.agent"
 MD_KEY = "fabric.md"
 REGIONS_KEY = "fabric.regions"
@@ -54,24 +64,35 @@ class PeerMeta:
     @classmethod
     def from_meta(cls, meta: Mapping[str, str]) -> PeerMeta | None:
         """Decode a node's meta; ``None`` when the node publishes no fabric metadata or it is
-        malformed (such a node's pages are simply not remotely readable)."""
+        malformed or out of bounds (such a node's pages are simply not remotely readable): every
+        number a non-negative int, a region inside the 64-bit address space with its slots inside
+        it and at most :data:`MAX_REGION_SLOTS` of them, media pools read, bounded sizes. Use
+        :func:`has_fabric_meta` to tell "publishes none" from "refused"."""
         agent, md, raw = meta.get(AGENT_KEY), meta.get(MD_KEY), meta.get(REGIONS_KEY)
         if not agent or not md or not raw:
+            return None
+        if len(agent) > MAX_AGENT_CHARS or len(md) > MAX_METADATA_BYTES * 4 // 3 + 4:
             return None
         try:
             metadata = base64.b64decode(md, validate=True)
             decoded = json.loads(raw)
-        except (binascii.Error, ValueError):
+        except (binascii.Error, ValueError, RecursionError):
             return None
         if not isinstance(decoded, dict):
             return None
         regions: dict[str, Region] = {}
         for medium, numbers in decoded.items():
-            if (not isinstance(numbers, list) or len(numbers) != 4
+            if (medium not in MEDIA or medium == "engine" or not isinstance(numbers, list) or len(numbers) != 4
                     or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers)):
                 return None
             base, size, slot_bytes, num_slots = numbers
-            if slot_bytes < 1 or slot_bytes * num_slots > size:
+            if (slot_bytes < 1 or num_slots > MAX_REGION_SLOTS or slot_bytes * num_slots > size
+                    or base + size > ADDRESS_LIMIT):
                 return None
-            regions[str(medium)] = Region(str(medium), base, size, slot_bytes, num_slots)
+            regions[medium] = Region(medium, base, size, slot_bytes, num_slots)
         return cls(agent, metadata, regions)
+
+
+def has_fabric_meta(meta: Mapping[str, str]) -> bool:
+    """Whether a node publishes fabric metadata at all (valid or not)."""
+    return AGENT_KEY in meta or REGIONS_KEY in meta

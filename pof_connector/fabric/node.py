@@ -86,17 +86,22 @@ class FabricNode:
             return True
 
         fabric = self.config.fabric
-        self.lender = SlotLender(self.config.node_id, self.tiers, fabric.spill_lease_s, fabric.timeout_s, authorize)
+        self.lender = SlotLender(self.config.node_id, self.tiers, fabric.spill_lease_s, fabric.timeout_s, authorize,
+                                 fabric.max_lent_fraction_per_writer)
         self.notifier = Notifier(self.agent, self.lender.handle)
         self.writer = SpillWriter(self.config.node_id, self.agent, self.peers, self.staging, self.notifier,
                                   self.spec, fabric)
 
     def lend_meta(self) -> dict[str, str]:
-        """Node meta for ``pof stats``: per medium, slots lent and writers holding leases now."""
+        """Node meta for ``pof stats``: per medium, slots lent and writers holding leases now; the
+        spill messages refused so far, by reason."""
         if self.lender is None:
             return {}
         usage = self.lender.usage()
-        return {"fabric.lent": json.dumps({m: list(u) for m, u in usage.items()}, separators=(",", ":"))}
+        refused = {k: v for k, v in {**self.lender.refused, **(self.notifier.refused if self.notifier else {})}.items()
+                   if v}
+        return {"fabric.lent": json.dumps({m: list(u) for m, u in usage.items()}, separators=(",", ":")),
+                "fabric.refused": json.dumps(refused, separators=(",", ":"), sort_keys=True)}
 
     def close(self) -> None:
         """Disconnect peers and deregister memory (before the tiers unmap it)."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pof_connector.fabric.agent import FabricError, NixlAgent
+from pof_connector.index.guarded import LogOnce
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,20 @@ Handler = Callable[[str, Message], "Message | None"]
 
 
 class Notifier:
+    """Sends requests and waits for their replies; hands requests to ``handler``.
+
+    What it refuses is counted in :attr:`refused` and logged once per reason: ``malformed`` (not
+    a JSON object, nested too deeply), ``forged_reply`` (a reply from an agent the request was not
+    sent to; a late reply to a request given up is dropped uncounted), ``handler_error`` (a bug in
+    the handler, logged with its traceback)."""
+
     def __init__(self, agent: NixlAgent, handler: Handler | None) -> None:
         self.agent = agent
         self._handler = handler
         self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[threading.Event, list[Message]]] = {}
+        self._waiting: dict[int, tuple[str, threading.Event, list[Message]]] = {}   # id → (peer, done, box)
+        self.refused: dict[str, int] = {"malformed": 0, "forged_reply": 0, "handler_error": 0}
+        self._log_once = LogOnce(log)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pof-notifier", daemon=True)
@@ -52,7 +62,7 @@ class Notifier:
         rid = next(self._ids)
         done, box = threading.Event(), list[Message]()
         with self._lock:
-            self._waiting[rid] = (done, box)
+            self._waiting[rid] = (peer, done, box)
         try:
             self.agent.send_notif(peer, PREFIX + json.dumps({**message, "id": rid}).encode())
             done.wait(timeout_s)
@@ -77,6 +87,7 @@ class Notifier:
                     try:
                         self._dispatch(sender, raw)
                     except Exception:   # a bug: show it with its traceback, keep serving the others
+                        self.refused["handler_error"] += 1
                         log.exception("pof fabric: handling a control message from %s failed", sender)
 
     def _dispatch(self, sender: str, raw: bytes) -> None:
@@ -84,18 +95,21 @@ class Notifier:
             return
         try:
             message = json.loads(raw[len(PREFIX):])
-        except ValueError:
-            log.warning("pof fabric: malformed control message from %s", sender)
-            return
+        except (ValueError, RecursionError):       # not UTF-8 or JSON, or nested too deeply
+            message = None
         if not isinstance(message, dict):
+            self._refuse("malformed", "a malformed control message from %s", sender)
             return
         if message.get("op") == "reply":
+            rid = message.get("id")
             with self._lock:
-                waiter = self._waiting.get(message.get("id", -1))
-            if waiter is not None:           # else its requester gave up already
-                waiter[1].append(message)
-                waiter[0].set()
-            return
+                waiter = self._waiting.get(rid) if isinstance(rid, int) else None
+            if waiter is not None and waiter[0] == sender:
+                waiter[2].append(message)
+                waiter[1].set()
+            elif waiter is not None:
+                self._refuse("forged_reply", "a reply from %s to a request sent to %s", sender, waiter[0])
+            return                           # else its requester gave up already
         if self._handler is None:
             return
         reply = self._handler(sender, message)
@@ -105,6 +119,11 @@ class Notifier:
             self.send(sender, {**reply, "op": "reply", "id": message["id"]})
         except FabricError as e:   # the requester is gone: it times out on its side
             log.info("pof fabric: could not answer %s: %s", sender, e)
+
+    def _refuse(self, reason: str, fmt: str, *args: object) -> None:
+        self.refused[reason] += 1
+        self._log_once(f"refused-{reason}", logging.WARNING, "pof fabric: refused " + fmt + ". Further ones are "
+                       f"counted in refused[{reason}]", *args)
 
     def close(self) -> None:
         """Stop polling (before the agent closes)."""

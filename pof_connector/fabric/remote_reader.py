@@ -203,7 +203,7 @@ class RemoteLoad:
             if 0 <= self.sources[i].slot < num_slots:
                 wanted.append(i)
             else:
-                self._out[i] = PageError("bad_header", f"slot {self.sources[i].slot} outside {g.node}'s {g.medium}")
+                self._out[i] = PageError("bad_location", f"slot {self.sources[i].slot} outside {g.node}'s {g.medium}")
         slots = r.staging.take(len(wanted))
         for i in wanted[len(slots):]:
             self._out[i] = PageError("no_staging", f"fabric.staging_size holds {r.staging.num_slots} pages")

@@ -18,6 +18,7 @@ that is late anyway lands in a slot whose generation moved on and is rejected by
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from pof_connector.fabric.notifier import Message
 from pof_connector.index import Location
+from pof_connector.index.guarded import LogOnce
 from pof_connector.keys import PageKey
 from pof_connector.tiers import Tier
 
@@ -32,6 +34,12 @@ log = logging.getLogger(__name__)
 
 MAX_GRANT = 256
 """Most slots one request may ask for."""
+MAX_SLOTS_NAMED = 4096
+"""Most slots one renew, release or written message may name (writers send at most 1,000)."""
+REFUSALS = ("malformed", "unauthorized", "not_leased", "writer_cap")
+"""Why a message or part of one was refused (:attr:`SlotLender.refused`): not a valid request;
+not from a live pool node's current agent; naming slots not leased to that writer; a grant over
+the writer's share (``fabric.max_lent_fraction_per_writer``)."""
 
 
 @dataclass
@@ -50,20 +58,25 @@ class Lease:
 
 class SlotLender:
     """Leases of this node's free slots. ``authorize(writer node, sender agent)`` says whether a
-    request really comes from that node's current agent and makes sure we can answer it (its
-    metadata loaded); a request it refuses gets no reply at all (the writer times out)."""
+    request really comes from that node's current agent (a live pool node in the index) and makes
+    sure we can answer it (its metadata loaded); a request it refuses gets no reply at all (the
+    writer times out). ``max_lent_fraction``: the most of a tier's slots one writer may hold.
+    Every refusal is counted in :attr:`refused` (by :data:`REFUSALS` reason) and logged once."""
 
     def __init__(self, node_id: str, tiers: Sequence[Tier], lease_s: float, grace_s: float,
-                 authorize: Callable[[str, str], bool]) -> None:
+                 authorize: Callable[[str, str], bool], max_lent_fraction: float = 1.0) -> None:
         self.node_id = node_id
         self._tiers = {t.medium: t for t in tiers}
         self.lease_s = lease_s
         self.grace_s = grace_s
+        self.max_lent_fraction = max_lent_fraction
         self._authorize = authorize
         self._leases: dict[tuple[str, int], Lease] = {}      # (medium, slot) → lease
         self._lock = threading.Lock()
         self.granted_total = 0
         self.reclaimed_total = 0
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self._log_once = LogOnce(log)
 
     # ---- the verbs ---------------------------------------------------------------------------
 
@@ -78,9 +91,16 @@ class SlotLender:
         tier = self._tiers.get(medium)
         if tier is None or n < 1:
             return []
-        refs = tier.lend(min(n, MAX_GRANT))
         expires = time.monotonic() + min(lease_s, self.lease_s) + self.grace_s
         with self._lock:
+            share = max(1, int(self.max_lent_fraction * tier.num_slots))
+            held = sum(1 for lease in self._leases.values() if lease.writer == writer and lease.medium == medium)
+            if held >= share:
+                self._refuse("writer_cap", "%s already holds %d of %s's %d %s slots (its share: "
+                             "fabric.max_lent_fraction_per_writer %g); granted nothing more", writer, held,
+                             self.node_id, tier.num_slots, medium, self.max_lent_fraction)
+                return []
+            refs = tier.lend(min(n, MAX_GRANT, share - held))
             for ref in refs:
                 self._leases[(medium, ref.slot)] = Lease(writer, medium, ref.slot, ref.generation, expires)
             self.granted_total += len(refs)
@@ -97,6 +117,7 @@ class SlotLender:
                 if lease is not None and lease.writer == writer:
                     lease.expires = expires
                     renewed.append(slot)
+        self._not_leased(writer, "renew", len(slots) - len(renewed))
         return renewed
 
     def release(self, writer: str, medium: str, slots: Sequence[int]) -> int:
@@ -107,6 +128,7 @@ class SlotLender:
                 del self._leases[(medium, s)]
         for s in mine:
             self._tiers[medium].take_back(s)
+        self._not_leased(writer, "release", len(slots) - len(mine))
         return len(mine)
 
     def written(self, writer: str, medium: str, pages: Sequence[tuple[int, PageKey]]) -> int:
@@ -118,6 +140,7 @@ class SlotLender:
                 if lease is not None and lease.writer == writer:
                     lease.key = key
                     n += 1
+        self._not_leased(writer, "written", len(pages) - n)
         return n
 
     def reclaim_expired(self) -> list[tuple[PageKey, Location]]:
@@ -163,39 +186,68 @@ class SlotLender:
         op, writer, medium = message.get("op"), message.get("node"), message.get("medium")
         lease_s = message.get("lease_s", self.lease_s)
         if (op not in ("grant", "renew", "release", "written") or not isinstance(writer, str)
-                or not isinstance(medium, str) or isinstance(lease_s, bool)
-                or not isinstance(lease_s, (int, float)) or lease_s <= 0):
-            return None
+                or not isinstance(medium, str) or medium not in self._tiers or isinstance(lease_s, bool)
+                or not isinstance(lease_s, (int, float)) or not math.isfinite(lease_s) or lease_s <= 0):
+            return self._malformed(sender, message)
         if not self._authorize(writer, sender):
-            log.info("pof spill: ignored a %s request from %s (not %s's current agent, or unreachable)",
-                     op, sender, writer)
+            self._refuse("unauthorized", "ignored a %s request from %s (not the current agent of a live pool "
+                         "node %r, or unreachable)", op, sender, writer)
             return None
         if op == "grant":
             n = message.get("n")
-            if isinstance(n, bool) or not isinstance(n, int):
-                return None
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                return self._malformed(sender, message)
             slots = self.grant(writer, medium, n, float(lease_s))
             if slots:
                 log.debug("pof spill: lent %d %s slot(s) to %s", len(slots), medium, writer)
             return {"slots": slots, "lease_s": min(float(lease_s), self.lease_s)}
         if op == "written":
-            return {"written": self.written(writer, medium, _pages(message.get("pages")))}
+            got = _pages(message.get("pages"))
+            if got is None:
+                return self._malformed(sender, message)
+            pages, bad = got
+            if bad:
+                self._refuse("malformed", "skipped %d malformed item(s) of a written message from %s", bad, sender)
+            return {"written": self.written(writer, medium, pages)}
         raw = message.get("slots")
-        if not isinstance(raw, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in raw):
-            return None
+        if (not isinstance(raw, list) or len(raw) > MAX_SLOTS_NAMED
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in raw)):
+            return self._malformed(sender, message)
         if op == "renew":
             return {"slots": self.renew(writer, medium, raw, float(lease_s)),
                     "lease_s": min(float(lease_s), self.lease_s)}
         return {"released": self.release(writer, medium, raw)}
 
 
-def _pages(raw: object) -> list[tuple[int, PageKey]]:
-    """Decode a ``written`` message's ``[[slot, namespace hex, digest hex], ...]`` (bad items skipped)."""
+    def _malformed(self, sender: str, message: Mapping[str, object]) -> Message | None:
+        """Count and log a malformed request; ``None``: it gets no reply."""
+        self._refuse("malformed", "ignored a malformed %r request from %s", message.get("op"), sender)
+        return None
+
+    def _not_leased(self, writer: str, op: str, n: int) -> None:
+        if n > 0:
+            self.refused["not_leased"] += n
+            self._log_once("refused-not_leased", logging.WARNING, "pof spill: a %s from %s named %d slot(s) not "
+                           "leased to it; refused. Further ones are counted in refused[not_leased]", op, writer, n)
+
+    def _refuse(self, reason: str, fmt: str, *args: object) -> None:
+        self.refused[reason] += 1
+        self._log_once(f"refused-{reason}", logging.WARNING, "pof spill: " + fmt + ". Further ones are counted in "
+                       f"refused[{reason}]", *args)
+
+
+def _pages(raw: object) -> tuple[list[tuple[int, PageKey]], int] | None:
+    """Decode a ``written`` message's ``[[slot, namespace hex, digest hex], ...]``: the good items
+    and how many were not (skipped); ``None`` when it is no such list."""
+    if not isinstance(raw, list) or len(raw) > MAX_SLOTS_NAMED:
+        return None
     out = []
-    for item in raw if isinstance(raw, list) else []:
-        try:
-            slot, ns, digest = item
-            out.append((int(slot), PageKey(bytes.fromhex(ns), bytes.fromhex(digest))))
-        except (TypeError, ValueError):
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 3 or isinstance(item[0], bool) or not isinstance(item[0], int)
+                or not isinstance(item[1], str) or not isinstance(item[2], str)):
             continue
-    return out
+        try:
+            out.append((item[0], PageKey(bytes.fromhex(item[1]), bytes.fromhex(item[2]))))
+        except ValueError:
+            continue
+    return out, len(raw) - len(out)

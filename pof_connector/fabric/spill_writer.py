@@ -234,14 +234,16 @@ class SpillWriter:
             if reply is None:
                 self.peers.back_off(target.node, DOWN_BACKOFF_S, drop=False)
                 raise PageError("timeout", f"{target.node} did not answer a grant request in {self.timeout_s}s")
-            slots, lease_s = reply.get("slots"), reply.get("lease_s")
-            if not isinstance(slots, list) or not isinstance(lease_s, (int, float)):
-                raise PageError("remote_error", f"{target.node} answered a grant request with {reply!r}")
-            if not slots:
+            pairs = _granted(reply, peer.dlists[target.medium][1] if target.medium in peer.dlists else 0)
+            if pairs is None:
+                self.peers.back_off(target.node, DOWN_BACKOFF_S, drop=False)
+                raise PageError("remote_error", f"{target.node} answered a grant request with slots outside its "
+                                                f"{target.medium} region or a malformed reply")
+            if not pairs:
                 self._full_until[(target.node, target.medium)] = time.monotonic() + FULL_BACKOFF_S
                 raise PageError("spill_full", f"{target.node}'s {target.medium} has no free slot to grant")
             # The lease counts from before the request left: the owner's clock started later.
-            reserve = [_Grant(int(s), int(g), asked + float(lease_s)) for s, g in slots]
+            reserve = [_Grant(s, g, asked + float(reply["lease_s"])) for s, g in pairs]
         grant = reserve.pop()
         self._reserve[(target.node, target.medium)] = reserve
         return grant
@@ -390,3 +392,21 @@ class SpillWriter:
         self._spilled.clear()
         self._reserve.clear()
         return gone
+
+
+def _granted(reply: dict[str, object], num_slots: int) -> list[tuple[int, int]] | None:
+    """A grant reply's (slot, generation) pairs; ``None`` when the reply is malformed or names a
+    slot outside the owner's published region (``num_slots``) or a generation below 1: writing
+    there would address another descriptor of the region, so nothing is written."""
+    slots, lease_s = reply.get("slots"), reply.get("lease_s")
+    if (not isinstance(slots, list) or isinstance(lease_s, bool) or not isinstance(lease_s, (int, float))
+            or not 0 < lease_s < float("inf")):
+        return None
+    out = []
+    for pair in slots:
+        if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                                     for n in pair)
+                or not 0 <= pair[0] < num_slots or pair[1] < 1):
+            return None
+        out.append((pair[0], pair[1]))
+    return out

@@ -10,7 +10,7 @@ after the index server restarts empty.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,13 +68,21 @@ class NodeInfo:
                 "tiers": {m: [t.capacity_bytes, t.free_bytes, t.domain] for m, t in self.tiers.items()}}
 
     @classmethod
-    def from_json(cls, raw: dict[str, object]) -> NodeInfo:
-        tiers = raw.get("tiers", {})
-        assert isinstance(tiers, dict)
-        meta = raw.get("meta", {})
-        assert isinstance(meta, dict)
-        return cls(str(raw["node_id"]), {m: TierUsage(int(c), int(f), str(d)) for m, (c, f, d) in tiers.items()},
-                   {str(k): str(v) for k, v in meta.items()})
+    def from_json(cls, raw: object) -> NodeInfo:
+        """Raises ``ValueError`` when ``raw`` is not what :meth:`to_json` makes (a broken or
+        hostile index writer)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("node_id"), str):
+            raise ValueError("node info: not a map with a node_id")
+        tiers, meta = raw.get("tiers", {}), raw.get("meta", {})
+        if not isinstance(tiers, dict) or not isinstance(meta, dict):
+            raise ValueError("node info: tiers and meta must be maps")
+        usage = {}
+        for m, numbers in tiers.items():
+            if (not isinstance(numbers, list) or len(numbers) != 3
+                    or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers[:2])):
+                raise ValueError(f"node info: tier {m!r}: expected [capacity, free, domain]")
+            usage[m] = TierUsage(numbers[0], numbers[1], str(numbers[2]))
+        return cls(raw["node_id"], usage, {str(k): str(v) for k, v in meta.items()})
 
 
 LOOKUP_ROUNDS = 4
@@ -111,6 +119,9 @@ class LocalityIndex(ABC):
 
     def __init__(self, node_id: str | None) -> None:
         self.node_id = node_id
+        self.on_refused: Callable[[int, str], None] | None = None
+        """Called with (how many, why) for records a lookup refused (cut short, an unknown medium):
+        what a corrupt or hostile index writer left; their pages are misses. ``None``: not counted."""
 
     @abstractmethod
     def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:

@@ -162,6 +162,15 @@ return 1
 """
 
 
+def _node_info(raw: bytes) -> NodeInfo | None:
+    """A node's info as its heartbeat stored it; ``None`` when it is not one (a hostile or broken
+    index writer: that node is then unknown to this client)."""
+    try:
+        return NodeInfo.from_json(json.loads(raw))
+    except (ValueError, RecursionError):      # a JSONDecodeError is a ValueError
+        return None
+
+
 def loc_key(namespace: bytes) -> str:
     return f"{PREFIX}loc:{namespace.hex()}"
 
@@ -286,6 +295,11 @@ class RedisIndex(LocalityIndex):
             held = vals.index(None)
         except ValueError:
             held = len(vals)
+        # Whole records only: a value cut short or padded (a hostile or broken writer) ends the run.
+        cut = next((i for i, v in enumerate(vals[:held]) if not v or len(v) % RECORD.itemsize), held)
+        if cut < held:
+            self._refused(1, "malformed")
+            held = cut
         if held == 0:
             return {}
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
@@ -300,6 +314,10 @@ class RedisIndex(LocalityIndex):
         slot = recs["slot"].astype(np.int64)
         gen = recs["gen"].astype(np.int64)
         page = np.repeat(np.arange(held), counts)       # records are in page order
+        known = medium < len(MEDIA)
+        if not known.all():                              # a medium code no build knows: that page is absent
+            self._refused(int((~known).sum()), "unknown_medium")
+            inc = np.where(known, inc, 0)                # incarnations start at 1
         out: dict[str, PrefixMatch] = {}
         for node_inc in alive:
             idx = np.flatnonzero(inc == node_inc)
@@ -319,6 +337,10 @@ class RedisIndex(LocalityIndex):
                 continue
             out[node] = PrefixMatch(node, medium[idx], slot[idx], gen[idx])
         return out
+
+    def _refused(self, n: int, why: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(n, why)
 
     def _names(self, incs: list[int]) -> dict[int, str]:
         """Node ids of incarnations (immutable once assigned, so cached)."""
@@ -345,7 +367,14 @@ class RedisIndex(LocalityIndex):
 
     def nodes(self) -> list[NodeInfo]:
         live, infos = self._call("nodes", self._nodes_raw)
-        return [NodeInfo.from_json(json.loads(i)) for i in infos if i is not None] if live else []
+        out = []
+        for raw in infos if live else []:
+            info = _node_info(raw) if raw is not None else None
+            if info is not None:
+                out.append(info)
+            elif raw is not None:
+                self._refused(1, "node_info")
+        return out
 
     def _nodes_raw(self) -> tuple[list[bytes], list[bytes | None]]:
         t = self._r.time()

@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from pof_connector.cli_support import CommandError
-from pof_connector.config import PofConfig
+from pof_connector.config import ConfigError, PofConfig, parse_size
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -23,10 +23,14 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     config = PofConfig.from_file(args.config)
+    try:
+        max_frame = parse_size(args.max_frame_bytes, "--max-frame-bytes")
+    except ConfigError as e:
+        raise CommandError(f"relay: {e}") from e
     settings = RelayConfig(args.engine_events, args.bind, replay_bind=args.replay_bind, engine_topic=args.engine_topic,
                            advertise_engine_events=args.advertise_engine_events,
                            pool_residency=not args.no_pool_residency, poll_s=args.poll_s, refresh_s=args.refresh_s,
-                           engine_url=args.engine_url)
+                           engine_url=args.engine_url, max_frame_bytes=max_frame)
     try:
         relay = Relay(config, settings)
     except zmq.ZMQError as e:            # e.g. the bind address is taken
@@ -60,4 +64,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--poll-s", type=float, default=0.5, help="how often the pool view is refreshed (default 0.5)")
     p.add_argument("--refresh-s", type=float, default=30.0,
                    help="how often the whole pool view is re-sent, for routers that joined late (default 30)")
+    p.add_argument("--max-frame-bytes", default="16MiB", metavar="SIZE",
+                   help="largest KV-event frame taken from an engine; a larger one drops that link, which "
+                        "ZMQ reconnects (default 16MiB)")
     p.set_defaults(handler=cmd_relay)

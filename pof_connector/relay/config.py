@@ -32,6 +32,10 @@ class RelayConfig:
     max_pages: int = 1 << 16
     """Pages (with their tokens) remembered from KV events."""
     engine_url: str | None = None
+    max_frame_bytes: int = 16 << 20
+    """Largest message frame taken from an engine's event stream (ZMQ_MAXMSGSIZE): a larger one
+    drops that link (ZMQ reconnects) instead of being buffered. A vLLM step's batch is far smaller
+    (its token ids are bounded by the tokens scheduled per step)."""
 
     @property
     def advertised_engine_events(self) -> str:

@@ -16,7 +16,7 @@ payload]``, then ``[client_id, b"", b"", END_SEQ, b""]``.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
@@ -29,6 +29,10 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame that ends a replay answer."""
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+"""A token id as pof keys hash it (uint32): anything else is refused when decoding."""
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -47,8 +51,8 @@ class BlockStored(KVCacheEvent):
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
+    token_ids: list[TokenId]
+    block_size: BlockSize
     lora_id: int | None
     medium: str | None
     lora_name: str | None
@@ -82,6 +86,7 @@ class KVEventBatch(EventBatch):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_loose = msgspec.msgpack.Decoder(EventBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -91,6 +96,33 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Raises ``msgspec.DecodeError`` (a ``ValueError``) on bytes that are not a batch."""
     return _decoder.decode(payload)
+
+
+def decode_events(payload: bytes) -> tuple[KVEventBatch, int]:
+    """Decode a batch keeping the events that decode and dropping the others (an unknown event
+    type, a field of the wrong type, a token id outside uint32, a block size below 1): returns the
+    batch of the good ones and how many were dropped. Raises ``msgspec.DecodeError`` when the
+    payload is not a batch at all (not msgpack, not ``[ts, events, rank]``, nested too deeply).
+
+    The strict decoder runs first (one C pass); only a batch it refuses is taken apart event by event."""
+    try:
+        return _decoder.decode(payload), 0
+    except msgspec.ValidationError:
+        pass
+    except RecursionError:
+        raise msgspec.DecodeError("nested too deeply") from None
+    try:
+        loose = _loose.decode(payload)
+    except RecursionError:
+        raise msgspec.DecodeError("nested too deeply") from None
+    events: list[KVEvent] = []
+    for raw in loose.events:
+        try:
+            events.append(msgspec.convert(raw, KVEvent))   # type: ignore[arg-type]
+        except msgspec.ValidationError:
+            continue
+    return KVEventBatch(ts=loose.ts, events=events, data_parallel_rank=loose.data_parallel_rank), \
+        len(loose.events) - len(events)
 
 
 def seq_frame(seq: int) -> bytes:

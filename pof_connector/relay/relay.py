@@ -70,7 +70,8 @@ from pof_connector.relay.kv_events import (
     BlockStored,
     ExternalBlockHash,
     KVEvent,
-    decode_batch,
+    KVEventBatch,
+    decode_events,
     read_seq,
 )
 from pof_connector.relay.wire import RelayWire
@@ -100,7 +101,11 @@ class Relay:
         self.locator = Locator(self.index)
         self._load = EngineLoadPoller(relay.engine_url, config.heartbeat_s) if relay.engine_url else None
         self.stats: dict[str, int] = {"engine_batches": 0, "peer_batches": 0, "batches_out": 0,
-                                      "engine_gaps": 0, "decode_errors": 0, "replays": 0}
+                                      "engine_gaps": 0, "decode_errors": 0, "replays": 0,
+                                      "bad_events": 0, "bad_frames": 0, "oversize_frames": 0}
+        """Refusals: ``decode_errors`` (a batch that is not one), ``bad_events`` (events dropped from
+        a batch: unknown type, wrong field types, token ids outside uint32), ``bad_frames`` (a
+        message not of three frames), ``oversize_frames`` (links dropped, :mod:`.wire`)."""
         self._log_once = LogOnce(log)
         self._wire = RelayWire(relay, self.stats, self._log_once)
         self.endpoint: str = self._wire.endpoint
@@ -162,6 +167,7 @@ class Relay:
 
     def _on_engine(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
+            self.stats["bad_frames"] += 1
             self._log_once("frames", logging.WARNING, "pof relay: ignoring an engine message of %d frames "
                            "(expected topic, seq, payload)", len(frames))
             return
@@ -174,12 +180,8 @@ class Relay:
                         "unknown (AllBlocksCleared)", seq, self._engine_seq,
                         "engine restarted" if seq <= (self._engine_seq or 0) else "events lost")
         self._engine_seq = seq
-        try:
-            batch = decode_batch(frames[2])
-        except msgspec.DecodeError as e:
-            self.stats["decode_errors"] += 1
-            self._log_once("decode", logging.ERROR, "pof relay: undecodable engine batch (%s); treating it as "
-                           "lost events", e)
+        batch = self._decode(frames[2], "engine")
+        if batch is None:        # its events are lost
             self._emit(self._cleared(AllBlocksCleared()))
             return
         self._rank = batch.data_parallel_rank
@@ -242,19 +244,34 @@ class Relay:
 
     def _on_peer(self, endpoint: str, frames: list[bytes]) -> None:
         if len(frames) != 3 or self._chains is None:
+            self.stats["bad_frames"] += len(frames) != 3
             return
         self.stats["peer_batches"] += 1
-        try:
-            batch = decode_batch(frames[2])
-        except msgspec.DecodeError as e:
-            self._log_once(f"peer-decode-{endpoint}", logging.WARNING,
-                           "pof relay: undecodable batch from %s (%s); ignored", endpoint, e)
+        batch = self._decode(frames[2], endpoint)
+        if batch is None:
             return
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 if self._block_size is None:       # this engine has announced nothing yet: assume its peers'
                     self._block_size = ev.block_size
                 self._chains.stored(endpoint, ev)
+
+    def _decode(self, payload: bytes, source: str) -> KVEventBatch | None:
+        """``payload``'s batch without the events that do not decode (counted, logged once per
+        source and kind); ``None`` when it is no batch at all."""
+        try:
+            batch, dropped = decode_events(payload)
+        except msgspec.DecodeError as e:
+            self.stats["decode_errors"] += 1
+            self._log_once(f"decode-{source}", logging.ERROR, "pof relay: undecodable batch from %s (%s); dropped. "
+                           "Further ones are counted in decode_errors", source, e)
+            return None
+        if dropped:
+            self.stats["bad_events"] += dropped
+            self._log_once(f"bad-event-{source}", logging.WARNING, "pof relay: dropped an event from %s that is not "
+                           "a valid KV event (unknown type, wrong field types or token ids outside uint32). "
+                           "Further ones are counted in bad_events", source)
+        return batch
 
     def _discover(self, nodes: Sequence[NodeInfo]) -> None:
         """Follow the engines of other nodes in this pool's key space (their ``engine_events``)."""

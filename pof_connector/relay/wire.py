@@ -4,6 +4,10 @@ The stream routers subscribe to is vLLM's (:mod:`.kv_events`): ``[topic, seq, pa
 relay's own ``seq``, so batches it adds (pool announcements, clears) sit in one order with the
 engine's. The last ``buffer_steps`` batches are kept for vLLM's replay protocol (a ROUTER socket
 on ``replay_bind``). Other engines' KV events are followed on SUB sockets of their own.
+
+Every SUB socket refuses frames over ``max_frame_bytes`` (``ZMQ_MAXMSGSIZE``: libzmq drops the
+link instead of buffering the frame, and reconnects); a monitor counts those dropped links in
+``stats["oversize_frames"]`` (an engine that restarted drops its link too, and is counted alike).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ endpoint of a followed engine."""
 
 
 class RelayWire:
-    """The relay's sockets. ``stats`` (shared with the relay) counts ``batches_out`` and ``replays``.
+    """The relay's sockets. ``stats`` (shared with the relay) counts ``batches_out``, ``replays``,
+    ``oversize_frames`` (links dropped, see the module docstring) and ``bad_frames`` (malformed
+    replay requests).
 
     Raises ``zmq.ZMQError`` when a bind address is taken.
     """
@@ -37,9 +43,10 @@ class RelayWire:
         self.stats = stats
         self._log_once = log_once
         self._ctx = zmq.Context()
-        self._engine = self._ctx.socket(zmq.SUB)
-        self._engine.setsockopt(zmq.SUBSCRIBE, config.engine_topic.encode())
-        self._engine.connect(config.engine_events)
+        self._max_frame = config.max_frame_bytes
+        self._monitors: dict[zmq.Socket[bytes], tuple[zmq.Socket[bytes], str]] = {}  # -> (SUB socket, endpoint)
+        self._poller = zmq.Poller()
+        self._engine = self._subscriber(config.engine_topic.encode(), config.engine_events)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
         self._pub.bind(config.bind)
@@ -50,7 +57,6 @@ class RelayWire:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(config.replay_bind)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._poller = zmq.Poller()
         self._poller.register(self._engine, zmq.POLLIN)
         if self._replay is not None:
             self._poller.register(self._replay, zmq.POLLIN)
@@ -68,6 +74,9 @@ class RelayWire:
         for sock, _ in self._poller.poll(max(0, int(timeout_s * 1000))):
             if sock is self._replay:
                 self._serve_replay()
+                continue
+            if sock in self._monitors:
+                self._on_monitor(sock)
                 continue
             peer = next((ep for ep, s in self._peers.items() if s is sock), None)
             for frames in _drain(sock):
@@ -93,21 +102,58 @@ class RelayWire:
         for ep in set(self._peers) - endpoints:
             sock = self._peers.pop(ep)
             self._poller.unregister(sock)
+            self._close_monitor(sock)
             sock.close(linger=0)
             log.info("pof relay: stopped following %s", ep)
         for ep in endpoints - set(self._peers):
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(ep)
+            sock = self._subscriber(b"", ep)
             self._peers[ep] = sock
             self._poller.register(sock, zmq.POLLIN)
             log.info("pof relay: following the KV events of %s for pool pages computed there", ep)
+
+    def _subscriber(self, topic: bytes, endpoint: str) -> zmq.Socket[bytes]:
+        """A SUB socket connected to ``endpoint`` that refuses frames over ``max_frame_bytes``, its
+        dropped links monitored."""
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[monitor] = (sock, endpoint)
+        self._poller.register(monitor, zmq.POLLIN)
+        sock.connect(endpoint)
+        return sock
+
+    def _close_monitor(self, sock: zmq.Socket[bytes]) -> None:
+        monitor = next(m for m, (s, _) in self._monitors.items() if s is sock)
+        self._poller.unregister(monitor)
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        del self._monitors[monitor]
+
+    def _on_monitor(self, monitor: zmq.Socket[bytes]) -> None:
+        """A link dropped. libzmq does not reconnect after a protocol error (such as a frame over
+        ZMQ_MAXMSGSIZE): connect again, so the stream goes on (an engine that restarted is only
+        connected once: its pending reconnect is cancelled first)."""
+        sock, endpoint = self._monitors[monitor]
+        dropped = sum(1 for frames in _drain(monitor) if len(frames) >= 2)
+        if not dropped:
+            return
+        self.stats["oversize_frames"] += dropped
+        self._log_once(f"dropped-{endpoint}", logging.WARNING,
+                       "pof relay: the link to %s dropped (a frame over %d bytes, or it restarted); connecting "
+                       "again. Further drops are counted in oversize_frames", endpoint, self._max_frame)
+        try:
+            sock.disconnect(endpoint)
+        except zmq.ZMQError:
+            pass              # libzmq forgot the endpoint already (a protocol error ends its session)
+        sock.connect(endpoint)
 
     def _serve_replay(self) -> None:
         """vLLM's replay protocol: every buffered batch from the asked seq on, then END_SEQ."""
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         if len(frames) != 3:
+            self.stats["bad_frames"] += 1
             self._log_once("replay", logging.WARNING, "pof relay: ignoring a replay request of %d frames",
                            len(frames))
             return
@@ -123,7 +169,7 @@ class RelayWire:
         """Close every socket. Idempotent."""
         if self._ctx.closed:
             return
-        for sock in (self._engine, self._pub, self._replay, *self._peers.values()):
+        for sock in (self._engine, self._pub, self._replay, *self._peers.values(), *self._monitors):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()

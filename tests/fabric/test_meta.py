@@ -38,6 +38,19 @@ def test_meta_round_trips_as_strings() -> None:
     {REGIONS_KEY: json.dumps({"cpu_dram": [1, 100, 64, 2]})},         # slots beyond the region
     {REGIONS_KEY: json.dumps({"cpu_dram": [-1, 100, 10, 2]})},
     {REGIONS_KEY: json.dumps({"cpu_dram": [1, 100, True, 2]})},
+    # Hostile numbers: each would have a reader build a descriptor outside any real address
+    # space, or allocate descriptor lists for billions of slots.
+    {REGIONS_KEY: json.dumps({"cpu_dram": [2**64 - 4096, 1 << 20, 4096, 256]})},   # region past 2**64
+    {REGIONS_KEY: json.dumps({"cpu_dram": [2**70, 1 << 20, 4096, 256]})},
+    {REGIONS_KEY: json.dumps({"cpu_dram": [4096, 2**62, 4096, 2**50]})},        # 2**50 slots
+    {REGIONS_KEY: json.dumps({"cpu_dram": [4096, 2**40, 1, 2**40]})},           # 1-byte slots
+    {REGIONS_KEY: json.dumps({"cpu_dram": [4096, 1 << 20, 4096.0, 256]})},       # a float
+    {REGIONS_KEY: json.dumps({"cpu_dram": ["4096", 1 << 20, 4096, 256]})},       # a string
+    {REGIONS_KEY: json.dumps({"no_such_medium": [4096, 1 << 20, 4096, 256]})},
+    {REGIONS_KEY: json.dumps({"engine": [4096, 1 << 20, 4096, 256]})},          # no pool reads it
+    {REGIONS_KEY: "[" * 100_000},                                                # nested too deep
+    {MD_KEY: base64.b64encode(bytes(2 << 20)).decode()},                          # 2 MiB of metadata
+    {AGENT_KEY: "x" * 10_000},
 ])
 def test_malformed_meta_means_not_readable(change: dict[str, str]) -> None:
     assert PeerMeta.from_meta({**META.to_meta(), **change}) is None

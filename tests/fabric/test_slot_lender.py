@@ -70,3 +70,24 @@ def test_messages(spec: PageSpec) -> None:
     assert owner.handle("pof/b/1", written) == {"written": 1}
     assert owner.handle("pof/b/1", {"op": "release", "node": "b", "medium": "cpu_dram", "slots": slots}) == {
         "released": 2}
+
+
+def test_a_writer_refuses_grant_replies_outside_the_owners_region() -> None:
+    """A hostile or broken owner's grant reply: nothing is written to a slot outside its region."""
+    from pof_connector.fabric.spill_writer import _granted
+    assert _granted({"slots": [[0, 1], [7, 3]], "lease_s": 5.0}, 8) == [(0, 1), (7, 3)]
+    assert _granted({"slots": [], "lease_s": 5.0}, 8) == []                        # full
+    for bad in ({"slots": [[8, 1]], "lease_s": 5.0}, {"slots": [[-1, 1]], "lease_s": 5.0},
+                {"slots": [[0, 0]], "lease_s": 5.0}, {"slots": [[0]], "lease_s": 5.0},
+                {"slots": [[0, "1"]], "lease_s": 5.0}, {"slots": [[True, 1]], "lease_s": 5.0},
+                {"slots": [[0, 1]], "lease_s": float("nan")}, {"slots": [[0, 1]], "lease_s": -1},
+                {"slots": "all", "lease_s": 5.0}, {"slots": [[0, 1]]}):
+        assert _granted(bad, 8) is None, bad
+
+
+def test_a_writer_holds_at_most_its_share(spec: PageSpec) -> None:
+    tier = CpuDramTier(spec, 10 * (spec.page_bytes + 64))
+    owner = SlotLender("m", [tier], 5.0, 0.05, lambda node, agent: True, max_lent_fraction=0.3)
+    assert len(owner.grant("b", "cpu_dram", 100, 60)) == 3 and owner.grant("b", "cpu_dram", 1, 60) == []
+    assert len(owner.grant("c", "cpu_dram", 100, 60)) == 3                  # each writer its own share
+    assert owner.refused["writer_cap"] == 1 and tier.free_slots == 4

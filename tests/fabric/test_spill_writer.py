@@ -59,6 +59,7 @@ def cluster(redis_server: RedisServer, runtime_dir: str,
     procs: list[NodeProc | MemdProc] = []
     try:
         m_conf = node_config("m", redis_server.url, runtime_dir, dram=str(m_slots * SLOT))
+        m_conf["fabric"]["max_lent_fraction_per_writer"] = 1.0     # B is M's only writer: all of M is its
         m = MemdProc(m_conf, Path(runtime_dir) / "m.json", SLOT)
         procs.append(m)
         a = NodeProc(node_config("a", redis_server.url, runtime_dir))

