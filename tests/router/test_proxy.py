@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 
 from pof_connector.bench.vllm_server import free_port
@@ -35,16 +35,29 @@ SLOW = 9999
 
 class StandInEngine:
     """Stands in for a vLLM OpenAI server: answers with its name and the prompt length, tokenizes
-    text as one token per character (code point)."""
+    text as one token per character (code point). ``api_key``: like vLLM's ``--api-key``, every
+    path but /health answers 401 without ``Authorization: Bearer <api_key>``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, api_key: str | None = None) -> None:
         self.name = name
+        self.authorizations: list[str | None] = []
+        """The Authorization header of every request but /health's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.prompts: list[Any] = []
         self.tokenized = 0
         self.aborted = 0          # slow requests whose client went away (vLLM aborts those)
         app = FastAPI()
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next: Any) -> Any:
+            if request.url.path == "/health":
+                return await call_next(request)
+            given = request.headers.get("authorization")
+            self.authorizations.append(given)
+            if api_key is not None and given != f"Bearer {api_key}":
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
 
         @app.get("/version")
         def version() -> dict[str, str]:
