@@ -18,6 +18,7 @@ from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, 
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import ping
 from pof_connector.index.stats_view import node_json, print_stats
+from pof_connector.runtime_dir import private_dir
 
 PIDFILE_GRACE_S = 2.0
 
@@ -39,8 +40,7 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 
 def cmd_index_serve(args: argparse.Namespace) -> int:
     """Run the embedded index supervisor in this process until ``pof index stop`` or Ctrl-C."""
-    runtime_dir = _runtime_dir(args)
-    runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    runtime_dir = private_dir(_runtime_dir(args))
     url = embedded_url(runtime_dir)
     idle_s = math.inf if args.idle_s is None else args.idle_s
     # The lock is the one ensure_embedded() takes: holding it until our server answers keeps a

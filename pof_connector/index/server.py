@@ -61,7 +61,7 @@ class RedisServer:
         behind one path would each hold half of the books. A server that lives but does not answer
         (frozen, starved) cannot be told from a dead one here: the embedded server's owner decides
         that by its processes (see :mod:`pof_connector.index.embedded`) before calling this."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.socket.exists():
             if ping(f"unix://{self.socket}"):
                 raise RuntimeError(f"an index server already answers on {self.socket}")
