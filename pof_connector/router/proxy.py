@@ -34,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
@@ -110,14 +111,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
 
     if expected is not None:
-        @app.middleware("http")
-        async def authorized(request: Request, call_next: Callable[[Request], Any]) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path in OPEN_PATHS or secrets.compare_digest(given, expected):
-                response: Response = await call_next(request)
-                return response
-            return _error(401, "Unauthorized: send the router's API key as 'Authorization: Bearer KEY'",
-                          kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+        app.add_middleware(_RequireKey, expected=expected)
 
     async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids to route on; ``None``: route without them (no prompt, a prompt
@@ -244,6 +238,26 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         return await proxy(request, "/" + path, route_by_prompt=False)
 
     return app
+
+
+class _RequireKey:
+    """401 for an HTTP request without ``Authorization: Bearer <key>``, but on :data:`OPEN_PATHS`.
+    Plain ASGI, not Starlette's BaseHTTPMiddleware: that one hides a client's disconnect from the
+    endpoint, which then could not cancel the backend request."""
+
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = _error(401, "Unauthorized: send the router's API key as 'Authorization: Bearer KEY'",
+                                 kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _BadRequest(ValueError):
