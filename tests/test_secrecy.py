@@ -169,3 +169,12 @@ def test_api_token_from_a_file_and_a_warning_for_token(tmp_path: Path, capsys: p
     assert _api_token(argparse.Namespace(token=API_TOKEN, token_env=None, token_file=None)) == API_TOKEN
     err = capsys.readouterr().err
     assert "--token shows in `ps`" in err and API_TOKEN not in err
+
+
+def test_a_missing_token_variable_stops_serve_before_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("POF_T_UNSET_TOKEN", raising=False)
+    rt = tmp_path / "rt"
+    assert main(["index", "serve", "--runtime-dir", str(rt), "--token-env", "POF_T_UNSET_TOKEN"]) == 1
+    assert "token_env: the environment variable 'POF_T_UNSET_TOKEN' is not set" in capsys.readouterr().err
+    assert not (rt / "embedded.lock").exists()                 # no server was started

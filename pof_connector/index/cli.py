@@ -41,6 +41,7 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 def cmd_index_serve(args: argparse.Namespace) -> int:
     """Run the embedded index supervisor in this process until ``pof index stop`` or Ctrl-C."""
     runtime_dir = private_dir(_runtime_dir(args))
+    token = _api_token(args) if args.http_port else None      # a missing secret stops us before anything starts
     url = embedded_url(runtime_dir)
     idle_s = math.inf if args.idle_s is None else args.idle_s
     # The lock is the one ensure_embedded() takes: holding it until our server answers keeps a
@@ -54,7 +55,7 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
         announcer = threading.Thread(target=_announce, args=(url, runtime_dir, lock, up), daemon=True)
         announcer.start()
         if args.http_port:
-            _start_api(url, None, args)
+            _start_api(url, None, args, token)
         try:
             return supervise(runtime_dir, idle_s)
         except (OSError, RuntimeError, TimeoutError, ValueError) as e:
@@ -76,7 +77,8 @@ def _api_token(args: argparse.Namespace) -> str | None:
     return read_secret(args.token_env, args.token_file, "token")
 
 
-def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace) -> threading.Thread:
+def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace,
+               token: str | None) -> threading.Thread:
     """Serve the locality API (pof_connector.locality.api) on a thread of this process."""
     import uvicorn
 
@@ -88,7 +90,6 @@ def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace)
         if not path:
             raise CommandError(f"--tokenizer expects MODEL=DIR, got {item!r}")
         tokenizers[model] = load_tokenizer(path, special_tokens=False)
-    token = _api_token(args)
     app = make_app(RedisIndex(index_url, None, auth=auth), token=token, tokenizers=tokenizers)
     server = uvicorn.Server(uvicorn.Config(app, host=args.http_host, port=args.http_port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="pof-api", daemon=True)
@@ -100,9 +101,10 @@ def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace)
 def cmd_index_api(args: argparse.Namespace) -> int:
     """Serve the locality API for an index this process does not run (e.g. a Redis cluster's)."""
     url, auth = _target(args)
+    token = _api_token(args)
     if not ping(url, auth=auth):
         raise CommandError(f"no index server answers at {redact_url(url)}")
-    _start_api(url, auth, args).join()
+    _start_api(url, auth, args, token).join()
     return 0
 
 
