@@ -3,6 +3,7 @@ a file: against a real Redis 7 server with TLS (tests/tls_redis.py), never skipp
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
+from pof_connector.cli import main
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, open_index
 from pof_connector.pool import Pool
@@ -113,3 +116,17 @@ def test_an_empty_password_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "pw").write_text("\n")
     with pytest.raises(ConfigError, match=r"index_password_file.*empty"):
         PofConfig.from_mapping({"index_url": "redis://localhost:6379/0", "index_password_file": str(tmp_path / "pw")})
+
+
+def test_bench_index_on_a_tls_server_with_credentials(tls_redis: TlsRedis, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("POF_TEST_INDEX_PASSWORD", TLS_PASSWORD)
+    config = tmp_path / "pof.yaml"
+    config.write_text(yaml.safe_dump({"index_url": tls_redis.url, "index_password_env": "POF_TEST_INDEX_PASSWORD",
+                                      "index_tls_ca_file": str(tls_redis.certs.ca)}))
+    assert main(["bench", "index", "--json", "--config", str(config), "--pages", "40", "--iterations", "3",
+                 "--memory-pages", "100"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["server"] == tls_redis.url
+    no_secret(out.out + out.err)
