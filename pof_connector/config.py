@@ -20,6 +20,9 @@ from typing import Any
 
 import yaml
 
+from pof_connector.config_error import ConfigError as ConfigError
+from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
+
 KNOWN_MEDIA = ("cpu_dram", "cxl", "peer_hbm")
 """Tier media this build can use, in the order of the default preference."""
 
@@ -32,10 +35,6 @@ _UNITS = {
     "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
 }
 SIZE_FORMS = "an integer number of bytes or a string such as '512MiB', '4GiB', '1.5GiB', '64KiB'"
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown or its value is not allowed."""
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -253,6 +252,9 @@ class PofConfig:
     mixed into every key, for isolating tenants or deployments that share one index.
     ``tiers``: preference order — pages are stored in the first; pages evicted from a tier move
     to the next one. ``fabric``: reads of other nodes' tiers over NIXL (off by default).
+    ``index_auth``: the index server's ACL user, where its password is and TLS files, given as
+    the flat keys ``index_username``, ``index_password_env`` / ``index_password_file``,
+    ``index_tls_ca_file`` (and ``index_tls_cert_file`` / ``index_tls_key_file``).
     """
 
     node_id: str = field(default_factory=socket.gethostname)
@@ -270,6 +272,7 @@ class PofConfig:
     io_threads: int = 2
     load_timeout_s: float = 10.0
     fabric: FabricConfig = field(default_factory=FabricConfig)
+    index_auth: IndexAuth = field(default_factory=IndexAuth)
 
     def tier(self, medium: str) -> TierConfig | None:
         """The options of ``medium``; ``None`` when this node has no such tier."""
@@ -279,7 +282,7 @@ class PofConfig:
     def from_mapping(cls, raw: Mapping[str, Any], *, source: str = "config") -> PofConfig:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{source}: expected a mapping of keys, got {type(raw).__name__}")
-        allowed = tuple(cls.__dataclass_fields__)
+        allowed = tuple(k for k in cls.__dataclass_fields__ if k != "index_auth") + INDEX_AUTH_KEYS
         for key in raw:
             if key not in allowed:
                 raise ConfigError(f"{source}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
@@ -316,6 +319,7 @@ class PofConfig:
             kw["io_threads"] = _int(raw["io_threads"], "io_threads", lo=1, hi=64)
         if raw.get("fabric") is not None:
             kw["fabric"] = _fabric(raw["fabric"])
+        kw["index_auth"] = IndexAuth.from_mapping(raw, kw.get("index_url", "embedded"))
         config = cls(**kw)
         if config.node_ttl_s <= config.heartbeat_s:
             raise ConfigError(f"node_ttl_s ({config.node_ttl_s}) must be larger than heartbeat_s "
@@ -363,6 +367,7 @@ class PofConfig:
                        "staging_size": self.fabric.staging_size, "spill": self.fabric.spill,
                        "spill_lease_s": self.fabric.spill_lease_s,
                        "max_lent_fraction_per_writer": self.fabric.max_lent_fraction_per_writer},
+            **self.index_auth.to_mapping(),
         }
 
 

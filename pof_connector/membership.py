@@ -10,6 +10,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from pof_connector.config import ConfigError
 from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
@@ -125,7 +126,7 @@ class Membership:
         reason = f"node {self.node_id}: no index server process runs; last error: {self.guard.last_error}"
         try:
             started = restart_embedded(self.config.runtime_dir, reason)
-        except (OSError, TimeoutError, RuntimeError) as e:
+        except (OSError, TimeoutError, RuntimeError, ConfigError) as e:      # ConfigError: runtime_dir not ours
             self.log_once("embedded-restart", logging.ERROR, "pof: could not restart the embedded index: %s", e)
             return
         if started:

@@ -12,6 +12,7 @@ import pytest
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace
 from pof_connector.pages import PageSpec
+from tests.tls_redis import TlsRedis
 
 
 @pytest.fixture
@@ -46,3 +47,16 @@ def spec() -> PageSpec:
 @pytest.fixture
 def namespace() -> bytes:
     return Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest
+
+
+TLS_PASSWORD = "pof-acl-S3cr3t-7b1e"
+"""The ACL user's password of :func:`tls_redis`; tests assert it never shows."""
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[TlsRedis]:
+    """A real Redis 7 server over TLS only, with the ACL user ``pof`` (password
+    :data:`TLS_PASSWORD`) and the default user off (see tests/tls_redis.py)."""
+    server = TlsRedis(tmp_path / "tls-redis", TLS_PASSWORD)
+    yield server
+    server.stop()

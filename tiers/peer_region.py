@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pof_connector.config import ConfigError, TierConfig, format_size
+from pof_connector.runtime_dir import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,8 @@ class PeerRegion:
         self.device = device
         self.tensor: Any = None
         self.generations = np.empty(0, dtype=np.uint64)
-        self.dir = os.path.join(runtime_dir, f"peer_hbm-{device_tag(torch, device)}")
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = os.path.join(private_dir(runtime_dir), f"peer_hbm-{device_tag(torch, device)}")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self._owner_fd: int | None = None
         self._lock_fd: int | None = None
         self._data_path: str | None = None

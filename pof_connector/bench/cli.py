@@ -15,7 +15,7 @@ from pof_connector.bench import router as bench_router  # starts vLLM servers an
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
-from pof_connector.config import format_size
+from pof_connector.config import ConfigError, PofConfig, format_size
 
 
 def _setups(text: str) -> list[str]:
@@ -56,8 +56,15 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_index(args: argparse.Namespace) -> int:
+    url, auth = args.url, None
+    if args.config:
+        config = PofConfig.from_file(args.config)
+        if not config.index_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"{args.config}: index_url: the bench needs a server URL (redis://, rediss:// or "
+                             f"unix://), got {config.index_url!r}")
+        url, auth = config.index_url, config.index_auth
     result = bench_index.run(pages=args.pages, nodes=args.nodes, iterations=args.iterations,
-                       memory_pages=args.memory_pages, url=args.url, progress=progress)
+                             memory_pages=args.memory_pages, url=url, progress=progress, auth=auth)
     if args.json:
         print_json(result)
         return 0
@@ -238,8 +245,11 @@ def add_parser(sub: Any) -> None:
     index.add_argument("--iterations", type=int, default=300, help="timed lookups (default 300)")
     index.add_argument("--memory-pages", type=int, default=100_000,
                        help="locations published for the memory figure (default 100000)")
-    index.add_argument("--url", help="use this server instead of starting a private one (its data is "
+    where = index.add_mutually_exclusive_group()
+    where.add_argument("--url", help="use this server instead of starting a private one (its data is "
                                      "left as found)")
+    where.add_argument("--config", metavar="FILE", help="use the server of this pof config's index_url, with its "
+                                                        "index_* credentials")
     index.set_defaults(handler=cmd_bench_index)
     fabric = bsub.add_parser("fabric", help="remote page fetch through pof vs. a raw NIXL READ",
                              description="Start an owner pool node in a second process; fetch its pages over "

@@ -21,7 +21,10 @@ import numpy as np
 import redis
 
 from pof_connector.bench import BenchError, Progress, quiet
+from pof_connector.config import redact_url
+from pof_connector.credentials import IndexAuth
 from pof_connector.index.base import IndexUnavailable, Location, NodeInfo, PrefixMatch
+from pof_connector.index.client import redis_client
 from pof_connector.index.redis import RedisIndex, loc_key
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import DIGEST_BYTES, Namespace, PageKey, page_keys
@@ -50,13 +53,15 @@ def run(
     memory_pages: int = 100_000,
     url: str | None = None,
     progress: Progress = quiet,
+    auth: IndexAuth | None = None,
 ) -> dict[str, Any]:
-    """Lookup latency, round-trip latency and memory per location, as ``--json`` prints them."""
+    """Lookup latency, round-trip latency and memory per location, as ``--json`` prints them.
+    ``auth``: how to authenticate to the server at ``url`` (``None``: as the URL says)."""
     _check_args(pages, nodes, iterations, memory_pages)
     with _server(url, progress) as server_url:
         run_id = secrets.token_hex(4)     # fresh node ids and namespaces: safe on a shared --url server
-        clients = [RedisIndex(server_url, f"bench-{run_id}-{k}") for k in range(nodes)]
-        reader = RedisIndex(server_url, None)
+        clients = [RedisIndex(server_url, f"bench-{run_id}-{k}", auth=auth) for k in range(nodes)]
+        reader = RedisIndex(server_url, None, auth=auth)
         namespaces: list[bytes] = []
         try:
             for client in clients:
@@ -67,10 +72,10 @@ def run(
                      f"{WARMUP} warm-ups + {iterations} lookups")
             lat = _measure(reader, keys, expected, iterations)
             progress(f"index: publishing {memory_pages} locations for the memory figure")
-            memory = _memory(clients[0], server_url, memory_pages, run_id, namespaces)
-            version = _server_version(server_url)
+            memory = _memory(clients[0], server_url, auth, memory_pages, run_id, namespaces)
+            version = _server_version(server_url, auth)
         finally:
-            _cleanup(server_url, reader, clients, namespaces, progress)
+            _cleanup(server_url, auth, reader, clients, namespaces, progress)
     return _result(lat, memory, pages, nodes, iterations, memory_pages, url, version)
 
 
@@ -160,13 +165,14 @@ class Memory:
     publish_pages_per_s: float
 
 
-def _memory(client: RedisIndex, url: str, count: int, run_id: str, namespaces: list[bytes]) -> Memory:
+def _memory(client: RedisIndex, url: str, auth: IndexAuth | None, count: int, run_id: str,
+            namespaces: list[bytes]) -> Memory:
     """Server memory growth and publish throughput for ``count`` locations in a fresh namespace."""
     ns = _namespace(run_id, "memory")
     namespaces.append(ns)
     digests = np.random.default_rng(2).bytes(count * DIGEST_BYTES)
     keys = [PageKey(ns, digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]) for i in range(count)]
-    r = redis.Redis.from_url(url)
+    r = redis_client(url, auth, timeout_s=None)
     try:
         before = int(r.info("memory")["used_memory"])
         t0 = time.perf_counter()
@@ -179,8 +185,8 @@ def _memory(client: RedisIndex, url: str, count: int, run_id: str, namespaces: l
     return Memory((after - before) / count, hash_bytes / count, count / elapsed)
 
 
-def _server_version(url: str) -> str:
-    r = redis.Redis.from_url(url)
+def _server_version(url: str, auth: IndexAuth | None) -> str:
+    r = redis_client(url, auth, timeout_s=None)
     try:
         info = r.info("server")
     finally:
@@ -191,13 +197,13 @@ def _server_version(url: str) -> str:
     return "unknown"
 
 
-def _cleanup(url: str, reader: RedisIndex, clients: Sequence[RedisIndex], namespaces: Sequence[bytes],
-             progress: Progress) -> None:
+def _cleanup(url: str, auth: IndexAuth | None, reader: RedisIndex, clients: Sequence[RedisIndex],
+             namespaces: Sequence[bytes], progress: Progress) -> None:
     """Leave a shared server as it was: drop the bench's namespaces and deregister its nodes.
 
     A failure here is reported, not raised: it must not hide the error that ended the run.
     """
-    r = redis.Redis.from_url(url)
+    r = redis_client(url, auth, timeout_s=None)
     try:
         if namespaces:
             r.delete(*(loc_key(ns) for ns in namespaces))
@@ -205,7 +211,7 @@ def _cleanup(url: str, reader: RedisIndex, clients: Sequence[RedisIndex], namesp
             if client.incarnation is not None:
                 client.leave()
     except (redis.RedisError, IndexUnavailable) as e:
-        progress(f"index: could not clean up the bench's keys and nodes on {url}: {e}")
+        progress(f"index: could not clean up the bench's keys and nodes on {redact_url(url)}: {e}")
     finally:
         r.close()
         reader.close()
@@ -235,7 +241,7 @@ def _result(lat: Latencies, memory: Memory, pages: int, nodes: int, iterations: 
         "nodes": nodes,
         "iterations": iterations,
         "memory_pages": memory_pages,
-        "server": url or "private server on a unix socket",
+        "server": redact_url(url) if url else "private server on a unix socket",
         "server_version": version,
         "note": NOTE,
     }

@@ -47,4 +47,4 @@ def open_index(config: PofConfig, node_id: str | None, *, table: LocalTable | No
         return LocalIndex(node_id, table)
     from pof_connector.index.redis import RedisIndex
 
-    return RedisIndex(resolve_url(config), node_id, timeout_s=config.index_timeout_s)
+    return RedisIndex(resolve_url(config), node_id, timeout_s=config.index_timeout_s, auth=config.index_auth)

@@ -13,10 +13,12 @@ from typing import Any
 
 from pof_connector.cli_support import CommandError, err_console, out_console, print_json, usage
 from pof_connector.config import PofConfig, redact_url
+from pof_connector.credentials import IndexAuth, read_secret
 from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, restarts, stop_embedded, supervise
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import ping
 from pof_connector.index.stats_view import node_json, print_stats
+from pof_connector.runtime_dir import private_dir
 
 PIDFILE_GRACE_S = 2.0
 
@@ -38,8 +40,8 @@ def _runtime_dir(args: argparse.Namespace) -> Path:
 
 def cmd_index_serve(args: argparse.Namespace) -> int:
     """Run the embedded index supervisor in this process until ``pof index stop`` or Ctrl-C."""
-    runtime_dir = _runtime_dir(args)
-    runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    runtime_dir = private_dir(_runtime_dir(args))
+    token = _api_token(args) if args.http_port else None      # a missing secret stops us before anything starts
     url = embedded_url(runtime_dir)
     idle_s = math.inf if args.idle_s is None else args.idle_s
     # The lock is the one ensure_embedded() takes: holding it until our server answers keeps a
@@ -53,7 +55,7 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
         announcer = threading.Thread(target=_announce, args=(url, runtime_dir, lock, up), daemon=True)
         announcer.start()
         if args.http_port:
-            _start_api(url, args)
+            _start_api(url, None, args, token)
         try:
             return supervise(runtime_dir, idle_s)
         except (OSError, RuntimeError, TimeoutError, ValueError) as e:
@@ -63,7 +65,20 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
             announcer.join()      # before the lock file closes under it
 
 
-def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
+def _api_token(args: argparse.Namespace) -> str | None:
+    """The API's bearer token from ``--token``, ``--token-env`` or ``--token-file``; ``None``: no token."""
+    given = [f for f in ("token", "token_env", "token_file") if getattr(args, f) is not None]
+    if len(given) > 1:
+        raise CommandError("give one of --token, --token-env and --token-file")
+    if args.token is not None:
+        err_console().print("warning: --token shows in `ps` to every user of this host; "
+                            "prefer --token-env or --token-file", style="yellow")
+        return str(args.token)
+    return read_secret(args.token_env, args.token_file, "token")
+
+
+def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace,
+               token: str | None) -> threading.Thread:
     """Serve the locality API (pof_connector.locality.api) on a thread of this process."""
     import uvicorn
 
@@ -75,7 +90,7 @@ def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
         if not path:
             raise CommandError(f"--tokenizer expects MODEL=DIR, got {item!r}")
         tokenizers[model] = load_tokenizer(path, special_tokens=False)
-    app = make_app(RedisIndex(index_url, None), token=args.token, tokenizers=tokenizers)
+    app = make_app(RedisIndex(index_url, None, auth=auth), token=token, tokenizers=tokenizers)
     server = uvicorn.Server(uvicorn.Config(app, host=args.http_host, port=args.http_port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="pof-api", daemon=True)
     thread.start()
@@ -85,16 +100,23 @@ def _start_api(index_url: str, args: argparse.Namespace) -> threading.Thread:
 
 def cmd_index_api(args: argparse.Namespace) -> int:
     """Serve the locality API for an index this process does not run (e.g. a Redis cluster's)."""
-    if not ping(args.url):
-        raise CommandError(f"no index server answers at {redact_url(args.url)}")
-    _start_api(args.url, args).join()
+    url, auth = _target(args)
+    token = _api_token(args)
+    if not ping(url, auth=auth):
+        raise CommandError(f"no index server answers at {redact_url(url)}")
+    _start_api(url, auth, args, token).join()
     return 0
 
 
 def _add_api_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--http-host", default="127.0.0.1", help="address of the locality API (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=port, help=f"its port; 0 disables it (default {port})")
-    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on the API (not on /healthz)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on the API (not on /healthz); "
+                                       "shows in `ps`: prefer --token-env / --token-file")
+    token.add_argument("--token-env", metavar="NAME", help="the API token is in environment variable NAME")
+    token.add_argument("--token-file", metavar="PATH", help="the API token is in file PATH (trailing newline "
+                                                             "stripped)")
     p.add_argument("--tokenizer", action="append", metavar="MODEL=DIR",
                    help="accept text prompts for MODEL, tokenized with DIR/tokenizer.json (repeatable)")
 
@@ -146,8 +168,8 @@ def _wait_for(path: Path, timeout_s: float) -> bool:
 
 def cmd_index_stats(args: argparse.Namespace) -> int:
     """Live nodes and totals of a running index; never starts a server to answer."""
-    url = _stats_url(args)
-    index = RedisIndex(url, None)
+    url, auth = _stats_url(args)
+    index = RedisIndex(url, None, auth=auth)
     try:
         nodes, totals = index.nodes(), index.stats()
     finally:
@@ -174,29 +196,38 @@ def _embedded_dir(args: argparse.Namespace) -> Path | None:
     return Path(config.runtime_dir) if config.index_url == "embedded" else None
 
 
-def _stats_url(args: argparse.Namespace) -> str:
-    """The URL of a server that answers now; :class:`CommandError` when there is none."""
+def _target(args: argparse.Namespace) -> tuple[str, IndexAuth | None]:
+    """The index server ``--url`` or ``--config`` names, and how to authenticate to it (``None``:
+    as the URL says)."""
     if args.url:
-        url = str(args.url)
-    else:
-        config = _load_config(args.config)
-        if config.index_url == "local":
-            raise CommandError("index_url is 'local': that index lives inside one engine process and has "
-                               "no server to ask")
-        url = embedded_url(config.runtime_dir) if config.index_url == "embedded" else config.index_url
-    if not ping(url):
+        return str(args.url), None
+    config = _load_config(args.config)
+    if config.index_url == "local":
+        raise CommandError("index_url is 'local': that index lives inside one engine process and has "
+                           "no server to ask")
+    if config.index_url == "embedded":
+        return embedded_url(config.runtime_dir), None
+    return config.index_url, config.index_auth
+
+
+def _stats_url(args: argparse.Namespace) -> tuple[str, IndexAuth | None]:
+    """The URL of a server that answers now, and its :class:`IndexAuth`; :class:`CommandError`
+    when there is none."""
+    url, auth = _target(args)
+    config = None if args.url else _load_config(args.config)
+    if not ping(url, auth=auth):
         runtime_dir = _embedded_dir(args)
         shown = redact_url(url)
         if runtime_dir is not None and embedded_alive(runtime_dir):
             raise CommandError(f"the index server at {shown} runs but does not answer (a busy host, or stopped)")
-        if args.url or config.index_url != "embedded":
+        if config is None or config.index_url != "embedded":
             raise CommandError(f"no index server running at {shown}")
         serve = "pof index serve" + (f" --config {args.config}" if args.config else "")
         raise CommandError(f"no index server running at {shown}. Engines with index_url: embedded start it when "
                            f"they start; `{serve}` runs one in the foreground. The index of "
                            "examples/quickstart.sh and examples/core/two_nodes.py is private to their run "
                            "and stopped with it.")
-    return url
+    return url, auth
 
 
 # ---- the parser -------------------------------------------------------------------------------
@@ -228,7 +259,9 @@ def _add_index(sub: Any) -> None:
     api = isub.add_parser("api", help="serve the locality API for a running index (e.g. redis://...)",
                           description="Serve POST /v1/locality, GET /v1/nodes, /metrics and /healthz for the "
                                       "index at --url.")
-    api.add_argument("--url", required=True, help="index server URL")
+    where = api.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="index server URL (credentials in it show in `ps`: prefer --config)")
+    where.add_argument("--config", metavar="FILE", help="pof config: its index_url and index_* credentials")
     _add_api_args(api, 8470)
     api.set_defaults(handler=cmd_index_api)
     stop = isub.add_parser("stop", help="stop this host's embedded index server",

@@ -34,6 +34,7 @@ from typing import IO
 import redis
 
 from pof_connector.index.server import RedisServer, ping
+from pof_connector.runtime_dir import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ def restart_embedded(runtime_dir: str | Path, reason: str | None, *, timeout_s: 
     start); a start that follows a dead server is logged and recorded in ``embedded.restarts``.
 
     Raises ``RuntimeError`` when the new supervisor exits before its server runs."""
-    rt = Path(runtime_dir)
-    rt.mkdir(parents=True, exist_ok=True, mode=0o700)
+    rt = private_dir(runtime_dir)
     if embedded_alive(rt):
         return False
     with open(rt / START_LOCK, "w") as lock:

@@ -41,6 +41,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pof_connector.config import redact_url
+from pof_connector.credentials import IndexAuth
 from pof_connector.index.base import (
     MEDIA,
     IndexTimeout,
@@ -52,6 +53,7 @@ from pof_connector.index.base import (
     check_one_namespace,
     node_id_taken,
 )
+from pof_connector.index.client import redis_client
 from pof_connector.keys import PageKey
 
 _DIGEST = operator.attrgetter("digest")
@@ -198,13 +200,15 @@ class RedisIndex(LocalityIndex):
     callers treat as "nothing known": a miss, never an engine error.
     """
 
-    def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0,
+                 auth: IndexAuth | None = None) -> None:
+        """``auth``: the ACL user, password and TLS files (``None``: what ``url`` says)."""
         super().__init__(node_id)
         self.url = url
         self.shown_url = redact_url(url)
         """``url`` as logs and errors show it (no password)."""
-        self._r = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        self._r = redis_client(
+            url, auth, timeout_s=timeout_s,
             # One retry for a connection the server closed (it restarted); none for a timeout: a
             # slow server would only make the caller wait twice as long.
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), health_check_interval=0,

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import redis
 
+from pof_connector.credentials import IndexAuth
+from pof_connector.index.client import redis_client
+
 
 def server_binary() -> str:
     """Path of a Redis-protocol server; raises ``FileNotFoundError`` naming what to install."""
@@ -58,7 +61,7 @@ class RedisServer:
         behind one path would each hold half of the books. A server that lives but does not answer
         (frozen, starved) cannot be told from a dead one here: the embedded server's owner decides
         that by its processes (see :mod:`pof_connector.index.embedded`) before calling this."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.socket.exists():
             if ping(f"unix://{self.socket}"):
                 raise RuntimeError(f"an index server already answers on {self.socket}")
@@ -94,9 +97,10 @@ class RedisServer:
         self.proc = None
 
 
-def ping(url: str, timeout_s: float = 0.5) -> bool:
+def ping(url: str, timeout_s: float = 0.5, auth: IndexAuth | None = None) -> bool:
+    """Does a server answer at ``url`` (as ``auth`` says; ``None``: as the URL says)?"""
     try:
-        r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        r = redis_client(url, auth, timeout_s=timeout_s)
         try:
             return bool(r.ping())
         finally:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -33,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
@@ -75,15 +77,28 @@ def _healthy_of(b: Backend) -> Callable[[], float]:
     return lambda: float(b.healthy)
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Paths answered without the API key, as vLLM leaves them open (probes and scrapers)."""
+
+
 def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """The router's app. Its API key (``api_key_env`` / ``api_key_file``) and the backends' key
+    are read here, once; a request without the key gets vLLM's 401 (``/health`` and
+    ``/metrics`` stay open). With a backend key, the client's ``Authorization`` is replaced by
+    it; without one, the client's header is passed on unchanged."""
     cfg = router.config
     metrics = _Metrics(router)
     state: dict[str, httpx.AsyncClient] = {}
+    expected = f"Bearer {key}".encode() if (key := cfg.api_key()) is not None else None
+    backend_key = cfg.backend_api_key()
+    backend_headers = {"authorization": f"Bearer {backend_key}"} if backend_key is not None else {}
+    forward = _FORWARD_HEADERS if backend_key is None else tuple(h for h in _FORWARD_HEADERS if h != "authorization")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), limits=limits)
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), limits=limits,
+                                            headers=backend_headers)
         checker = asyncio.create_task(_health_loop(router, state["client"]))
         try:
             yield
@@ -94,6 +109,9 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             await state["client"].aclose()
 
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
+
+    if expected is not None:
+        app.add_middleware(_RequireKey, expected=expected)
 
     async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids to route on; ``None``: route without them (no prompt, a prompt
@@ -125,7 +143,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             return _error(e.status, str(e))
         session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
         salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
         target = path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[str] = set()
         while True:
@@ -220,6 +238,26 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         return await proxy(request, "/" + path, route_by_prompt=False)
 
     return app
+
+
+class _RequireKey:
+    """401 for an HTTP request without ``Authorization: Bearer <key>``, but on :data:`OPEN_PATHS`.
+    Plain ASGI, not Starlette's BaseHTTPMiddleware: that one hides a client's disconnect from the
+    endpoint, which then could not cancel the backend request."""
+
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = _error(401, "Unauthorized: send the router's API key as 'Authorization: Bearer KEY'",
+                                 kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _BadRequest(ValueError):
@@ -330,5 +368,7 @@ async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> Non
         b.check_failed(f"health check answered {r.status_code}")
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "pof_router", "code": status}}, status_code=status)
+def _error(status: int, message: str, *, kind: str = "pof_router",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pof_connector.config import ConfigError
+from pof_connector.credentials import IndexAuth, read_secret
 
 
 class _Frozen(BaseModel):
@@ -77,9 +78,48 @@ class RouterConfig(_Frozen):
                                                                   "before they are read whole")
     max_tokenize_chars: int = Field(1_000_000, ge=0, description="longer text prompts are routed without "
                                                                  "their tokens (least loaded), not tokenized")
+    index_username: str | None = Field(None, description="the index's Redis ACL user; None: the URL's, else default")
+    index_password_env: str | None = Field(None, description="environment variable holding the index password")
+    index_password_file: str | None = Field(None, description="file holding the index password")
+    index_tls_ca_file: str | None = Field(None, description="CA of a rediss:// index server's certificate")
+    index_tls_cert_file: str | None = Field(None, description="client certificate for the index (with its key)")
+    index_tls_key_file: str | None = Field(None, description="the client certificate's key")
+    api_key_env: str | None = Field(None, description="environment variable holding the key clients must send "
+                                                       "('Authorization: Bearer KEY'); None: no key required")
+    api_key_file: str | None = Field(None, description="file holding that key (trailing newline stripped)")
+    backend_api_key_env: str | None = Field(None, description="environment variable holding the key the backends "
+                                                               "require (their --api-key); None: the client's "
+                                                               "Authorization header is passed on")
+    backend_api_key_file: str | None = Field(None, description="file holding the backends' key")
     backends: list[BackendConfig] = Field(min_length=1)
     cost: CostConfig = CostConfig()
     health: HealthConfig = HealthConfig()
+
+    @model_validator(mode="after")
+    def secrets_readable(self) -> RouterConfig:
+        """Every secret is read once at start-up, so a missing variable or file stops the router
+        with the key's name (never the secret) instead of failing requests later."""
+        try:
+            self.index_auth.check(self.index_url)
+            self.api_key()
+            self.backend_api_key()
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    @property
+    def index_auth(self) -> IndexAuth:
+        return IndexAuth(username=self.index_username, password_env=self.index_password_env,
+                         password_file=self.index_password_file, tls_ca_file=self.index_tls_ca_file,
+                         tls_cert_file=self.index_tls_cert_file, tls_key_file=self.index_tls_key_file)
+
+    def api_key(self) -> str | None:
+        """The key clients must present, read now; ``None``: clients need none."""
+        return read_secret(self.api_key_env, self.api_key_file, "api_key")
+
+    def backend_api_key(self) -> str | None:
+        """The key sent to the backends, read now; ``None``: the client's header is passed on."""
+        return read_secret(self.backend_api_key_env, self.backend_api_key_file, "backend_api_key")
 
     @model_validator(mode="after")
     def unique_names(self) -> RouterConfig:
@@ -106,7 +146,9 @@ class RouterConfig(_Frozen):
             allowed = ""
             if first["type"] == "extra_forbidden":
                 allowed = f"; allowed keys here: {', '.join(_allowed_keys(first['loc']))}"
-            raise ConfigError(f"{source}: {key}: {first['msg']}{allowed}") from None
+            # A validator's own message, without pydantic's "Value error, " before it.
+            msg = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
+            raise ConfigError(f"{source}: {key}: {msg}{allowed}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> RouterConfig:

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from pof_connector.config import ConfigError
+from pof_connector.config import ConfigError, redact_url
 from pof_connector.index.redis import RedisIndex
 from pof_connector.locality.locator import Locator
 from pof_connector.router.router import Router
@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> None:
 
 def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
     """The router and its index client (``None`` without ``index_url``; the caller closes it)."""
-    index = RedisIndex(config.index_url, None) if config.index_url else None
+    index = RedisIndex(config.index_url, None, auth=config.index_auth) if config.index_url else None
     return Router(config, Locator(index) if index is not None else None), index
 
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(config.tokenizer, special_tokens=True) if config.tokenizer else None
     names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
     log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
-             config.index_url or "none", names)
+             redact_url(config.index_url) if config.index_url else "none", names)
     try:
         uvicorn.run(make_app(router, tokenizer=tok), host=config.host, port=config.port, log_level="warning")
     finally:

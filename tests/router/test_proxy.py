@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 
 from pof_connector.bench.vllm_server import free_port
@@ -35,16 +35,31 @@ SLOW = 9999
 
 class StandInEngine:
     """Stands in for a vLLM OpenAI server: answers with its name and the prompt length, tokenizes
-    text as one token per character (code point)."""
+    text as one token per character (code point). ``api_key``: like vLLM's ``--api-key``, every
+    path but /health answers 401 without ``Authorization: Bearer <api_key>``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, api_key: str | None = None) -> None:
         self.name = name
+        self.authorizations: list[str | None] = []
+        """The Authorization header of every request but /health's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.prompts: list[Any] = []
         self.tokenized = 0
         self.aborted = 0          # slow requests whose client went away (vLLM aborts those)
         app = FastAPI()
+
+        async def check_key(request: Request, call_next: Any) -> Any:
+            if request.url.path == "/health":
+                return await call_next(request)
+            given = request.headers.get("authorization")
+            self.authorizations.append(given)
+            if given != f"Bearer {api_key}":
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
+        if api_key is not None:        # (a middleware of this kind hides client disconnects: only when asked)
+            app.middleware("http")(check_key)
 
         @app.get("/version")
         def version() -> dict[str, str]:
@@ -293,11 +308,19 @@ def test_the_rest_of_the_engine_api_is_passed_through(engines: dict[str, StandIn
         assert client.get("/no/such/route").status_code == 404          # the backend's own 404
 
 
-def test_a_client_that_leaves_a_non_streamed_request_cancels_it(engines: dict[str, StandInEngine]) -> None:
+@pytest.mark.parametrize("api_key", [None, "router-key"])
+def test_a_client_that_leaves_a_non_streamed_request_cancels_it(engines: dict[str, StandInEngine], api_key: str | None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 19: a non-streamed request whose client disconnected ran to its end on the engine
     (the router was waiting for the answer's headers, which come only with the whole answer).
-    The router now closes the backend connection, which is how vLLM learns to abort."""
-    router, _ = build(router_config(engines, policy="least_loaded"))
+    The router now closes the backend connection, which is how vLLM learns to abort. With an API
+    key too: the router's key check must not hide the client's disconnect."""
+    keyed: dict[str, Any] = {}
+    headers = {}
+    if api_key is not None:
+        monkeypatch.setenv("POF_TEST_ROUTER_KEY", api_key)
+        keyed, headers = {"api_key_env": "POF_TEST_ROUTER_KEY"}, {"Authorization": f"Bearer {api_key}"}
+    router, _ = build(router_config(engines, policy="least_loaded", **keyed))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(make_app(router), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -309,13 +332,14 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(engines: dict[st
             time.sleep(0.02)
         url = f"http://127.0.0.1:{port}"
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": SLOW}, timeout=0.5)
+            httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": SLOW}, timeout=0.5,
+                       headers=headers)
         deadline = time.monotonic() + 3
         while sum(e.aborted for e in engines.values()) == 0:
             assert time.monotonic() < deadline, "the engine kept computing for a client that left"
             time.sleep(0.05)
         assert "pof_router_abandoned_total" in httpx.get(url + "/metrics").text
-        state = httpx.get(url + "/pof/backends").json()
+        state = httpx.get(url + "/pof/backends", headers=headers).json()
         assert all(b["running"] == 0 for b in state["backends"])      # its ticket was given back
     finally:
         server.should_exit = True
