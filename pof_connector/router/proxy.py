@@ -9,10 +9,11 @@ every other path (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...) is 
 least loaded backend unchanged.
 
 Hostile input is answered, not served: a body over ``max_body_bytes`` is refused (413) before it
-is read whole, a body that is not a JSON object (or nests too deeply) and token ids outside
-0..2^32-1 get a 400 with an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not
-tokenized (the backend's own length check refuses it). A client that disconnects while its
-non-streamed answer is computed closes the backend connection, so the engine aborts the request.
+is read whole, one not all received within ``body_timeout_s`` gets a 408 (slow clients), a body
+that is not a JSON object (or nests too deeply) and token ids outside 0..2^32-1 get a 400 with
+an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not tokenized (the backend's
+own length check refuses it). A client that disconnects while its non-streamed answer is
+computed closes the backend connection, so the engine aborts the request.
 
 Prompt tokens: token-id prompts are used as given; text and chat messages are tokenized by a
 backend's ``POST /tokenize`` (vLLM's; exact, chat template included) unless a local tokenizer
@@ -34,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
 from pof_connector.router.router import Decision, NoBackend, Router
@@ -94,6 +96,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             await state["client"].aclose()
 
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
+    app.add_middleware(BodyLimits, max_bytes=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s, error=_error_body,
+                       settings=("max_body_bytes", "body_timeout_s"))
 
     async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids to route on; ``None``: route without them (no prompt, a prompt
@@ -330,5 +334,9 @@ async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> Non
         b.check_failed(f"health check answered {r.status_code}")
 
 
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "pof_router", "code": status}}
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "pof_router", "code": status}}, status_code=status)
+    return JSONResponse(_error_body(status, message), status_code=status)
