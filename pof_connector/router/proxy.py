@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.openai_shapes import document
 from pof_connector.router.router import Decision, NoBackend, Router
 
 log = logging.getLogger("pof.router")
@@ -217,12 +218,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     def prom() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def passthrough(request: Request, path: str) -> Response:
         """The rest of the engine's API (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...)
         goes to the least loaded healthy backend, unchanged."""
         return await proxy(request, "/" + path, route_by_prompt=False)
 
+    document(app)
     return app
 
 
