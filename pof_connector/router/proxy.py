@@ -130,6 +130,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             return _error(e.status, str(e))
         session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
         salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
+        if salt is not None and not _unicode(salt):
+            return _error(400, "'cache_salt' is not valid Unicode (it holds a lone UTF-16 surrogate)")
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         target = path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[str] = set()
@@ -274,6 +276,15 @@ def _token_ids(prompt: list[Any]) -> list[int]:
     return prompt
 
 
+def _unicode(s: str) -> bool:
+    """Whether ``s`` is valid Unicode (JSON can escape lone surrogates, which are not)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _text_length(messages: list[Any]) -> int:
     """Characters of the chat messages' text content (what a tokenizer would have to read)."""
     total = 0
@@ -305,7 +316,10 @@ async def _tokenize(router: Router, client: httpx.AsyncClient, body: dict[str, A
     """Token ids from the least busy healthy backend's ``/tokenize``; ``None`` when none answers."""
     for b in sorted(router.healthy(), key=lambda b: b.running):
         try:
-            r = await client.post(b.url + "/tokenize", json=body, timeout=10.0)
+            # ASCII JSON: a prompt may hold lone surrogates (valid JSON escapes, not encodable as
+            # UTF-8); the backend judges them, the router must not fail on them
+            r = await client.post(b.url + "/tokenize", content=json.dumps(body).encode(),
+                                  headers={"content-type": "application/json"}, timeout=10.0)
         except httpx.TransportError:
             continue
         if r.status_code == 200:
