@@ -44,6 +44,11 @@ from pof_connector.router.router import Decision, NoBackend, Router
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 MAX_TOKEN_ID = 0xFFFFFFFF
+STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""What a request sent on a kept-alive connection that the backend has just closed fails with (a
+server closes one after an internal error, or at its keep-alive timeout): such a request is sent
+once more, on another connection, before the backend counts as failed. Only errors before any
+answer: a backend that answered nothing has done nothing the client saw."""
 DISCONNECT_POLL_S = 0.25
 """How often a request waiting for its backend's answer checks that its client is still there."""
 
@@ -144,9 +149,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             b = decision.backend
             ticket = b.admit(decision.prefill_tokens)
             sent = time.perf_counter()
-            req = state["client"].build_request(request.method, b.url + target, content=raw, headers=headers)
             try:
-                resp = await _send_unless_gone(state["client"], req, request)
+                try:
+                    resp = await _send_unless_gone(state["client"], state["client"].build_request(
+                        request.method, b.url + target, content=raw, headers=headers), request)
+                except STALE:
+                    resp = await _send_unless_gone(state["client"], state["client"].build_request(
+                        request.method, b.url + target, content=raw, headers=headers), request)
             except httpx.TransportError as e:
                 b.finish(ticket)
                 b.check_failed(f"{type(e).__name__}: {e}", now=True)
@@ -339,7 +348,10 @@ async def _health_loop(router: Router, client: httpx.AsyncClient) -> None:
 
 async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> None:
     try:
-        r = await client.get(b.url + "/health", timeout=timeout_s)
+        try:
+            r = await client.get(b.url + "/health", timeout=timeout_s)
+        except STALE:
+            r = await client.get(b.url + "/health", timeout=timeout_s)
     except httpx.TransportError as e:
         b.check_failed(f"health check: {type(e).__name__}")
         log.debug("health check of %s failed: %s", b.name, e)
