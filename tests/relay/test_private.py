@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pof_connector.relay.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pof_connector.relay.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash
 from pof_connector.relay.private import PrivateBlocks, salted
 
 
 def stored(hashes: list[int], parent: int | None = None, keys: list[tuple[object, ...] | None] | None = None,
            lora: str | None = None) -> BlockStored:
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(range(4 * len(hashes))),
+    ids: list[ExternalBlockHash] = list(hashes)
+    return BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=list(range(4 * len(hashes))),
                        block_size=4, lora_id=1 if lora else None, medium="GPU", lora_name=lora, extra_keys=keys)
 
 
