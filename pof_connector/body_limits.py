@@ -6,7 +6,8 @@ read, else as soon as the bytes received pass it, which also bounds chunked bodi
 no length), and a body that has not all arrived ``timeout_s`` after the request began is answered
 408. Both answers close the connection. So a client that sends headers and then trickles its body
 (slowloris) holds a connection for ``timeout_s`` at most, and never holds anything the server
-needs for other requests (each connection is its own task).
+needs for other requests (each connection is its own task). :func:`server_config` bounds the
+headers' time the same way.
 """
 
 from __future__ import annotations
@@ -99,3 +100,43 @@ class BodyLimits:
                     "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def server_config(app: Any, host: str, port: int, *, timeout_s: float) -> Any:
+    """uvicorn's ``Config`` for a pof HTTP server: on top of :class:`BodyLimits` (which the app
+    adds), a connection whose next request's headers have not all arrived ``timeout_s`` after it
+    opened or after its last answer is closed. uvicorn has no such limit: a client trickling its
+    headers (or sending none) held a connection for ever; only idle keep-alive ones were closed."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=_header_deadline(timeout_s))
+
+
+def _header_deadline(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto" picks, else h11) that
+    closes a connection whose request has not begun ``timeout_s`` after it was armed."""
+    base: type[Any]
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderDeadline(base):  # type: ignore[misc]
+        # uvicorn starts a new ``cycle`` for each request once its headers are in: the same cycle
+        # still current at the deadline means no request began since the timer was armed
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._pof_arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._pof_arm()
+
+        def _pof_arm(self) -> None:
+            self.loop.call_later(timeout_s, self._pof_expire, self.cycle)
+
+        def _pof_expire(self, armed: Any) -> None:
+            if self.cycle is armed and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline

@@ -12,13 +12,15 @@ from typing import Any
 import uvicorn
 
 from pof_connector.bench.vllm_server import free_port
+from pof_connector.body_limits import server_config
 
 
 @contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Serve ``app`` (lifespan included) until the block ends; yields its base URL."""
+def serve(app: Any, read_timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` (lifespan included) as `pof router` and `pof index serve` do, until the block
+    ends; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, timeout_s=read_timeout_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

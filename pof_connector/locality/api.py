@@ -36,7 +36,7 @@ MAX_BODY_BYTES = 16 << 20
 """Larger bodies are refused (413): from their Content-Length before they are read, else once
 that many bytes arrived (:class:`~pof_connector.body_limits.BodyLimits`). The longest valid
 query (MAX_TOKENS ids of 10 digits, or 8 x MAX_TOKENS characters of text) is smaller."""
-BODY_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 30.0
 MAX_ERRORS = 10
 """Validation errors listed in a 422 (a million wrong token ids would be a million errors)."""
 
@@ -94,9 +94,9 @@ class NodeView(BaseModel):
 
 
 def make_app(index: LocalityIndex, *, token: str | None = None,
-             tokenizers: dict[str, Tokenizer] | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+             tokenizers: dict[str, Tokenizer] | None = None, read_timeout_s: float = READ_TIMEOUT_S) -> FastAPI:
     """The API over ``index``; ``token`` requires ``Authorization: Bearer <token>``; a request
-    body not all received ``body_timeout_s`` after the request began is answered 408."""
+    body not all received ``read_timeout_s`` after the request began is answered 408."""
     app = FastAPI(title="pof locality API", version="1", description=__doc__)
     registry = CollectorRegistry()
     requests = Counter("pof_api_requests", "Locality API requests", ["endpoint", "status"], registry=registry)
@@ -108,7 +108,7 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
         requests.labels("(body)", str(status)).inc()
         return {"detail": message}
 
-    app.add_middleware(BodyLimits, max_bytes=MAX_BODY_BYTES, timeout_s=body_timeout_s, error=refused)
+    app.add_middleware(BodyLimits, max_bytes=MAX_BODY_BYTES, timeout_s=read_timeout_s, error=refused)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -66,7 +66,7 @@ class ErrorAnswer(BaseModel):
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                       "/v1/chat/completions": ChatCompletionRequest}
 ERRORS = {"400": "not a JSON object, nested too deeply, or token ids out of range",
-          "408": "the body did not all arrive within body_timeout_s",
+          "408": "the body did not all arrive within read_timeout_s",
           "413": "the body is over max_body_bytes",
           "503": "no healthy backend"}
 

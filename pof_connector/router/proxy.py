@@ -9,7 +9,7 @@ every other path (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...) is 
 least loaded backend unchanged.
 
 Hostile input is answered, not served: a body over ``max_body_bytes`` is refused (413) before it
-is read whole, one not all received within ``body_timeout_s`` gets a 408 (slow clients), a body
+is read whole, one not all received within ``read_timeout_s`` gets a 408 (slow clients), a body
 that is not a JSON object (or nests too deeply) and token ids outside 0..2^32-1 get a 400 with
 an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not tokenized (the backend's
 own length check refuses it). A client that disconnects while its non-streamed answer is
@@ -102,8 +102,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             await state["client"].aclose()
 
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
-    app.add_middleware(BodyLimits, max_bytes=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s, error=_error_body,
-                       settings=("max_body_bytes", "body_timeout_s"))
+    app.add_middleware(BodyLimits, max_bytes=cfg.max_body_bytes, timeout_s=cfg.read_timeout_s, error=_error_body,
+                       settings=("max_body_bytes", "read_timeout_s"))
 
     async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids to route on; ``None``: route without them (no prompt, a prompt

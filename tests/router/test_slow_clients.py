@@ -1,6 +1,7 @@
-"""Slow clients (slowloris: headers, then a body trickled a byte at a time) against `pof router`
-and the locality API, each served by a real uvicorn: others are answered meanwhile, and the slow
-connections are answered 408 and closed after ``body_timeout_s``."""
+"""Slow clients (slowloris: a body, or the headers, trickled a byte at a time) against `pof router`
+and the locality API, each served by a real uvicorn configured as the commands do: others are
+answered meanwhile, and the slow connections are closed after ``read_timeout_s`` (those whose
+request began, i.e. whose headers are in, with a 408)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def slow_client(url: str, path: str, stop: threading.Event) -> socket.socket:
     return s
 
 
+def slow_headers(url: str, path: str, stop: threading.Event) -> socket.socket:
+    """A connection that trickles its request line and headers, a byte every 0.2 s."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode())
+
+    def trickle() -> None:
+        end = time.monotonic() + TIMEOUT_S - 0.3
+        while not stop.wait(0.2) and time.monotonic() < end:
+            try:
+                s.sendall(b"X")
+            except OSError:
+                return
+    threading.Thread(target=trickle, daemon=True).start()
+    return s
+
+
 def answer_and_close(s: socket.socket, within_s: float) -> tuple[bytes, float]:
     """What the server sent until it closed the connection, and when it closed it."""
     start = time.monotonic()
@@ -62,6 +80,7 @@ def check_slow_clients(url: str, slow_path: str, quick: str) -> None:
     stop = threading.Event()
     try:
         slow = [slow_client(url, slow_path, stop) for _ in range(SLOW)]
+        headers = [slow_headers(url, slow_path, stop) for _ in range(SLOW)]
         t = time.monotonic()
         r = httpx.get(url + quick, timeout=5)
         assert r.status_code == 200 and time.monotonic() - t < 0.5, (r.status_code, time.monotonic() - t)
@@ -69,14 +88,18 @@ def check_slow_clients(url: str, slow_path: str, quick: str) -> None:
             got, _ = answer_and_close(s, within_s=TIMEOUT_S + 3)
             assert got.startswith(b"HTTP/1.1 408") and b"did not arrive within" in got, got
             s.close()
+        for s in headers:          # no request began: nothing to answer, the connection is closed
+            got, _ = answer_and_close(s, within_s=TIMEOUT_S + 3)
+            assert got == b"", got
+            s.close()
         assert httpx.get(url + quick, timeout=5).status_code == 200
     finally:
         stop.set()
 
 
 def test_slow_clients_do_not_hold_the_router(engines: dict[str, StandInEngine]) -> None:  # noqa: F811
-    router, _ = build(router_config(engines, policy="least_loaded", body_timeout_s=TIMEOUT_S))
-    with serve(router_app(router)) as url:
+    router, _ = build(router_config(engines, policy="least_loaded", read_timeout_s=TIMEOUT_S))
+    with serve(router_app(router), read_timeout_s=TIMEOUT_S) as url:
         check_slow_clients(url, "/v1/completions", "/health")
         r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3]}, timeout=5)
         assert r.status_code == 200 and r.headers["x-pof-backend"] in engines
@@ -90,5 +113,5 @@ def index(redis_server: RedisServer) -> Iterator[RedisIndex]:
 
 
 def test_slow_clients_do_not_hold_the_locality_api(index: RedisIndex) -> None:
-    with serve(locality_app(index, body_timeout_s=TIMEOUT_S)) as url:
+    with serve(locality_app(index, read_timeout_s=TIMEOUT_S), read_timeout_s=TIMEOUT_S) as url:
         check_slow_clients(url, "/v1/locality", "/healthz")
