@@ -82,7 +82,8 @@ def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace,
     """Serve the locality API (pof_connector.locality.api) on a thread of this process."""
     import uvicorn
 
-    from pof_connector.locality.api import load_tokenizer, make_app
+    from pof_connector.body_limits import server_config
+    from pof_connector.locality.api import READ_TIMEOUT_S, load_tokenizer, make_app
 
     tokenizers = {}
     for item in args.tokenizer or []:
@@ -91,7 +92,7 @@ def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace,
             raise CommandError(f"--tokenizer expects MODEL=DIR, got {item!r}")
         tokenizers[model] = load_tokenizer(path, special_tokens=False)
     app = make_app(RedisIndex(index_url, None, auth=auth), token=token, tokenizers=tokenizers)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.http_host, port=args.http_port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, args.http_host, args.http_port, timeout_s=READ_TIMEOUT_S))
     thread = threading.Thread(target=server.run, name="pof-api", daemon=True)
     thread.start()
     err_console().print(f"locality API on http://{args.http_host}:{args.http_port} (docs at /docs)", style="dim")

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field, model_validator
 
+from pof_connector.body_limits import BodyLimits
 from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
 from pof_connector.locality.index_health import IndexHealth
 from pof_connector.locality.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
@@ -32,8 +33,10 @@ log = logging.getLogger("pof.api")
 MAX_TOKENS = 1 << 20          # a 1M-token prompt is 4 MiB of JSON: beyond that, refuse
 MAX_TOKEN_ID = 0xFFFFFFFF
 MAX_BODY_BYTES = 16 << 20
-"""Larger bodies are refused (413) from their Content-Length, before they are read: the longest
-valid query (MAX_TOKENS ids of 10 digits, or 8 x MAX_TOKENS characters of text) is smaller."""
+"""Larger bodies are refused (413): from their Content-Length before they are read, else once
+that many bytes arrived (:class:`~pof_connector.body_limits.BodyLimits`). The longest valid
+query (MAX_TOKENS ids of 10 digits, or 8 x MAX_TOKENS characters of text) is smaller."""
+READ_TIMEOUT_S = 30.0
 MAX_ERRORS = 10
 """Validation errors listed in a 422 (a million wrong token ids would be a million errors)."""
 
@@ -91,8 +94,9 @@ class NodeView(BaseModel):
 
 
 def make_app(index: LocalityIndex, *, token: str | None = None,
-             tokenizers: dict[str, Tokenizer] | None = None) -> FastAPI:
-    """The API over ``index``; ``token`` requires ``Authorization: Bearer <token>``."""
+             tokenizers: dict[str, Tokenizer] | None = None, read_timeout_s: float = READ_TIMEOUT_S) -> FastAPI:
+    """The API over ``index``; ``token`` requires ``Authorization: Bearer <token>``; a request
+    body not all received ``read_timeout_s`` after the request began is answered 408."""
     app = FastAPI(title="pof locality API", version="1", description=__doc__)
     registry = CollectorRegistry()
     requests = Counter("pof_api_requests", "Locality API requests", ["endpoint", "status"], registry=registry)
@@ -100,13 +104,11 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
     health = IndexHealth("pof locality API", log)
     registry.register(health)
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next: Any) -> Any:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            requests.labels(request.url.path, "413").inc()
-            return JSONResponse({"detail": f"the body is {declared} bytes; at most {MAX_BODY_BYTES}"}, status_code=413)
-        return await call_next(request)
+    def refused(status: int, message: str) -> dict[str, Any]:
+        requests.labels("(body)", str(status)).inc()
+        return {"detail": message}
+
+    app.add_middleware(BodyLimits, max_bytes=MAX_BODY_BYTES, timeout_s=read_timeout_s, error=refused)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

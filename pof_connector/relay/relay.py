@@ -13,7 +13,8 @@ The relay subscribes to its vLLM server's own KV events and does two things with
 2. **One event stream for a router** (``vllm-router --policy kv_aware --kv-event-source
    WORKER_URL=<bind>``), in vLLM's wire format and re-sequenced by the relay:
 
-   - the engine's events, unchanged and in order (the router credits them to the device tier);
+   - the engine's events, unchanged and in order (the router credits them to the device tier),
+     except the blocks of salted prompts (:mod:`.private`: their tokens and salt stay private);
    - pool residency: the leading pages this engine's pool loads from its own tiers, and tiers
      of other nodes it shares a domain with (e.g. one CXL region), as ``BlockStored`` with
      medium ``"CPU"``, which vllm-router credits as host memory (``--kv-penalty-host``, 0.8), and
@@ -74,6 +75,7 @@ from pof_connector.relay.kv_events import (
     decode_events,
     read_seq,
 )
+from pof_connector.relay.private import PrivateBlocks
 from pof_connector.relay.wire import RelayWire
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,8 @@ class Relay:
         self.endpoint: str = self._wire.endpoint
         self.replay_endpoint: str | None = self._wire.replay_endpoint
         self._pool = PoolAnnouncer(self.pool_node, self.locator, self._log_once)
+        self._private = PrivateBlocks()
+        """Salted prompts' blocks: not forwarded (:mod:`.private`)."""
         self._engine_seq: int | None = None
         self._rank: int | None = None
         self._block_size: int | None = None
@@ -191,7 +195,8 @@ class Relay:
             if isinstance(ev, AllBlocksCleared):
                 out += self._cleared(ev)
                 continue
-            out.append(ev)
+            if (public := self._private.redact(ev)) is not None:
+                out.append(public)
             if isinstance(ev, BlockStored):
                 self._block_size = ev.block_size
                 for h in ev.block_hashes:

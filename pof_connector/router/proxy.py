@@ -9,10 +9,11 @@ every other path (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...) is 
 least loaded backend unchanged.
 
 Hostile input is answered, not served: a body over ``max_body_bytes`` is refused (413) before it
-is read whole, a body that is not a JSON object (or nests too deeply) and token ids outside
-0..2^32-1 get a 400 with an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not
-tokenized (the backend's own length check refuses it). A client that disconnects while its
-non-streamed answer is computed closes the backend connection, so the engine aborts the request.
+is read whole, one not all received within ``read_timeout_s`` gets a 408 (slow clients), a body
+that is not a JSON object (or nests too deeply) and token ids outside 0..2^32-1 get a 400 with
+an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not tokenized (the backend's
+own length check refuses it). A client that disconnects while its non-streamed answer is
+computed closes the backend connection, so the engine aborts the request.
 
 Prompt tokens: token-id prompts are used as given; text and chat messages are tokenized by a
 backend's ``POST /tokenize`` (vLLM's; exact, chat template included) unless a local tokenizer
@@ -36,13 +37,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.openai_shapes import document
 from pof_connector.router.router import Decision, NoBackend, Router
 
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 MAX_TOKEN_ID = 0xFFFFFFFF
+STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""What a request sent on a kept-alive connection that the backend has just closed fails with (a
+server closes one after an internal error, or at its keep-alive timeout): such a request is sent
+once more, on another connection, before the backend counts as failed. Only errors before any
+answer: a backend that answered nothing has done nothing the client saw."""
 DISCONNECT_POLL_S = 0.25
 """How often a request waiting for its backend's answer checks that its client is still there."""
 
@@ -109,6 +117,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             await state["client"].aclose()
 
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
+    app.add_middleware(BodyLimits, max_bytes=cfg.max_body_bytes, timeout_s=cfg.read_timeout_s, error=_error_body,
+                       settings=("max_body_bytes", "read_timeout_s"))
 
     if expected is not None:
         app.add_middleware(_RequireKey, expected=expected)
@@ -143,6 +153,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             return _error(e.status, str(e))
         session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
         salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
+        if salt is not None and not _unicode(salt):
+            return _error(400, "'cache_salt' is not valid Unicode (it holds a lone UTF-16 surrogate)")
         headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
         target = path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[str] = set()
@@ -155,9 +167,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             b = decision.backend
             ticket = b.admit(decision.prefill_tokens)
             sent = time.perf_counter()
-            req = state["client"].build_request(request.method, b.url + target, content=raw, headers=headers)
             try:
-                resp = await _send_unless_gone(state["client"], req, request)
+                try:
+                    resp = await _send_unless_gone(state["client"], state["client"].build_request(
+                        request.method, b.url + target, content=raw, headers=headers), request)
+                except STALE:
+                    resp = await _send_unless_gone(state["client"], state["client"].build_request(
+                        request.method, b.url + target, content=raw, headers=headers), request)
             except httpx.TransportError as e:
                 b.finish(ticket)
                 b.check_failed(f"{type(e).__name__}: {e}", now=True)
@@ -231,12 +247,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     def prom() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def passthrough(request: Request, path: str) -> Response:
         """The rest of the engine's API (``/tokenize``, ``/v1/responses``, ``/v1/embeddings``, ...)
         goes to the least loaded healthy backend, unchanged."""
         return await proxy(request, "/" + path, route_by_prompt=False)
 
+    document(app)
     return app
 
 
@@ -306,6 +323,15 @@ def _token_ids(prompt: list[Any]) -> list[int]:
     return prompt
 
 
+def _unicode(s: str) -> bool:
+    """Whether ``s`` is valid Unicode (JSON can escape lone surrogates, which are not)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _text_length(messages: list[Any]) -> int:
     """Characters of the chat messages' text content (what a tokenizer would have to read)."""
     total = 0
@@ -337,7 +363,10 @@ async def _tokenize(router: Router, client: httpx.AsyncClient, body: dict[str, A
     """Token ids from the least busy healthy backend's ``/tokenize``; ``None`` when none answers."""
     for b in sorted(router.healthy(), key=lambda b: b.running):
         try:
-            r = await client.post(b.url + "/tokenize", json=body, timeout=10.0)
+            # ASCII JSON: a prompt may hold lone surrogates (valid JSON escapes, not encodable as
+            # UTF-8); the backend judges them, the router must not fail on them
+            r = await client.post(b.url + "/tokenize", content=json.dumps(body).encode(),
+                                  headers={"content-type": "application/json"}, timeout=10.0)
         except httpx.TransportError:
             continue
         if r.status_code == 200:
@@ -357,7 +386,10 @@ async def _health_loop(router: Router, client: httpx.AsyncClient) -> None:
 
 async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> None:
     try:
-        r = await client.get(b.url + "/health", timeout=timeout_s)
+        try:
+            r = await client.get(b.url + "/health", timeout=timeout_s)
+        except STALE:
+            r = await client.get(b.url + "/health", timeout=timeout_s)
     except httpx.TransportError as e:
         b.check_failed(f"health check: {type(e).__name__}")
         log.debug("health check of %s failed: %s", b.name, e)
@@ -368,7 +400,10 @@ async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> Non
         b.check_failed(f"health check answered {r.status_code}")
 
 
+def _error_body(status: int, message: str, kind: str = "pof_router") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
 def _error(status: int, message: str, *, kind: str = "pof_router",
            headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(_error_body(status, message, kind), status_code=status, headers=headers)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pof_connector.index import IndexUnavailable
@@ -24,6 +25,9 @@ from pof_connector.router.router_config import RouterConfig
 
 log = logging.getLogger("pof.router")
 STICKY_TTL_S = 3600.0
+MAX_SESSIONS = 1 << 16
+"""Sessions remembered at most (the least recently used are forgotten): session ids come from
+clients, who could otherwise grow the table without end."""
 
 
 class NoBackend(RuntimeError):
@@ -50,7 +54,9 @@ class Router:
         self.backends = [Backend(b, config.health.failures_to_remove) for b in config.backends]
         self.cost = CostModel(config.cost)
         self._rr = itertools.count()
-        self._sessions: dict[str, tuple[str, float]] = {}
+        self._sessions: OrderedDict[tuple[str | None, str], tuple[str, float]] = OrderedDict()
+        """(cache salt, session) -> (backend, expiry): a session id is the client's choice, so it is
+        only known within its tenant (another tenant sending it is neither routed by it nor told)."""
         self._lock = threading.Lock()
         self.index_health = IndexHealth("pof router", log)
         """Whether routing uses the index now: logged per transition, exported in /metrics."""
@@ -66,7 +72,7 @@ class Router:
             raise NoBackend("no healthy backend: " + ", ".join(f"{b.name} ({b.url})" for b in self.backends))
         n_tokens = len(tokens) if tokens is not None else 0
         if session is not None:
-            sticky = self._sticky(session, live)
+            sticky = self._sticky((cache_salt, session), live)
             if sticky is not None:
                 return Decision(sticky, "sticky", prompt_tokens=n_tokens)
         policy = self.config.policy
@@ -80,7 +86,10 @@ class Router:
             decision = self._by_cost(tokens, cache_salt, live)
         if session is not None:
             with self._lock:
-                self._sessions[session] = (decision.backend.name, time.monotonic() + STICKY_TTL_S)
+                self._sessions[(cache_salt, session)] = (decision.backend.name, time.monotonic() + STICKY_TTL_S)
+                self._sessions.move_to_end((cache_salt, session))
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
         return decision
 
     def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend]) -> Decision:
@@ -114,7 +123,7 @@ class Router:
         return min((live[(start + i) % len(live)] for i in range(len(live))),
                    key=lambda b: (b.waiting_tokens, b.running))
 
-    def _sticky(self, session: str, live: list[Backend]) -> Backend | None:
+    def _sticky(self, session: tuple[str | None, str], live: list[Backend]) -> Backend | None:
         with self._lock:
             entry = self._sessions.get(session)
             if entry is None or entry[1] < time.monotonic():

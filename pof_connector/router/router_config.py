@@ -76,6 +76,10 @@ class RouterConfig(_Frozen):
     request_timeout_s: float = Field(600.0, gt=0)
     max_body_bytes: int = Field(64 << 20, ge=1 << 10, description="larger request bodies are refused (413) "
                                                                   "before they are read whole")
+    read_timeout_s: float = Field(30.0, gt=0, description="a request whose headers have not all arrived this "
+                                                         "long after its connection opened or its last answer is "
+                                                         "closed, one whose body has not is answered 408 (slow "
+                                                         "clients)")
     max_tokenize_chars: int = Field(1_000_000, ge=0, description="longer text prompts are routed without "
                                                                  "their tokens (least loaded), not tokenized")
     index_username: str | None = Field(None, description="the index's Redis ACL user; None: the URL's, else default")

@@ -6,6 +6,7 @@ import argparse
 import logging
 from typing import Any
 
+from pof_connector.body_limits import server_config
 from pof_connector.config import ConfigError, redact_url
 from pof_connector.index.redis import RedisIndex
 from pof_connector.locality.locator import Locator
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
              redact_url(config.index_url) if config.index_url else "none", names)
     try:
-        uvicorn.run(make_app(router, tokenizer=tok), host=config.host, port=config.port, log_level="warning")
+        uvicorn.Server(server_config(make_app(router, tokenizer=tok), config.host, config.port,
+                                     timeout_s=config.read_timeout_s)).run()
     finally:
         if index is not None:
             index.close()

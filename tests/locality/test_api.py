@@ -136,3 +136,12 @@ def test_index_lost_and_back_is_logged_once_each_and_exported(redis_server: Redi
     lines = [r.getMessage() for r in caplog.records if r.name == "pof.api"]
     assert len(lines) == 2 and "without the locality index" in lines[0] and "answers again" in lines[1], lines
     reader.close()
+
+
+def test_a_body_without_a_length_is_bounded_too(cluster: dict[str, Any]) -> None:
+    """A chunked body declares no Content-Length: it was read whole (17 MiB here, any size in
+    general) before being refused; now it is refused once 16 MiB arrived."""
+    client = TestClient(make_app(cluster["index"]))
+    r = client.post("/v1/locality", content=iter([b"z" * (1 << 20)] * 17), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "over 16777216 bytes" in r.json()["detail"], r.text
+    assert client.post("/v1/locality", json={"tokens": cluster["tokens"]}).status_code == 200
