@@ -21,7 +21,8 @@ from pof_connector.relay.kv_events import BlockStored, encode_batch
 from pof_connector.router.proxy import make_app as router_app
 from pof_connector.router.serve import build
 from tests.locality.test_api import node
-from tests.relay.test_relay import Harness, cpu, ctx, engine_pages, stored, wait_for  # noqa: F401  (fixture)
+from tests.relay.conftest import ctx  # noqa: F401  (fixture)
+from tests.relay.test_relay import Harness, cpu, engine_pages, stored, wait_for
 from tests.router.test_proxy import SEG, StandInEngine, engines, router_config  # noqa: F401  (fixture)
 
 SALT_A, SALT_B = "tenant-a-secret-salt", "tenant-b-salt"
