@@ -281,7 +281,8 @@ def _counters(server: VllmServer) -> dict[str, float]:
         samples = server.metrics() if server.alive() else {}
     except OSError:
         return {}
-    return {k: v for k, v in samples.items() if k in COUNTERS or ("pof_" in k and k.endswith(("_total", "}")))}
+    return {k: v for k, v in samples.items()
+            if k in COUNTERS or ("pof_" in k and "_created" not in k and k.endswith(("_total", "}")))}
 
 
 def _vocab(model: Path) -> int:
@@ -296,7 +297,11 @@ def _ip(*args: str) -> None:
 
 
 def run(*, minutes: float, seed: int, rounds: int, model: str | None, max_requests: int,
-        progress: Progress) -> dict[str, Any]:
+        progress: Progress, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+    """``kinds``: the fault kinds to inject, ``rounds`` times each."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise BenchError(f"unknown fault kinds {bad}; allowed: {', '.join(KINDS)}")
     model_dir = Path(model) if model else build_model("tiny")
     workdir = Path(tempfile.mkdtemp(prefix="pof-chaos-", dir="/tmp"))
     cluster = Cluster(workdir, model_dir, seed, progress)
@@ -308,7 +313,7 @@ def run(*, minutes: float, seed: int, rounds: int, model: str | None, max_reques
         cluster.reset_clock()
         client = Client(cluster.router.url, cluster.reference.url, cluster.sessions, cluster.now)
         duration = minutes * 60
-        plan = schedule(seed, rounds, duration - 30, 30.0)
+        plan = schedule(seed, rounds, duration - 30, 30.0, kinds)
         progress(f"{duration / 60:g} minutes of traffic, {len(plan)} faults ({rounds} of each kind); "
                  f"memory node {'in network namespace ' + cluster.netns[0] if cluster.netns else 'on loopback'}")
         stop = threading.Event()
@@ -338,7 +343,8 @@ def run(*, minutes: float, seed: int, rounds: int, model: str | None, max_reques
             raise BenchError(client.error)
         # The logs of a run with a wrong answer or a crash stay, for the post-mortem.
         keep = any(o.wrong for o in client.outcomes) or bool(cluster.crashes)
-        return _result(client.outcomes, records, cluster, minutes, seed, rounds, str(workdir) if keep else None)
+        return _result(client.outcomes, records, cluster, minutes, seed, rounds, kinds,
+                       str(workdir) if keep else None)
     finally:
         cluster.stop()
         if keep is False:
@@ -381,10 +387,10 @@ def _fault_row(r: FaultRecord, outs: list[Outcome]) -> dict[str, Any]:
 
 
 def _result(outs: list[Outcome], records: list[FaultRecord], cluster: Cluster, minutes: float, seed: int,
-            rounds: int, kept: str | None) -> dict[str, Any]:
+            rounds: int, kinds: tuple[str, ...], kept: str | None) -> dict[str, Any]:
     rows = [_fault_row(r, outs) for r in records]
     counters = {k: int(v) for k, v in sorted(cluster.counters().items())}
-    injected = {k: sum(1 for r in records if r.kind == k and not r.skipped) for k in KINDS}
+    injected = {k: sum(1 for r in records if r.kind == k and not r.skipped) for k in kinds}
     skipped = {r.kind: r.skipped for r in records if r.skipped}
     recover = [row["recover_full_hits_s"] for row in rows if row.get("recover_full_hits_s") is not None]
     wrong = [o for o in outs if o.wrong]

@@ -37,17 +37,18 @@ class FaultRecord:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def schedule(seed: int, rounds: int, duration_s: float, start_s: float) -> list[tuple[float, str]]:
-    """``rounds`` of every kind in a seeded random order, spread over ``duration_s`` after ``start_s``
-    with jitter: (time, kind) in time order."""
+def schedule(seed: int, rounds: int, duration_s: float, start_s: float,
+             kinds: tuple[str, ...] = KINDS) -> list[tuple[float, str]]:
+    """``rounds`` of each of ``kinds`` in a seeded random order, spread over ``duration_s`` after
+    ``start_s`` with jitter: (time, kind) in time order."""
     rnd = random.Random(seed)
-    kinds: list[str] = []
+    planned: list[str] = []
     for _ in range(rounds):
-        order = list(KINDS)
+        order = list(kinds)
         rnd.shuffle(order)
-        kinds += order
-    gap = duration_s / (len(kinds) + 1)
-    return [(start_s + (i + 1) * gap + rnd.uniform(-gap / 4, gap / 4), k) for i, k in enumerate(kinds)]
+        planned += order
+    gap = duration_s / (len(planned) + 1)
+    return [(start_s + (i + 1) * gap + rnd.uniform(-gap / 4, gap / 4), k) for i, k in enumerate(planned)]
 
 
 class Faults:

@@ -14,6 +14,7 @@ from pof_connector.bench import index as bench_index
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
+from pof_connector.bench.chaos_faults import KINDS as CHAOS_KINDS
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
 from pof_connector.config import ConfigError, PofConfig, format_size
 
@@ -194,7 +195,7 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     minutes, rounds = (3.0, 1) if args.quick else (args.minutes, args.rounds)
     result = bench_chaos.run(minutes=minutes, seed=args.seed, rounds=rounds, model=args.model,
-                             max_requests=args.max_requests, progress=progress)
+                             max_requests=args.max_requests, progress=progress, kinds=tuple(args.faults))
     if args.json:
         print_json(result)
     else:
@@ -326,6 +327,9 @@ def add_parser(sub: Any) -> None:
     chaos.add_argument("--rounds", type=int, default=3, help="times each fault kind is injected (default 3)")
     chaos.add_argument("--seed", type=int, default=1, help="seed of the traffic and the fault schedule (default 1)")
     chaos.add_argument("--quick", action="store_true", help="3 minutes, each fault once (what CI runs)")
+    chaos.add_argument("--faults", type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
+                       default=list(CHAOS_KINDS), metavar="KIND,...",
+                       help=f"fault kinds to inject (default all: {', '.join(CHAOS_KINDS)})")
     chaos.add_argument("--max-requests", type=int, default=1_000_000, help="stop the traffic after this many")
     chaos.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
     chaos.set_defaults(handler=cmd_bench_chaos)

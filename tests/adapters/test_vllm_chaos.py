@@ -33,4 +33,4 @@ def test_quick_chaos_run_gives_no_wrong_answer_loses_no_request_and_crashes_noth
     counters = result["pool_counters"]
     # The pool served prefixes (not only the engines' own caches) and spilled to the memory node.
     assert counters["vllm:external_prefix_cache_hits_total"] > 0, counters
-    assert any(k.startswith("vllm:pof_spilled_pages") or "pof_spilled_pages" in k for k in counters), counters
+    assert counters.get("vllm:pof_spilled_pages_total", 0) > 0, counters
