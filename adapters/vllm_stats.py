@@ -16,14 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from pof_connector.metrics import COUNTERS
+from pof_connector.metrics import COUNTER_LABELS, COUNTERS
 
 _SERIES = re.compile(r"^(\w+)\{(\w+)=([^}]*)\}$")
-EXPORTED = {   # pool counter -> the label it carries
-    "hit_pages": "tier", "loaded_pages": "tier", "loaded_bytes": "tier", "stored_pages": "tier", "stored_bytes": "tier",
-    "evicted_pages": "tier", "load_failures": "reason", "index_errors": "op", "index_timeouts": "op",
-    "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
-}
+EXPORTED = COUNTER_LABELS   # pool counter -> the label it carries
 
 
 def counter_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:

@@ -37,6 +37,14 @@ COUNTERS: dict[str, str] = {
     "load_seconds": "Time spent loading pages",
 }
 
+COUNTER_LABELS: dict[str, str] = {
+    "hit_pages": "tier", "stored_pages": "tier", "stored_bytes": "tier", "loaded_pages": "tier",
+    "loaded_bytes": "tier", "load_failures": "reason", "evicted_pages": "tier", "demoted_pages": "tier",
+    "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
+    "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
+}
+"""The label each labelled counter carries: what an engine's own metrics endpoint exports."""
+
 
 class PoolStats:
     """Thread-safe named counters with optional labels."""
