@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import requests
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from pof_connector.index.redis import RedisIndex
@@ -23,7 +24,6 @@ from tests.http_server import serve
 from tests.locality.test_api import node
 from tests.router.test_proxy import SEG, StandInEngine, engines, router_config  # noqa: F401  (fixture)
 
-schemathesis = pytest.importorskip("schemathesis")
 GenerationMode = schemathesis.GenerationMode
 
 EXAMPLES = 40
