@@ -117,7 +117,7 @@ class Cluster:
         self.progress("starting 3 vLLM servers (2 pooled, 1 reference without the connector) ...")
         self.servers = [self._server(i) for i in range(2)]
         self.reference = VllmServer(self.model, self.workdir / "reference", extra_args=_engine_args(),
-                                    max_model_len=4096)
+                                    max_model_len=4096, env=UNPINNED)
         threads = [threading.Thread(target=s.start) for s in [*self.servers, self.reference]]
         for t in threads:
             t.start()
@@ -145,8 +145,7 @@ class Cluster:
                  "cxl": {"path": str(self.shared_region), "size": "16MiB", "partitions": 2, "partition": i}}
         kv = connector_config(self._pool(f"n{i}", tiers, self.host_dev))
         return VllmServer(self.model, self.workdir / f"n{i}", kv_transfer=kv, max_model_len=4096,
-                          extra_args=_engine_args(), env={"NIXL_LOG_LEVEL": "WARN",
-                                                          "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))})
+                          extra_args=_engine_args(), env={"NIXL_LOG_LEVEL": "WARN", **UNPINNED})
 
     def counters(self) -> dict[str, float]:
         """The pooled servers' hit and pool counters, summed, including those of their earlier lives."""
@@ -170,7 +169,7 @@ class Cluster:
         server = self.servers[i]
         if server.log.exists():
             server.log.rename(server.log.with_suffix(f".{int(self.now())}.log"))
-        server.start()
+        server.start(timeout_s=900)
 
     def _writers_page_bytes(self) -> int:
         index = RedisIndex(self.index_url, None)
@@ -263,6 +262,12 @@ class Cluster:
         if self.netns is not None:
             self._remove_netns(self.netns[0])
         shutil.rmtree(self.shm, ignore_errors=True)
+
+
+UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""vLLM on a CPU pins its worker to cores and its other processes to the rest: a server restarted
+while the others serve traffic found its engine process pinned to a core a busy worker held, and
+took minutes to start (or never did). Unpinned, one thread each, the kernel shares the cores."""
 
 
 def _engine_args() -> list[str]:
