@@ -355,7 +355,8 @@ async def _send_unless_gone(client: httpx.AsyncClient, req: httpx.Request, reque
         if await request.is_disconnected():
             send.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.TransportError):
-                await send
+                late = await send
+                await late.aclose()    # it arrived just before the cancel: unclosed, its connection would leak
             raise _ClientGone()
 
 

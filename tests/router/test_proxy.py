@@ -344,3 +344,41 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(engines: dict[st
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_answer_that_arrives_as_its_client_leaves_is_closed_not_leaked() -> None:
+    """The race in the router's cancel path: the backend's headers arrive while the router asks
+    whether the client is still there, and it is not. The response must be closed (else its
+    connection stays checked out of the pool for ever)."""
+    from pof_connector.router import proxy
+
+    closed: list[bool] = []
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            yield b"{}"
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def backend(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.02)               # not there at the router's first look
+        return httpx.Response(200, stream=Body())
+
+    class Leaving:
+        async def is_disconnected(self) -> bool:
+            await asyncio.sleep(0.05)           # the backend answers meanwhile
+            return True
+
+    async def scenario() -> None:
+        original, proxy.DISCONNECT_POLL_S = proxy.DISCONNECT_POLL_S, 0.0
+        try:
+            async with httpx.AsyncClient(transport=httpx.MockTransport(backend)) as client:
+                req = client.build_request("POST", "http://backend/v1/completions", content=b"{}")
+                with pytest.raises(proxy._ClientGone):
+                    await proxy._send_unless_gone(client, req, Leaving())  # type: ignore[arg-type]
+        finally:
+            proxy.DISCONNECT_POLL_S = original
+
+    asyncio.run(scenario())
+    assert closed == [True]
