@@ -53,13 +53,6 @@ class MemdProcess(ServiceProcess):
         assert self.proc is not None
         return self.proc.pid
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-            self.proc = None
-
 
 class Cluster:
     """Every process of the run, started, watched and stopped by PID."""
@@ -161,9 +154,7 @@ class Cluster:
         for name, value in _counters(server).items():
             self._carried[name] = self._carried.get(name, 0.0) + value
         assert server.proc is not None
-        os.killpg(server.proc.pid, 9)
-        server.proc.wait()
-        server.proc = None
+        server.kill()
 
     def start_server(self, i: int) -> None:
         server = self.servers[i]
@@ -232,21 +223,20 @@ class Cluster:
     def watch(self) -> None:
         """A process that is down while no fault planned it is an unplanned crash: count it,
         restart it."""
-        checks: dict[str, tuple[Callable[[], bool], Callable[[], object]]] = {
-            "memd": (self.memd.alive, self.start_memd),
-            "index": (lambda: self.redis.proc is not None and self.redis.proc.poll() is None, self.redis.start),
+        checks: dict[str, tuple[Callable[[], bool], Callable[[], object], Path]] = {
+            "memd": (self.memd.alive, self.start_memd, self.memd.log),
+            "index": (lambda: self.redis.proc is not None and self.redis.proc.poll() is None, self.redis.start,
+                      self.redis.workdir / "index-server.log"),
         }
         for i, s in enumerate(self.servers):
-            checks[f"n{i}"] = (s.alive, functools.partial(self.start_server, i))
-        for name, (alive, restart) in checks.items():
+            checks[f"n{i}"] = (s.alive, functools.partial(self.start_server, i), s.log)
+        for name, (alive, restart, log) in checks.items():
             with self._lock:
                 if name in self.planned_down:
                     continue
             if alive():
                 continue
-            log = {"memd": self.memd.log, "index": self.redis.workdir / "index-server.log"}.get(
-                name, self.servers[int(name[1:])].log if name.startswith("n") else None)
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log and log.exists() else ""
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
             self.crashes.append({"process": name, "at_s": round(self.now(), 1), "log_tail": tail})
             self.progress(f"UNPLANNED: {name} is down; restarting it")
             with self.planned(name):

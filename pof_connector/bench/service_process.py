@@ -47,6 +47,17 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def kill(self) -> None:
+        """SIGKILL the process group at once (a crash, as a fault injects it) and reap it."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
     def stop(self, grace_s: float = 30) -> int | None:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``; the exit code."""
         if self.proc is None:
