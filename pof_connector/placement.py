@@ -102,7 +102,8 @@ class Placement:
         return loc
 
     def _make_room(self, level: int, events: list[Event]) -> None:
-        """Free one slot of ``tiers[level]`` by moving its LRU page to the next tier (or dropping it)."""
+        """Free one slot of ``tiers[level]`` by moving its LRU page to the next live tier, or past
+        the last live one spilling it over the fabric (or, without a spill writer, dropping it)."""
         tiers = self.own.all
         tier = tiers[level]
         if tier.free_slots > 0:
@@ -111,16 +112,19 @@ class Placement:
         if victim is None:
             return
         key, ref = victim
-        if level + 1 < len(tiers) and not self.own.is_broken(tiers[level + 1].medium):
-            lower = tiers[level + 1]
+        # A broken tier is stepped over: the next live one takes the page, and with none left the
+        # page spills (a lost CXL region must not turn the tier above it into the last stop).
+        below = next((i for i in range(level + 1, len(tiers)) if not self.own.is_broken(tiers[i].medium)), None)
+        if below is not None:
+            lower = tiers[below]
             try:
                 tier.read(ref, key, self._staging)
-                self._make_room(level + 1, events)
+                self._make_room(below, events)
                 if self._put(lower, key, lambda ref2: lower.write_page(ref2, self._staging), events) is not None:
                     self.stats.add("demoted_pages", tier=tier.medium)
             except PageError as e:
                 self.log_once("demote", logging.WARNING, "pof: could not move a page down a tier: %s", e)
-        elif level + 1 == len(tiers) and self.fabric is not None and self.fabric.writer is not None:
+        elif self.fabric is not None and self.fabric.writer is not None:
             self._spill(tier, key, ref, events)
         removed = tier.remove(key)
         if removed is not None:
@@ -128,7 +132,7 @@ class Placement:
             self.stats.add("evicted_pages", tier=tier.medium)
 
     def _spill(self, tier: Tier, key: PageKey, ref: SlotRef, events: list[Event]) -> None:
-        """The last tier is full: write its LRU page into a slot another node grants (see
+        """The last live tier is full: write its LRU page into a slot another node grants (see
         :mod:`pof_connector.fabric.spill_writer`) instead of dropping it. Any failure drops it."""
         assert self.fabric is not None and self.fabric.writer is not None
         writer = self.fabric.writer

@@ -50,10 +50,11 @@ def m_lent(url: str) -> int:
 
 
 @pytest.fixture
-def cluster(redis_server: RedisServer, runtime_dir: str,
+def cluster(redis_server: RedisServer, runtime_dir: str, shm_path: str,
             request: pytest.FixtureRequest) -> Iterator[tuple[NodeProc, NodeProc, MemdProc]]:
     """(A, B, M). The indirect parameter, a dict: ``m_slots``, M's capacity in slots (default 64);
-    ``b_heartbeat_s``, B's heartbeat period (default the harness's)."""
+    ``b_heartbeat_s``, B's heartbeat period (default the harness's); ``b_cxl``: B has a CXL tier
+    (a file at ``shm_path``, about 4 slots) below its DRAM."""
     param: dict[str, float] = getattr(request, "param", {})
     m_slots = int(param.get("m_slots", 64))
     procs: list[NodeProc | MemdProc] = []
@@ -65,6 +66,8 @@ def cluster(redis_server: RedisServer, runtime_dir: str,
         a = NodeProc(node_config("a", redis_server.url, runtime_dir))
         procs.append(a)
         b_conf = node_config("b", redis_server.url, runtime_dir, spill=True, dram=str(4 * SLOT))
+        if param.get("b_cxl"):
+            b_conf["tiers"]["cxl"] = {"path": shm_path, "size": str(4 * SLOT), "partitions": 1}
         if "b_heartbeat_s" in param:
             b_conf.update(heartbeat_s=param["b_heartbeat_s"], node_ttl_s=2 * param["b_heartbeat_s"])
         b = NodeProc(b_conf)
@@ -115,6 +118,22 @@ def test_spill_to_memory_node_read_back_and_renewed(cluster: tuple[NodeProc, Nod
     assert time.monotonic() - t0 < TIMEOUT_S
     r = a.call("load", seed=1, pages=4)                          # chain 1 died with M: a miss, no hang
     assert r["failed"] == {} or set(r["failed"].values()) <= {"remote_error", "peer_down", "timeout"}, r
+
+
+@pytest.mark.parametrize("cluster", [{"b_cxl": 1}], indirect=True)
+def test_a_lost_last_tier_makes_the_one_above_spill(cluster: tuple[NodeProc, NodeProc, MemdProc],
+                                                    shm_path: str) -> None:
+    """B's CXL region (its last tier) is removed: B's DRAM becomes its last live tier, and its LRU
+    pages spill to M rather than being dropped."""
+    a, b, _ = cluster
+    Path(shm_path).unlink()
+    wait_for(lambda: b.call("stats")["stats"].get("tier_errors{tier=cxl}") == 1, 5, "B's notice of the lost region")
+    spill_first_chain(b)
+    stats = b.call("stats")["stats"]
+    assert stats.get("spilled_pages{tier=cpu_dram}") == 4 and not stats.get("spill_failures"), stats
+    wait_for(lambda: a.call("lookup", seed=1, pages=4)["nodes"] == ["m"], what="A finds chain 1 on M")
+    r = a.call("load", seed=1, pages=4)
+    assert r["pages"] == 4 and r["failed"] == {} and r["exact"], r
 
 
 def test_lease_expiry_reclaims_and_readers_miss(
