@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 KINDS = ("memd_kill", "index_restart", "flip_bytes", "tier_file_delete", "peer_stop", "link_cut",
          "eviction_storm", "vllm_restart")
 
+FLIPPED_SLOTS = 8
+"""Slots corrupted per flip_bytes fault: enough that a page a request loads is likely among them."""
 _SUPER = struct.Struct("<8sIIQQQQ16s")   # the CXL region's superblock (pof_connector/tiers/cxl.py)
 
 
@@ -84,12 +86,17 @@ class Faults:
         r.detail = "index server stopped for 2 s, restarted empty (owners publish again)"
 
     def flip_bytes(self, r: FaultRecord) -> None:
+        # A region just re-made (after a removal or a restart) holds nothing yet: wait for pages.
+        deadline = time.monotonic() + 60
         live = {p: live_slots(p) for p in self.c.region_files() if p.exists()}
+        while not any(live.values()) and time.monotonic() < deadline:
+            time.sleep(2)
+            live = {p: live_slots(p) for p in self.c.region_files() if p.exists()}
         if not any(live.values()):
-            r.detail = "no written slot in any region file"
+            r.skipped = "no written slot in any region file for 60 s"
             return
         path = max(live, key=lambda p: len(live[p]))        # where most pages are, so one is likely read
-        flipped = flip_live_slots(path, self.rnd, slots=3)
+        flipped = flip_live_slots(path, self.rnd, slots=FLIPPED_SLOTS)
         r.detail = f"{path.name}: flipped one bit in each of slots {flipped}"
 
     def tier_file_delete(self, r: FaultRecord) -> None:
