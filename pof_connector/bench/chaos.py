@@ -36,6 +36,7 @@ from typing import Any
 from pof_connector.bench import BenchError
 from pof_connector.bench.chaos_faults import KINDS, FaultRecord, Faults, schedule
 from pof_connector.bench.chaos_traffic import BLOCK, Client, Outcome, Sessions
+from pof_connector.bench.netns import ip, remove_namespaces
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
@@ -192,25 +193,18 @@ class Cluster:
         ns, host, peer = f"pofCh{tag}", f"pofCh{tag}h", f"pofCh{tag}m"
         net = f"10.83.{tag % 250}"
         try:
-            _ip("netns", "add", ns)
-            _ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", ns)
-            _ip("addr", "add", f"{net}.1/30", "dev", host)
-            _ip("link", "set", host, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{net}.2/30", "dev", peer)
-            _ip("-n", ns, "link", "set", peer, "up")
+            ip("netns", "add", ns)
+            ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", ns)
+            ip("addr", "add", f"{net}.1/30", "dev", host)
+            ip("link", "set", host, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "addr", "add", f"{net}.2/30", "dev", peer)
+            ip("-n", ns, "link", "set", peer, "up")
         except subprocess.CalledProcessError as e:
-            self._remove_netns(ns)
+            remove_namespaces([ns])
             self.netns_why = f"could not make a network namespace: {e.stderr.strip()}"
             return
         self.netns, self.host_dev = (ns, peer), host
-
-    def _remove_netns(self, ns: str) -> None:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), 9)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)   # takes the veth pair with it
 
     def storm_requests(self) -> int:
         """Unique prompts that overflow every tier of the cluster once over."""
@@ -250,7 +244,7 @@ class Cluster:
         self.memd.stop(grace_s=10)
         self.redis.stop()
         if self.netns is not None:
-            self._remove_netns(self.netns[0])
+            remove_namespaces([self.netns[0]])
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
@@ -282,10 +276,6 @@ def _counters(server: VllmServer) -> dict[str, float]:
 
 def _vocab(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
 
 
 # ---- the run ---------------------------------------------------------------------------------

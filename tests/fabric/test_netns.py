@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from pof_connector.bench.netns import ip, remove_namespaces
 from pof_connector.fabric import nixl_installed
 from pof_connector.index.server import RedisServer
 from tests.fabric.harness import TIMEOUT_S, NodeProc, node_config, wait_for
@@ -35,10 +34,6 @@ and again after it heals."""
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(not nixl_installed(),
                                  reason="NIXL is not installed (pip install --no-deps nixl-cu13==1.5.1)")]
-
-
-def ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10).stdout
 
 
 def tx_bytes(ns: str, dev: str) -> int:
@@ -70,17 +65,6 @@ def two_hosts() -> Iterator[list[tuple[str, str]]]:
         yield hosts
     finally:
         remove_namespaces(created)
-
-
-def remove_namespaces(names: list[str]) -> None:
-    """Kill what still runs in them (by PID), then delete them."""
-    for ns in names:
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def start_pair(redis_url: str, runtime_dir: str, hosts: list[tuple[str, str]],

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
+from pof_connector.bench.netns import ip, remove_namespaces
 from pof_connector.cli import main
 from pof_connector.fabric import nixl_installed
 from pof_connector.index.server import RedisServer
 from pof_connector.tiers.base import slot_bytes_for
 from tests.fabric.harness import MemdProc, NodeProc, node_config, wait_for
 from tests.fabric.node_proc import SPEC
-from tests.fabric.test_netns import ip, remove_namespaces
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow,
               pytest.mark.skipif(not nixl_installed(),
