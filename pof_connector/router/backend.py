@@ -1,11 +1,15 @@
-"""One engine behind `pof router`: its health and the load the router itself put on it."""
+"""One engine behind `pof router`: its health, the load the router itself put on it, and the
+engine's own load and KV pressure as its last ``/metrics`` reading showed them."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.router.kv_admission import NodePressure
 from pof_connector.router.router_config import BackendConfig
 
 log = logging.getLogger("pof.router")
@@ -17,6 +21,10 @@ class Ticket:
 
     backend: Backend
     prefill_tokens: int
+    kv_blocks: int = 0
+    """KV blocks it will hold (its admission estimate)."""
+    reading: int = 0
+    """The backend's metrics reading it was admitted after."""
     first_token_seen: bool = False
     done: bool = False
 
@@ -34,14 +42,40 @@ class Backend:
         """Requests without a first token yet (also counted in ``running``)."""
         self.waiting_tokens = 0
         self.served = 0
+        self.engine_load: EngineLoad | None = None
+        """The engine's last ``/metrics`` reading; ``None`` before one, or when the last failed."""
+        self.preempting = False
+        """Its preemption counter grew between the last two readings."""
+        self._load_at = 0.0
+        self._reading = 0
+        self._pending_blocks = 0
         self._lock = threading.Lock()
 
-    def admit(self, prefill_tokens: int) -> Ticket:
+    def admit(self, prefill_tokens: int, kv_blocks: int = 0) -> Ticket:
         with self._lock:
             self.running += 1
             self.waiting += 1
             self.waiting_tokens += prefill_tokens
-        return Ticket(self, prefill_tokens)
+            self._pending_blocks += kv_blocks
+            return Ticket(self, prefill_tokens, kv_blocks, self._reading)
+
+    def record_load(self, load: EngineLoad | None) -> None:
+        """A new ``/metrics`` reading (``None``: it failed or carried no load gauges)."""
+        with self._lock:
+            prev = self.engine_load
+            self.preempting = bool(load is not None and prev is not None and load.preemptions is not None
+                                   and prev.preemptions is not None and load.preemptions > prev.preemptions)
+            self.engine_load = load
+            self._load_at = time.monotonic()
+            self._reading += 1
+            self._pending_blocks = 0       # the engine's gauge now counts what was sent before
+
+    def pressure(self, stale_after_s: float) -> NodePressure:
+        """The last reading, if younger than ``stale_after_s``, with the blocks sent since."""
+        with self._lock:
+            if self.engine_load is None or time.monotonic() - self._load_at > stale_after_s:
+                return NodePressure(None)
+            return NodePressure(self.engine_load, self._pending_blocks, self.preempting)
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:
@@ -60,6 +94,8 @@ class Backend:
             t.done = True
             self.running -= 1
             self.served += 1
+            if t.reading == self._reading:
+                self._pending_blocks -= t.kv_blocks
 
     def check_passed(self) -> None:
         with self._lock:
@@ -79,4 +115,12 @@ class Backend:
     def state(self) -> dict[str, object]:
         return {"name": self.name, "url": self.url, "node_id": self.config.pool_node, "healthy": self.healthy,
                 "running": self.running, "waiting": self.waiting, "waiting_tokens": self.waiting_tokens,
-                "served": self.served}
+                "served": self.served, "engine": _load_state(self.engine_load), "preempting": self.preempting}
+
+
+def _load_state(load: EngineLoad | None) -> dict[str, object] | None:
+    if load is None:
+        return None
+    return {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
+            "kv_capacity_tokens": load.kv_capacity_tokens, "block_tokens": load.block_tokens,
+            "preemptions": load.preemptions}

@@ -1,0 +1,84 @@
+"""What admitting one request would cost a node's KV memory: the capacity half of `pof router`.
+
+A request needs ``ceil((prompt + max_tokens - tokens the engine already caches) / block_tokens)``
+KV blocks for its life. A node's free blocks are ``(1 - kv_usage) * capacity`` from its last
+``/metrics`` reading, less the blocks of requests this router sent it since that reading (the
+engine's gauge has not seen them yet). A node is **saturated** for the request when
+
+- the request does not fit in its free blocks (the engine would queue it, or preempt running
+  requests to make room), or
+- its usage is at or above ``high_watermark`` and it queues requests or preempted one since the
+  previous reading (the engine is already trading requests for memory).
+
+Saturated nodes carry an admission cost: the blocks that do not fit are work the engine evicts
+and later recomputes (or reloads from the pool), priced at the learnt prefill time per token, and
+each request the engine queues costs one request overhead. Without a reading (no metrics, a
+stale one, an engine that exports no KV gauges) a node is never saturated: routing is what it
+was without capacity awareness.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.router.router_config import CapacityConfig
+
+
+@dataclass(frozen=True)
+class Admission:
+    need_blocks: int
+    """KV blocks the request holds at its longest, beyond those the engine caches already."""
+    free_blocks: int | None
+    """Free KV blocks the router believes the node has; ``None``: unknown."""
+    saturated: bool
+    why: str
+    """'room', 'no-metrics', 'kv-full' (the request does not fit), 'pressure' (usage over the
+    watermark with queued requests or recent preemptions)."""
+    cost_s: float = 0.0
+    """Estimated admission delay on a saturated node (0 when it has room)."""
+
+
+@dataclass(frozen=True)
+class NodePressure:
+    """One node's last reading as the router keeps it."""
+
+    load: EngineLoad | None
+    """``None``: no (fresh) reading."""
+    pending_blocks: int = 0
+    """Blocks of requests this router sent the node after the reading."""
+    preempting: bool = False
+    """Its preemption counter grew between the last two readings."""
+
+
+class KvAdmission:
+    def __init__(self, config: CapacityConfig) -> None:
+        self.config = config
+
+    def block_tokens(self, load: EngineLoad | None) -> int:
+        return load.block_tokens if load is not None and load.block_tokens else self.config.block_tokens
+
+    def need_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        return prompt_tokens + (self.config.default_max_tokens if max_tokens is None else max_tokens)
+
+    def assess(self, node: NodePressure, need_tokens: int, cached_tokens: int, *, s_per_token: float,
+               overhead_s: float) -> Admission:
+        """Admission of a request holding ``need_tokens`` KV tokens (prompt + max_tokens), of
+        which ``cached_tokens`` sit in the engine's prefix cache already."""
+        load = node.load
+        bt = self.block_tokens(load)
+        need = math.ceil(max(need_tokens - cached_tokens, 0) / bt)
+        if not self.config.enabled or load is None or load.kv_usage is None:
+            return Admission(need, None, False, "no-metrics")
+        usage = min(max(load.kv_usage, 0.0), 1.0)
+        free: int | None = None
+        overflow = 0
+        if load.kv_capacity_tokens:
+            free = math.floor((1.0 - usage) * load.kv_capacity_tokens / bt) - node.pending_blocks
+            overflow = max(need - free, 0)
+        pressed = usage >= self.config.high_watermark and (load.waiting > 0 or node.preempting)
+        if not overflow and not pressed:
+            return Admission(need, free, False, "room")
+        cost = overflow * bt * s_per_token + (load.waiting + 1) * overhead_s
+        return Admission(need, free, True, "kv-full" if overflow else "pressure", cost)
