@@ -168,11 +168,12 @@ class Router:
                 bytes_per_token, b.running, b.waiting, b.waiting_tokens))
             adm = self._assess(b, need, node.engine_tokens if node else 0, node.load if node else None)
             held = max(node.engine_tokens, node.held_tokens) if node else 0
-            # ties (e.g. an idle cluster and a new prefix) go round the backends, not always to the first
             options.append(_Option(b, est, adm, held, (i - offset) % len(live)))
         roomy = [o for o in options if not o.admission.saturated]
+        # equal estimates (e.g. nodes loading the same shared region) go to the node holding the
+        # prefix, then round the backends (an idle cluster and a new prefix), not always to the first
         best = min(roomy or options, key=lambda o: (o.estimate.ttft_s + (0.0 if roomy else o.admission.cost_s),
-                                                    o.turn))
+                                                    -o.held, o.turn))
         holder = max(options, key=lambda o: (o.held, -o.turn))
         has_holder = holder.held > 0
         saturated = tuple(o.backend.name for o in options if o.admission.saturated)
