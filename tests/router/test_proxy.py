@@ -245,12 +245,13 @@ def test_bad_config_names_the_key(raw: dict[str, Any], words: str) -> None:
 def test_example_config_documents_the_defaults() -> None:
     from pathlib import Path
 
-    from pof_connector.router.router_config import CostConfig, HealthConfig
+    from pof_connector.router.router_config import CapacityConfig, CostConfig, HealthConfig
 
     path = Path(__file__).resolve().parents[2] / "examples" / "router" / "pof-router.yaml"
     cfg = RouterConfig.from_file(path)
     assert [b.pool_node for b in cfg.backends] == ["a", "b"]
     assert cfg.cost == CostConfig() and cfg.health == HealthConfig()     # the file shows the real defaults
+    assert cfg.capacity == CapacityConfig()
     assert (cfg.policy, cfg.listen, cfg.sticky_header) == ("pof", "127.0.0.1:8080", None)
 
 
