@@ -1,9 +1,14 @@
 """What admitting one request would cost a node's KV memory: the capacity half of `pof router`.
 
-A request needs ``ceil((prompt + max_tokens - tokens the engine already caches) / block_tokens)``
-KV blocks for its life. A node's free blocks are ``(1 - kv_usage) * capacity`` from its last
-``/metrics`` reading, less the blocks of requests this router sent it since that reading (the
-engine's gauge has not seen them yet). A node is **saturated** for the request when
+A request needs ``ceil((prompt + max_tokens) / block_tokens)`` KV blocks for its life, its whole
+prompt counted even where the engine caches a prefix: the engines' usage gauges count cached
+blocks that no running request holds as free (they are evicted on demand), and a request reusing
+them takes them out of that free pool. (Only a prefix held by another running request costs no
+new blocks; counting it anyway errs towards calling a node full.) A node's free blocks are
+``(1 - kv_usage) * capacity`` from its last ``/metrics`` reading, less the blocks of requests this
+router sent it since that reading (the engine's gauge has not seen them yet). The gauges count
+the blocks requests hold now, not the ones their remaining output will take: a node full of
+young requests looks emptier than it will be. A node is **saturated** for the request when
 
 - the request does not fit in its free blocks (the engine would queue it, or preempt running
   requests to make room), or
@@ -29,7 +34,7 @@ from pof_connector.router.router_config import CapacityConfig
 @dataclass(frozen=True)
 class Admission:
     need_blocks: int
-    """KV blocks the request holds at its longest, beyond those the engine caches already."""
+    """KV blocks the request holds at its longest (prompt + max_tokens)."""
     free_blocks: int | None
     """Free KV blocks the router believes the node has; ``None``: unknown."""
     saturated: bool
@@ -62,13 +67,11 @@ class KvAdmission:
     def need_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:
         return prompt_tokens + (self.config.default_max_tokens if max_tokens is None else max_tokens)
 
-    def assess(self, node: NodePressure, need_tokens: int, cached_tokens: int, *, s_per_token: float,
-               overhead_s: float) -> Admission:
-        """Admission of a request holding ``need_tokens`` KV tokens (prompt + max_tokens), of
-        which ``cached_tokens`` sit in the engine's prefix cache already."""
+    def assess(self, node: NodePressure, need_tokens: int, *, s_per_token: float, overhead_s: float) -> Admission:
+        """Admission of a request holding ``need_tokens`` KV tokens (prompt + max_tokens)."""
         load = node.load
         bt = self.block_tokens(load)
-        need = math.ceil(max(need_tokens - cached_tokens, 0) / bt)
+        need = math.ceil(max(need_tokens, 0) / bt)
         if not self.config.enabled or load is None or load.kv_usage is None:
             return Admission(need, None, False, "no-metrics")
         usage = min(max(load.kv_usage, 0.0), 1.0)

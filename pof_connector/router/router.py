@@ -118,7 +118,7 @@ class Router:
         if session is not None:
             sticky = self._sticky((cache_salt, session), live)
             if sticky is not None:
-                adm = self._assess(sticky, need, 0) if policy == "pof" else None
+                adm = self._assess(sticky, need) if policy == "pof" else None
                 if adm is None or not adm.saturated:
                     return Decision(sticky, "sticky", prompt_tokens=n_tokens, admission=adm)
                 moved = True            # its node is full: the session moves, its KV comes from the pool
@@ -140,12 +140,11 @@ class Router:
                     self._sessions.popitem(last=False)
         return decision
 
-    def _assess(self, b: Backend, need: int, cached: int, fallback: EngineLoad | None = None) -> Admission:
+    def _assess(self, b: Backend, need: int, fallback: EngineLoad | None = None) -> Admission:
         pressure = b.pressure(self.config.capacity.stale_after_s)
         if pressure.load is None and fallback is not None:
             pressure = NodePressure(fallback)        # the relay's reading, published in the index
-        return self.kv.assess(pressure, need, cached, s_per_token=self.cost.s_per_token,
-                              overhead_s=self.cost.overhead_s)
+        return self.kv.assess(pressure, need, s_per_token=self.cost.s_per_token, overhead_s=self.cost.overhead_s)
 
     def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend], need: int) -> Decision:
         assert self.locator is not None
@@ -166,7 +165,7 @@ class Router:
             est = self.cost.estimate(Candidate(
                 b.name, len(tokens), node.engine_tokens if node else 0, node.usable if node else {},
                 bytes_per_token, b.running, b.waiting, b.waiting_tokens))
-            adm = self._assess(b, need, node.engine_tokens if node else 0, node.load if node else None)
+            adm = self._assess(b, need, node.load if node else None)
             held = max(node.engine_tokens, node.held_tokens) if node else 0
             options.append(_Option(b, est, adm, held, (i - offset) % len(live)))
         roomy = [o for o in options if not o.admission.saturated]
@@ -194,7 +193,7 @@ class Router:
         """The least loaded backend; with ``need`` (policy ``pof``) among those with KV room when any has."""
         if need is None:
             return Decision(self._least_loaded(live), why, prompt_tokens=n_tokens)
-        assessed = [(b, self._assess(b, need, 0)) for b in live]
+        assessed = [(b, self._assess(b, need)) for b in live]
         roomy = [b for b, a in assessed if not a.saturated]
         chosen = self._least_loaded(roomy or live)
         adm = next(a for b, a in assessed if b is chosen)

@@ -163,14 +163,14 @@ def test_admission_from_either_engines_metrics(text: str, block: int) -> None:
     load = parse_engine_load(text)
     assert load is not None
     kv = KvAdmission(CapacityConfig(block_tokens=16, high_watermark=0.9))
-    adm = kv.assess(NodePressure(load), 1000, 0, s_per_token=1e-3, overhead_s=0.01)
+    adm = kv.assess(NodePressure(load), 1000, s_per_token=1e-3, overhead_s=0.01)
     assert adm.need_blocks == -(-1000 // block)
     free = int((1 - load.kv_usage) * load.kv_capacity_tokens / block)     # type: ignore[operator]
     assert adm.free_blocks == free and adm.saturated == (adm.need_blocks > free)
-    growing = kv.assess(NodePressure(load, preempting=True), 1, 0, s_per_token=1e-3, overhead_s=0.01)
+    growing = kv.assess(NodePressure(load, preempting=True), 1, s_per_token=1e-3, overhead_s=0.01)
     assert not growing.saturated                        # preempting, but usage is under the watermark
     hot = EngineLoad(load.running, 1, 0.95, load.kv_capacity_tokens, load.block_tokens, load.preemptions)
-    assert kv.assess(NodePressure(hot), 1, 0, s_per_token=1e-3, overhead_s=0.01).why == "pressure"
+    assert kv.assess(NodePressure(hot), 1, s_per_token=1e-3, overhead_s=0.01).why == "pressure"
 
 
 def test_preemption_counter_growth_marks_the_node(cluster: tuple[Router, Pool, Pool]) -> None:
