@@ -22,7 +22,8 @@ Why the fit is guarded (a ``vllm bench serve`` run through the router once drove
 benchmark re-run, a prompt the router did not know the engine held) answers in milliseconds
 while the router counted all its tokens as prefill, so every such sample says "tokens are free".
 So (1) a sample is corrected by the cached tokens the engine reports for it
-(``usage.prompt_tokens_details.cached_tokens``) when it does; (2) each coefficient stays within
+(``usage.prompt_tokens_details.cached_tokens``) when it does, else by the prefix the router sent
+that backend before (:class:`~pof_connector.router.sent_prefixes.SentPrefixes`); (2) each coefficient stays within
 ``learn_range`` of its start value; (3) the covariance is capped at its start (without that,
 directions no sample excites -- all prompts of one length make the queue and token features
 collinear -- grow by 1/FORGET per sample and the next odd sample swings them to a bound).
@@ -82,7 +83,7 @@ class Estimate:
         tokens loaded through its connector)."""
         own = max(self.prompt_tokens - cached_tokens, 1)
         w, _, d, f = self.features
-        return (w, (self.queued_tokens + own) * TOKEN_SCALE, d, f if cached_tokens < self.prompt_tokens else 0.0)
+        return (w, (self.queued_tokens + own) * TOKEN_SCALE, d, f)
 
 
 class CostModel:

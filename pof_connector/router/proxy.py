@@ -270,11 +270,12 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                     out_headers["x-pof-kv-free-blocks"] = str(decision.admission.free_blocks)
             if decision.saturated:
                 out_headers["x-pof-saturated"] = ",".join(decision.saturated)
-            return StreamingResponse(_relay(resp, decision, ticket, sent, streamed), status_code=resp.status_code,
-                                     headers=out_headers, media_type=resp.headers.get("content-type"))
+            return StreamingResponse(_relay(resp, decision, ticket, sent, streamed, tokens),
+                                     status_code=resp.status_code, headers=out_headers,
+                                     media_type=resp.headers.get("content-type"))
 
     async def _relay(resp: httpx.Response, decision: Decision, ticket: Ticket,
-                     sent: float, streamed: bool) -> AsyncIterator[bytes]:
+                     sent: float, streamed: bool, tokens: list[int] | None) -> AsyncIterator[bytes]:
         b = decision.backend
         ttft: float | None = None
         tail = b""
@@ -292,11 +293,16 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         finally:
             b.finish(ticket)
             await resp.aclose()
+            # After the answer, off its path: what this backend was sent before, then this prompt.
+            guess = router.sent.cached_then_record(b.name, tokens) if tokens else 0
             # Only a streamed answer's first chunk is its first token (a non-streamed one arrives
-            # whole); learnt once the stream ended, with the cached tokens its usage reports.
-            if streamed and ttft is not None and decision.estimate is not None and resp.status_code == 200:
+            # whole); learnt once the stream ended, with the cached tokens its usage reports, else
+            # the prefix this router sent the backend before (what its engine probably caches).
+            est = decision.estimate
+            if streamed and ttft is not None and est is not None and resp.status_code == 200:
                 found = CACHED_TOKENS.findall(tail)
-                router.cost.observe(decision.estimate, ttft, int(found[-1]) if found else None)
+                cached = int(found[-1]) if found else max(guess, est.prompt_tokens - est.recompute_tokens)
+                router.cost.observe(est, ttft, cached)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

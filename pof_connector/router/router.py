@@ -28,6 +28,7 @@ from pof_connector.router.backend import Backend
 from pof_connector.router.cost_model import Candidate, CostModel, Estimate
 from pof_connector.router.kv_admission import Admission, KvAdmission, NodePressure
 from pof_connector.router.router_config import RouterConfig
+from pof_connector.router.sent_prefixes import SentPrefixes
 
 log = logging.getLogger("pof.router")
 STICKY_TTL_S = 3600.0
@@ -92,6 +93,8 @@ class Router:
         self.backends = [Backend(b, config.health.failures_to_remove) for b in config.backends]
         self.cost = CostModel(config.cost)
         self.kv = KvAdmission(config.capacity)
+        self.sent = SentPrefixes(config.capacity.block_tokens)
+        """Prefixes sent to each backend: the cached-token count of a sample the engine did not report."""
         self._rr = itertools.count()
         self._sessions: OrderedDict[tuple[str | None, str], tuple[str, float]] = OrderedDict()
         """(cache salt, session) -> (backend, expiry): a session id is the client's choice, so it is

@@ -173,13 +173,28 @@ def test_the_fit_learns_from_streamed_first_tokens_with_the_engines_cached_count
         with TestClient(make_app(router)) as client:
             body = {"prompt": list(range(128)), "max_tokens": 4}
             client.post("/v1/completions", json=body)                               # not streamed: no TTFT
-            client.post("/v1/completions", json={**body, "stream": True})           # no usage asked
+            # no usage asked: the router sent this backend the whole prompt before, so it counts it cached
+            client.post("/v1/completions", json={**body, "stream": True})
             client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
-        assert [c for _, _, c in seen] == [None, 96]
-        assert router.cost.observed == 2
+            client.post("/v1/completions", json={**body, "prompt": list(range(500, 600)), "stream": True})
+        assert [c for _, _, c in seen] == [128, 96, 0]                # the engine's own count wins
+        assert router.cost.observed == 3
         est = seen[1][0]
         assert est.recompute_tokens == 128 and est.corrected(96)[1] == pytest.approx(0.032)
         assert index is not None
         index.close()
     finally:
         a.close()
+
+
+def test_sent_prefixes_count_leading_chunks_per_backend() -> None:
+    from pof_connector.router.sent_prefixes import SentPrefixes
+
+    sent = SentPrefixes(chunk_tokens=16, max_chunks=8)
+    p = list(range(100))
+    assert sent.cached_then_record("a", p) == 0
+    assert sent.cached_then_record("a", [*p, 1, 2]) == 96          # whole chunks only
+    assert sent.cached_then_record("b", p) == 0                     # per backend
+    assert sent.cached_then_record("a", [7, *p]) == 0               # a prefix, not any substring
+    assert sent.cached_then_record("a", list(range(1000, 1200))) == 0
+    assert sent.cached_then_record("a", p) == 0                     # forgotten: at most 8 chunks kept
