@@ -58,8 +58,8 @@ from pof_connector.router.tokenizer_source import TokenizerSource
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 MAX_TOKEN_ID = 0xFFFFFFFF
-INLINE_TOKENIZE_CHARS = 16384
-"""Text prompts up to this long are tokenized on the event loop (well under a millisecond);
+INLINE_TOKENIZE_CHARS = 2048
+"""Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
 longer ones on a thread, so one huge prompt does not stall every other request."""
 STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 """What a request sent on a kept-alive connection that the backend has just closed fails with (a

@@ -202,6 +202,7 @@ class Router:
         adm = next(a for b, a in assessed if b is chosen)
         return Decision(chosen, why, prompt_tokens=n_tokens, admission=adm,
                         saturated=tuple(b.name for b, a in assessed if a.saturated))
+
     def _least_loaded(self, live: list[Backend]) -> Backend:
         start = next(self._rr)
         return min((live[(start + i) % len(live)] for i in range(len(live))),
