@@ -23,8 +23,9 @@ benchmark re-run, a prompt the router did not know the engine held) answers in m
 while the router counted all its tokens as prefill, so every such sample says "tokens are free".
 So (1) a sample is corrected by the cached tokens the engine reports for it
 (``usage.prompt_tokens_details.cached_tokens``) when it does, else by the prefix the router sent
-that backend before (:class:`~pof_connector.router.sent_prefixes.SentPrefixes`); (2) each coefficient stays within
-``learn_range`` of its start value; (3) the covariance is capped at its start (without that,
+that backend before (:class:`~pof_connector.router.sent_prefixes.SentPrefixes`); (2) each coefficient stays at or
+above its start value / ``learn_range`` (and below start x ``learn_range`` or a fixed ceiling,
+whichever is higher); (3) the covariance is capped at its start (without that,
 directions no sample excites -- all prompts of one length make the queue and token features
 collinear -- grow by 1/FORGET per sample and the next odd sample swings them to a bound).
 """
@@ -43,6 +44,9 @@ FORGET = 0.98
 TOKEN_SCALE = 1e-3
 """Tokens enter the regression in thousands, so the three features have similar magnitudes."""
 FETCH_BOUNDS = (0.1, 1e4)
+CEILINGS = (10.0, 0.1 / TOKEN_SCALE, 1.0)
+"""Upper bounds (overhead s, s per token, s per decoding request) that hold whatever the start
+values: a slow CPU box is far above a GPU-sized start value, and that is no fault of the fit."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,8 @@ class CostModel:
                                 config.decode_s_per_running, 1.0])
         r = config.learn_range
         self._low = np.array([self._theta[0] / r, self._theta[1] / r, 0.0, FETCH_BOUNDS[0]])
-        self._high = np.array([self._theta[0] * r, self._theta[1] * r, max(self._theta[2] * r, 1e-3),
-                               FETCH_BOUNDS[1]])
+        self._high = np.array([max(self._theta[0] * r, CEILINGS[0]), max(self._theta[1] * r, CEILINGS[1]),
+                               max(self._theta[2] * r, CEILINGS[2]), FETCH_BOUNDS[1]])
         # Start values may be off by an order of magnitude: a wide prior learns within ~10 requests.
         self._p = np.diag(np.maximum(self._theta, 1e-2) ** 2) * 100.0
         self._p_trace = float(np.trace(self._p))

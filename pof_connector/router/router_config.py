@@ -44,9 +44,10 @@ class CostConfig(_Frozen):
     request_overhead_s: float = Field(0.02, gt=0, description="fixed cost of a request on a node")
     decode_s_per_running: float = Field(0.002, ge=0, description="delay a decoding request adds to a prefill")
     learn: bool = Field(True, description="learn the coefficients from observed TTFTs")
-    learn_range: float = Field(100.0, ge=1.0, description="a learnt coefficient stays within start / learn_range "
-                                                          ".. start * learn_range (a fit fed odd samples cannot "
-                                                          "collapse to nothing nor run away)")
+    learn_range: float = Field(100.0, ge=1.0, description="a learnt coefficient stays at or above start / "
+                                                          "learn_range, and under start * learn_range or a fixed "
+                                                          "ceiling (10 s, 0.1 s/token, 1 s), whichever is higher: "
+                                                          "a fit fed odd samples cannot collapse to nothing")
     tier_gbps: dict[str, float] = Field(
         default_factory=lambda: {"cpu_dram": 8.0, "cxl": 6.0, "peer_hbm": 100.0, "remote": 3.0},
         description="load bandwidth per tier, GB/s (pof bench tiers / pof bench fabric measure them)")

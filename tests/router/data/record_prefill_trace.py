@@ -3,6 +3,8 @@
     flock /tmp/pof-heavy.lock env PYTHONPATH=$PWD ~/.cache/pof/venvs/vllm/bin/python \
         tests/router/data/record_prefill_trace.py tests/router/data/prefill_trace.csv
 
+Recorded 2026-12-01 on the shared 2-core box while other sessions ran vLLM servers (so a computed
+token cost ~20 ms, about 100x a quiet GPU-sized start value: the fit must follow that too).
 One real vLLM CPU server with the bench model (8 layers, hidden 1024) and
 ``--enable-prompt-tokens-details``; streamed greedy completions one at a time, as
 ``vllm bench serve`` sends them (``stream_options.include_usage``), in three rounds: new prompts
@@ -47,26 +49,31 @@ def stream(url: str, prompt: list[int]) -> tuple[float, int]:
     return ttft, cached
 
 
-def main(out: Path) -> None:
-    model = build_model("bench")
+def trace_prompts() -> list[list[int]]:
+    """The recorded prompts in order (seeded): 24 new ones, the same again, then each one's first
+    half with a new tail."""
     rnd = random.Random(14)
     vocab = 7000
     prompts = [[rnd.randrange(10, vocab) for _ in range(rnd.choice([64, 128, 256, 512, 768, 1024, 1536]))]
                for _ in range(24)]
+    halves = [p[: len(p) // 2] + [rnd.randrange(10, vocab) for _ in range(len(p) // 2)] for p in prompts]
+    return [*prompts, *prompts, *halves]
+
+
+def main(out: Path) -> None:
+    model = build_model("bench")
     rows: list[tuple[int, int, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         server = VllmServer(model, Path(tmp), max_model_len=4096,
                             extra_args=["--enable-prompt-tokens-details"]).start()
         try:
             stream(server.url, [5] * 32)                          # warm-up, not recorded
-            rounds = [prompts, prompts,
-                      [p[: len(p) // 2] + [rnd.randrange(10, vocab) for _ in range(len(p) // 2)] for p in prompts]]
-            for k, batch in enumerate(rounds):
-                for p in batch:
-                    ttft, cached = stream(server.url, p)
-                    assert cached >= 0, "the server reported no cached_tokens (--enable-prompt-tokens-details?)"
-                    rows.append((len(p), cached, round(ttft, 5)))
-                print(f"round {k + 1}/{len(rounds)} done", file=sys.stderr)
+            for k, p in enumerate(trace_prompts()):
+                ttft, cached = stream(server.url, p)
+                assert cached >= 0, "the server reported no cached_tokens (--enable-prompt-tokens-details?)"
+                rows.append((len(p), cached, round(ttft, 5)))
+                if k % 24 == 23:
+                    print(f"round {k // 24 + 1}/3 done", file=sys.stderr)
         finally:
             server.stop()
     with out.open("w", newline="") as f:
