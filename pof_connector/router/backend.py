@@ -15,7 +15,7 @@ from pof_connector.router.router_config import BackendConfig
 log = logging.getLogger("pof.router")
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     """A request on a backend; it counts as waiting, with ``prefill_tokens``, until its first token."""
 
@@ -23,8 +23,9 @@ class Ticket:
     prefill_tokens: int
     kv_blocks: int = 0
     """KV blocks it will hold (its admission estimate)."""
-    reading: int = 0
-    """The backend's metrics reading it was admitted after."""
+    pending: bool = True
+    """Its blocks are not in the engine's last KV reading: sent after it, or still without a first
+    token then (queued in the engine, which allocates blocks only when it schedules a request)."""
     first_token_seen: bool = False
     done: bool = False
 
@@ -47,8 +48,8 @@ class Backend:
         self.preempting = False
         """Its preemption counter grew between the last two readings."""
         self._load_at = 0.0
-        self._reading = 0
         self._pending_blocks = 0
+        self._live: set[Ticket] = set()
         self._lock = threading.Lock()
 
     def admit(self, prefill_tokens: int, kv_blocks: int = 0) -> Ticket:
@@ -57,7 +58,9 @@ class Backend:
             self.waiting += 1
             self.waiting_tokens += prefill_tokens
             self._pending_blocks += kv_blocks
-            return Ticket(self, prefill_tokens, kv_blocks, self._reading)
+            t = Ticket(self, prefill_tokens, kv_blocks)
+            self._live.add(t)
+            return t
 
     def record_load(self, load: EngineLoad | None) -> None:
         """A new ``/metrics`` reading (``None``: it failed or carried no load gauges)."""
@@ -67,11 +70,15 @@ class Backend:
                                    and prev.preemptions is not None and load.preemptions > prev.preemptions)
             self.engine_load = load
             self._load_at = time.monotonic()
-            self._reading += 1
-            self._pending_blocks = 0       # the engine's gauge now counts what was sent before
+            # The engine's gauge now counts what had begun by then; what it still queued, it does not.
+            self._pending_blocks = 0
+            for t in self._live:
+                t.pending = not t.first_token_seen
+                self._pending_blocks += t.kv_blocks if t.pending else 0
 
     def pressure(self, stale_after_s: float) -> NodePressure:
-        """The last reading, if younger than ``stale_after_s``, with the blocks sent since."""
+        """The last reading, if younger than ``stale_after_s``, with the blocks it does not show
+        (requests sent since, and those it found still waiting for their first token)."""
         with self._lock:
             if self.engine_load is None or time.monotonic() - self._load_at > stale_after_s:
                 return NodePressure(None)
@@ -94,7 +101,8 @@ class Backend:
             t.done = True
             self.running -= 1
             self.served += 1
-            if t.reading == self._reading:
+            self._live.discard(t)
+            if t.pending:
                 self._pending_blocks -= t.kv_blocks
 
     def check_passed(self) -> None:

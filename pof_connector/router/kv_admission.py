@@ -6,7 +6,8 @@ blocks that no running request holds as free (they are evicted on demand), and a
 them takes them out of that free pool. (Only a prefix held by another running request costs no
 new blocks; counting it anyway errs towards calling a node full.) A node's free blocks are
 ``(1 - kv_usage) * capacity`` from its last ``/metrics`` reading, less the blocks of requests this
-router sent it since that reading (the engine's gauge has not seen them yet). The gauges count
+router sent it that the reading does not show (sent since, or still without a first token then:
+queued in the engine, which allocates blocks when it schedules a request). The gauges count
 the blocks requests hold now, not the ones their remaining output will take: a node full of
 young requests looks emptier than it will be. A node is **saturated** for the request when
 
@@ -52,7 +53,7 @@ class NodePressure:
     load: EngineLoad | None
     """``None``: no (fresh) reading."""
     pending_blocks: int = 0
-    """Blocks of requests this router sent the node after the reading."""
+    """Blocks of this router's requests the reading does not show (sent since, or queued then)."""
     preempting: bool = False
     """Its preemption counter grew between the last two readings."""
 

@@ -112,6 +112,21 @@ def test_blocks_sent_since_the_last_reading_count_against_the_node(cluster: tupl
     assert router.choose([*PREFIX, 1], max_tokens=100).backend is a
 
 
+def test_requests_still_queued_at_a_reading_stay_counted(cluster: tuple[Router, Pool, Pool]) -> None:
+    router, _, _ = cluster
+    a = backend(router, "a")
+    a.record_load(ROOMY)
+    started, queued = a.admit(100, 10), a.admit(100, 20)
+    assert a.pressure(5.0).pending_blocks == 30
+    a.first_token(started)
+    a.record_load(ROOMY)                 # the engine's gauge holds the started one; the queued one not yet
+    assert a.pressure(5.0).pending_blocks == 20
+    a.finish(started)
+    assert a.pressure(5.0).pending_blocks == 20
+    a.finish(queued)
+    assert a.pressure(5.0).pending_blocks == 0
+
+
 def test_all_saturated_picks_the_least_admission_cost(cluster: tuple[Router, Pool, Pool]) -> None:
     router, _, _ = cluster
     backend(router, "a").record_load(FULL)
