@@ -52,12 +52,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per proxied request otherwise
     router, index = build(config)
-    names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
-    log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
-             redact_url(config.index_url) if config.index_url else "none", names)
     try:
-        uvicorn.Server(server_config(make_app(router), config.host, config.port,
-                                     timeout_s=config.read_timeout_s)).run()
+        app = make_app(router)             # loads a configured tokenizer: a bad path stops here, named
+        names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
+        log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
+                 redact_url(config.index_url) if config.index_url else "none", names)
+        uvicorn.Server(server_config(app, config.host, config.port, timeout_s=config.read_timeout_s)).run()
     finally:
         if index is not None:
             index.close()
