@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from pof_connector.body_limits import BodyLimits
 from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
+from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.index_health import IndexHealth
 from pof_connector.locality.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
 
@@ -66,6 +67,12 @@ class TierTokens(BaseModel):
 class NodeLoad(BaseModel):
     running: int = Field(description="requests the engine is running")
     waiting: int = Field(description="requests queued in the engine's scheduler")
+    kv_usage: float | None = Field(None, description="fraction of the engine's KV cache held by requests (vLLM "
+                                                     "kv_cache_usage_perc, SGLang token_usage); null: not exported")
+    kv_capacity_tokens: int | None = Field(None, description="tokens the engine's KV cache holds; null: unknown")
+    block_tokens: int | None = Field(None, description="tokens per KV block; null: unknown")
+    preemptions: int | None = Field(None, description="requests preempted (vLLM) or retracted (SGLang) since the "
+                                                      "engine started; null: unknown")
 
 
 class NodeLocality(BaseModel):
@@ -175,7 +182,7 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
                                tiers={**n.held, **({"engine": n.engine_tokens} if n.engine_tokens else {})},
                                usable_tokens=n.usable_tokens, usable=n.usable,
                                free_bytes={m: t.free_bytes for m, t in n.info.tiers.items()} if n.info else {},
-                               load=NodeLoad(running=n.load.running, waiting=n.load.waiting) if n.load else None,
+                               load=_node_load(n.load),
                                meta=n.info.meta if n.info else {})
                   for n in found.nodes.values() if n.held_tokens or n.engine_tokens or n.usable_tokens]
         requests.labels("/v1/locality", "200").inc()
@@ -187,6 +194,14 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _node_load(load: EngineLoad | None) -> NodeLoad | None:
+    if load is None:
+        return None
+    return NodeLoad(running=load.running, waiting=load.waiting, kv_usage=load.kv_usage,
+                    kv_capacity_tokens=load.kv_capacity_tokens, block_tokens=load.block_tokens,
+                    preemptions=load.preemptions)
 
 
 __all__ = ["load_tokenizer", "make_app"]

@@ -1,19 +1,43 @@
-"""An engine's load as its own Prometheus endpoint reports it.
+"""An engine's load and KV-memory pressure as its own Prometheus endpoint reports it.
 
 ``pof relay --engine-url`` reads it every heartbeat and publishes it in its index node, so the
-locality API can answer "node load" for engines that no pof router fronts. vLLM and SGLang name
-the two gauges differently; both are summed over their label sets (one per model / DP rank).
+locality API can answer "node load" for engines that no pof router fronts; `pof router` reads
+its backends' ``/metrics`` itself (fresher) and routes on KV occupancy. vLLM and SGLang name the
+series differently; gauges are summed (requests) or averaged (usage) over their label sets (one
+per model / DP rank):
+
+=================  ===================================  ======================================
+field              vLLM                                 SGLang
+=================  ===================================  ======================================
+running            ``vllm:num_requests_running``        ``sglang:num_running_reqs``
+waiting            ``vllm:num_requests_waiting``        ``sglang:num_queue_reqs``
+kv_usage           ``vllm:kv_cache_usage_perc``         ``sglang:token_usage``
+kv_capacity_tokens ``vllm:cache_config_info`` labels    ``sglang:max_total_num_tokens``
+                   ``num_gpu_blocks`` x ``block_size``
+block_tokens       ``vllm:cache_config_info`` label     (none: the router's ``block_tokens``)
+                   ``block_size``
+preemptions        ``vllm:num_preemptions_total``       ``sglang:num_retracted_requests_total``
+=================  ===================================  ======================================
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+"""Fraction (0..1) of the engine's KV blocks held by requests (cached, unreferenced blocks count as
+free: the engine evicts them on demand). ``gpu_cache_usage_perc``: vLLM's older name."""
+PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
+CACHE_CONFIG = "vllm:cache_config_info"
+SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,32 +46,80 @@ class EngineLoad:
     """Requests the engine is running (prefill or decode)."""
     waiting: int
     """Requests queued in the engine's scheduler."""
+    kv_usage: float | None = None
+    """Fraction of the KV cache held by requests, 0..1; ``None``: the engine does not say."""
+    kv_capacity_tokens: int | None = None
+    """Tokens the KV cache holds in all; ``None``: the engine does not say."""
+    block_tokens: int | None = None
+    """Tokens per KV block; ``None``: the engine does not say (SGLang's pages are not exported)."""
+    preemptions: int | None = None
+    """Requests preempted (vLLM) or retracted (SGLang) since the engine started; ``None``: unknown."""
 
     def to_meta(self) -> dict[str, str]:
-        return {"running": str(self.running), "waiting": str(self.waiting)}
+        meta = {"running": str(self.running), "waiting": str(self.waiting)}
+        for key, value in (("kv_usage", self.kv_usage), ("kv_capacity_tokens", self.kv_capacity_tokens),
+                           ("kv_block_tokens", self.block_tokens), ("preemptions", self.preemptions)):
+            if value is not None:
+                meta[key] = str(value)
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict[str, str]) -> EngineLoad | None:
         """The load a relay published; ``None`` when no relay reads the engine's metrics."""
         try:
-            return cls(int(meta["running"]), int(meta["waiting"]))
+            return cls(int(meta["running"]), int(meta["waiting"]), _opt(meta, "kv_usage", float),
+                       _opt(meta, "kv_capacity_tokens", int), _opt(meta, "kv_block_tokens", int),
+                       _opt(meta, "preemptions", int))
         except (KeyError, ValueError):
             return None
 
 
+def _opt(meta: dict[str, str], key: str, kind: Callable[[str], _T]) -> _T | None:
+    raw = meta.get(key)
+    return kind(raw) if raw is not None else None
+
+
 def parse_engine_load(text: str) -> EngineLoad | None:
-    """From Prometheus text; ``None`` when it carries neither engine's gauges."""
+    """From Prometheus text; ``None`` when it carries neither engine's request gauges."""
     running = waiting = 0.0
     seen = False
+    usage: list[float] = []
+    preemptions: float | None = None
+    capacity: float | None = None
+    block: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in RUNNING:
+            name = sample.name
+            if name in RUNNING:
                 running += sample.value
                 seen = True
-            elif sample.name in WAITING:
+            elif name in WAITING:
                 waiting += sample.value
                 seen = True
-    return EngineLoad(round(running), round(waiting)) if seen else None
+            elif name in KV_USAGE:
+                usage.append(sample.value)
+            elif name in PREEMPTIONS:
+                preemptions = (preemptions or 0.0) + sample.value
+            elif name == SGLANG_CAPACITY:
+                capacity = (capacity or 0.0) + sample.value
+            elif name == CACHE_CONFIG:
+                blocks, size = _int_label(sample.labels, "num_gpu_blocks"), _int_label(sample.labels, "block_size")
+                if size:
+                    block = size
+                if blocks and size:
+                    capacity = (capacity or 0.0) + blocks * size
+    if not seen:
+        return None
+    return EngineLoad(round(running), round(waiting), sum(usage) / len(usage) if usage else None,
+                      round(capacity) if capacity else None, block,
+                      round(preemptions) if preemptions is not None else None)
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    """An integer label; ``None`` when absent or not a number (vLLM writes "None" before the
+    engine has sized its cache)."""
+    raw = labels.get(key, "")
+    return int(raw) if raw.isdigit() else None
 
 
 def read_engine_load(base_url: str, client: httpx.Client) -> EngineLoad | None:

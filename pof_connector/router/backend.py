@@ -1,22 +1,31 @@
-"""One engine behind `pof router`: its health and the load the router itself put on it."""
+"""One engine behind `pof router`: its health, the load the router itself put on it, and the
+engine's own load and KV pressure as its last ``/metrics`` reading showed them."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.router.kv_admission import NodePressure
 from pof_connector.router.router_config import BackendConfig
 
 log = logging.getLogger("pof.router")
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     """A request on a backend; it counts as waiting, with ``prefill_tokens``, until its first token."""
 
     backend: Backend
     prefill_tokens: int
+    kv_blocks: int = 0
+    """KV blocks it will hold (its admission estimate)."""
+    pending: bool = True
+    """Its blocks are not in the engine's last KV reading: sent after it, or still without a first
+    token then (queued in the engine, which allocates blocks only when it schedules a request)."""
     first_token_seen: bool = False
     done: bool = False
 
@@ -34,14 +43,46 @@ class Backend:
         """Requests without a first token yet (also counted in ``running``)."""
         self.waiting_tokens = 0
         self.served = 0
+        self.engine_load: EngineLoad | None = None
+        """The engine's last ``/metrics`` reading; ``None`` before one, or when the last failed."""
+        self.preempting = False
+        """Its preemption counter grew between the last two readings."""
+        self._load_at = 0.0
+        self._pending_blocks = 0
+        self._live: set[Ticket] = set()
         self._lock = threading.Lock()
 
-    def admit(self, prefill_tokens: int) -> Ticket:
+    def admit(self, prefill_tokens: int, kv_blocks: int = 0) -> Ticket:
         with self._lock:
             self.running += 1
             self.waiting += 1
             self.waiting_tokens += prefill_tokens
-        return Ticket(self, prefill_tokens)
+            self._pending_blocks += kv_blocks
+            t = Ticket(self, prefill_tokens, kv_blocks)
+            self._live.add(t)
+            return t
+
+    def record_load(self, load: EngineLoad | None) -> None:
+        """A new ``/metrics`` reading (``None``: it failed or carried no load gauges)."""
+        with self._lock:
+            prev = self.engine_load
+            self.preempting = bool(load is not None and prev is not None and load.preemptions is not None
+                                   and prev.preemptions is not None and load.preemptions > prev.preemptions)
+            self.engine_load = load
+            self._load_at = time.monotonic()
+            # The engine's gauge now counts what had begun by then; what it still queued, it does not.
+            self._pending_blocks = 0
+            for t in self._live:
+                t.pending = not t.first_token_seen
+                self._pending_blocks += t.kv_blocks if t.pending else 0
+
+    def pressure(self, stale_after_s: float) -> NodePressure:
+        """The last reading, if younger than ``stale_after_s``, with the blocks it does not show
+        (requests sent since, and those it found still waiting for their first token)."""
+        with self._lock:
+            if self.engine_load is None or time.monotonic() - self._load_at > stale_after_s:
+                return NodePressure(None)
+            return NodePressure(self.engine_load, self._pending_blocks, self.preempting)
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:
@@ -60,6 +101,9 @@ class Backend:
             t.done = True
             self.running -= 1
             self.served += 1
+            self._live.discard(t)
+            if t.pending:
+                self._pending_blocks -= t.kv_blocks
 
     def check_passed(self) -> None:
         with self._lock:
@@ -79,4 +123,12 @@ class Backend:
     def state(self) -> dict[str, object]:
         return {"name": self.name, "url": self.url, "node_id": self.config.pool_node, "healthy": self.healthy,
                 "running": self.running, "waiting": self.waiting, "waiting_tokens": self.waiting_tokens,
-                "served": self.served}
+                "served": self.served, "engine": _load_state(self.engine_load), "preempting": self.preempting}
+
+
+def _load_state(load: EngineLoad | None) -> dict[str, object] | None:
+    if load is None:
+        return None
+    return {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
+            "kv_capacity_tokens": load.kv_capacity_tokens, "block_tokens": load.block_tokens,
+            "preemptions": load.preemptions}

@@ -16,6 +16,18 @@
 The four coefficients start from the configuration and are learnt from observed TTFTs by
 recursive least squares with forgetting, so the model follows the hardware it runs on (a request
 on a busy 1-core server costs far more than a token count says).
+
+Why the fit is guarded (a ``vllm bench serve`` run through the router once drove
+``prefill_s_per_token`` from 1.3e-4 to its floor, 1e-7): a prompt the engine had cached (a
+benchmark re-run, a prompt the router did not know the engine held) answers in milliseconds
+while the router counted all its tokens as prefill, so every such sample says "tokens are free".
+So (1) a sample is corrected by the cached tokens the engine reports for it
+(``usage.prompt_tokens_details.cached_tokens``) when it does, else by the prefix the router sent
+that backend before (:class:`~pof_connector.router.sent_prefixes.SentPrefixes`); (2) each coefficient stays at or
+above its start value / ``learn_range`` (and below start x ``learn_range`` or a fixed ceiling,
+whichever is higher); (3) the covariance is capped at its start (without that,
+directions no sample excites -- all prompts of one length make the queue and token features
+collinear -- grow by 1/FORGET per sample and the next odd sample swings them to a bound).
 """
 
 from __future__ import annotations
@@ -31,7 +43,10 @@ FORGET = 0.98
 """Weight of the past per observation: about the last 50 requests count."""
 TOKEN_SCALE = 1e-3
 """Tokens enter the regression in thousands, so the three features have similar magnitudes."""
-_BOUNDS = (np.array([1e-4, 1e-7 / TOKEN_SCALE, 0.0, 0.1]), np.array([10.0, 0.1 / TOKEN_SCALE, 1.0, 1e4]))
+FETCH_BOUNDS = (0.1, 1e4)
+CEILINGS = (10.0, 0.1 / TOKEN_SCALE, 1.0)
+"""Upper bounds (overhead s, s per token, s per decoding request) that hold whatever the start
+values: a slow CPU box is far above a GPU-sized start value, and that is no fault of the fit."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,17 @@ class Estimate:
     fetch_s: float
     features: tuple[float, float, float, float]
     """(waiting + 1, tokens to compute before the first token / 1000, decoding requests, fetch_s)."""
+    prompt_tokens: int = 0
+    queued_tokens: int = 0
+    """Tokens of requests ahead of it (``waiting_tokens``)."""
+
+    def corrected(self, cached_tokens: int) -> tuple[float, float, float, float]:
+        """The features had the engine computed only the prompt tokens it did not have cached
+        (``cached_tokens``, as the engine reported for the request: its own prefix cache and
+        tokens loaded through its connector)."""
+        own = max(self.prompt_tokens - cached_tokens, 1)
+        w, _, d, f = self.features
+        return (w, (self.queued_tokens + own) * TOKEN_SCALE, d, f)
 
 
 class CostModel:
@@ -69,9 +95,16 @@ class CostModel:
         self.config = config
         self._theta = np.array([config.request_overhead_s, config.prefill_s_per_token / TOKEN_SCALE,
                                 config.decode_s_per_running, 1.0])
+        r = config.learn_range
+        self._low = np.array([self._theta[0] / r, self._theta[1] / r, 0.0, FETCH_BOUNDS[0]])
+        self._high = np.array([max(self._theta[0] * r, CEILINGS[0]), max(self._theta[1] * r, CEILINGS[1]),
+                               max(self._theta[2] * r, CEILINGS[2]), FETCH_BOUNDS[1]])
         # Start values may be off by an order of magnitude: a wide prior learns within ~10 requests.
         self._p = np.diag(np.maximum(self._theta, 1e-2) ** 2) * 100.0
+        self._p_trace = float(np.trace(self._p))
         self._lock = threading.Lock()
+        self.observed = 0
+        """Samples learnt from."""
 
     @property
     def s_per_token(self) -> float:
@@ -103,16 +136,21 @@ class CostModel:
         recompute = c.prompt_tokens - max(engine, pool)
         x = (c.waiting + 1.0, (c.waiting_tokens + recompute) * TOKEN_SCALE, float(max(c.running - c.waiting, 0)),
              fetch_s)
-        return Estimate(c.name, float(np.dot(self._theta, x)), recompute, fetch_tokens, fetch_s, x)
+        return Estimate(c.name, float(np.dot(self._theta, x)), recompute, fetch_tokens, fetch_s, x,
+                        c.prompt_tokens, c.waiting_tokens)
 
-    def observe(self, est: Estimate, ttft_s: float) -> None:
-        """Learn from a request whose first token came ``ttft_s`` after it was sent."""
-        if not self.config.learn:
+    def observe(self, est: Estimate, ttft_s: float, cached_tokens: int | None = None) -> None:
+        """Learn from a request whose first token came ``ttft_s`` after it was sent;
+        ``cached_tokens``: the prompt tokens the engine reported it did not compute (``None``:
+        it did not say, the estimate's own view stands)."""
+        if not self.config.learn or not np.isfinite(ttft_s) or ttft_s < 0:
             return
-        x = np.array(est.features)
-        y = ttft_s
+        x = np.array(est.corrected(cached_tokens) if cached_tokens is not None else est.features)
         with self._lock:
             px = self._p @ x
             gain = px / (FORGET + x @ px)
-            self._theta = np.clip(self._theta + gain * (y - x @ self._theta), *_BOUNDS)
-            self._p = (self._p - np.outer(gain, px)) / FORGET
+            self._theta = np.clip(self._theta + gain * (ttft_s - x @ self._theta), self._low, self._high)
+            p = (self._p - np.outer(gain, px)) / FORGET
+            trace = float(np.trace(p))
+            self._p = p * (self._p_trace / trace) if trace > self._p_trace else p
+            self.observed += 1

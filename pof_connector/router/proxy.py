@@ -15,9 +15,18 @@ an OpenAI-style error, a text prompt over ``max_tokenize_chars`` is not tokenize
 own length check refuses it). A client that disconnects while its non-streamed answer is
 computed closes the backend connection, so the engine aborts the request.
 
-Prompt tokens: token-id prompts are used as given; text and chat messages are tokenized by a
-backend's ``POST /tokenize`` (vLLM's; exact, chat template included) unless a local tokenizer
-was configured. Without tokens the request still goes through, to the least loaded backend.
+Prompt tokens: token-id prompts are used as given; text prompts are tokenized locally with the
+model's ``tokenizer.json`` (:class:`~pof_connector.router.tokenizer_source.TokenizerSource`),
+chat messages by a backend's ``POST /tokenize`` (vLLM's; exact, chat template included). Without
+tokens the request still goes through, to the least loaded backend.
+
+Every routed answer says how it was routed: ``x-pof-backend``, ``x-pof-reason`` (policy),
+``x-pof-route-reason`` (why this node, :attr:`Decision.route
+<pof_connector.router.router.Decision.route>`), ``x-pof-estimated-ttft``, ``x-pof-kv-need-blocks``
+/ ``x-pof-kv-free-blocks`` (the chosen node's admission), ``x-pof-saturated`` (backends full for
+this request), ``x-pof-tokens`` (where the prompt's tokens came from) and
+``x-pof-router-overhead`` (seconds the router spent before sending the request on: reading the
+body, tokenizing, the index lookup: the router's own share of the TTFT).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,14 +48,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.body_limits import BodyLimits
+from pof_connector.locality.engine_load import EngineLoad, parse_engine_load
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
 from pof_connector.router.openai_shapes import document
 from pof_connector.router.router import Decision, NoBackend, Router
+from pof_connector.router.tokenizer_source import TokenizerSource
 
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 MAX_TOKEN_ID = 0xFFFFFFFF
+INLINE_TOKENIZE_CHARS = 2048
+"""Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
+longer ones on a thread, so one huge prompt does not stall every other request."""
 STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 """What a request sent on a kept-alive connection that the backend has just closed fails with (a
 server closes one after an internal error, or at its keep-alive timeout): such a request is sent
@@ -53,6 +68,11 @@ once more, on another connection, before the backend counts as failed. Only erro
 answer: a backend that answered nothing has done nothing the client saw."""
 DISCONNECT_POLL_S = 0.25
 """How often a request waiting for its backend's answer checks that its client is still there."""
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+"""The engine's count of prompt tokens it did not compute, in a streamed answer's final usage
+chunk (vLLM: with ``--enable-prompt-tokens-details`` and ``stream_options.include_usage``)."""
+TAIL_BYTES = 8192
+"""Bytes of a streamed answer's end kept to find its usage."""
 
 
 class _Metrics:
@@ -79,10 +99,38 @@ class _Metrics:
         learnt.labels("prefill_s_per_token").set_function(lambda: router.cost.s_per_token)
         learnt.labels("s_per_decoding_request").set_function(lambda: router.cost.s_per_decoding)
         learnt.labels("fetch_factor").set_function(lambda: router.cost.fetch_factor)
+        self.routes = Counter("pof_router_routes", "Requests routed by policy pof, by why that node "
+                              "(x-pof-route-reason)", ["backend", "route_reason"], registry=self.registry)
+        self.overhead = Histogram("pof_router_overhead_seconds", "Time the router spent on a request before "
+                                  "sending it on (body, tokenizing, index lookup, choice)", registry=self.registry,
+                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+        self.tokens_from = Counter("pof_router_prompt_tokens_from", "Where routed prompts' token ids came "
+                                   "from", ["source"], registry=self.registry)
+        engine = Gauge("pof_router_engine", "Each backend's last /metrics reading: kv_usage (0..1), "
+                       "kv_capacity_tokens, waiting, running, preemptions; NaN when unknown",
+                       ["backend", "quantity"], registry=self.registry)
+        saturated = Gauge("pof_router_backend_preempting", "1 when the backend's preemption counter grew "
+                          "between its last two readings", ["backend"], registry=self.registry)
+        for b in router.backends:
+            for q in ("kv_usage", "kv_capacity_tokens", "waiting", "running", "preemptions"):
+                engine.labels(b.name, q).set_function(_engine_value(b, q))
+            saturated.labels(b.name).set_function(_preempting_of(b))
 
 
 def _healthy_of(b: Backend) -> Callable[[], float]:
     return lambda: float(b.healthy)
+
+
+def _preempting_of(b: Backend) -> Callable[[], float]:
+    return lambda: float(b.preempting)
+
+
+def _engine_value(b: Backend, quantity: str) -> Callable[[], float]:
+    def value() -> float:
+        load = b.engine_load
+        v = getattr(load, quantity) if load is not None else None
+        return float("nan") if v is None else float(v)
+    return value
 
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -93,9 +141,14 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     """The router's app. Its API key (``api_key_env`` / ``api_key_file``) and the backends' key
     are read here, once; a request without the key gets vLLM's 401 (``/health`` and
     ``/metrics`` stay open). With a backend key, the client's ``Authorization`` is replaced by
-    it; without one, the client's header is passed on unchanged."""
+    it; without one, the client's header is passed on unchanged. ``tokenizer``: the text
+    tokenizer to use (``None``: the config's ``tokenizer``, see
+    :class:`~pof_connector.router.tokenizer_source.TokenizerSource`)."""
     cfg = router.config
     metrics = _Metrics(router)
+    tokens_source = TokenizerSource(cfg.tokenizer if tokenizer is None else "backend")
+    if tokenizer is not None:
+        tokens_source.tokenizer, tokens_source.origin = tokenizer, "local"
     state: dict[str, httpx.AsyncClient] = {}
     expected = f"Bearer {key}".encode() if (key := cfg.api_key()) is not None else None
     backend_key = cfg.backend_api_key()
@@ -107,13 +160,16 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), limits=limits,
                                             headers=backend_headers)
-        checker = asyncio.create_task(_health_loop(router, state["client"]))
+        tasks = [asyncio.create_task(_health_loop(router, state["client"], tokens_source))]
+        if cfg.policy == "pof" and cfg.capacity.enabled:
+            tasks.append(asyncio.create_task(_load_loop(router, state["client"])))
         try:
             yield
         finally:
-            checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checker
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await state["client"].aclose()
 
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
@@ -123,34 +179,44 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     if expected is not None:
         app.add_middleware(_RequireKey, expected=expected)
 
-    async def prompt_tokens(path: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids to route on; ``None``: route without them (no prompt, a prompt
-        too long to tokenize first, or no tokenizer answered). Raises :class:`_BadRequest`."""
+    async def prompt_tokens(path: str, body: dict[str, Any]) -> tuple[list[int] | None, str]:
+        """The prompt's token ids to route on and where they came from ('request', 'local',
+        'backend'); ``None``, 'none': route without them (no prompt, a prompt too long to
+        tokenize first, or no tokenizer answered). Raises :class:`_BadRequest`."""
         if path.endswith("/completions") and "chat" not in path:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
                 prompt = prompt[0]            # a batch: route on its first prompt
             if isinstance(prompt, list):
-                return _token_ids(prompt)
+                return _token_ids(prompt), "request"
             if not isinstance(prompt, str) or len(prompt) > cfg.max_tokenize_chars:
-                return None
-            if tokenizer is not None:          # milliseconds of CPU for a long prompt: off the event loop
-                return await asyncio.to_thread(tokenizer, prompt)
-            return await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
+                return None, "none"
+            local = tokens_source.tokenizer
+            if local is not None:
+                # Short prompts in the event loop: a thread hop costs more than they do.
+                if len(prompt) <= INLINE_TOKENIZE_CHARS:
+                    return local(prompt), "local"
+                return await asyncio.to_thread(local, prompt), "local"
+            got = await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
+            return got, "backend" if got is not None else "none"
         messages = body.get("messages")
         if not isinstance(messages, list) or _text_length(messages) > cfg.max_tokenize_chars:
-            return None
-        return await _tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
+            return None, "none"
+        got = await _tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
+        return got, "backend" if got is not None else "none"
 
     async def proxy(request: Request, path: str, *, route_by_prompt: bool = True) -> Response:
         """Forward ``request`` to the backend the router picks, routing on the prompt when
         ``route_by_prompt`` (completions and chat) and least-loaded otherwise."""
+        began = time.perf_counter()
         try:
             raw = await _body(request, cfg.max_body_bytes)
             body = _json_object(raw) if route_by_prompt else None
-            tokens = await prompt_tokens(path, body) if body is not None else None
+            tokens, source = await prompt_tokens(path, body) if body is not None else (None, "none")
         except _BadRequest as e:
             return _error(e.status, str(e))
+        max_tokens = _max_tokens(body)
+        streamed = body is not None and body.get("stream") is True
         session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
         salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
         if salt is not None and not _unicode(salt):
@@ -161,12 +227,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         while True:
             try:
                 decision = await asyncio.to_thread(router.choose, tokens, cache_salt=salt, session=session,
-                                                   exclude=frozenset(tried))
+                                                   exclude=frozenset(tried), max_tokens=max_tokens)
             except NoBackend as e:
                 return _error(503, str(e))
             b = decision.backend
-            ticket = b.admit(decision.prefill_tokens)
+            ticket = b.admit(decision.prefill_tokens, decision.kv_blocks)
             sent = time.perf_counter()
+            overhead = sent - began
             try:
                 try:
                     resp = await _send_unless_gone(state["client"], state["client"].build_request(
@@ -187,23 +254,38 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                 metrics.abandoned.labels(b.name).inc()
                 return Response(status_code=499)
             metrics.requests.labels(b.name, decision.reason).inc()
-            out_headers = {"x-pof-backend": b.name, "x-pof-reason": decision.reason}
+            metrics.overhead.observe(overhead)
+            if route_by_prompt:
+                metrics.tokens_from.labels(source).inc()
+            out_headers = {"x-pof-backend": b.name, "x-pof-reason": decision.reason,
+                           "x-pof-router-overhead": f"{overhead:.6f}", "x-pof-tokens": source}
+            if decision.route:
+                metrics.routes.labels(b.name, decision.route).inc()
+                out_headers["x-pof-route-reason"] = decision.route
             if decision.estimate is not None:
                 out_headers["x-pof-estimated-ttft"] = f"{decision.estimate.ttft_s:.4f}"
-            return StreamingResponse(_relay(resp, decision, ticket, sent), status_code=resp.status_code,
-                                     headers=out_headers, media_type=resp.headers.get("content-type"))
+            if decision.admission is not None:
+                out_headers["x-pof-kv-need-blocks"] = str(decision.admission.need_blocks)
+                if decision.admission.free_blocks is not None:
+                    out_headers["x-pof-kv-free-blocks"] = str(decision.admission.free_blocks)
+            if decision.saturated:
+                out_headers["x-pof-saturated"] = ",".join(decision.saturated)
+            return StreamingResponse(_relay(resp, decision, ticket, sent, streamed, tokens),
+                                     status_code=resp.status_code, headers=out_headers,
+                                     media_type=resp.headers.get("content-type"))
 
     async def _relay(resp: httpx.Response, decision: Decision, ticket: Ticket,
-                     sent: float) -> AsyncIterator[bytes]:
+                     sent: float, streamed: bool, tokens: list[int] | None) -> AsyncIterator[bytes]:
         b = decision.backend
+        ttft: float | None = None
+        tail = b""
         try:
             async for chunk in resp.aiter_raw():
                 if not ticket.first_token_seen:
                     ttft = time.perf_counter() - sent
                     b.first_token(ticket)
                     metrics.ttft.labels(b.name).observe(ttft)
-                    if decision.estimate is not None and resp.status_code == 200:
-                        router.cost.observe(decision.estimate, ttft)
+                tail = (tail + chunk)[-TAIL_BYTES:]
                 yield chunk
         except httpx.TransportError as e:
             b.check_failed(f"broken response: {e}", now=True)
@@ -211,6 +293,16 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         finally:
             b.finish(ticket)
             await resp.aclose()
+            # After the answer, off its path: what this backend was sent before, then this prompt.
+            guess = router.sent.cached_then_record(b.name, tokens) if tokens else 0
+            # Only a streamed answer's first chunk is its first token (a non-streamed one arrives
+            # whole); learnt once the stream ended, with the cached tokens its usage reports, else
+            # the prefix this router sent the backend before (what its engine probably caches).
+            est = decision.estimate
+            if streamed and ttft is not None and est is not None and resp.status_code == 200:
+                found = CACHED_TOKENS.findall(tail)
+                cached = int(found[-1]) if found else max(guess, est.prompt_tokens - est.recompute_tokens)
+                router.cost.observe(est, ttft, cached)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -240,7 +332,9 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         return {"policy": cfg.policy, "cost": {"overhead_s": router.cost.overhead_s,
                                                "prefill_s_per_token": router.cost.s_per_token,
                                                "s_per_decoding_request": router.cost.s_per_decoding,
-                                               "fetch_factor": router.cost.fetch_factor},
+                                               "fetch_factor": router.cost.fetch_factor,
+                                               "observed": router.cost.observed},
+                "tokenizer": tokens_source.origin,
                 "backends": [b.state() for b in router.backends]}
 
     @app.get("/metrics")
@@ -323,6 +417,18 @@ def _token_ids(prompt: list[Any]) -> list[int]:
     return prompt
 
 
+def _max_tokens(body: dict[str, Any] | None) -> int | None:
+    """The request's generation limit (``max_tokens``, or chat's ``max_completion_tokens``);
+    ``None`` when it gives none (or not an integer)."""
+    if body is None:
+        return None
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if type(v) is int and v >= 0:
+            return v
+    return None
+
+
 def _unicode(s: str) -> bool:
     """Whether ``s`` is valid Unicode (JSON can escape lone surrogates, which are not)."""
     try:
@@ -378,11 +484,46 @@ async def _tokenize(router: Router, client: httpx.AsyncClient, body: dict[str, A
     return None
 
 
-async def _health_loop(router: Router, client: httpx.AsyncClient) -> None:
+async def _health_loop(router: Router, client: httpx.AsyncClient, tokens_source: TokenizerSource) -> None:
     h = router.config.health
     while True:
         await asyncio.gather(*(_check(b, client, h.timeout_s) for b in router.backends))
+        if not tokens_source.settled:
+            await tokens_source.discover(client, [b.url for b in router.healthy()])
         await asyncio.sleep(h.interval_s)
+
+
+async def _load_loop(router: Router, client: httpx.AsyncClient) -> None:
+    """Read every backend's ``/metrics`` each ``capacity.metrics_interval_s`` (KV usage, queue,
+    preemptions) for KV-aware admission."""
+    cap = router.config.capacity
+    silent: set[str] = set()
+    while True:
+        readings = await asyncio.gather(*(_read_load(b, client, cap.metrics_interval_s * 4) for b in router.backends))
+        for b, load in zip(router.backends, readings, strict=True):
+            b.record_load(load)
+            if (load is None or load.kv_usage is None) and b.name not in silent:
+                silent.add(b.name)
+                log.info("pof router: backend %s exports no KV usage on %s/metrics (yet); it is routed without "
+                         "KV-capacity awareness until it does", b.name, b.url)
+            elif load is not None and load.kv_usage is not None:
+                silent.discard(b.name)
+        await asyncio.sleep(cap.metrics_interval_s)
+
+
+async def _read_load(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> EngineLoad | None:
+    if not b.healthy:
+        return None
+    try:
+        r = await client.get(b.url + "/metrics", timeout=max(timeout_s, 1.0))
+    except httpx.TransportError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        return await asyncio.to_thread(parse_engine_load, r.text)
+    except ValueError:          # not Prometheus text
+        return None
 
 
 async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> None:

@@ -2,8 +2,12 @@
 
 Policy ``pof``: ask the locality index where the prompt's prefix lives (engine prefix caches and
 pools, see :class:`~pof_connector.locality.locator.Locator`) and pick the healthy backend with the
-lowest estimated time to first token (:class:`~pof_connector.router.cost_model.CostModel`).
-Without tokens, or when the index cannot be reached, fall back to the least loaded backend.
+lowest estimated time to first token (:class:`~pof_connector.router.cost_model.CostModel`) among
+those with KV room for the request (:class:`~pof_connector.router.kv_admission.KvAdmission`): a
+prefix holder whose KV memory is saturated is passed over for a node with room, whose pool loads
+the prefix; when every node is saturated, the lowest estimate plus admission cost wins.
+Without tokens, or when the index cannot be reached, fall back to the least loaded backend (with
+room, when the backends' metrics say).
 ``least_loaded`` and ``round_robin`` exist for comparison.
 """
 
@@ -14,14 +18,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pof_connector.index import IndexUnavailable
+from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.index_health import IndexHealth
 from pof_connector.locality.locator import Locality, Locator, ModelRequired, UnknownModel
 from pof_connector.router.backend import Backend
 from pof_connector.router.cost_model import Candidate, CostModel, Estimate
+from pof_connector.router.kv_admission import Admission, KvAdmission, NodePressure
 from pof_connector.router.router_config import RouterConfig
+from pof_connector.router.sent_prefixes import SentPrefixes
 
 log = logging.getLogger("pof.router")
 STICKY_TTL_S = 3600.0
@@ -35,16 +42,48 @@ class NoBackend(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Option:
+    """One backend as weighed for one request."""
+
+    backend: Backend
+    estimate: Estimate
+    admission: Admission
+    held: int
+    """Leading prompt tokens it holds itself (engine cache or own pool tiers)."""
+    turn: int
+
+
+@dataclass(frozen=True)
 class Decision:
     backend: Backend
     reason: str
     """'pof', 'sticky', 'least_loaded', 'round_robin' or 'fallback:<why>'."""
     estimate: Estimate | None = None
     prompt_tokens: int = 0
+    route: str = ""
+    """Why this node, for policy ``pof`` (header ``x-pof-route-reason``): 'prefix-holder' (it holds
+    the longest prefix and has KV room), 'lower-cost' (another node holds more, but this one is
+    estimated faster: queue, load), 'no-prefix' (no node holds any), 'holder-saturated:pool' (the
+    holder is saturated; this node has room and its pool loads the prefix),
+    'holder-saturated:recompute' (the same, but it recomputes the prefix), 'all-saturated' (the
+    least admission cost), 'sticky-saturated:...' (a session moved off its saturated node: the same
+    endings). Empty for the other policies."""
+    admission: Admission | None = None
+    """The chosen node's KV admission (``None``: capacity not assessed)."""
+    saturated: tuple[str, ...] = ()
+    """Backends saturated for this request."""
+    holder: str | None = None
+    """The backend holding the longest prefix (engine cache or own pool tiers); ``None``: none."""
+    pool_tokens: int = 0
+    """Prompt tokens the chosen node's pool loads (beyond its engine's own cache)."""
 
     @property
     def prefill_tokens(self) -> int:
         return self.estimate.recompute_tokens if self.estimate is not None else self.prompt_tokens
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.admission.need_blocks if self.admission is not None else 0
 
 
 class Router:
@@ -53,6 +92,9 @@ class Router:
         self.locator = locator
         self.backends = [Backend(b, config.health.failures_to_remove) for b in config.backends]
         self.cost = CostModel(config.cost)
+        self.kv = KvAdmission(config.capacity)
+        self.sent = SentPrefixes(config.capacity.block_tokens)
+        """Prefixes sent to each backend: the cached-token count of a sample the engine did not report."""
         self._rr = itertools.count()
         self._sessions: OrderedDict[tuple[str | None, str], tuple[str, float]] = OrderedDict()
         """(cache salt, session) -> (backend, expiry): a session id is the client's choice, so it is
@@ -65,25 +107,34 @@ class Router:
         return [b for b in self.backends if b.healthy]
 
     def choose(self, tokens: list[int] | None, *, cache_salt: str | None = None,
-               session: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
-        """The backend for a prompt of ``tokens`` (``None``: unknown tokens). Raises :class:`NoBackend`."""
+               session: str | None = None, exclude: frozenset[str] = frozenset(),
+               max_tokens: int | None = None) -> Decision:
+        """The backend for a prompt of ``tokens`` (``None``: unknown tokens) that generates up to
+        ``max_tokens`` (``None``: the request did not say). Raises :class:`NoBackend`."""
         live = [b for b in self.healthy() if b.name not in exclude]
         if not live:
             raise NoBackend("no healthy backend: " + ", ".join(f"{b.name} ({b.url})" for b in self.backends))
         n_tokens = len(tokens) if tokens is not None else 0
+        policy = self.config.policy
+        need = self.kv.need_tokens(n_tokens, max_tokens)
+        moved = False
         if session is not None:
             sticky = self._sticky((cache_salt, session), live)
             if sticky is not None:
-                return Decision(sticky, "sticky", prompt_tokens=n_tokens)
-        policy = self.config.policy
+                adm = self._assess(sticky, need) if policy == "pof" else None
+                if adm is None or not adm.saturated:
+                    return Decision(sticky, "sticky", prompt_tokens=n_tokens, admission=adm)
+                moved = True            # its node is full: the session moves, its KV comes from the pool
         if policy == "round_robin":
             decision = Decision(live[next(self._rr) % len(live)], "round_robin", prompt_tokens=n_tokens)
         elif policy == "least_loaded" or tokens is None or self.locator is None:
             why = "least_loaded" if policy == "least_loaded" else "fallback:no_tokens" if tokens is None \
                 else "fallback:no_index"
-            decision = Decision(self._least_loaded(live), why, prompt_tokens=n_tokens)
+            decision = self._least_loaded_decision(live, why, n_tokens, need if policy == "pof" else None)
         else:
-            decision = self._by_cost(tokens, cache_salt, live)
+            decision = self._by_cost(tokens, cache_salt, live, need)
+        if moved and decision.route:
+            decision = replace(decision, route="sticky-saturated:" + decision.route.split(":")[-1])
         if session is not None:
             with self._lock:
                 self._sessions[(cache_salt, session)] = (decision.backend.name, time.monotonic() + STICKY_TTL_S)
@@ -92,16 +143,22 @@ class Router:
                     self._sessions.popitem(last=False)
         return decision
 
-    def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend]) -> Decision:
+    def _assess(self, b: Backend, need: int, fallback: EngineLoad | None = None) -> Admission:
+        pressure = b.pressure(self.config.capacity.stale_after_s)
+        if pressure.load is None and fallback is not None:
+            pressure = NodePressure(fallback)        # the relay's reading, published in the index
+        return self.kv.assess(pressure, need, s_per_token=self.cost.s_per_token, overhead_s=self.cost.overhead_s)
+
+    def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend], need: int) -> Decision:
         assert self.locator is not None
         try:
             found: Locality | None = self.locator.locate(tokens, self.config.model, cache_salt)
         except (IndexUnavailable, ModelRequired, UnknownModel) as e:
             self.index_health.lost(type(e).__name__, str(e), "routing to the least loaded backend until it is back")
-            return Decision(self._least_loaded(live), f"fallback:{type(e).__name__}", prompt_tokens=len(tokens))
+            return self._least_loaded_decision(live, f"fallback:{type(e).__name__}", len(tokens), need)
         assert found is not None
         self.index_health.ok()
-        best: tuple[float, int, Backend, Estimate] | None = None
+        options: list[_Option] = []
         offset = next(self._rr)
         for i, b in enumerate(live):
             node = found.nodes.get(b.config.pool_node)
@@ -111,12 +168,40 @@ class Router:
             est = self.cost.estimate(Candidate(
                 b.name, len(tokens), node.engine_tokens if node else 0, node.usable if node else {},
                 bytes_per_token, b.running, b.waiting, b.waiting_tokens))
-            # ties (e.g. an idle cluster and a new prefix) go round the backends, not always to the first
-            key = (est.ttft_s, (i - offset) % len(live))
-            if best is None or key < best[:2]:
-                best = (*key, b, est)
-        assert best is not None
-        return Decision(best[2], "pof", best[3], len(tokens))
+            adm = self._assess(b, need, node.load if node else None)
+            held = max(node.engine_tokens, node.held_tokens) if node else 0
+            options.append(_Option(b, est, adm, held, (i - offset) % len(live)))
+        roomy = [o for o in options if not o.admission.saturated]
+        # equal estimates (e.g. nodes loading the same shared region) go to the node holding the
+        # prefix, then round the backends (an idle cluster and a new prefix), not always to the first
+        best = min(roomy or options, key=lambda o: (o.estimate.ttft_s + (0.0 if roomy else o.admission.cost_s),
+                                                    -o.held, o.turn))
+        holder = max(options, key=lambda o: (o.held, -o.turn))
+        has_holder = holder.held > 0
+        saturated = tuple(o.backend.name for o in options if o.admission.saturated)
+        if not roomy:
+            route = "all-saturated"
+        elif not has_holder:
+            route = "no-prefix"
+        elif best is holder or best.held >= holder.held:
+            route = "prefix-holder"
+        elif holder.admission.saturated:
+            route = "holder-saturated:pool" if best.estimate.fetch_tokens > 0 else "holder-saturated:recompute"
+        else:
+            route = "lower-cost"
+        return Decision(best.backend, "pof", best.estimate, len(tokens), route, best.admission, saturated,
+                        holder.backend.name if has_holder else None, best.estimate.fetch_tokens)
+
+    def _least_loaded_decision(self, live: list[Backend], why: str, n_tokens: int, need: int | None) -> Decision:
+        """The least loaded backend; with ``need`` (policy ``pof``) among those with KV room when any has."""
+        if need is None:
+            return Decision(self._least_loaded(live), why, prompt_tokens=n_tokens)
+        assessed = [(b, self._assess(b, need)) for b in live]
+        roomy = [b for b, a in assessed if not a.saturated]
+        chosen = self._least_loaded(roomy or live)
+        adm = next(a for b, a in assessed if b is chosen)
+        return Decision(chosen, why, prompt_tokens=n_tokens, admission=adm,
+                        saturated=tuple(b.name for b, a in assessed if a.saturated))
 
     def _least_loaded(self, live: list[Backend]) -> Backend:
         start = next(self._rr)

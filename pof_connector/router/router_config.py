@@ -44,6 +44,10 @@ class CostConfig(_Frozen):
     request_overhead_s: float = Field(0.02, gt=0, description="fixed cost of a request on a node")
     decode_s_per_running: float = Field(0.002, ge=0, description="delay a decoding request adds to a prefill")
     learn: bool = Field(True, description="learn the coefficients from observed TTFTs")
+    learn_range: float = Field(100.0, ge=1.0, description="a learnt coefficient stays at or above start / "
+                                                          "learn_range, and under start * learn_range or a fixed "
+                                                          "ceiling (10 s, 0.1 s/token, 1 s), whichever is higher: "
+                                                          "a fit fed odd samples cannot collapse to nothing")
     tier_gbps: dict[str, float] = Field(
         default_factory=lambda: {"cpu_dram": 8.0, "cxl": 6.0, "peer_hbm": 100.0, "remote": 3.0},
         description="load bandwidth per tier, GB/s (pof bench tiers / pof bench fabric measure them)")
@@ -55,6 +59,22 @@ class CostConfig(_Frozen):
         if bad:
             raise ValueError(f"bandwidths must be > 0 GB/s: {bad}")
         return v
+
+
+class CapacityConfig(_Frozen):
+    """KV-memory-aware admission (see :mod:`pof_connector.router.kv_admission`)."""
+
+    enabled: bool = Field(True, description="read each backend's KV usage, queue and preemptions from its "
+                                            "/metrics and keep requests off saturated nodes")
+    metrics_interval_s: float = Field(0.5, gt=0, description="how often each backend's /metrics is read")
+    stale_after_s: float = Field(5.0, gt=0, description="a reading older than this is ignored (routing as "
+                                                        "without metrics)")
+    high_watermark: float = Field(0.9, gt=0, le=1.0, description="KV usage from which a node with queued "
+                                                                 "requests or recent preemptions is saturated")
+    default_max_tokens: int = Field(256, ge=0, description="tokens a request without max_tokens is assumed to "
+                                                           "generate, for its KV need")
+    block_tokens: int = Field(16, ge=1, description="tokens per KV block when the engine does not export it "
+                                                    "(SGLang)")
 
 
 class HealthConfig(_Frozen):
@@ -71,8 +91,10 @@ class RouterConfig(_Frozen):
     policy: Literal["pof", "least_loaded", "round_robin"] = "pof"
     sticky_header: str | None = Field(None, description="a request header naming a session: its requests stay "
                                                         "on one backend while it is healthy")
-    tokenizer: str | None = Field(None, description="tokenizer.json or model dir for text prompts; None: ask "
-                                                     "the backend's /tokenize")
+    tokenizer: str | None = Field(None, description="tokenizer.json or model dir for text prompts; 'backend': "
+                                                     "always ask a backend's /tokenize; None: the tokenizer.json "
+                                                     "in the model directory the backends serve (their "
+                                                     "/v1/models root), else a backend's /tokenize")
     request_timeout_s: float = Field(600.0, gt=0)
     max_body_bytes: int = Field(64 << 20, ge=1 << 10, description="larger request bodies are refused (413) "
                                                                   "before they are read whole")
@@ -97,6 +119,7 @@ class RouterConfig(_Frozen):
     backend_api_key_file: str | None = Field(None, description="file holding the backends' key")
     backends: list[BackendConfig] = Field(min_length=1)
     cost: CostConfig = CostConfig()
+    capacity: CapacityConfig = CapacityConfig()
     health: HealthConfig = HealthConfig()
 
     @model_validator(mode="after")

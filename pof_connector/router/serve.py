@@ -36,7 +36,6 @@ def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pof_connector.locality.locator import load_tokenizer
     from pof_connector.router.proxy import make_app
 
     config = RouterConfig.from_file(args.config)
@@ -53,13 +52,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per proxied request otherwise
     router, index = build(config)
-    tok = load_tokenizer(config.tokenizer, special_tokens=True) if config.tokenizer else None
-    names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
-    log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
-             redact_url(config.index_url) if config.index_url else "none", names)
     try:
-        uvicorn.Server(server_config(make_app(router, tokenizer=tok), config.host, config.port,
-                                     timeout_s=config.read_timeout_s)).run()
+        app = make_app(router)             # loads a configured tokenizer: a bad path stops here, named
+        names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
+        log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
+                 redact_url(config.index_url) if config.index_url else "none", names)
+        uvicorn.Server(server_config(app, config.host, config.port, timeout_s=config.read_timeout_s)).run()
     finally:
         if index is not None:
             index.close()

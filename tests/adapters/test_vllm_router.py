@@ -19,6 +19,7 @@ import pytest
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.server import RedisServer
+from pof_connector.locality.locator import load_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,6 +92,25 @@ def test_requests_land_where_their_prefix_lives(workdir: Path, redis_server: Red
             assert m["vllm:prefix_cache_hits_total"] + m.get("vllm:external_prefix_cache_hits_total", 0) >= 640, name
         log = router.tail(200)
         assert "pof router on http://" in log
+        # the router read each engine's KV figures from vLLM's real /metrics, and found the model's
+        # tokenizer from the engines' /v1/models root: text prompts are tokenized locally, exactly
+        with urllib.request.urlopen(router.url + "/pof/backends", timeout=10) as r:
+            state = json.loads(r.read())
+        assert state["tokenizer"] == f"local:{model}", log
+        for b in state["backends"]:
+            e = b["engine"]
+            assert e is not None and 0.0 <= e["kv_usage"] <= 1.0 and e["preemptions"] == 0, b
+            assert e["block_tokens"] == 128 and e["kv_capacity_tokens"] > 0 and e["kv_capacity_tokens"] % 128 == 0
+        text = "def f(x):\n    return x * 2\n" * 20
+        local = load_tokenizer(str(model), special_tokens=True)(text)
+        assert local == servers["a"].post("/tokenize", {"model": "m", "prompt": text})["tokens"]
+        body = {"model": "m", "prompt": text, "max_tokens": 4, "temperature": 0}
+        req = urllib.request.Request(router.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.headers["x-pof-tokens"] == "local" and r.headers["x-pof-route-reason"] == "no-prefix"
+            assert int(r.headers["x-pof-kv-need-blocks"]) == -(-(len(local) + 4) // 128)
+            assert int(r.headers["x-pof-kv-free-blocks"]) > 0 and float(r.headers["x-pof-router-overhead"]) < 1.0
     finally:
         if router is not None:
             router.stop()

@@ -30,15 +30,49 @@ sglang:num_queue_reqs{model_name="m",tp_rank="0"} 7.0
 """
 
 
+VLLM_KV = VLLM + """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.75
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="64",num_cpu_blocks="None"} 1.0
+"""
+"""vLLM 0.32's names (vllm/v1/metrics/loggers.py): the counter family ``vllm:num_preemptions`` is
+exposed as ``..._total``; ``cache_config_info`` carries the cache geometry as labels."""
+SGLANG_KV = SGLANG + """# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m",tp_rank="0"} 0.5
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 8192.0
+# TYPE sglang:num_retracted_requests_total counter
+sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 2.0
+"""
+"""SGLang's names (python/sglang/srt/metrics/collector.py, SchedulerMetricsCollector)."""
+
+
 def test_vllm_and_sglang_gauges_are_summed_over_label_sets() -> None:
     assert parse_engine_load(VLLM) == EngineLoad(running=4, waiting=5)
     assert parse_engine_load(SGLANG) == EngineLoad(running=2, waiting=7)
     assert parse_engine_load("# TYPE other gauge\nother 1.0\n") is None
 
 
+def test_kv_occupancy_and_pressure_from_both_engines() -> None:
+    assert parse_engine_load(VLLM_KV) == EngineLoad(running=4, waiting=5, kv_usage=0.75, kv_capacity_tokens=64 * 128,
+                                                    block_tokens=128, preemptions=3)
+    assert parse_engine_load(SGLANG_KV) == EngineLoad(running=2, waiting=7, kv_usage=0.5, kv_capacity_tokens=8192,
+                                                      block_tokens=None, preemptions=2)
+    # before the engine sized its cache vLLM writes num_gpu_blocks="None": capacity unknown, not 0
+    early = VLLM_KV.replace('num_gpu_blocks="64"', 'num_gpu_blocks="None"')
+    assert parse_engine_load(early) == EngineLoad(4, 5, 0.75, None, 128, 3)
+
+
 def test_meta_round_trip_and_missing_load() -> None:
     load = EngineLoad(running=4, waiting=5)
     assert EngineLoad.from_meta({"x": "y", **load.to_meta()}) == load
+    full = EngineLoad(4, 5, 0.75, 8192, 128, 3)
+    assert EngineLoad.from_meta(full.to_meta()) == full
     assert EngineLoad.from_meta({}) is None
     assert EngineLoad.from_meta({"running": "4", "waiting": "many"}) is None
 

@@ -48,7 +48,7 @@ from pof_connector.relay.kv_events import (
 )
 from pof_connector.relay.relay import Relay
 from tests.locality.test_api import NS, node
-from tests.locality.test_engine_load import VLLM, MetricsServer
+from tests.locality.test_engine_load import VLLM, VLLM_KV, MetricsServer
 from tests.locality.test_locator import fabric_node
 
 PAGE = 16
@@ -272,22 +272,27 @@ def test_engine_only_relay_and_lost_events(ctx: zmq.Context[Any], redis_server: 
 
 def test_engine_load_reaches_the_locality_api(ctx: zmq.Context[Any], redis_server: RedisServer, runtime_dir: str,
                                               index: RedisIndex) -> None:
-    metrics = MetricsServer(VLLM)                 # stands in for the engine's /metrics
+    metrics = MetricsServer(VLLM_KV)              # stands in for the engine's /metrics
     pool = node("a", redis_server.url, runtime_dir)
     h = Harness(ctx, pool, engine_url=metrics.url)
     api = TestClient(make_app(index))
     t = tokens(2)
 
-    def load() -> dict[str, int] | None:
+    def load() -> dict[str, Any] | None:
         nodes = api.post("/v1/locality", json={"tokens": t}).json()["nodes"]
         return next((n["load"] for n in nodes if n["node_id"] == "a"), None)
 
     try:
         pool.store([(k, SEG) for k in pool.keys_for(t)]).result()
-        wait_for(lambda: load() == {"running": 4, "waiting": 5}, what="the engine's load in the API")
-        assert Locator(index).locate(t).nodes["a"].load == EngineLoad(4, 5)
-        metrics.text = VLLM.replace("} 3.0", "} 0.0").replace("} 5.0", "} 2.0")
-        wait_for(lambda: load() == {"running": 1, "waiting": 2}, what="the new load")
+        kv = {"kv_usage": 0.75, "kv_capacity_tokens": 64 * 128, "block_tokens": 128}
+        wait_for(lambda: load() == {"running": 4, "waiting": 5, "preemptions": 3, **kv},
+                 what="the engine's load and KV pressure in the API")
+        assert Locator(index).locate(t).nodes["a"].load == EngineLoad(4, 5, 0.75, 64 * 128, 128, 3)
+        metrics.text = VLLM_KV.replace("} 3.0", "} 0.0").replace("} 5.0", "} 2.0")
+        wait_for(lambda: load() == {"running": 1, "waiting": 2, "preemptions": 0, **kv}, what="the new load")
+        metrics.text = VLLM                       # an engine exporting only its request gauges
+        wait_for(lambda: load() == {"running": 4, "waiting": 5, "preemptions": None, "kv_usage": None,
+                                    "kv_capacity_tokens": None, "block_tokens": None}, what="no KV figures")
         metrics.text = None                       # the engine's metrics fail: no load rather than a stale one
         wait_for(lambda: load() is None, what="load withdrawn")
         assert h.thread.is_alive()

@@ -68,3 +68,20 @@ def test_learns_the_machine_it_runs_on() -> None:
     frozen = CostModel(CostConfig(prefill_s_per_token=1e-3, learn=False))
     frozen.observe(frozen.estimate(Candidate("a", 1000)), 0.1)
     assert frozen.s_per_token == pytest.approx(1e-3)
+
+
+def test_the_fit_is_bounded_below_and_recovers() -> None:
+    """A fast box re-running cached 512-token prompts: 5 ms answers for what the router counts as
+    512 tokens of prefill, all prompts one length (queue and token features collinear). The learnt
+    cost per token sinks to start / learn_range, no lower (the old floor was 1e-7), and honest samples bring
+    it back within a few dozen requests (the capped covariance keeps the fit awake)."""
+    cfg = CostConfig(prefill_s_per_token=1.3e-4, request_overhead_s=0.01)
+    m = CostModel(cfg)
+    for _ in range(500):
+        m.observe(m.estimate(Candidate("a", 512)), 0.005)
+    assert m.s_per_token == pytest.approx(1.3e-4 / cfg.learn_range)         # 1.3e-10 with learn_range 1e6
+    rnd = random.Random(2)
+    for _ in range(60):
+        n = rnd.choice([256, 512, 1024, 2048])
+        m.observe(m.estimate(Candidate("a", n)), 0.01 + 1.3e-4 * n)
+    assert m.s_per_token == pytest.approx(1.3e-4, rel=0.3)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.testclient import TestClient
 
 from pof_connector.bench.vllm_server import free_port
@@ -47,6 +47,12 @@ class StandInEngine:
         self.prompts: list[Any] = []
         self.tokenized = 0
         self.aborted = 0          # slow requests whose client went away (vLLM aborts those)
+        self.metrics_text: str | None = None
+        """What ``/metrics`` answers (vLLM's Prometheus text); ``None``: 404."""
+        self.model_root: str | None = None
+        """The model path ``/v1/models`` names as ``root``, as vLLM does; ``None``: 404."""
+        self.cached_tokens: int | None = None
+        """Reported in a streamed answer's usage when the request asks for it (stream_options)."""
         app = FastAPI()
 
         async def check_key(request: Request, call_next: Any) -> Any:
@@ -73,6 +79,18 @@ class StandInEngine:
         def health() -> dict[str, bool]:
             return {"ok": True}
 
+        @app.get("/metrics")
+        def metrics() -> Any:
+            if self.metrics_text is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return PlainTextResponse(self.metrics_text)
+
+        @app.get("/v1/models")
+        def models() -> Any:
+            if self.model_root is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return {"object": "list", "data": [{"id": "m", "object": "model", "root": self.model_root}]}
+
         @app.post("/tokenize")
         async def tokenize(request: Request) -> dict[str, Any]:
             body = await request.json()
@@ -95,9 +113,14 @@ class StandInEngine:
             if not body.get("stream"):
                 return {"choices": [{"text": text}]}
 
+            usage = (body.get("stream_options") or {}).get("include_usage") and self.cached_tokens is not None
+
             async def chunks() -> Any:
                 for part in (text[:2], text[2:]):
                     yield f"data: {json.dumps({'choices': [{'text': part}]})}\n\n"
+                if usage:
+                    details = {"cached_tokens": self.cached_tokens}
+                    yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens_details': details}})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
@@ -222,12 +245,13 @@ def test_bad_config_names_the_key(raw: dict[str, Any], words: str) -> None:
 def test_example_config_documents_the_defaults() -> None:
     from pathlib import Path
 
-    from pof_connector.router.router_config import CostConfig, HealthConfig
+    from pof_connector.router.router_config import CapacityConfig, CostConfig, HealthConfig
 
     path = Path(__file__).resolve().parents[2] / "examples" / "router" / "pof-router.yaml"
     cfg = RouterConfig.from_file(path)
     assert [b.pool_node for b in cfg.backends] == ["a", "b"]
     assert cfg.cost == CostConfig() and cfg.health == HealthConfig()     # the file shows the real defaults
+    assert cfg.capacity == CapacityConfig()
     assert (cfg.policy, cfg.listen, cfg.sticky_header) == ("pof", "127.0.0.1:8080", None)
 
 

@@ -1,0 +1,88 @@
+"""What admitting one request would cost a node's KV memory: the capacity half of `pof router`.
+
+A request needs ``ceil((prompt + max_tokens) / block_tokens)`` KV blocks for its life, its whole
+prompt counted even where the engine caches a prefix: the engines' usage gauges count cached
+blocks that no running request holds as free (they are evicted on demand), and a request reusing
+them takes them out of that free pool. (Only a prefix held by another running request costs no
+new blocks; counting it anyway errs towards calling a node full.) A node's free blocks are
+``(1 - kv_usage) * capacity`` from its last ``/metrics`` reading, less the blocks of requests this
+router sent it that the reading does not show (sent since, or still without a first token then:
+queued in the engine, which allocates blocks when it schedules a request). The gauges count
+the blocks requests hold now, not the ones their remaining output will take: a node full of
+young requests looks emptier than it will be. A node is **saturated** for the request when
+
+- the request does not fit in its free blocks (the engine would queue it, or preempt running
+  requests to make room), or
+- its usage is at or above ``high_watermark`` and it queues requests or preempted one since the
+  previous reading (the engine is already trading requests for memory).
+
+Saturated nodes carry an admission cost: the blocks that do not fit are work the engine evicts
+and later recomputes (or reloads from the pool), priced at the learnt prefill time per token, and
+each request the engine queues costs one request overhead. Without a reading (no metrics, a
+stale one, an engine that exports no KV gauges) a node is never saturated: routing is what it
+was without capacity awareness.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.router.router_config import CapacityConfig
+
+
+@dataclass(frozen=True)
+class Admission:
+    need_blocks: int
+    """KV blocks the request holds at its longest (prompt + max_tokens)."""
+    free_blocks: int | None
+    """Free KV blocks the router believes the node has; ``None``: unknown."""
+    saturated: bool
+    why: str
+    """'room', 'no-metrics', 'kv-full' (the request does not fit), 'pressure' (usage over the
+    watermark with queued requests or recent preemptions)."""
+    cost_s: float = 0.0
+    """Estimated admission delay on a saturated node (0 when it has room)."""
+
+
+@dataclass(frozen=True)
+class NodePressure:
+    """One node's last reading as the router keeps it."""
+
+    load: EngineLoad | None
+    """``None``: no (fresh) reading."""
+    pending_blocks: int = 0
+    """Blocks of this router's requests the reading does not show (sent since, or queued then)."""
+    preempting: bool = False
+    """Its preemption counter grew between the last two readings."""
+
+
+class KvAdmission:
+    def __init__(self, config: CapacityConfig) -> None:
+        self.config = config
+
+    def block_tokens(self, load: EngineLoad | None) -> int:
+        return load.block_tokens if load is not None and load.block_tokens else self.config.block_tokens
+
+    def need_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        return prompt_tokens + (self.config.default_max_tokens if max_tokens is None else max_tokens)
+
+    def assess(self, node: NodePressure, need_tokens: int, *, s_per_token: float, overhead_s: float) -> Admission:
+        """Admission of a request holding ``need_tokens`` KV tokens (prompt + max_tokens)."""
+        load = node.load
+        bt = self.block_tokens(load)
+        need = math.ceil(max(need_tokens, 0) / bt)
+        if not self.config.enabled or load is None or load.kv_usage is None:
+            return Admission(need, None, False, "no-metrics")
+        usage = min(max(load.kv_usage, 0.0), 1.0)
+        free: int | None = None
+        overflow = 0
+        if load.kv_capacity_tokens:
+            free = math.floor((1.0 - usage) * load.kv_capacity_tokens / bt) - node.pending_blocks
+            overflow = max(need - free, 0)
+        pressed = usage >= self.config.high_watermark and (load.waiting > 0 or node.preempting)
+        if not overflow and not pressed:
+            return Admission(need, free, False, "room")
+        cost = overflow * bt * s_per_token + (load.waiting + 1) * overhead_s
+        return Admission(need, free, True, "kv-full" if overflow else "pressure", cost)
