@@ -34,7 +34,8 @@ from pof_connector.keys import DIGEST_BYTES, PageKey
 NOTE = ("single and cluster are started by the bench from the same binary on this host; lookups alternate "
         "between them; cluster_ratio = cluster lookup p50 / single-server lookup p50 (goal <= 1.5); lookups/s: "
         "`clients` processes looking up the same chain as fast as they can; memory: sum of the masters' "
-        "used_memory growth (replicas hold as much again each)")
+        "used_memory growth (replicas hold as much again each); client_cpu: the looking-up thread's CPU time "
+        "per lookup (the rest of a lookup's time is the servers and the host's scheduling)")
 
 
 def run(pages: int = 2000, nodes: int = 4, iterations: int = 300, memory_pages: int = 1_000_000,
@@ -79,6 +80,7 @@ def _measure_both(single: RedisServer, cluster: ClusterServers, pages: int, node
         for name in ("single", "cluster"):
             out[f"{name}_lookup_p50_ms"] = _pct(lat[name], 50)
             out[f"{name}_lookup_p99_ms"] = _pct(lat[name], 99)
+            out[f"{name}_client_cpu_p50_ms"] = _pct(lat[name + "_cpu"], 50)
         out["cluster_ratio"] = round(float(np.percentile(lat["cluster"], 50) / np.percentile(lat["single"], 50)), 3)
         for name, url in (("single", single.url), ("cluster", cluster.url)):
             progress(f"index: {clients} client processes look up for {saturate_s:.0f} s on the {name}")
@@ -98,16 +100,18 @@ def _measure_both(single: RedisServer, cluster: ClusterServers, pages: int, node
 
 def _alternate(readers: dict[str, RedisIndex], keys: list[PageKey], expected: dict[str, int],
                iterations: int) -> dict[str, list[float]]:
-    """Per reader, the lookup times (ms) of ``iterations`` lookups taken in turn; every answer is checked."""
+    """Per reader, the lookup times (ms) of ``iterations`` lookups taken in turn, and (``<name>_cpu``)
+    the client's CPU time of each (how much is this process, not the servers); every answer is checked."""
     for _ in range(WARMUP):
         for r in readers.values():
             _verify(r.longest_prefix(keys), expected)
-    out: dict[str, list[float]] = {name: [] for name in readers}
+    out: dict[str, list[float]] = {n: [] for name in readers for n in (name, name + "_cpu")}
     for _ in range(iterations):
         for name, r in readers.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             got = r.longest_prefix(keys)
             out[name].append((time.perf_counter() - t0) * 1000)
+            out[name + "_cpu"].append((time.thread_time() - c0) * 1000)
             _verify(got, expected)
     return out
 

@@ -186,12 +186,25 @@ LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"W
 _FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
 
 
-def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
-    """``HMGET key f1 f2 …`` in RESP, built with numpy: every field is 16 bytes."""
-    body = np.empty((len(fields), len(_FIELD_RESP)), dtype=np.uint8)
+FIELD_RESP_BYTES = len(_FIELD_RESP)
+
+
+def fields_resp(fields: np.ndarray) -> bytes:
+    """The 16-byte ``fields`` as RESP bulk strings, one after the other, built with numpy."""
+    body = np.empty((len(fields), FIELD_RESP_BYTES), dtype=np.uint8)
     body[:] = _FIELD_RESP
     body[:, 5:5 + FIELD_BYTES] = fields
-    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(fields) + 2, len(key), key) + body.tobytes()
+    return body.tobytes()
+
+
+def hmget_head(key: bytes, count: int) -> bytes:
+    """The start of ``HMGET key`` with ``count`` fields, in RESP (the fields follow)."""
+    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (count + 2, len(key), key)
+
+
+def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
+    """``HMGET key f1 f2 …`` in RESP: every field is 16 bytes."""
+    return hmget_head(key, len(fields)) + fields_resp(fields)
 
 
 class RedisIndex(LocalityIndex):
