@@ -82,3 +82,22 @@ def test_a_graceful_failover_is_followed_and_the_node_registers_again(redis_clus
     finally:
         a.close()
         reader.close()
+
+
+def test_bench_compares_a_cluster_with_one_server() -> None:
+    from pof_connector.bench import index_cluster
+
+    r = index_cluster.run(pages=100, nodes=2, iterations=5, memory_pages=2000, masters=3, replicas=0, clients=1,
+                          saturate_s=0.3)
+    assert r["cluster_ratio"] == pytest.approx(r["cluster_lookup_p50_ms"] / r["single_lookup_p50_ms"], rel=0.01)
+    for name in ("single", "cluster"):
+        assert r[f"{name}_lookups_per_s"] > 0 and r[f"{name}_publish_pages_per_s"] > 0
+        assert 20 < r[f"{name}_bytes_per_location_10m"] < 1000
+        assert r[f"{name}_bytes_per_location_1m_is"] == "extrapolated from 2,000"
+
+
+def test_bench_cluster_takes_no_url(capsys: pytest.CaptureFixture[str]) -> None:
+    from pof_connector.cli import main
+
+    assert main(["bench", "index", "--cluster", "--url", "redis://127.0.0.1:1/0"]) != 0
+    assert "--cluster starts its own server and cluster; it takes no --url" in capsys.readouterr().err
