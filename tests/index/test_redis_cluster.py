@@ -47,6 +47,9 @@ def test_records_spread_over_every_master(redis_cluster: ClusterServers, namespa
         got = reader.longest_prefix(ks)["a"]
         assert got.pages == 300 and got.location(299) == Location("a", "cpu_dram", 299, 1)
         assert reader.stats()["locations"] == 300
+        from pof_connector.cli import main
+
+        assert main(["index", "stats", "--url", redis_cluster.url]) == 0        # pof index stats on a cluster
     finally:
         a.close()
         reader.close()
