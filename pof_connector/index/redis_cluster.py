@@ -202,6 +202,8 @@ class RedisClusterIndex(RedisIndex):
         """Each bucket's hash key and slot, for ``namespace``."""
         got = self._bucket_cache.get(namespace)
         if got is None:
+            if len(self._bucket_cache) >= 1024:      # namespaces are models: a bound that never bites
+                self._bucket_cache.clear()
             keys = [bucket_key(namespace, b).encode() for b in range(BUCKETS)]
             got = self._bucket_cache[namespace] = (keys, [key_slot(k) for k in keys])
         return got
