@@ -1,6 +1,6 @@
 """``pof bench index --cluster``: the locality index on a Redis Cluster against one server, same run.
 
-Both are started here from the same server binary: one private server, and a cluster of
+Both are started here from the same server binary, on loopback TCP: one private server, and a cluster of
 ``masters`` masters with ``replicas`` replicas each on loopback. The same chain is published on
 both by the same nodes; lookups alternate between them (so both see the same host load), and
 ``cluster_ratio`` = cluster lookup p50 / single-server lookup p50. Saturation: ``clients``
@@ -23,18 +23,22 @@ import numpy as np
 
 from pof_connector.bench import BenchError, Progress, quiet
 from pof_connector.bench.index import WARMUP, _namespace, _pct, _publish, _publish_chain, _server_version, _verify
+from pof_connector.bench.vllm_server import free_port
 from pof_connector.index import redis_index
 from pof_connector.index.base import NodeInfo
 from pof_connector.index.client import redis_client
 from pof_connector.index.cluster_servers import ClusterServers
-from pof_connector.index.redis import RedisIndex
+from pof_connector.index.redis import RedisIndex, loc_key
+from pof_connector.index.redis_cluster import BUCKETS, bucket_key
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import DIGEST_BYTES, PageKey
 
-NOTE = ("single and cluster are started by the bench from the same binary on this host; lookups alternate "
+NOTE = ("single and cluster are started by the bench from the same binary on this host, all on loopback TCP; "
+        "lookups alternate "
         "between them; cluster_ratio = cluster lookup p50 / single-server lookup p50 (goal <= 1.5); lookups/s: "
         "`clients` processes looking up the same chain as fast as they can; memory: sum of the masters' "
-        "used_memory growth (replicas hold as much again each); client_cpu: the looking-up thread's CPU time "
+        "used_memory growth (replicas hold as much again each), hash_bytes: MEMORY USAGE of the record hashes "
+        "alone; client_cpu: the looking-up thread's CPU time "
         "per lookup (the rest of a lookup's time is the servers and the host's scheduling)")
 
 
@@ -44,7 +48,7 @@ def run(pages: int = 2000, nodes: int = 4, iterations: int = 300, memory_pages: 
     if masters < 1 or clients < 1 or memory_pages < 2 or iterations < 1 or pages < nodes or nodes < 1:
         raise BenchError("need masters, clients, iterations, nodes >= 1, pages >= nodes and memory_pages >= 2")
     with tempfile.TemporaryDirectory(prefix="pof-bench-", dir="/tmp") as tmp:
-        single = RedisServer(tmp).start()
+        single = RedisServer(tmp, port=free_port()).start()     # TCP on loopback, as the cluster's nodes
         cluster = None
         try:
             cluster = ClusterServers(masters, replicas).start()
@@ -151,6 +155,19 @@ def _used(url: str, cluster: ClusterServers | None) -> int:
         r.close()
 
 
+def _hash_bytes(client: RedisIndex, ns: bytes, url: str, cluster: ClusterServers | None) -> int:
+    """``MEMORY USAGE`` of the hashes holding ``ns``'s records: the data alone, without the
+    servers' buffers (replication, scripts) that ``used_memory`` also counts."""
+    if cluster is None:
+        r = redis_client(url, None, timeout_s=None)
+        try:
+            return int(r.memory_usage(loc_key(ns), samples=0) or 0)
+        finally:
+            r.close()
+    keys = [bucket_key(ns, b) for b in range(BUCKETS)]
+    return sum(int(client._r.memory_usage(k, samples=0) or 0) for k in keys)
+
+
 def _memory(client: RedisIndex, url: str, cluster: ClusterServers | None, count: int,
             run_id: str) -> dict[str, Any]:
     """Memory growth at ``count // 2`` and ``count`` locations, and the publish rate."""
@@ -171,6 +188,7 @@ def _memory(client: RedisIndex, url: str, cluster: ClusterServers | None, count:
     return {
         "publish_pages_per_s": round(count / elapsed),
         "bytes_per_location_measured": round((end - base) / count, 1),
+        "hash_bytes_per_location": round(_hash_bytes(client, ns, url, cluster) / count, 1),
         **_at(1_000_000, count, end - base, slope),
         **_at(10_000_000, count, end - base, slope),
     }
