@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from pof_connector.cluster_url import ClusterUrl, is_cluster_url
 from pof_connector.config_error import ConfigError as ConfigError
 from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
 
@@ -248,8 +249,10 @@ class PofConfig:
     ``page_tokens``: tokens per pool page; ``None`` adopts the engine's block (vLLM) or page
     (SGLang) size. ``index_url``: ``embedded`` (a private Redis-protocol server shared by the
     processes of this host, started on demand), ``local`` (in-process, single process only) or
-    ``redis://host:port/db`` / ``unix:///path.sock``. ``namespace``: an operator-chosen string
-    mixed into every key, for isolating tenants or deployments that share one index.
+    ``redis://host:port/db`` / ``unix:///path.sock``, or a Redis Cluster
+    (``redis+cluster://host:port[,host:port...]``, see :mod:`pof_connector.index.redis_cluster`).
+    ``namespace``: an operator-chosen string mixed into every key, for isolating tenants or
+    deployments that share one index.
     ``tiers``: preference order — pages are stored in the first; pages evicted from a tier move
     to the next one. ``fabric``: reads of other nodes' tiers over NIXL (off by default).
     ``index_auth``: the index server's ACL user, where its password is and TLS files, given as
@@ -381,10 +384,17 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
 
 
-INDEX_URL_FORMS = "'embedded', 'local', 'redis://host:port/db', 'rediss://…' or 'unix:///path/to.sock'"
+INDEX_URL_FORMS = ("'embedded', 'local', 'redis://host:port/db', 'rediss://…', 'unix:///path/to.sock' or "
+                   "'redis+cluster://host:port[,host:port...]' / 'rediss+cluster://…'")
 
 
 def _index_url(value: Any) -> str:
+    if isinstance(value, str) and is_cluster_url(value):
+        try:
+            ClusterUrl.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"index_url: {e}, got {redact_url(value)!r}") from None
+        return value
     if isinstance(value, str) and (
         value in ("embedded", "local") or value.startswith(("redis://", "rediss://", "unix://"))
     ):

@@ -19,6 +19,8 @@ from pof_connector.config_error import ConfigError
 INDEX_AUTH_KEYS = ("index_username", "index_password_env", "index_password_file", "index_tls_ca_file",
                    "index_tls_cert_file", "index_tls_key_file")
 """Keys of the pool and router configs that say how to authenticate to the index."""
+OWN_SERVER_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+"""``index_url`` forms of a server (or cluster) that the operator runs: those take credentials."""
 
 
 def read_secret(env: str | None, path: str | None, key: str) -> str | None:
@@ -95,9 +97,10 @@ class IndexAuth:
         """Raise :class:`ConfigError` naming the key when these settings cannot work."""
         if not self.given:
             return
-        if index_url is None or not index_url.startswith(("redis://", "rediss://", "unix://")):
+        if index_url is None or not index_url.startswith(OWN_SERVER_SCHEMES):
             raise ConfigError(f"{self._first_key()}: only for an index server of your own (index_url redis://, "
-                              f"rediss:// or unix://); the embedded and local indexes take no credentials")
+                              f"rediss://, unix://, redis+cluster:// or rediss+cluster://); the embedded and "
+                              f"local indexes take no credentials")
         userinfo = index_url.partition("://")[2].rpartition("@")[0]
         # redis-py lets the URL's user and password win over these keys: refuse the ambiguity.
         if userinfo and self.username is not None:
@@ -111,8 +114,8 @@ class IndexAuth:
         for key, path in tls.items():
             if path is None:
                 continue
-            if not index_url.startswith("rediss://"):
-                raise ConfigError(f"{key}: TLS files are for a rediss:// index_url")
+            if not index_url.startswith(("rediss://", "rediss+cluster://")):
+                raise ConfigError(f"{key}: TLS files are for a rediss:// or rediss+cluster:// index_url")
             if not os.access(path, os.R_OK):
                 raise ConfigError(f"{key}: cannot read {path!r}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

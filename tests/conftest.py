@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace
 from pof_connector.pages import PageSpec
@@ -37,6 +38,21 @@ def redis_server(runtime_dir: str) -> Iterator[RedisServer]:
     server = RedisServer(Path(runtime_dir) / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_servers() -> Iterator[ClusterServers]:
+    """A real Redis Cluster (3 masters, 3 replicas of the same server binary) shared by the
+    tests that do not break it; :func:`redis_cluster` empties it for each test."""
+    cluster = ClusterServers(masters=3, replicas=1).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(cluster_servers: ClusterServers) -> ClusterServers:
+    cluster_servers.flush()
+    return cluster_servers
 
 
 @pytest.fixture

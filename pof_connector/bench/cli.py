@@ -11,6 +11,7 @@ from pof_connector.bench import chaos as bench_chaos  # starts vLLM servers, mem
 from pof_connector.bench import fabric as bench_fabric  # imports NIXL only when run
 from pof_connector.bench import hbm as bench_hbm  # imports torch only when run
 from pof_connector.bench import index as bench_index
+from pof_connector.bench import index_cluster as bench_index_cluster
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
@@ -57,6 +58,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_index(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return _bench_index_cluster(args)
     url, auth = args.url, None
     if args.config:
         config = PofConfig.from_file(args.config)
@@ -65,7 +68,7 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
                              f"unix://), got {config.index_url!r}")
         url, auth = config.index_url, config.index_auth
     result = bench_index.run(pages=args.pages, nodes=args.nodes, iterations=args.iterations,
-                             memory_pages=args.memory_pages, url=url, progress=progress, auth=auth)
+                             memory_pages=args.memory_pages or 100_000, url=url, progress=progress, auth=auth)
     if args.json:
         print_json(result)
         return 0
@@ -88,6 +91,29 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
         else:
             value = fmt.format(result[key])
         table.add_row(label, value)
+    out_console().print(table)
+    return 0
+
+
+def _bench_index_cluster(args: argparse.Namespace) -> int:
+    if args.url or args.config:
+        raise ConfigError("--cluster starts its own server and cluster; it takes no --url or --config")
+    result = bench_index_cluster.run(pages=args.pages, nodes=args.nodes, iterations=args.iterations,
+                                     memory_pages=args.memory_pages or 1_000_000, masters=args.masters,
+                                     replicas=args.replicas, clients=args.clients, progress=progress)
+    if args.json:
+        print_json(result)
+        return 0
+    table = Table(title=f"index: one server vs a cluster of {args.masters} masters ({result['server_version']})",
+                  title_justify="left")
+    for col in ("what", "single", "cluster"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for label, key in (("lookup p50 (ms)", "lookup_p50_ms"), ("lookup p99 (ms)", "lookup_p99_ms"),
+                       ("lookups/s at saturation", "lookups_per_s"), ("publish pages/s", "publish_pages_per_s"),
+                       ("bytes/location at 1M", "bytes_per_location_1m"),
+                       ("bytes/location at 10M", "bytes_per_location_10m")):
+        table.add_row(label, f"{result['single_' + key]:,}", f"{result['cluster_' + key]:,}")
+    table.add_row("cluster_ratio (p50)", "", f"{result['cluster_ratio']:.3f}")
     out_console().print(table)
     return 0
 
@@ -244,8 +270,14 @@ def add_parser(sub: Any) -> None:
     index.add_argument("--pages", type=int, default=2000, help="pages in the looked-up chain (default 2000)")
     index.add_argument("--nodes", type=int, default=4, help="nodes holding leading runs of it (default 4)")
     index.add_argument("--iterations", type=int, default=300, help="timed lookups (default 300)")
-    index.add_argument("--memory-pages", type=int, default=100_000,
-                       help="locations published for the memory figure (default 100000)")
+    index.add_argument("--memory-pages", type=int, default=None,
+                       help="locations published for the memory figure (default 100000; 1000000 with --cluster)")
+    index.add_argument("--cluster", action="store_true",
+                       help="compare one server with a Redis Cluster that the bench starts on loopback")
+    index.add_argument("--masters", type=int, default=3, help="--cluster: masters (default 3)")
+    index.add_argument("--replicas", type=int, default=1, help="--cluster: replicas per master (default 1)")
+    index.add_argument("--clients", type=int, default=4,
+                       help="--cluster: client processes for the saturation figure (default 4)")
     where = index.add_mutually_exclusive_group()
     where.add_argument("--url", help="use this server instead of starting a private one (its data is "
                                      "left as found)")

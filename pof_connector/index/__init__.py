@@ -1,7 +1,8 @@
 """The locality index: where each page lives, cluster-wide.
 
 * :mod:`.base` — the :class:`~.base.LocalityIndex` interface and its records;
-* :mod:`.redis` — the Redis implementation (schema in its docstring); :mod:`.local` — in-process;
+* :mod:`.redis` — the Redis implementation (schema in its docstring); :mod:`.redis_cluster` — the
+  same on a Redis Cluster (``redis+cluster://``); :mod:`.local` — in-process;
 * :mod:`.server` — starting a Redis-protocol server; :mod:`.embedded` — the per-host embedded
   server and its supervisor;
 * :mod:`.guarded` — index calls that never raise into the pool or the relay (count, back off,
@@ -13,7 +14,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from pof_connector.cluster_url import is_cluster_url
 from pof_connector.config import PofConfig
+from pof_connector.credentials import IndexAuth
 from pof_connector.index.base import (
     LOOKUP_ROUNDS,
     MEDIA,
@@ -28,8 +33,12 @@ from pof_connector.index.base import (
 )
 from pof_connector.index.local import LocalIndex, LocalTable
 
+if TYPE_CHECKING:
+    from pof_connector.index.redis import RedisIndex
+
 __all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexTimeout", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex",
-           "Location", "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "resolve_url"]
+           "Location", "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "redis_index",
+           "resolve_url"]
 
 
 def resolve_url(config: PofConfig) -> str:
@@ -45,6 +54,15 @@ def open_index(config: PofConfig, node_id: str | None, *, table: LocalTable | No
     """An index client for ``config``; ``node_id=None`` gives a lookup-only client."""
     if config.index_url == "local":
         return LocalIndex(node_id, table)
+    return redis_index(resolve_url(config), node_id, timeout_s=config.index_timeout_s, auth=config.index_auth)
+
+
+def redis_index(url: str, node_id: str | None, *, timeout_s: float = 1.0, auth: IndexAuth | None = None) -> RedisIndex:
+    """A client of the server or cluster at ``url`` (``redis+cluster://``: a Redis Cluster)."""
+    if is_cluster_url(url):
+        from pof_connector.index.redis_cluster import RedisClusterIndex
+
+        return RedisClusterIndex(url, node_id, timeout_s=timeout_s, auth=auth)
     from pof_connector.index.redis import RedisIndex
 
-    return RedisIndex(resolve_url(config), node_id, timeout_s=config.index_timeout_s, auth=config.index_auth)
+    return RedisIndex(url, node_id, timeout_s=timeout_s, auth=auth)

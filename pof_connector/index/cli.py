@@ -14,8 +14,8 @@ from typing import Any
 from pof_connector.cli_support import CommandError, err_console, out_console, print_json, usage
 from pof_connector.config import PofConfig, redact_url
 from pof_connector.credentials import IndexAuth, read_secret
+from pof_connector.index import redis_index
 from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, restarts, stop_embedded, supervise
-from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import ping
 from pof_connector.index.stats_view import node_json, print_stats
 from pof_connector.runtime_dir import private_dir
@@ -91,7 +91,7 @@ def _start_api(index_url: str, auth: IndexAuth | None, args: argparse.Namespace,
         if not path:
             raise CommandError(f"--tokenizer expects MODEL=DIR, got {item!r}")
         tokenizers[model] = load_tokenizer(path, special_tokens=False)
-    app = make_app(RedisIndex(index_url, None, auth=auth), token=token, tokenizers=tokenizers)
+    app = make_app(redis_index(index_url, None, auth=auth), token=token, tokenizers=tokenizers)
     server = uvicorn.Server(server_config(app, args.http_host, args.http_port, timeout_s=READ_TIMEOUT_S))
     thread = threading.Thread(target=server.run, name="pof-api", daemon=True)
     thread.start()
@@ -170,7 +170,7 @@ def _wait_for(path: Path, timeout_s: float) -> bool:
 def cmd_index_stats(args: argparse.Namespace) -> int:
     """Live nodes and totals of a running index; never starts a server to answer."""
     url, auth = _stats_url(args)
-    index = RedisIndex(url, None, auth=auth)
+    index = redis_index(url, None, auth=auth)
     try:
         nodes, totals = index.nodes(), index.stats()
     finally:

@@ -32,7 +32,7 @@ import json
 import operator
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,7 @@ K_LIVE = PREFIX + "live"
 K_INFO = PREFIX + "info"
 K_SEQ = PREFIX + "seq"
 K_INC_OWNER = PREFIX + "inc-owner"
+REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
 FIELD_BYTES = 16
 RECORD = np.dtype([("inc", "<u4"), ("medium", "u1"), ("slot", "<u4"), ("gen", "<u8")])
 assert RECORD.itemsize == 17
@@ -181,16 +182,29 @@ def _resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
-_LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
+LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
 _FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
 
 
-def _hmget(key: bytes, fields: np.ndarray) -> bytes:
-    """``HMGET key f1 f2 …`` in RESP, built with numpy: every field is 16 bytes."""
-    body = np.empty((len(fields), len(_FIELD_RESP)), dtype=np.uint8)
+FIELD_RESP_BYTES = len(_FIELD_RESP)
+
+
+def fields_resp(fields: np.ndarray) -> bytes:
+    """The 16-byte ``fields`` as RESP bulk strings, one after the other, built with numpy."""
+    body = np.empty((len(fields), FIELD_RESP_BYTES), dtype=np.uint8)
     body[:] = _FIELD_RESP
     body[:, 5:5 + FIELD_BYTES] = fields
-    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(fields) + 2, len(key), key) + body.tobytes()
+    return body.tobytes()
+
+
+def hmget_head(key: bytes, count: int) -> bytes:
+    """The start of ``HMGET key`` with ``count`` fields, in RESP (the fields follow)."""
+    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (count + 2, len(key), key)
+
+
+def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
+    """``HMGET key f1 f2 …`` in RESP: every field is 16 bytes."""
+    return hmget_head(key, len(fields)) + fields_resp(fields)
 
 
 class RedisIndex(LocalityIndex):
@@ -207,12 +221,9 @@ class RedisIndex(LocalityIndex):
         self.url = url
         self.shown_url = redact_url(url)
         """``url`` as logs and errors show it (no password)."""
-        self._r = redis_client(
-            url, auth, timeout_s=timeout_s,
-            # One retry for a connection the server closed (it restarted); none for a timeout: a
-            # slow server would only make the caller wait twice as long.
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), health_check_interval=0,
-        )
+        self._r: Any = self._connect(url, auth, timeout_s)
+        """A ``redis.Redis``, or a ``redis.RedisCluster`` in :class:`.redis_cluster.RedisClusterIndex`:
+        the commands this class sends to it are the same on both."""
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._publish = self._r.register_script(_PUBLISH)
         self._withdraw = self._r.register_script(_WITHDRAW)
@@ -222,6 +233,14 @@ class RedisIndex(LocalityIndex):
         self._owner = uuid.uuid4().hex        # tells our registrations from another process's
         self._inc_names: dict[int, str] = {}
         self._lock = threading.Lock()
+
+    def _connect(self, url: str, auth: IndexAuth | None, timeout_s: float) -> Any:
+        return redis_client(
+            url, auth, timeout_s=timeout_s,
+            # One retry for a connection the server closed (it restarted); none for a timeout: a
+            # slow server would only make the caller wait twice as long.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), health_check_interval=0,
+        )
 
     def _call(self, what: str, fn, *args, **kw):  # type: ignore[no-untyped-def]
         try:
@@ -238,18 +257,21 @@ class RedisIndex(LocalityIndex):
     def heartbeat(self, info: NodeInfo, ttl_s: float) -> bool:
         with self._lock:
             prev = "" if self._last_inc is None else str(self._last_inc)
-            inc, fresh = self._call("heartbeat", self._heartbeat,
-                                    keys=[K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER],
-                                    args=[info.node_id, prev, int(ttl_s * 1000), json.dumps(info.to_json()),
-                                          self._owner])
+            inc, fresh = self._call("heartbeat", self._register,
+                                    [info.node_id, prev, int(ttl_s * 1000), json.dumps(info.to_json()), self._owner])
             if int(fresh) < 0:
                 self._inc = None
                 raise node_id_taken(info.node_id)
             self._inc = self._last_inc = int(inc)
             return bool(fresh)
 
-    def _records(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[bytes, tuple[bytes, bytes]]:
-        """Per namespace: (concatenated fields, concatenated records) for the scripts. A location
+    def _register(self, args: list[Any]) -> list[Any]:
+        """Run the heartbeat script with ``args``; returns its reply."""
+        reply: list[Any] = self._heartbeat(keys=REGISTRY_KEYS, args=args)
+        return reply
+
+    def _records(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[str, tuple[bytes, bytes]]:
+        """Per hash key (:meth:`_loc_key`): (concatenated fields, concatenated records) for the scripts. A location
         on another node (a page spilled into a slot that node granted us) is recorded under that
         node's current incarnation, so it lives and dies with that node; entries of nodes the
         index does not know are left out."""
@@ -260,10 +282,10 @@ class RedisIndex(LocalityIndex):
         if others:
             got = self._call("incarnations", self._r.hmget, K_NODE_INC, others)
             incs.update({n: int(i) for n, i in zip(others, got, strict=True) if i is not None})
-        grouped: dict[bytes, list[tuple[PageKey, Location]]] = {}
+        grouped: dict[str, list[tuple[PageKey, Location]]] = {}
         for key, loc in entries:
             if loc.node in incs:
-                grouped.setdefault(key.namespace, []).append((key, loc))
+                grouped.setdefault(self._loc_key(key), []).append((key, loc))
         out = {}
         for ns, group in grouped.items():
             recs = np.zeros(len(group), dtype=RECORD)
@@ -274,27 +296,40 @@ class RedisIndex(LocalityIndex):
             out[ns] = (b"".join(k.digest[:FIELD_BYTES] for k, _ in group), recs.tobytes())
         return out
 
+    def _loc_key(self, key: PageKey) -> str:
+        """The hash that holds ``key``'s holder records."""
+        return loc_key(key.namespace)
+
     def publish(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
         self._require_node()
         if self._inc is None or not entries:
             return    # not registered yet: the first heartbeat re-publishes everything
-        for ns, (fields, recs) in self._records(entries).items():
-            self._call("publish", self._publish, keys=[loc_key(ns)], args=[fields, recs])
+        self._write("publish", self._records(entries))
 
     def withdraw(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
         self._require_node()
         if self._inc is None or not entries:
             return
-        for ns, (fields, recs) in self._records(entries).items():
-            self._call("withdraw", self._withdraw, keys=[loc_key(ns)], args=[fields, recs])
+        self._write("withdraw", self._records(entries))
+
+    def _write(self, what: str, records: dict[str, tuple[bytes, bytes]]) -> None:
+        """Run the ``what`` script (publish or withdraw) on each hash's records."""
+        script = self._publish if what == "publish" else self._withdraw
+        for key, (fields, recs) in records.items():
+            self._call(what, script, keys=[key], args=[fields, recs])
 
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         if not keys:
             return {}
         ns = check_one_namespace(keys)
         digests = np.frombuffer(b"".join(list(map(_DIGEST, keys))), dtype=np.uint8).reshape(len(keys), -1)
-        packed = _LIVE_QUERY + _hmget(loc_key(ns).encode(), digests[:, :FIELD_BYTES])
+        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), digests[:, :FIELD_BYTES])
         now, live, vals = self._call("lookup", self._send, packed, 3)
+        return self._matches(now, live, vals)
+
+    def _matches(self, now: list[bytes], live: list[Any], vals: list[Any]) -> dict[str, PrefixMatch]:
+        """Each live node's leading run, from the replies to ``TIME``, ``ZRANGE live WITHSCORES`` and
+        the ``HMGET`` of the query's fields (``vals``, in query order)."""
         try:
             held = vals.index(None)
         except ValueError:
@@ -411,8 +446,7 @@ class RedisIndex(LocalityIndex):
             live, _ = self._nodes_raw()
             alive = {int(i) for i in live}
             dropped = 0
-            key = loc_key(namespace)
-            for field, val in self._r.hscan_iter(key, count=batch):
+            for key, field, val in self._hscan(namespace, batch):
                 recs = np.frombuffer(val, dtype=RECORD)
                 keep = np.isin(recs["inc"], list(alive))
                 if keep.all():
@@ -425,6 +459,12 @@ class RedisIndex(LocalityIndex):
             return dropped
         dropped: int = self._call("sweep", run)
         return dropped
+
+    def _hscan(self, namespace: bytes, batch: int) -> Iterator[tuple[str, bytes, bytes]]:
+        """(hash key, field, records) of every page of ``namespace``."""
+        key = loc_key(namespace)
+        for field, val in self._r.hscan_iter(key, count=batch):
+            yield key, field, val
 
     def ping_ms(self) -> float:
         """One round trip, for benchmarks."""

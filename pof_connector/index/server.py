@@ -12,6 +12,7 @@ from pathlib import Path
 
 import redis
 
+from pof_connector.cluster_url import is_cluster_url
 from pof_connector.credentials import IndexAuth
 from pof_connector.index.client import redis_client
 
@@ -98,7 +99,22 @@ class RedisServer:
 
 
 def ping(url: str, timeout_s: float = 0.5, auth: IndexAuth | None = None) -> bool:
-    """Does a server answer at ``url`` (as ``auth`` says; ``None``: as the URL says)?"""
+    """Does a server (or a cluster) answer at ``url`` (as ``auth`` says; ``None``: as the URL says)?"""
+    if is_cluster_url(url):
+        from pof_connector.index.base import IndexUnavailable
+        from pof_connector.index.redis_cluster import RedisClusterIndex
+
+        try:
+            index = RedisClusterIndex(url, None, timeout_s=timeout_s, auth=auth)
+        except IndexUnavailable:
+            return False
+        try:
+            index.ping_ms()
+            return True
+        except IndexUnavailable:
+            return False
+        finally:
+            index.close()
     try:
         r = redis_client(url, auth, timeout_s=timeout_s)
         try:

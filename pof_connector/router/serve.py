@@ -8,6 +8,7 @@ from typing import Any
 
 from pof_connector.body_limits import server_config
 from pof_connector.config import ConfigError, redact_url
+from pof_connector.index import redis_index
 from pof_connector.index.redis import RedisIndex
 from pof_connector.locality.locator import Locator
 from pof_connector.router.router import Router
@@ -29,7 +30,7 @@ def add_parser(sub: Any) -> None:
 
 def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
     """The router and its index client (``None`` without ``index_url``; the caller closes it)."""
-    index = RedisIndex(config.index_url, None, auth=config.index_auth) if config.index_url else None
+    index = redis_index(config.index_url, None, auth=config.index_auth) if config.index_url else None
     return Router(config, Locator(index) if index is not None else None), index
 
 

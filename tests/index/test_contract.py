@@ -1,4 +1,5 @@
-"""The locality-index contract, run against the in-process index and a real Redis-protocol server."""
+"""The locality-index contract, run against the in-process index, a real Redis-protocol server and a
+real Redis Cluster (3 masters + 3 replicas)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from pof_connector.index import LocalIndex, LocalityIndex, LocalTable, Location, NodeIdTaken, NodeInfo, TierUsage
+from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.redis import RedisIndex
+from pof_connector.index.redis_cluster import RedisClusterIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey, page_keys
 
 Factory = Callable[[str | None], LocalityIndex]
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(params=["local", "redis", "cluster"])
 def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
     clients: list[LocalityIndex] = []
     if request.param == "local":
@@ -24,11 +27,17 @@ def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
         def factory(node: str | None) -> LocalityIndex:
             clients.append(LocalIndex(node, table))
             return clients[-1]
-    else:
+    elif request.param == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
 
         def factory(node: str | None) -> LocalityIndex:
             clients.append(RedisIndex(server.url, node))
+            return clients[-1]
+    else:
+        cluster: ClusterServers = request.getfixturevalue("redis_cluster")
+
+        def factory(node: str | None) -> LocalityIndex:
+            clients.append(RedisClusterIndex(cluster.url, node))
             return clients[-1]
     yield factory
     for c in clients:

@@ -1,4 +1,4 @@
-"""The locality API over a real Redis-protocol index and real pool nodes."""
+"""The locality API over a real Redis-protocol index (one server, or a Redis Cluster) and real pool nodes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pof_connector.config import PofConfig
+from pof_connector.index import redis_index
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace
@@ -28,10 +29,17 @@ def node(name: str, url: str, runtime_dir: str, **tiers: Any) -> Pool:
     return Pool(cfg, SPEC, NS, meta={"engine": "test", "model": "org/model-a"})
 
 
+@pytest.fixture(params=["redis_server", "redis_cluster"])
+def index_url(request: pytest.FixtureRequest) -> str:
+    """One Redis-protocol server, or a Redis Cluster of 3 masters + 3 replicas."""
+    url: str = request.getfixturevalue(request.param).url
+    return url
+
+
 @pytest.fixture
-def cluster(redis_server: RedisServer, runtime_dir: str, shm_path: str) -> Iterator[dict[str, Any]]:
-    a = node("a", redis_server.url, runtime_dir)
-    b = node("b", redis_server.url, runtime_dir, cxl={"path": shm_path, "size": "1MiB", "partitions": 2})
+def cluster(index_url: str, runtime_dir: str, shm_path: str) -> Iterator[dict[str, Any]]:
+    a = node("a", index_url, runtime_dir)
+    b = node("b", index_url, runtime_dir, cxl={"path": shm_path, "size": "1MiB", "partitions": 2})
     tokens = list(range(1000, 1000 + 16 * 6))
     keys = a.keys_for(tokens)
     seg = [np.zeros(512, np.uint8)] * 2
@@ -39,7 +47,7 @@ def cluster(redis_server: RedisServer, runtime_dir: str, shm_path: str) -> Itera
     b.store([(k, seg) for k in keys[:2]]).result()
     a.store([(k, seg) for k in a.keys_for(tokens, cache_salt="t2")[:1]]).result()
     deadline = time.monotonic() + 5
-    reader = RedisIndex(redis_server.url, None)
+    reader = redis_index(index_url, None)
     while len(reader.longest_prefix(keys)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     yield {"tokens": tokens, "index": reader}

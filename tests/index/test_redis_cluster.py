@@ -1,0 +1,106 @@
+"""The cluster index beyond the shared contract: its URL forms, records spread over every master,
+and a graceful failover (MOVED) followed without an error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pof_connector.cluster_url import ClusterUrl
+from pof_connector.config import ConfigError, PofConfig
+from pof_connector.index import Location, NodeInfo, open_index
+from pof_connector.index.cluster_servers import ClusterServers
+from pof_connector.index.redis_cluster import BUCKET_BYTE, BUCKETS, RedisClusterIndex
+from pof_connector.keys import page_keys
+
+
+def test_cluster_urls_parse_and_bad_ones_name_the_key() -> None:
+    u = ClusterUrl.parse("rediss+cluster://pof:s3cret@10.0.0.1:7000,[::1]:7001,host-c:7002")
+    assert u.tls and u.username == "pof" and u.password == "s3cret"
+    assert u.nodes == (("10.0.0.1", 7000), ("::1", 7001), ("host-c", 7002))
+    assert PofConfig.from_mapping({"index_url": "redis+cluster://a:1,b:2"}).index_url == "redis+cluster://a:1,b:2"
+    for bad in ("redis+cluster://", "redis+cluster://host", "redis+cluster://u:pw@host:port", "redis+cluster://h:0"):
+        with pytest.raises(ConfigError, match=r"index_url: .*redis\+cluster://") as e:
+            PofConfig.from_mapping({"index_url": bad})
+        assert "pw" not in str(e.value)
+    with pytest.raises(ConfigError, match="index_tls_ca_file: TLS files are for a rediss://"):
+        PofConfig.from_mapping({"index_url": "redis+cluster://a:1", "index_tls_ca_file": "/etc/hostname"})
+    ok = PofConfig.from_mapping({"index_url": "rediss+cluster://a:1", "index_tls_ca_file": "/etc/hostname",
+                                 "index_username": "pof"})
+    assert ok.index_auth.tls_ca_file == "/etc/hostname"
+
+
+def test_records_spread_over_every_master(redis_cluster: ClusterServers, namespace: bytes) -> None:
+    config = PofConfig.from_mapping({"node_id": "a", "index_url": redis_cluster.url})
+    a = open_index(config, "a")
+    reader = open_index(config, None)
+    try:
+        assert isinstance(a, RedisClusterIndex)
+        a.heartbeat(NodeInfo("a"), 10)
+        ks = page_keys(namespace, list(range(16 * 300)), 16)
+        a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+        per_master = {p.port: sum(1 for _ in p.client().scan_iter(match="pof:{*}:loc")) for p in
+                      redis_cluster.primaries()}
+        assert len(per_master) == 3 and min(per_master.values()) > 0
+        assert sum(per_master.values()) == len({k.digest[BUCKET_BYTE] % BUCKETS for k in ks}) > 24
+        got = reader.longest_prefix(ks)["a"]
+        assert got.pages == 300 and got.location(299) == Location("a", "cpu_dram", 299, 1)
+        assert reader.stats()["locations"] == 300
+        from pof_connector.cli import main
+
+        assert main(["index", "stats", "--url", redis_cluster.url]) == 0        # pof index stats on a cluster
+    finally:
+        a.close()
+        reader.close()
+
+
+def test_a_graceful_failover_is_followed_and_the_node_registers_again(redis_cluster: ClusterServers,
+                                                                       namespace: bytes) -> None:
+    """A replica takes over its master (``CLUSTER FAILOVER``): the reader's next lookup is answered
+    ``MOVED`` by the old master, refreshes its slot map and answers right; the node's next
+    heartbeat sees new masters and asks for a re-publish under a new incarnation."""
+    a = RedisClusterIndex(redis_cluster.url, "a")
+    reader = RedisClusterIndex(redis_cluster.url, None)
+    try:
+        assert a.heartbeat(NodeInfo("a"), 10) is True
+        ks = page_keys(namespace, list(range(16 * 100)), 16)
+        a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+        assert reader.longest_prefix(ks)["a"].pages == 100
+        old = a.incarnation
+        replica = next(p for p in redis_cluster.procs if p.alive and p not in redis_cluster.primaries())
+        replica.cmd("CLUSTER", "FAILOVER")
+        deadline = time.monotonic() + 20
+        while replica.client().info("replication")["role"] != "master":
+            assert time.monotonic() < deadline, "the replica did not take over"
+            time.sleep(0.05)
+        redis_cluster.wait_healthy()
+        assert reader.longest_prefix(ks)["a"].pages == 100       # MOVED, refreshed, sent again
+        assert a.heartbeat(NodeInfo("a"), 10) is True            # masters changed: register again
+        assert a.incarnation != old
+        assert reader.longest_prefix(ks) == {}                   # the former incarnation is gone
+        a.publish([(k, Location("a", "cpu_dram", i, 2)) for i, k in enumerate(ks)])
+        assert reader.longest_prefix(ks)["a"].location(0) == Location("a", "cpu_dram", 0, 2)
+        assert a.heartbeat(NodeInfo("a"), 10) is False
+    finally:
+        a.close()
+        reader.close()
+
+
+def test_bench_compares_a_cluster_with_one_server() -> None:
+    from pof_connector.bench import index_cluster
+
+    r = index_cluster.run(pages=100, nodes=2, iterations=5, memory_pages=2000, masters=3, replicas=0, clients=1,
+                          saturate_s=0.3)
+    assert r["cluster_ratio"] == pytest.approx(r["cluster_lookup_p50_ms"] / r["single_lookup_p50_ms"], rel=0.01)
+    for name in ("single", "cluster"):
+        assert r[f"{name}_lookups_per_s"] > 0 and r[f"{name}_publish_pages_per_s"] > 0
+        assert 20 < r[f"{name}_bytes_per_location_10m"] < 1000
+        assert r[f"{name}_bytes_per_location_1m_is"] == "extrapolated from 2,000"
+
+
+def test_bench_cluster_takes_no_url(capsys: pytest.CaptureFixture[str]) -> None:
+    from pof_connector.cli import main
+
+    assert main(["bench", "index", "--cluster", "--url", "redis://127.0.0.1:1/0"]) != 0
+    assert "--cluster starts its own server and cluster; it takes no --url" in capsys.readouterr().err
