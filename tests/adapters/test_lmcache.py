@@ -1,4 +1,4 @@
-"""pof as an LMCache storage plugin, through LMCache's own engine (tests/adapters/lmcache_node.py).
+"""pof as an LMCache storage plugin, through LMCache's own engine (pof_connector/bench/lmcache_node.py).
 
 Two processes, two pool nodes: node A stores chunks through its LMCache engine into a CXL region
 (a file under /dev/shm); node B, another process with its own LMCache engine and an empty local
@@ -22,22 +22,25 @@ from typing import Any
 import pytest
 import torch
 
+from pof_connector.bench.lmcache_node import Shape, expected_kv, write_config
 from pof_connector.index.server import RedisServer
-from tests.adapters.lmcache_node import CHUNK, expected_kv, write_config
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.slow]
 
 CHUNKS = 8
+SHAPE = Shape()
+CHUNK = SHAPE.chunk
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def node_env() -> dict[str, str]:
     # Without vLLM, LMCache hashes chunks with Python's hash(): the seed must match across processes.
-    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING"}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING",
+            "LMCACHE_TRACK_USAGE": "false"}
 
 
 def node_args(config: Path, op: str, **extra: Any) -> list[str]:
-    return [sys.executable, "-m", "tests.adapters.lmcache_node",
+    return [sys.executable, "-m", "pof_connector.bench.lmcache_node",
             json.dumps({"config": str(config), "op": op, "chunks": CHUNKS, **extra})]
 
 
@@ -60,7 +63,8 @@ def stored(configs: tuple[Path, Path]) -> Iterator[subprocess.Popen[str]]:
         line = proc.stdout.readline()
         if not line:
             raise AssertionError(f"node A failed: {proc.communicate(timeout=30)[1][-3000:]}")
-        assert json.loads(line) == {"stored": CHUNKS, "plugin": "PoFStoragePlugin"}
+        stored = json.loads(line)
+        assert (stored["stored"], stored["plugin"]) == (CHUNKS, "PoFStoragePlugin")
         yield proc
     finally:
         if proc.poll() is None:
@@ -95,7 +99,7 @@ def test_chunks_stored_by_one_lmcache_are_retrieved_by_another(configs: tuple[Pa
 def test_a_corrupt_page_is_a_miss(configs: tuple[Path, Path], shm_path: str, stored: subprocess.Popen[str]) -> None:
     bad = 3
     # Layer 0's K bytes of chunk `bad` open its page's first segment: find them in the region, flip one.
-    needle = expected_kv(1, CHUNKS * CHUNK)[0, 0, bad * CHUNK:(bad + 1) * CHUNK].contiguous().view(torch.uint8)
+    needle = expected_kv(1, SHAPE, CHUNKS * CHUNK)[0, 0, bad * CHUNK:(bad + 1) * CHUNK].contiguous().view(torch.uint8)
     with open(shm_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as region:
         at = region.find(needle.numpy().tobytes()[:256])
         assert at >= 0
