@@ -149,12 +149,18 @@ def wait_stored(engine: LMCacheEngine, n: int, timeout_s: float = 60.0) -> None:
     plugin.pool.flush()
 
 
-def op_store(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int) -> dict[str, Any]:
+def _request_configs(tags: dict[str, str] | None) -> dict[str, str] | None:
+    """LMCache's per-request tags (a tenant, …): ``lmcache.tag.<name>`` entries of ``request_configs``."""
+    return {f"lmcache.tag.{k}": v for k, v in tags.items()} if tags else None
+
+
+def op_store(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int,
+             tags: dict[str, str] | None = None) -> dict[str, Any]:
     put_s, durable_s = [], []
     for r, seed in enumerate(seeds):
         host.kv.copy_(expected_kv(seed, host.shape, chunks * host.shape.chunk))
         t0 = time.perf_counter()
-        engine.store(prompt(seed, host.shape, chunks))
+        engine.store(prompt(seed, host.shape, chunks), request_configs=_request_configs(tags))
         put_s.append(time.perf_counter() - t0)
         wait_stored(engine, chunks * (r + 1))
         durable_s.append(time.perf_counter() - t0)
@@ -163,7 +169,8 @@ def op_store(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int) -> 
             "put_s": put_s, "in_pof_s": durable_s if plugin is not None else None}
 
 
-def op_load(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int) -> dict[str, Any]:
+def op_load(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int,
+            tags: dict[str, str] | None = None) -> dict[str, Any]:
     shape = host.shape
     get_s: list[float] = []
     out: dict[str, Any] = {}
@@ -171,8 +178,8 @@ def op_load(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int) -> d
         tokens = prompt(seed, shape, chunks)
         host.kv.zero_()
         t0 = time.perf_counter()
-        hit = engine.lookup(tokens)
-        mask = engine.retrieve(tokens)
+        hit = engine.lookup(tokens, request_configs=_request_configs(tags))
+        mask = engine.retrieve(tokens, request_configs=_request_configs(tags))
         get_s.append(time.perf_counter() - t0)
         got = int(mask.sum())
         want = expected_kv(seed, shape, chunks * shape.chunk)
@@ -190,14 +197,15 @@ def main() -> None:
     shape = Shape(**args.get("shape", {}))
     chunks, seed, rounds = int(args.get("chunks", 8)), int(args.get("seed", 1)), int(args.get("rounds", 1))
     instance = args.get("instance", "pof-node")
+    tags = args.get("tags")
     engine, host = build(args["config"], instance, shape, chunks * shape.chunk)
     seeds = range(seed, seed + rounds)
     try:
         if args["op"] == "store":
-            print(json.dumps(op_store(engine, host, seeds, chunks)), flush=True)
+            print(json.dumps(op_store(engine, host, seeds, chunks, tags)), flush=True)
             sys.stdin.read()        # keep the node alive until the caller closes stdin
         elif args["op"] == "load":
-            print(json.dumps(op_load(engine, host, seeds, chunks)), flush=True)
+            print(json.dumps(op_load(engine, host, seeds, chunks, tags)), flush=True)
         elif args["op"] == "both":  # store, then retrieve from the same engine (LMCache's local_cpu)
             stored = op_store(engine, host, seeds, chunks)
             print(json.dumps({**stored, **op_load(engine, host, seeds, chunks)}), flush=True)

@@ -54,9 +54,15 @@ def configs(tmp_path: Path, runtime_dir: str, shm_path: str, redis_server: Redis
 
 
 @pytest.fixture
-def stored(configs: tuple[Path, Path]) -> Iterator[subprocess.Popen[str]]:
+def tags() -> dict[str, str] | None:
+    """LMCache tags node A stores with (``None``: none)."""
+    return None
+
+
+@pytest.fixture
+def stored(configs: tuple[Path, Path], tags: dict[str, str] | None) -> Iterator[subprocess.Popen[str]]:
     """Node A, alive, after storing CHUNKS chunks of seed 1 through LMCache."""
-    proc = subprocess.Popen(node_args(configs[0], "store"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(node_args(configs[0], "store", tags=tags), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=node_env(), cwd=ROOT)
     try:
         assert proc.stdout is not None
@@ -126,6 +132,16 @@ def test_a_dead_index_is_a_miss(configs: tuple[Path, Path], redis_server: RedisS
     got, _ = load(configs[1])
     assert (got["lookup_tokens"], got["retrieved_tokens"]) == (0, 0)
     assert got["rest_untouched"]
+
+
+@pytest.mark.parametrize("tags", [{"tenant": "acme"}])
+def test_lmcache_tags_are_part_of_the_namespace(configs: tuple[Path, Path], stored: subprocess.Popen[str]) -> None:
+    other, _ = load(configs[1], tags={"tenant": "globex"})
+    assert (other["lookup_tokens"], other["retrieved_tokens"]) == (0, 0)      # another tenant: nothing
+    untagged, _ = load(configs[1])
+    assert untagged["lookup_tokens"] == 0
+    same, _ = load(configs[1], tags={"tenant": "acme"})
+    assert same["retrieved_tokens"] == CHUNKS * CHUNK and same["bytes_equal"]
 
 
 def test_a_bad_pof_key_is_named_and_the_plugin_left_out(tmp_path: Path, runtime_dir: str,
