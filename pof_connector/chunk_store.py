@@ -33,6 +33,7 @@ import numpy as np
 from pof_connector.keys import Namespace, PageKey
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Pool
+from pof_connector.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,13 @@ def chunk_key(namespace: bytes, chunk_hash: int) -> PageKey:
 class ChunkStore:
     """Chunks of one geometry in one pool (the adapter owns the pool and closes it)."""
 
-    def __init__(self, pool: Pool, geometry: ChunkGeometry) -> None:
+    def __init__(self, pool: Pool, geometry: ChunkGeometry, *, staging_bytes: int = 256 << 20) -> None:
         if pool.spec != geometry.spec:
             raise ValueError(f"pool pages are {pool.spec}, chunks need {geometry.spec}")
         self.pool = pool
         self.geometry = geometry
+        # Page-order copies wait in reused buffers until the pool wrote them (fresh ones fault).
+        self.staging = StagingPool(keep_bytes=staging_bytes)
 
     def count_prefix(self, keys: Sequence[PageKey]) -> int:
         """How many leading chunks of ``keys`` this node can load (its tiers, shared regions,
@@ -117,20 +120,36 @@ class ChunkStore:
         The arrays are copied into page order here, so the caller may reuse them at once.
         Keys this node already holds are skipped. The future's result: pages written."""
         g = self.geometry
-        todo: list[tuple[PageKey, list[np.ndarray]]] = []
-        for key, chunk in items:
+        for _, chunk in items:
             if chunk.shape != g.shape:
                 raise ValueError(f"chunk of shape {chunk.shape}, expected {g.shape}")
+        todo: list[tuple[PageKey, list[np.ndarray]]] = []
+        bufs: list[np.ndarray] = []
+        for key, chunk in items:
             if self.pool.contains(key):
                 continue
+            buf = self.staging.take(chunk.nbytes)
+            bufs.append(buf)
             # [kv, L, T, H] -> [L, kv, T, H]: one copy makes every layer's K|V contiguous.
-            by_layer = np.ascontiguousarray(chunk.transpose(1, 0, 2, 3))
+            by_layer = buf.reshape(g.layers, g.kv, g.tokens, g.hidden_bytes)
+            np.copyto(by_layer, chunk.transpose(1, 0, 2, 3))
             todo.append((key, [by_layer[layer].reshape(-1) for layer in range(g.layers)]))
         if not todo:
             done: Future[int] = Future()
             done.set_result(0)
             return done
-        return self.pool.store(todo)
+        try:
+            stored = self.pool.store(todo)
+        except BaseException:
+            for buf in bufs:
+                self.staging.give(buf)
+            raise
+        stored.add_done_callback(lambda _: self._give(bufs))
+        return stored
+
+    def _give(self, bufs: list[np.ndarray]) -> None:
+        for buf in bufs:
+            self.staging.give(buf)
 
     def get(self, keys: Sequence[PageKey], into: Sequence[np.ndarray]) -> list[bool]:
         """Load chunk ``i`` of ``keys`` into ``into[i]`` (a writable ``uint8`` array of
