@@ -5,6 +5,7 @@ through LMCache's own engine in tests/adapters/test_lmcache.py."""
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ def chunk(seed: int) -> np.ndarray:
 
 
 @pytest.fixture
-def store(runtime_dir: str, shm_path: str) -> ChunkStore:
+def store(runtime_dir: str, shm_path: str) -> Iterator[ChunkStore]:
     config = PofConfig.from_mapping({"node_id": "n", "index_url": "local", "runtime_dir": runtime_dir,
                                      "tiers": {"cxl": {"path": shm_path, "size": "1MiB"}}})
     pool = Pool(config, GEO.spec, OWNER.namespace(GEO))
