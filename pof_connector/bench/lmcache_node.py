@@ -118,11 +118,13 @@ def prompt(seed: int, shape: Shape, chunks: int) -> torch.Tensor:
     return torch.arange(chunks * shape.chunk, dtype=torch.long) * 7 + seed * 100_003
 
 
-def build(config_path: str, instance: str, shape: Shape, tokens: int) -> tuple[LMCacheEngine, HostKV]:
+def build(config_path: str, instance: str, shape: Shape, tokens: int,
+          role: str = "worker") -> tuple[LMCacheEngine, HostKV]:
+    """``role``: LMCache's ``worker`` (stores, retrieves) or ``scheduler`` (lookups only)."""
     config = LMCacheEngineConfig.from_file(config_path)
     metadata = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                                kv_dtype=DTYPE, kv_shape=(shape.layers, 2, shape.chunk, shape.heads, shape.head_dim),
-                               role="worker", chunk_size=shape.chunk)
+                               role=role, chunk_size=shape.chunk)
     host = HostKV(shape, tokens)
     engine = LMCacheEngineBuilder.get_or_create(instance, config, metadata, host, lambda t, r: None,
                                                 lambda o, r: o)
@@ -198,7 +200,7 @@ def main() -> None:
     chunks, seed, rounds = int(args.get("chunks", 8)), int(args.get("seed", 1)), int(args.get("rounds", 1))
     instance = args.get("instance", "pof-node")
     tags = args.get("tags")
-    engine, host = build(args["config"], instance, shape, chunks * shape.chunk)
+    engine, host = build(args["config"], instance, shape, chunks * shape.chunk, args.get("role", "worker"))
     seeds = range(seed, seed + rounds)
     try:
         if args["op"] == "store":
@@ -206,6 +208,12 @@ def main() -> None:
             sys.stdin.read()        # keep the node alive until the caller closes stdin
         elif args["op"] == "load":
             print(json.dumps(op_load(engine, host, seeds, chunks, tags)), flush=True)
+        elif args["op"] == "lookup":
+            tokens = prompt(seed, shape, chunks)
+            hit = engine.lookup(tokens, request_configs=_request_configs(tags))
+            plugin = plugin_of(engine)
+            print(json.dumps({"lookup_tokens": int(hit), "plugin": None if plugin is None else type(plugin).__name__,
+                              "pool_role": None if plugin is None else plugin.pool.role}), flush=True)
         elif args["op"] == "both":  # store, then retrieve from the same engine (LMCache's local_cpu)
             stored = op_store(engine, host, seeds, chunks)
             print(json.dumps({**stored, **op_load(engine, host, seeds, chunks)}), flush=True)

@@ -14,6 +14,7 @@ import mmap
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,32 +60,45 @@ def tags() -> dict[str, str] | None:
     return None
 
 
-@pytest.fixture
-def stored(configs: tuple[Path, Path], tags: dict[str, str] | None) -> Iterator[subprocess.Popen[str]]:
-    """Node A, alive, after storing CHUNKS chunks of seed 1 through LMCache."""
-    proc = subprocess.Popen(node_args(configs[0], "store", tags=tags), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=node_env(), cwd=ROOT)
-    try:
+def start_node(config: Path, **extra: Any) -> subprocess.Popen[str]:
+    """A node that stored CHUNKS chunks through LMCache and stays alive until :func:`stop_node`."""
+    with tempfile.TemporaryFile("w+") as log:    # not a pipe: a full pipe would block a long-lived node
+        proc = subprocess.Popen(node_args(config, "store", **extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, text=True, env=node_env(), cwd=ROOT)
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
-            raise AssertionError(f"node A failed: {proc.communicate(timeout=30)[1][-3000:]}")
-        stored = json.loads(line)
-        assert (stored["stored"], stored["plugin"]) == (CHUNKS, "PoFStoragePlugin")
+            stop_node(proc)
+            log.seek(0)
+            raise AssertionError(f"node failed: {log.read()[-3000:]}")
+    stored = json.loads(line)
+    assert (stored["stored"], stored["plugin"]) == (CHUNKS, "PoFStoragePlugin")
+    return proc
+
+
+def stop_node(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def stored(configs: tuple[Path, Path], tags: dict[str, str] | None) -> Iterator[subprocess.Popen[str]]:
+    """Node A, alive, after storing CHUNKS chunks of seed 1 through LMCache."""
+    proc = start_node(configs[0], tags=tags)
+    try:
         yield proc
     finally:
-        if proc.poll() is None:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_node(proc)
 
 
-def load(config: Path, **extra: Any) -> tuple[dict[str, Any], str]:
-    done = subprocess.run(node_args(config, "load", **extra), capture_output=True, text=True, env=node_env(),
+def load(config: Path, op: str = "load", **extra: Any) -> tuple[dict[str, Any], str]:
+    done = subprocess.run(node_args(config, op, **extra), capture_output=True, text=True, env=node_env(),
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]          # no exception escaped into LMCache's caller
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -100,6 +114,18 @@ def test_chunks_stored_by_one_lmcache_are_retrieved_by_another(configs: tuple[Pa
     stats = got["stats"]
     assert stats["loaded_pages{tier=cxl}"] == CHUNKS            # read from A's pages in the shared region
     assert stats.get("tier_used_bytes{tier=cxl}", 0) == 0       # B itself stored nothing there
+
+
+def test_lmcaches_scheduler_role_answers_lookups_from_the_index(configs: tuple[Path, Path],
+                                                               stored: subprocess.Popen[str]) -> None:
+    # LMCache's scheduler-side engine has no local CPU backend: pof gives it a client pool (no tiers)
+    # that answers for its node, whose worker (alive, with its own chunks) registered what it can read.
+    worker_b = start_node(configs[1], seed=2)
+    try:
+        got, _ = load(configs[1], "lookup", role="scheduler")
+        assert got == {"lookup_tokens": CHUNKS * CHUNK, "plugin": "PoFStoragePlugin", "pool_role": "client"}
+    finally:
+        stop_node(worker_b)
 
 
 def test_a_corrupt_page_is_a_miss(configs: tuple[Path, Path], shm_path: str, stored: subprocess.Popen[str]) -> None:
