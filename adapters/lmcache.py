@@ -76,9 +76,10 @@ def geometry_of(metadata: Any) -> ChunkGeometry:
     return ChunkGeometry(kv, layers, tokens, hidden * torch.empty((), dtype=dtypes[0]).element_size())
 
 
-def owner_of(key: CacheEngineKey) -> ChunkOwner:
+def owner_of(key: CacheEngineKey, model: str | None = None) -> ChunkOwner:
+    """The key's owner; ``model`` (pof's ``model`` setting) replaces LMCache's model name."""
     tags = tuple(sorted((str(k), str(v)) for k, v in (key.tags or ())))
-    return ChunkOwner(key.model_name, int(key.world_size), int(key.worker_id),
+    return ChunkOwner(model or key.model_name, int(key.world_size), int(key.worker_id),
                       str(key.dtype).removeprefix("torch."), tags)
 
 
@@ -98,11 +99,14 @@ class PoFStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         self.geometry = geometry_of(metadata)
         self.fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
         self.extra_ns = pof_config.namespace
+        # pof's `model`, when set, replaces LMCache's model name in every key: engines name a model
+        # by its path, which differs between hosts that should share chunks.
+        self.model = pof_config.model
         if int(metadata.world_size) > 1:        # each LMCache worker is a pool node of its own
             pof_config = replace(pof_config, node_id=f"{pof_config.node_id}-w{int(metadata.worker_id)}")
         # LMCache's scheduler-side instance only asks `contains`: a client pool answers it from the index.
         role: Role = "client" if metadata.role == "scheduler" else "worker"
-        own = ChunkOwner(str(metadata.model_name), int(metadata.world_size), int(metadata.worker_id),
+        own = ChunkOwner(self.model or str(metadata.model_name), int(metadata.world_size), int(metadata.worker_id),
                          str(metadata.kv_dtype).removeprefix("torch."))
         self.pool = Pool(pof_config, self.geometry.spec, own.namespace(self.geometry, self.extra_ns), role=role,
                          meta={"engine": "lmcache", "model": str(metadata.model_name)})
@@ -120,7 +124,7 @@ class PoFStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
     # ---- keys --------------------------------------------------------------------------------
 
     def _key(self, key: CacheEngineKey) -> PageKey:
-        owner = owner_of(key)
+        owner = owner_of(key, self.model)
         ns = self._namespaces.get(owner)
         if ns is None:
             ns = self._namespaces[owner] = owner.namespace(self.geometry, self.extra_ns)
