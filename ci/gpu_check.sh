@@ -3,7 +3,11 @@
 #   1. runs the peer_hbm tests on every CUDA device (with one GPU the "peer" is that GPU mapped by
 #      another process through CUDA IPC) and on cpu;
 #   2. measures peer-HBM and host-tier page reads/writes against raw torch copies
-#      (device memcpy, pinned host copies) and prints the ratios as JSON.
+#      (device memcpy, pinned host copies) and prints the ratios as JSON;
+#   3. when that python also has vLLM and LMCache (0.5.6): the LMCache end to end, two vLLM servers
+#      with LMCacheConnectorV1 and pof as LMCache's storage plugin (tests/adapters/test_lmcache_vllm.py;
+#      up to 400 s more). It cannot run on a CPU host: LMCache has no CPU GPU-connector. Without
+#      vLLM + LMCache it is reported as skipped (lmcache_e2e_exit 98) and does not fail the check.
 #
 #   bash ci/gpu_check.sh                  the check (exit 0 only when tests and bench passed)
 #   POF_GPU_CHECK_DRY=1 bash ci/gpu_check.sh   the same steps on CPU tensors (no GPU needed)
@@ -136,12 +140,24 @@ BENCH_RC=$?
 [[ $BENCH_RC -ne 0 ]] && tail -20 "$ART/bench.err"
 say "bench exit code $BENCH_RC (124: timed out)"
 
+# ---- 4b. LMCache + vLLM end to end (only when this python has both) ------------------------------
+LMC_RC=98            # 98: skipped, no vllm + lmcache in $PY
+if [[ "$DRY" != "1" ]] && timeout 120 "$PY" -c 'import vllm, lmcache' >/dev/null 2>&1; then
+    say "pytest -m 'lmcache and gpu' tests/adapters/test_lmcache_vllm.py (limit 400 s)"
+    timeout -k 5 400 "$PY" -m pytest -m "lmcache and gpu" -q -p no:cacheprovider \
+        tests/adapters/test_lmcache_vllm.py 2>&1 | tee "$ART/lmcache.log" | tail -15
+    LMC_RC=${PIPESTATUS[0]}
+    say "lmcache e2e exit code $LMC_RC (124: timed out)"
+else
+    say "SKIP lmcache e2e: $PY lacks vllm or lmcache (install vllm and lmcache==0.5.6 there to run it)"
+fi
+
 # ---- 5. summary ----------------------------------------------------------------------------------
-timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" "$PY" "${MISSING:-}" \
+timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" "$PY" "${MISSING:-}" "$LMC_RC" \
     <<'EOF' | tee "$ART/summary.json"
 import json, pathlib, re, sys
 art, tests_rc, bench_rc, dry, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-python, missing = sys.argv[6], sys.argv[7].split()
+python, missing, lmc_rc = sys.argv[6], sys.argv[7].split(), int(sys.argv[8])
 log = (art / "pytest.log").read_text() if (art / "pytest.log").exists() else ""
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
 try:   # which tests ran on a GPU, and how each ended
@@ -157,9 +173,10 @@ try:
     bench = json.loads((art / "bench.json").read_text())
 except (OSError, ValueError):
     bench = None
-ok = tests_rc == 0 and bench_rc == 0 and bench is not None
+ok = tests_rc == 0 and bench_rc == 0 and bench is not None and lmc_rc in (0, 98)
 print(json.dumps({"gpu_check": "pass" if ok else "fail", "dry_run": dry == "1", "seconds": secs,
                   "python": python, "missing_deps": missing,
-                  "tests": {"exit": tests_rc, **counts}, "bench_exit": bench_rc, "bench": bench}))
+                  "tests": {"exit": tests_rc, **counts}, "bench_exit": bench_rc, "bench": bench,
+                  "lmcache_e2e_exit": lmc_rc}))
 EOF
-[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 ]]
+[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 && ( $LMC_RC -eq 0 || $LMC_RC -eq 98 ) ]]

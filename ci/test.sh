@@ -6,7 +6,8 @@
 #
 #   bash ci/test.sh                 every stage: ruff, mypy, core (pytest with the NIXL fabric tests),
 #                                   vllm, torch (the peer_hbm tier on CPU tensors, in the vLLM venv's
-#                                   torch), sglang
+#                                   torch), sglang, lmcache (pof as an LMCache storage plugin, in
+#                                   its own venv: ci/lmcache_venv.sh)
 #   POF_SKIP_ENGINES=1 ...          ruff, mypy and core only (no multi-GB engine venvs)
 #   POF_STAGES="core vllm" ...      only these stages (space- or comma-separated names from above)
 #   bash ci/test.sh ARGS...         ARGS go to every pytest stage (e.g. -x, -k NAME)
@@ -15,7 +16,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
 cd "$ROOT"
 
-ALL_STAGES=(ruff mypy core vllm torch sglang)
+ALL_STAGES=(ruff mypy core vllm torch sglang lmcache)
 if [[ -n "${POF_STAGES:-}" ]]; then
     read -r -a STAGES <<< "${POF_STAGES//,/ }"
 elif [[ "${POF_SKIP_ENGINES:-0}" == "1" ]]; then
@@ -79,7 +80,7 @@ if wanted ruff || wanted mypy || wanted core; then
         BIN="$(dirname "$PY")"
         run_stage ruff "$BIN/ruff" check pof_connector tiers adapters tests ci examples
         run_stage mypy "$BIN/mypy"
-        POF_REQUIRE_NIXL=1 run_stage core "$PY" -m pytest -m "not vllm and not sglang and not torch" "$@"
+        POF_REQUIRE_NIXL=1 run_stage core "$PY" -m pytest -m "not vllm and not sglang and not torch and not lmcache" "$@"
     else
         not_run "core venv build failed" ruff mypy core
     fi
@@ -103,6 +104,14 @@ if wanted vllm || wanted torch || wanted sglang; then
         else
             not_run "SGLang venv build failed" sglang
         fi
+    fi
+fi
+
+if wanted lmcache; then
+    if LPY="$(venv ci/lmcache_venv.sh)"; then
+        run_stage lmcache "$LPY" -m pytest -m lmcache "$@"
+    else
+        not_run "LMCache venv build failed" lmcache
     fi
 fi
 

@@ -10,13 +10,14 @@ The core (this package) imports no engine. Its modules:
   demote, spill), :mod:`.publisher` (publish / withdraw) and :mod:`.membership` (heartbeat,
   re-publish, lost tiers);
 * :mod:`.staging` — reusable host buffers the adapters copy pages through;
+* :mod:`.chunk_store` — an engine cache's whole chunks (LMCache's) kept as pof pages;
 * :mod:`.metrics` — the pool's counters and their Prometheus export;
 * :mod:`.memd` — a memory-only node that lends its tiers (``pof memd``);
 * :mod:`.cli` — the ``pof`` command, assembled from each group's registration (:mod:`.cli_support`,
   :mod:`.memd_cli`, ``index.cli``, ``bench.cli``, ``relay.cli``, ``router.serve``); :mod:`.console`;
 * packages: ``index`` (where pages live), ``locality`` (where a prompt's prefix lives, for
   routers), ``router``, ``relay``, ``fabric`` (remote reads over NIXL), ``bench``, and — through
-  symlinks to the repository's top level — ``tiers`` (media) and ``adapters`` (vLLM, SGLang).
+  symlinks to the repository's top level — ``tiers`` (media) and ``adapters`` (vLLM, SGLang, LMCache).
 """
 
 __version__ = "0.1.0"

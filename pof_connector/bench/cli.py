@@ -1,8 +1,10 @@
-"""``pof bench tiers | index | fabric | hbm | vllm | router``: run a benchmark, print its table or JSON."""
+"""``pof bench tiers | index | fabric | hbm | vllm | router | lmcache``: run a benchmark, print its table or JSON."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 from typing import Any
 
 from rich.table import Table
@@ -12,6 +14,7 @@ from pof_connector.bench import fabric as bench_fabric  # imports NIXL only when
 from pof_connector.bench import hbm as bench_hbm  # imports torch only when run
 from pof_connector.bench import index as bench_index
 from pof_connector.bench import index_cluster as bench_index_cluster
+from pof_connector.bench import lmcache as bench_lmcache  # starts LMCache engines in its venv; imports no LMCache
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
@@ -165,6 +168,29 @@ def cmd_bench_hbm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_lmcache(args: argparse.Namespace) -> int:
+    result = bench_lmcache.run(python=args.python, chunks=args.chunks, rounds=args.rounds, layers=args.layers,
+                               heads=args.heads, head_dim=args.head_dim, chunk_tokens=args.chunk_tokens,
+                               progress=progress)
+    if args.json:
+        print_json(result)
+        return 0
+    table = Table(title=f"LMCache put+get, {result['rounds']} x {result['chunks']} chunks of "
+                        f"{format_size(result['chunk_bytes'])} (medians)", title_justify="left")
+    for name in ("setup", "put s", "put GB/s", "get s", "get GB/s", "retrieved tokens", "bytes equal"):
+        table.add_column(name, justify="left" if name == "setup" else "right")
+    med = statistics.median
+    for name, row in (("local_cpu alone", result["local_cpu"]), ("LMCache + pof", result["pof"])):
+        table.add_row(name, f"{med(row['put_s']):.4f}", f"{row['put_gbps']:.2f}", f"{med(row['get_s']):.4f}",
+                      f"{row['get_gbps']:.2f}", str(row["retrieved_tokens"]), str(row["bytes_equal"]))
+    out = out_console()
+    out.print(table)
+    out.print(f"ratio put [bold]{result['ratio_put']:.3f}[/bold] (until in pof {result['ratio_in_pof']:.3f}), "
+              f"ratio get [bold]{result['ratio_get']:.3f}[/bold] (pof get from another process's pages vs. "
+              "local_cpu get from the engine's own memory; 1.0 = as fast)")
+    return 0
+
+
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
     setups = tuple(args.setups) + (("fabric",) if args.fabric and "fabric" not in args.setups else ())
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
@@ -313,6 +339,21 @@ def add_parser(sub: Any) -> None:
     hbm.add_argument("--pages", type=int, default=32, help="pages moved per pass (default 32)")
     hbm.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per row (default 0.3)")
     hbm.set_defaults(handler=cmd_bench_hbm)
+    lmc = bsub.add_parser("lmcache", help="LMCache local_cpu alone vs. LMCache + pof's storage plugin",
+                          description="Store and retrieve the same chunks through LMCache's engine with its "
+                                      "local_cpu backend alone, then with pof as its storage plugin (stored by one "
+                                      "process, retrieved by another through the index and a shared CXL region), "
+                                      "in the same run. Needs the LMCache venv (ci/lmcache_venv.sh).")
+    lmc.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    lmc.add_argument("--python", default=sys.executable,
+                     help="the LMCache venv's interpreter (default: this one)")
+    lmc.add_argument("--chunks", type=int, default=8, help="chunks per prompt (default 8)")
+    lmc.add_argument("--rounds", type=int, default=3, help="prompts, each timed (default 3)")
+    lmc.add_argument("--layers", type=int, default=16, help="model layers (default 16)")
+    lmc.add_argument("--heads", type=int, default=4, help="KV heads (default 4)")
+    lmc.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
+    lmc.add_argument("--chunk-tokens", type=int, default=256, help="LMCache chunk_size (default 256)")
+    lmc.set_defaults(handler=cmd_bench_lmcache)
     vllm = bsub.add_parser("vllm", help="TTFT from the pool vs. recompute vs. vLLM's ExampleConnector",
                            description="Start three vLLM servers in turn (no connector, PoFConnector, "
                                        "ExampleConnector) and time long prompts served by each; with --fabric "

@@ -9,3 +9,5 @@ import importlib.util
 collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_vllm*.py"]
 if not importlib.util.find_spec("sglang"):
     collect_ignore_glob.append("test_sglang*.py")
+if not importlib.util.find_spec("lmcache"):
+    collect_ignore_glob.append("test_lmcache*.py")
