@@ -214,13 +214,25 @@ class RedisClusterIndex(RedisIndex):
         ns = check_one_namespace(keys)
         joined = b"".join(list(map(_DIGEST, keys)))
         digests = np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), -1)
+        before = self._masters(ns)
         try:
             now, live, vals = self._call("lookup", self._lookup_round, ns, digests)
         except IndexUnavailable as e:
-            if not isinstance(e.__cause__, AskError):   # MOVED is an AskError: the slot map changed
+            # Sent once more when the slot map that _call refreshed differs: MOVED (an AskError),
+            # or a master that died and whose replica took over since the last refresh (without
+            # this, the first lookup of a process after a failover would be a miss).
+            moved = isinstance(e.__cause__, AskError)
+            if isinstance(e, IndexTimeout) or not (moved or self._masters(ns) != before):
                 raise
             now, live, vals = self._call("lookup", self._lookup_round, ns, digests)
         return self._matches(now, live, vals)
+
+    def _masters(self, ns: bytes) -> list[str]:
+        """The masters a lookup in ``ns`` goes to, as the slot map says now ([] if a slot has none)."""
+        try:
+            return [self._primary(s).name for s in (REGISTRY_SLOT, *self._buckets(ns)[1])]
+        except RedisClusterException:
+            return []
 
     def _lookup_round(self, ns: bytes, digests: np.ndarray) -> tuple[list[bytes], list[Any], list[Any]]:
         """``TIME``, ``ZRANGE live`` and the query's records in query order, in one parallel round."""
