@@ -130,3 +130,34 @@ def test_a_cluster_that_does_not_answer_costs_misses_not_a_start(runtime_dir: st
         assert pool.lookup(ks).pages == 0 and pool.stats.get("index_errors", op="heartbeat") >= 1
     finally:
         pool.close()
+
+
+def test_a_cluster_with_a_password_through_index_password_env(monkeypatch: pytest.MonkeyPatch,
+                                                               namespace: bytes) -> None:
+    from pof_connector.index import IndexUnavailable
+
+    secret = "pof-cluster-S3cr3t-41"
+    cluster = ClusterServers(masters=3, replicas=0, password=secret).start()
+    try:
+        monkeypatch.setenv("POF_TEST_CLUSTER_PASSWORD", secret)
+        config = PofConfig.from_mapping({"node_id": "a", "index_url": cluster.url,
+                                         "index_password_env": "POF_TEST_CLUSTER_PASSWORD"})
+        a = open_index(config, "a")
+        try:
+            a.heartbeat(NodeInfo("a"), 10)
+            ks = page_keys(namespace, list(range(16 * 50)), 16)
+            a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+            assert a.longest_prefix(ks)["a"].pages == 50
+        finally:
+            a.close()
+        monkeypatch.setenv("POF_TEST_CLUSTER_PASSWORD", "wrong")
+        wrong = open_index(PofConfig.from_mapping({"index_url": cluster.url,
+                                                   "index_password_env": "POF_TEST_CLUSTER_PASSWORD"}), None)
+        try:
+            with pytest.raises(IndexUnavailable) as e:
+                wrong.nodes()
+            assert secret not in str(e.value) and "wrong" not in str(e.value)
+        finally:
+            wrong.close()
+    finally:
+        cluster.stop()
