@@ -20,7 +20,7 @@ from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.bench.chaos_faults import KINDS as CHAOS_KINDS
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
-from pof_connector.config import ConfigError, PofConfig, format_size
+from pof_connector.config import ConfigError, PofConfig, format_size, redact_url
 
 
 def _setups(text: str) -> list[str]:
@@ -68,7 +68,8 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
         config = PofConfig.from_file(args.config)
         if not config.index_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"{args.config}: index_url: the bench needs a server URL (redis://, rediss:// or "
-                             f"unix://), got {config.index_url!r}")
+                             f"unix://; --cluster compares a cluster it starts with one server), got "
+                             f"{redact_url(config.index_url)!r}")
         url, auth = config.index_url, config.index_auth
     result = bench_index.run(pages=args.pages, nodes=args.nodes, iterations=args.iterations,
                              memory_pages=args.memory_pages or 100_000, url=url, progress=progress, auth=auth)

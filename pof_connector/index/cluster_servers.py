@@ -50,12 +50,13 @@ class ClusterProcess:
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
     node_id: str = ""
+    password: str | None = None
     _client: redis.Redis | None = None
 
     def client(self) -> redis.Redis:
         if self._client is None:
             self._client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2.0,
-                                       socket_connect_timeout=0.5)
+                                       socket_connect_timeout=0.5, password=self.password)
         return self._client
 
     def cmd(self, *args: Any) -> Any:
@@ -76,10 +77,12 @@ class ClusterServers:
     for ``cluster_state:ok`` and attached replicas) and stopped by :meth:`stop`; ``workdir``
     ``None``: a temporary directory, removed by :meth:`stop`."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, workdir: str | Path | None = None) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 1, workdir: str | Path | None = None, *,
+                 password: str | None = None) -> None:
+        """``password``: the ``default`` user's password on every node (``None``: none)."""
         if masters < 1 or replicas < 0:
             raise ValueError(f"need masters >= 1 and replicas >= 0, got {masters} and {replicas}")
-        self.masters, self.replicas = masters, replicas
+        self.masters, self.replicas, self.password = masters, replicas, password
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="pof-cluster-", dir="/tmp"))
         self.procs: list[ClusterProcess] = []
@@ -112,8 +115,14 @@ class ClusterServers:
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
                 "--save", "", "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no",
                 "--logfile", str(workdir / "server.log")]
+        if self.password is not None:
+            # In a config file (the server's first argument), not in argv: ps would show it.
+            conf = workdir / "auth.conf"
+            conf.write_text(f"requirepass {self.password}\nmasterauth {self.password}\n")
+            conf.chmod(0o600)
+            args.insert(1, str(conf))
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return ClusterProcess(port, bus_port, workdir, proc)
+        return ClusterProcess(port, bus_port, workdir, proc, password=self.password)
 
     def _wait_ping(self, p: ClusterProcess, deadline: float) -> None:
         while time.monotonic() < deadline:

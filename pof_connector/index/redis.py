@@ -280,7 +280,7 @@ class RedisIndex(LocalityIndex):
         incs = {self.node_id: self._inc}
         others = sorted({loc.node for _, loc in entries} - {self.node_id})
         if others:
-            got = self._call("incarnations", self._r.hmget, K_NODE_INC, others)
+            got = self._call("incarnations", lambda: self._r.hmget(K_NODE_INC, others))
             incs.update({n: int(i) for n, i in zip(others, got, strict=True) if i is not None})
         grouped: dict[str, list[tuple[PageKey, Location]]] = {}
         for key, loc in entries:
@@ -385,7 +385,7 @@ class RedisIndex(LocalityIndex):
         """Node ids of incarnations (immutable once assigned, so cached)."""
         missing = [i for i in incs if i not in self._inc_names]
         if missing:
-            got = self._call("names", self._r.hmget, K_INC_NODE, missing)
+            got = self._call("names", lambda: self._r.hmget(K_INC_NODE, missing))
             for i, name in zip(missing, got, strict=True):
                 if name is not None:
                     self._inc_names[i] = name.decode()

@@ -40,13 +40,15 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import redis
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
 from redis.crc import key_slot
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
@@ -85,6 +87,41 @@ def bucket_key(namespace: bytes, bucket: int) -> str:
     return f"pof:{{{namespace.hex()}/{bucket:02x}}}:loc"
 
 
+class LazyCluster:
+    """A ``RedisCluster`` made on first use (``make`` reaches the cluster to learn its slots): a
+    cluster that does not answer when a pool starts costs misses, not a failed start. Every
+    attribute but :meth:`register_script`, :meth:`get_encoder` and :meth:`close` is the client's,
+    so it is looked up inside the index's guarded calls."""
+
+    def __init__(self, make: Callable[[], RedisCluster]) -> None:
+        self._make = make
+        self._client: RedisCluster | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> RedisCluster:
+        """The client; raises ``RedisError`` / ``RedisClusterException`` while no node answers."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make()
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "connection_pool":      # Script asks for it, then falls back to get_encoder()
+            raise AttributeError(name)
+        return getattr(self.get(), name)
+
+    def get_encoder(self) -> Encoder:
+        return Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
+
+    def register_script(self, script: str) -> Script:
+        return Script(self, script)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
 class RedisClusterIndex(RedisIndex):
     """A :class:`~.base.LocalityIndex` client on a Redis Cluster; thread-safe. Every call
     succeeds or raises :class:`~.base.IndexUnavailable`, as :class:`.redis.RedisIndex`."""
@@ -106,14 +143,11 @@ class RedisClusterIndex(RedisIndex):
             kw.setdefault("password", parsed.password)
         if parsed.tls:
             kw["ssl"] = True
-        try:
-            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in parsed.nodes],  # type: ignore[no-untyped-call]
-                                socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                # Fail fast: a dead master is a miss now; the slot map is refreshed
-                                # by _call, and the guard's back-off paces the next try.
-                                retry=Retry(NoBackoff(), 1), **kw)
-        except (redis.RedisError, RedisClusterException) as e:
-            raise IndexUnavailable(f"index {self.shown_url}: cannot reach the cluster: {e}") from e
+        nodes = [ClusterNode(h, p) for h, p in parsed.nodes]  # type: ignore[no-untyped-call]
+        # Fail fast: a dead master is a miss now; the slot map is refreshed by _call, and the
+        # guard's back-off paces the next try.
+        return LazyCluster(lambda: RedisCluster(startup_nodes=nodes, socket_timeout=timeout_s,
+                                                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1), **kw))
 
     def _call(self, what: str, fn, *args, **kw):  # type: ignore[no-untyped-def]
         try:
@@ -193,10 +227,13 @@ class RedisClusterIndex(RedisIndex):
 
     def _write(self, what: str, records: dict[str, tuple[bytes, bytes]]) -> None:
         script = (self._publish if what == "publish" else self._withdraw).script
-        pipe = self._r.pipeline(transaction=False)
-        for key, (fields, recs) in records.items():
-            pipe.execute_command("EVAL", script, 1, key, fields, recs)
-        self._call(what, pipe.execute)
+
+        def send() -> None:
+            pipe = self._r.pipeline(transaction=False)
+            for key, (fields, recs) in records.items():
+                pipe.execute_command("EVAL", script, 1, key, fields, recs)
+            pipe.execute()
+        self._call(what, send)
 
     def _buckets(self, namespace: bytes) -> tuple[list[bytes], list[int]]:
         """Each bucket's hash key and slot, for ``namespace``."""
@@ -214,13 +251,25 @@ class RedisClusterIndex(RedisIndex):
         ns = check_one_namespace(keys)
         joined = b"".join(list(map(_DIGEST, keys)))
         digests = np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), -1)
+        before = self._masters(ns)
         try:
             now, live, vals = self._call("lookup", self._lookup_round, ns, digests)
         except IndexUnavailable as e:
-            if not isinstance(e.__cause__, AskError):   # MOVED is an AskError: the slot map changed
+            # Sent once more when the slot map that _call refreshed differs: MOVED (an AskError),
+            # or a master that died and whose replica took over since the last refresh (without
+            # this, the first lookup of a process after a failover would be a miss).
+            moved = isinstance(e.__cause__, AskError)
+            if isinstance(e, IndexTimeout) or not (moved or self._masters(ns) != before):
                 raise
             now, live, vals = self._call("lookup", self._lookup_round, ns, digests)
         return self._matches(now, live, vals)
+
+    def _masters(self, ns: bytes) -> list[str]:
+        """The masters a lookup in ``ns`` goes to, as the slot map says now ([] if a slot has none)."""
+        try:
+            return [self._primary(s).name for s in (REGISTRY_SLOT, *self._buckets(ns)[1])]
+        except (redis.RedisError, RedisClusterException):
+            return []
 
     def _lookup_round(self, ns: bytes, digests: np.ndarray) -> tuple[list[bytes], list[Any], list[Any]]:
         """``TIME``, ``ZRANGE live`` and the query's records in query order, in one parallel round."""

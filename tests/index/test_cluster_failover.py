@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from pof_connector.config import PofConfig
-from pof_connector.index import Location
+from pof_connector.index import Location, NodeInfo
 from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.redis import K_LIVE
 from pof_connector.index.redis_cluster import RedisClusterIndex
-from pof_connector.keys import PageKey
+from pof_connector.keys import PageKey, page_keys
 from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
 
@@ -152,3 +152,24 @@ def test_a_killed_master_costs_hits_never_a_wrong_location(cluster: ClusterServe
             t.join(30)
         for p in (a, b, reader):
             p.close()
+
+
+def test_the_first_lookup_after_a_failover_is_answered(cluster: ClusterServers, namespace: bytes) -> None:
+    """A reader that last looked before a master died finds the promoted replica on its first
+    lookup after the failover (its failed call refreshes the slot map and is sent again), instead
+    of missing once — a vLLM scheduler looks up rarely, and that one miss would be a whole prompt."""
+    a = RedisClusterIndex(cluster.url, "a")
+    reader = RedisClusterIndex(cluster.url, None)
+    try:
+        a.heartbeat(NodeInfo("a"), 30)
+        ks = page_keys(namespace, list(range(16 * 200)), 16)
+        a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+        assert reader.longest_prefix(ks)["a"].pages == 200
+        time.sleep(0.5)                                          # replicated (asynchronously)
+        registry = cluster.primary_of(K_LIVE)
+        cluster.kill(next(p for p in cluster.primaries() if p is not registry))
+        cluster.wait_healthy()
+        assert reader.longest_prefix(ks)["a"].pages == 200
+    finally:
+        a.close()
+        reader.close()

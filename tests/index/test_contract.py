@@ -129,14 +129,14 @@ def test_spilled_location_is_recorded_as_its_owners(make: Factory, namespace: by
     """B publishes a page it wrote into M's granted slot: lookups see it on M, it dies with M."""
     b, m, reader = make("b"), make("m"), make(None)
     b.heartbeat(NodeInfo("b"), 10)
-    m.heartbeat(NodeInfo("m"), 0.5)
+    m.heartbeat(NodeInfo("m"), 1.0)                          # 0.5 s flaked on a loaded host (cluster)
     ks = keys(namespace, 2)
     b.publish([(k, loc("m", 40 + i, gen=7)) for i, k in enumerate(ks)] + [(ks[0], loc("x", 1))])  # x: unknown
     got = reader.longest_prefix(ks)
     assert set(got) == {"m"} and got["m"].location(1) == loc("m", 41, gen=7)
     b.withdraw([(ks[1], loc("m", 41, gen=7))])               # the writer withdraws (lease ended)
     assert reader.longest_prefix(ks)["m"].pages == 1
-    time.sleep(0.7)                                          # M's heartbeat lapses: its slots are gone
+    time.sleep(1.2)                                          # M's heartbeat lapses: its slots are gone
     assert reader.longest_prefix(ks) == {}
 
 

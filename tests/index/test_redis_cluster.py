@@ -104,3 +104,60 @@ def test_bench_cluster_takes_no_url(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["bench", "index", "--cluster", "--url", "redis://127.0.0.1:1/0"]) != 0
     assert "--cluster starts its own server and cluster; it takes no --url" in capsys.readouterr().err
+
+
+def test_a_cluster_that_does_not_answer_costs_misses_not_a_start(runtime_dir: str, namespace: bytes) -> None:
+    """No node of the URL answers (ports nobody listens on): the client is made anyway, every call
+    is IndexUnavailable, and a pool on it starts and answers misses."""
+    from pof_connector.index import IndexUnavailable
+    from pof_connector.index.cluster_servers import _free_ports
+    from pof_connector.pages import PageSpec
+    from pof_connector.pool import Pool
+
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in _free_ports(2))
+    index = RedisClusterIndex(url, "a", timeout_s=0.2)
+    ks = page_keys(namespace, list(range(32)), 16)
+    try:
+        for call in (lambda: index.longest_prefix(ks), index.nodes, lambda: index.heartbeat(NodeInfo("a"), 5)):
+            with pytest.raises(IndexUnavailable):
+                call()
+    finally:
+        index.close()
+    config = PofConfig.from_mapping({"node_id": "a", "index_url": url, "runtime_dir": runtime_dir,
+                                     "index_timeout_s": 0.2, "tiers": {"cpu_dram": {"size": "1MiB"}}})
+    pool = Pool(config, PageSpec(num_layers=2, segment_bytes=512, page_tokens=16), namespace)
+    try:
+        assert pool.lookup(ks).pages == 0 and pool.stats.get("index_errors", op="heartbeat") >= 1
+    finally:
+        pool.close()
+
+
+def test_a_cluster_with_a_password_through_index_password_env(monkeypatch: pytest.MonkeyPatch,
+                                                               namespace: bytes) -> None:
+    from pof_connector.index import IndexUnavailable
+
+    secret = "pof-cluster-S3cr3t-41"
+    cluster = ClusterServers(masters=3, replicas=0, password=secret).start()
+    try:
+        monkeypatch.setenv("POF_TEST_CLUSTER_PASSWORD", secret)
+        config = PofConfig.from_mapping({"node_id": "a", "index_url": cluster.url,
+                                         "index_password_env": "POF_TEST_CLUSTER_PASSWORD"})
+        a = open_index(config, "a")
+        try:
+            a.heartbeat(NodeInfo("a"), 10)
+            ks = page_keys(namespace, list(range(16 * 50)), 16)
+            a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+            assert a.longest_prefix(ks)["a"].pages == 50
+        finally:
+            a.close()
+        monkeypatch.setenv("POF_TEST_CLUSTER_PASSWORD", "wrong")
+        wrong = open_index(PofConfig.from_mapping({"index_url": cluster.url,
+                                                   "index_password_env": "POF_TEST_CLUSTER_PASSWORD"}), None)
+        try:
+            with pytest.raises(IndexUnavailable) as e:
+                wrong.nodes()
+            assert secret not in str(e.value) and "wrong" not in str(e.value)
+        finally:
+            wrong.close()
+    finally:
+        cluster.stop()
