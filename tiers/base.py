@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pof_connector import page_sum
 from pof_connector.keys import PageKey
 from pof_connector.pages import (
     GENERATION_AT,
@@ -40,6 +41,7 @@ from pof_connector.pages import (
     as_array,
     checksum,
     encode_header,
+    expect_checksums,
 )
 from pof_connector.tiers.ordering import require_store_order
 from pof_connector.tiers.slot_table import SlotTable
@@ -225,16 +227,8 @@ class Tier(ABC):
         if len(layers) != spec.num_layers:
             raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
         dst = self._slot(ref.slot)
-        seg = spec.segment_bytes
-        sums = []
-        for i, layer in enumerate(layers):
-            src = as_array(layer)
-            if len(src) != seg:
-                raise ValueError(f"layer {i}: {len(src)} bytes, expected {seg}")
-            start = spec.segment_offset(i)
-            out = dst[start:start + seg]
-            np.copyto(out, src)
-            sums.append(checksum(out))      # of the copy, while it is still in cache
+        # One call copies every segment and sums it in the same pass (page_sum's native kernel).
+        sums = page_sum.gather_checksums(dst[spec.header_bytes:], [as_array(layer) for layer in layers])
         self._write_header(dst, encode_header(spec, key, ref.generation, sums))
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
@@ -244,7 +238,8 @@ class Tier(ABC):
         header = PageHeader.parse(src[:spec.header_bytes])
         dst = self._slot(ref.slot)
         np.copyto(dst[spec.header_bytes:], src[spec.header_bytes:spec.page_bytes])
-        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums))
+        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums,
+                                              header.version))
 
     def _write_header(self, dst: np.ndarray, header: bytes) -> None:
         # The generation field goes last: until it is stored, readers see generation 0.
@@ -276,14 +271,15 @@ class Tier(ABC):
         """Zero-copy read, step 2: after the caller copied :meth:`segment_view`, check the checksum
         of those same bytes and that the slot was not rewritten meanwhile (a writer zeroes the
         generation before touching any byte). Raises :class:`PageError`."""
-        if checksum(self.segment_view(ref, layer)) != header.segment_checksums[layer]:
+        if checksum(self.segment_view(ref, layer), header.version) != header.segment_checksums[layer]:
             raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
 
     def read(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
-        """Copy and check a whole page into ``into`` (``spec.page_bytes`` long): one copy, then
-        the header, every segment checksum, and the live generation once."""
+        """Copy and check a whole page into ``into`` (``spec.page_bytes`` long): the header, then
+        the segments in one call that copies and sums them in the same pass, and the live
+        generation once."""
         spec = self.spec
         self._check_slot(ref.slot)
         dst = as_array(into)[:spec.page_bytes]
@@ -292,12 +288,15 @@ class Tier(ABC):
         np.copyto(dst[:hb], src[:hb])
         header = PageHeader.parse(dst[:hb])
         header.expect(spec, key, ref.generation)
-        for layer, expected in enumerate(header.segment_checksums):
-            start = spec.segment_offset(layer)
-            out = dst[start:start + seg]
-            np.copyto(out, src[start:start + seg])    # segment by segment: each is checked while cached
-            if checksum(out) != expected:
-                raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if header.version == 1:       # xxh3: a copy, then a pass over each segment while cached
+            for layer, expected in enumerate(header.segment_checksums):
+                start = spec.segment_offset(layer)
+                out = dst[start:start + seg]
+                np.copyto(out, src[start:start + seg])
+                if checksum(out, 1) != expected:
+                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        else:
+            expect_checksums(header, page_sum.copy_checksums(dst[hb:], src[hb:], seg), f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header

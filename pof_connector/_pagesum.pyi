@@ -1,0 +1,9 @@
+# The native kernel of pof_connector.page_sum (built from _pagesum.c when a C compiler is there).
+from collections.abc import Sequence
+from typing import Any
+
+KERNEL: str
+
+def checksums(buf: Any, segment_bytes: int, /) -> tuple[int, ...]: ...
+def copy_checksums(dst: Any, src: Any, segment_bytes: int, /) -> tuple[int, ...]: ...
+def gather_checksums(dst: Any, srcs: Sequence[Any], /) -> tuple[int, ...]: ...
