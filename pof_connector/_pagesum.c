@@ -26,11 +26,16 @@ typedef struct {
 } sum_state;
 
 /* Sum `nblocks` whole blocks at `p` into the lane sums; with `dst`, also copy them there (one
- * pass: each byte is loaded once, stored once and summed while in a register). */
-typedef void (*sum_blocks_fn)(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s);
+ * pass: each byte is loaded once, stored once and summed while in a register). `stream`: the
+ * copy may bypass the caches (non-temporal stores, for a tier slot that nobody reads soon);
+ * only honoured with a 32-byte aligned `dst`, and fenced before returning, so stores issued
+ * after the call (the page header, its generation word last) become visible after these. */
+typedef void (*sum_blocks_fn)(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s, int stream);
 
-static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s)
+static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s,
+                               int stream)
 {
+    (void)stream;
     uint64_t a[LANES], b[LANES];
     memcpy(a, s->a, sizeof a);
     memcpy(b, s->b, sizeof b);
@@ -53,8 +58,9 @@ static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_
 #define HAVE_AVX2_PATH 1
 
 __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char *p, unsigned char *dst,
-                                                            size_t nblocks, sum_state *s)
+                                                            size_t nblocks, sum_state *s, int stream)
 {
+    stream = stream && dst != NULL && ((uintptr_t)dst & 31) == 0;
     __m256i a0 = _mm256_loadu_si256((const __m256i *)(s->a + 0)), a1 = _mm256_loadu_si256((const __m256i *)(s->a + 4));
     __m256i a2 = _mm256_loadu_si256((const __m256i *)(s->a + 8)), a3 = _mm256_loadu_si256((const __m256i *)(s->a + 12));
     __m256i b0 = _mm256_loadu_si256((const __m256i *)(s->b + 0)), b1 = _mm256_loadu_si256((const __m256i *)(s->b + 4));
@@ -63,8 +69,13 @@ __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char 
         const unsigned char *q = p + j * BLOCK;
         if (dst != NULL) {
             __m256i y0 = _mm256_loadu_si256((const __m256i *)q), y1 = _mm256_loadu_si256((const __m256i *)(q + 32));
-            _mm256_storeu_si256((__m256i *)(dst + j * BLOCK), y0);
-            _mm256_storeu_si256((__m256i *)(dst + j * BLOCK + 32), y1);
+            if (stream) {
+                _mm256_stream_si256((__m256i *)(dst + j * BLOCK), y0);
+                _mm256_stream_si256((__m256i *)(dst + j * BLOCK + 32), y1);
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + j * BLOCK), y0);
+                _mm256_storeu_si256((__m256i *)(dst + j * BLOCK + 32), y1);
+            }
         }
         a0 = _mm256_add_epi64(a0, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 0))));
         a1 = _mm256_add_epi64(a1, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 16))));
@@ -83,6 +94,8 @@ __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char 
     _mm256_storeu_si256((__m256i *)(s->b + 4), b1);
     _mm256_storeu_si256((__m256i *)(s->b + 8), b2);
     _mm256_storeu_si256((__m256i *)(s->b + 12), b3);
+    if (stream)
+        _mm_sfence();
 }
 #endif
 
@@ -114,16 +127,16 @@ static uint64_t sum_one(const unsigned char *p, size_t len)
 {
     sum_state s;
     memset(&s, 0, sizeof s);
-    sum_blocks(p, NULL, len / BLOCK, &s);
+    sum_blocks(p, NULL, len / BLOCK, &s, 0);
     return finish(&s, p, len);
 }
 
-static uint64_t copy_sum_one(unsigned char *dst, const unsigned char *src, size_t len)
+static uint64_t copy_sum_one(unsigned char *dst, const unsigned char *src, size_t len, int stream)
 {
     sum_state s;
     memset(&s, 0, sizeof s);
     size_t whole = len / BLOCK * BLOCK;
-    sum_blocks(src, dst, len / BLOCK, &s);
+    sum_blocks(src, dst, len / BLOCK, &s, stream);
     memcpy(dst + whole, src + whole, len - whole);
     return finish(&s, dst, len);
 }
@@ -183,14 +196,14 @@ static PyObject *py_checksums(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(copy_checksums_doc,
-             "copy_checksums(dst, src, segment_bytes) -> tuple: copy src into dst (same length) and return the "
-             "checksum of each segment of the copy.");
+             "copy_checksums(dst, src, segment_bytes, head=0) -> tuple: copy src into dst (same length) and return "
+             "the checksum of each segment of the copy after its first `head` bytes (copied, not summed).");
 
 static PyObject *py_copy_checksums(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
-    Py_ssize_t seg, count;
-    if (!PyArg_ParseTuple(args, "w*y*n", &dst, &src, &seg))
+    Py_ssize_t seg, count, head = 0;
+    if (!PyArg_ParseTuple(args, "w*y*n|n", &dst, &src, &seg, &head))
         return NULL;
     PyObject *out = NULL;
     uint64_t *sums = NULL;
@@ -198,23 +211,29 @@ static PyObject *py_copy_checksums(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "copy of %zd bytes into %zd", src.len, dst.len);
         goto done;
     }
-    if (segment_count(src.len, seg, &count) < 0)
+    if (head < 0 || head > src.len) {
+        PyErr_Format(PyExc_ValueError, "head of %zd bytes in a copy of %zd", head, src.len);
+        goto done;
+    }
+    if (segment_count(src.len - head, seg, &count) < 0)
         goto done;
     sums = PyMem_Malloc(sizeof(uint64_t) * (count ? count : 1));
     if (sums == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    unsigned char *d = dst.buf;
-    const unsigned char *s = src.buf;
+    unsigned char *d = (unsigned char *)dst.buf + head;
+    const unsigned char *s = (const unsigned char *)src.buf + head;
     if (src.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
+        memcpy(dst.buf, src.buf, (size_t)head);
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg);
+            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0);
         Py_END_ALLOW_THREADS
     } else {
+        memcpy(dst.buf, src.buf, (size_t)head);
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg);
+            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0);
     }
     out = as_tuple(sums, count);
 done:
@@ -225,14 +244,16 @@ done:
 }
 
 PyDoc_STRVAR(gather_checksums_doc,
-             "gather_checksums(dst, srcs) -> tuple: copy each buffer of srcs (all of len(dst) // len(srcs) bytes) "
-             "into consecutive segments of dst and return the checksum of each copy.");
+             "gather_checksums(dst, srcs, stream=False) -> tuple: copy each buffer of srcs (all of len(dst) // "
+             "len(srcs) bytes) into consecutive segments of dst and return the checksum of each copy. stream: "
+             "bypass the caches (for a destination nobody reads soon).");
 
 static PyObject *py_gather_checksums(PyObject *self, PyObject *args)
 {
     Py_buffer dst;
     PyObject *seq_in;
-    if (!PyArg_ParseTuple(args, "w*O", &dst, &seq_in))
+    int stream = 0;
+    if (!PyArg_ParseTuple(args, "w*O|p", &dst, &seq_in, &stream))
         return NULL;
     PyObject *seq = PySequence_Fast(seq_in, "srcs must be a sequence of buffers");
     if (seq == NULL) {
@@ -265,11 +286,11 @@ static PyObject *py_gather_checksums(PyObject *self, PyObject *args)
     if (dst.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg);
+            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream);
         Py_END_ALLOW_THREADS
     } else {
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg);
+            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream);
     }
     out = as_tuple(sums, count);
 done:

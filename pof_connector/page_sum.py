@@ -78,23 +78,25 @@ def checksum(buf: np.ndarray) -> int:
     return checksums(buf, len(buf))[0]
 
 
-def copy_checksums(dst: np.ndarray, src: np.ndarray, segment_bytes: int) -> tuple[int, ...]:
+def copy_checksums(dst: np.ndarray, src: np.ndarray, segment_bytes: int, head: int = 0) -> tuple[int, ...]:
     """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of each
-    segment of the copy: one pass over the bytes with the native kernel."""
+    segment of the copy after its first ``head`` bytes (a page header: copied, not summed). One
+    pass over the bytes with the native kernel."""
     if _native is not None:
-        result: tuple[int, ...] = _native.copy_checksums(dst, src, segment_bytes)
+        result: tuple[int, ...] = _native.copy_checksums(dst, src, segment_bytes, head)
         return result
     if len(dst) != len(src):
         raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
     np.copyto(dst, src)
-    return checksums(dst, segment_bytes)
+    return checksums(dst[head:], segment_bytes)
 
 
-def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray]) -> tuple[int, ...]:
+def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], stream: bool = False) -> tuple[int, ...]:
     """Copy each of ``srcs`` (flat uint8 arrays of ``len(dst) // len(srcs)`` bytes) into consecutive
-    segments of ``dst`` and return the checksum of each copy, in one call."""
+    segments of ``dst`` and return the checksum of each copy, in one call. ``stream``: the native
+    kernel may bypass the caches (for a tier slot, which nobody reads soon after it is written)."""
     if _native is not None:
-        result: tuple[int, ...] = _native.gather_checksums(dst, srcs)
+        result: tuple[int, ...] = _native.gather_checksums(dst, srcs, stream)
         return result
     seg = len(dst) // max(len(srcs), 1)
     if not srcs or seg * len(srcs) != len(dst):

@@ -30,11 +30,12 @@ any input.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -117,8 +118,10 @@ class PageSpec:
         return page[start:start + self.segment_bytes]
 
 
-@dataclass(frozen=True)
-class PageHeader:
+class PageHeader(NamedTuple):
+    """A decoded, self-checked header (immutable; a NamedTuple because one is built per page load
+    and a frozen dataclass costs several times more to construct)."""
+
     key: PageKey
     generation: int
     kind: int
@@ -130,9 +133,13 @@ class PageHeader:
     """The page format (see the module docstring): which segment checksum the page carries."""
 
     @classmethod
-    def parse(cls, buf: Any) -> PageHeader:
-        """Decode and self-check a header; raises only :class:`PageError`."""
-        mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
+    def parse(cls, buf: Any, expected: PageKey | None = None) -> PageHeader:
+        """Decode and self-check a header; raises only :class:`PageError`. ``expected``: the key
+        the caller wants, reused as the header's when equal (saves building one per page load);
+        ``None``: no expectation (check with :meth:`expect`)."""
+        mv = memoryview(buf)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
         if len(mv) < _SUMS_AT:
             raise PageError("bad_header", f"{len(mv)} bytes is shorter than a header")
         magic, version, kind, ns, digest, gen, layers, seg, tokens, _ = _FIXED.unpack_from(mv, 0)
@@ -149,13 +156,16 @@ class PageHeader:
         if len(mv) < end:
             raise PageError("bad_header", f"header of {layers} layers needs {end} bytes, got {len(mv)}")
         (stored,) = _CHECKSUM.unpack_from(mv, _CHECKSUM_AT)
-        h = xxhash.xxh3_64()
-        h.update(mv[:_CHECKSUM_AT])
+        h = xxhash.xxh3_64(mv[:_CHECKSUM_AT])
         h.update(mv[_SUMS_AT:end])
         if h.intdigest() != stored:
             raise PageError("bad_header", "header checksum mismatch")
-        sums = struct.unpack_from(f"<{layers}Q", mv, _SUMS_AT)
-        return cls(PageKey(ns, digest), gen, kind, layers, seg, tokens, sums, version)
+        sums = _sums_struct(layers).unpack_from(mv, _SUMS_AT)
+        if expected is not None and expected.digest == digest and expected.namespace == ns:
+            key = expected
+        else:
+            key = PageKey(ns, digest)
+        return cls(key, gen, kind, layers, seg, tokens, sums, version)
 
     def expect(self, spec: PageSpec, key: PageKey, generation: int | None) -> None:
         """Raise :class:`PageError` unless this header is ``key`` at ``generation`` with ``spec``'s
@@ -178,17 +188,26 @@ def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksu
         raise ValueError(f"{len(segment_checksums)} segment checksums for {spec.num_layers} layers")
     if version not in READABLE_VERSIONS:
         raise ValueError(f"page format version {version}; allowed: {READABLE_VERSIONS}")
-    fixed = _FIXED.pack(MAGIC, version, spec.kind, key.namespace, key.digest, generation,
-                        spec.num_layers, spec.segment_bytes, spec.page_tokens, 0)
     out = bytearray(spec.header_bytes)
-    out[:_CHECKSUM_AT] = fixed
-    end = _SUMS_AT + 8 * spec.num_layers
-    struct.pack_into(f"<{spec.num_layers}Q", out, _SUMS_AT, *segment_checksums)
-    h = xxhash.xxh3_64()
-    h.update(fixed)
-    h.update(memoryview(out)[_SUMS_AT:end if version == 1 else spec.header_bytes])
+    _header_struct(spec.num_layers).pack_into(
+        out, 0, MAGIC, version, spec.kind, key.namespace, key.digest, generation, spec.num_layers,
+        spec.segment_bytes, spec.page_tokens, 0, 0, *segment_checksums)
+    mv = memoryview(out)
+    h = xxhash.xxh3_64(mv[:_CHECKSUM_AT])
+    h.update(mv[_SUMS_AT:_SUMS_AT + 8 * spec.num_layers if version == 1 else spec.header_bytes])
     _CHECKSUM.pack_into(out, _CHECKSUM_AT, h.intdigest())
     return bytes(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _sums_struct(num_layers: int) -> struct.Struct:
+    return struct.Struct(f"<{num_layers}Q")
+
+
+@functools.lru_cache(maxsize=64)
+def _header_struct(num_layers: int) -> struct.Struct:
+    """Fixed fields, the header checksum (packed as 0, set after) and ``num_layers`` segment checksums."""
+    return struct.Struct(f"<4sHH16s32sQIIIIQ{num_layers}Q")
 
 
 def as_array(buf: Any) -> np.ndarray:
