@@ -303,7 +303,115 @@ done:
     return out;
 }
 
+/* vLLM's CPU attention cache stores a block per head as K^T [D, N] then V [N, D]; the canonical
+ * segment holds K [P, H, D] then V [P, H, D] for a page of P = blocks * N tokens. Copy block b's
+ * tokens of head h into it (src rows read in order, stores scattered within the head's K^T, which
+ * stays in L1), summing
+ * the segment's canonical bytes in the same pass over each block, in the segment's order. */
+#define K_LOOPS(T)                                                                                    \
+    for (size_t h = 0; h < H; h++) {                                                                  \
+        T *kt = (T *)(dst + h * 2 * N * D * sizeof(T));                                               \
+        for (size_t n = 0; n < N; n++) {                                                              \
+            const T *row = (const T *)k + (n * H + h) * D;                                            \
+            for (size_t d = 0; d < D; d++)                                                            \
+                kt[d * N + n] = row[d];                                                               \
+        }                                                                                             \
+    }
+
+static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D, size_t isz)
+{
+    if (isz == 4) {
+        K_LOOPS(uint32_t)
+    } else if (isz == 2) {
+        K_LOOPS(uint16_t)
+    } else {
+        K_LOOPS(uint8_t)
+    }
+}
+
+static void v_block(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz)
+{
+    size_t row = D * isz;
+    for (size_t h = 0; h < H; h++) {
+        unsigned char *vv = dst + (2 * h + 1) * N * row;
+        for (size_t n = 0; n < N; n++)
+            memcpy(vv + n * row, v + (n * H + h) * row, row);
+    }
+}
+
+PyDoc_STRVAR(kt_copy_checksum_doc,
+             "kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize) -> int: write the canonical "
+             "segment src (K then V, each [blocks * block_tokens, heads, head_dim]) into vLLM CPU-cache blocks "
+             "dsts[b - skip] for b >= skip (each [heads, 2, block_tokens * head_dim]: K^T then V per head) and "
+             "return the checksum of the whole of src, summed as it is copied.");
+
+static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    PyObject *seq_in;
+    Py_ssize_t skip, N, H, D, isz;
+    if (!PyArg_ParseTuple(args, "y*Onnnnn", &src, &seq_in, &skip, &N, &H, &D, &isz))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "dsts must be a sequence of writable buffers");
+    if (seq == NULL) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t ndst = PySequence_Fast_GET_SIZE(seq), got = 0;
+    PyObject *out = NULL;
+    Py_buffer *views = PyMem_Calloc(ndst ? ndst : 1, sizeof(Py_buffer));
+    size_t half = (size_t)N * H * D * isz;          /* one block's K (or V) bytes */
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (N < 1 || H < 1 || D < 1 || (isz != 1 && isz != 2 && isz != 4) || skip < 0 || half % BLOCK != 0
+        || src.len % (2 * half) != 0 || (size_t)(skip + ndst) != (size_t)src.len / (2 * half)) {
+        PyErr_Format(PyExc_ValueError, "kt_copy_checksum: %zd bytes, %zd + %zd blocks of %zd tokens x %zd heads x "
+                     "%zd dims x %zd bytes do not fit (each block's K must be a multiple of %d bytes)",
+                     src.len, skip, ndst, N, H, D, isz, BLOCK);
+        goto done;
+    }
+    for (; got < ndst; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if ((size_t)views[got].len != 2 * half) {
+            PyErr_Format(PyExc_ValueError, "block %zd has %zd bytes, expected %zu", got, views[got].len, 2 * half);
+            got++;
+            goto done;
+        }
+    }
+    size_t blocks = (size_t)src.len / (2 * half);
+    const unsigned char *k = src.buf, *v = (const unsigned char *)src.buf + blocks * half;
+    sum_state st;
+    memset(&st, 0, sizeof st);
+    Py_BEGIN_ALLOW_THREADS
+    /* Sum a block's bytes first: the sequential pass streams them into cache at full speed, and
+     * the transposing copy then gathers from cache instead of striding through DRAM. (Both read the
+     * same tier bytes; the caller's generation check afterwards proves nobody rewrote them.) */
+    for (size_t b = 0; b < blocks; b++) {           /* K of every block, then V: the canonical order */
+        sum_blocks(k + b * half, NULL, half / BLOCK, &st, 0);
+        if (b >= (size_t)skip)
+            k_block(views[b - skip].buf, k + b * half, N, H, D, isz);
+    }
+    for (size_t b = 0; b < blocks; b++) {
+        sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
+        if (b >= (size_t)skip)
+            v_block(views[b - skip].buf, v + b * half, N, H, D, isz);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyLong_FromUnsignedLongLong(finish(&st, src.buf, (size_t)src.len));
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    PyBuffer_Release(&src);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"kt_copy_checksum", py_kt_copy_checksum, METH_VARARGS, kt_copy_checksum_doc},
     {"checksums", py_checksums, METH_VARARGS, checksums_doc},
     {"copy_checksums", py_copy_checksums, METH_VARARGS, copy_checksums_doc},
     {"gather_checksums", py_gather_checksums, METH_VARARGS, gather_checksums_doc},

@@ -108,23 +108,38 @@ def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], stream: bool =
     return checksums(dst, seg)
 
 
+def kt_copy_checksum(src: np.ndarray, dsts: Sequence[np.ndarray], skip: int, block_tokens: int, heads: int,
+                     head_dim: int, itemsize: int) -> int:
+    """Write a canonical segment (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into
+    vLLM CPU-cache blocks ``dsts[b - skip]`` for ``b >= skip`` (each ``[heads, 2, block_tokens *
+    head_dim]``: K^T then V per head) and return the checksum of all of ``src``, in one pass.
+    Native kernel only (callers check :data:`NATIVE`)."""
+    if _native is None:
+        raise RuntimeError("kt_copy_checksum needs the native kernel (pof_connector._pagesum)")
+    result: int = _native.kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize)
+    return result
+
+
 def torch_checksums(segments: Any) -> Any:
     """The checksums of a ``[..., segment_bytes]`` uint8 tensor's last-dimension rows, computed by
     torch on the tensor's own device (CPU or GPU), as an int64 tensor of shape ``[...]`` holding
-    each checksum's two's-complement value (compare with :func:`as_int64`)."""
+    each checksum's two's-complement value (compare with :func:`as_int64`). Only the last
+    dimension must be contiguous: ``pages[:, header_bytes:].view(P, layers, seg)``-style views of
+    whole pages are summed in place."""
     import torch  # only callers that already hold tensors get here
 
     seg = segments.shape[-1]
-    rows = segments.reshape(-1, seg)
     pad = -seg % 4
     if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    w = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    n = w.shape[1]
+        segments = torch.nn.functional.pad(segments, (0, pad))
+    if segments.stride(-1) != 1 or any(st % 4 for st in segments.stride()[:-1]) or segments.storage_offset() % 4:
+        segments = segments.contiguous()
+    w = segments.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    n = w.shape[-1]
     weights = torch.arange(n, 0, -1, dtype=torch.int64, device=w.device)
-    a = w.sum(dim=1)
-    b = (w * weights).sum(dim=1)           # int64 arithmetic wraps: the sums are taken mod 2**64
-    return (a + _MIX_SIGNED * b).reshape(segments.shape[:-1])
+    a = w.sum(dim=-1)
+    b = (w * weights).sum(dim=-1)           # int64 arithmetic wraps: the sums are taken mod 2**64
+    return a + _MIX_SIGNED * b
 
 
 def as_int64(value: int) -> int:

@@ -295,11 +295,15 @@ class Tier(ABC):
         start = self.spec.segment_offset(layer)
         return self._slot(ref.slot)[start:start + self.spec.segment_bytes]
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
         """Zero-copy read, step 2: after the caller copied :meth:`segment_view`, check the checksum
         of those same bytes and that the slot was not rewritten meanwhile (a writer zeroes the
-        generation before touching any byte). Raises :class:`PageError`."""
-        if checksum(self.segment_view(ref, layer), header.version) != header.segment_checksums[layer]:
+        generation before touching any byte). ``copied``: the format-v2 checksum the caller's copy
+        computed over the bytes it read (a fused copy), used instead of a second pass; ``None``:
+        sum them here. Raises :class:`PageError`."""
+        if copied is None or header.version == 1:
+            copied = checksum(self.segment_view(ref, layer), header.version)
+        if copied != header.segment_checksums[layer]:
             raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")

@@ -258,14 +258,17 @@ class PeerHbmTier(Tier):
         self._check_slot(ref.slot)
         return self._host(self._seg_t(ref.slot, layer), tag=(ref.slot, ref.generation, layer))
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
         """After the caller copied :meth:`segment_view`: the checksum of those bytes (the scratch
-        copy it was given, when there is one), then the slot's live generation."""
-        if getattr(self._local, "tag", None) == (ref.slot, ref.generation, layer):
-            data = self._scratch(self.spec.segment_bytes).numpy()
-        else:
-            data = self._host(self._seg_t(ref.slot, layer))
-        if checksum(data, header.version) != header.segment_checksums[layer]:
+        copy it was given, when there is one; ``copied``: the v2 checksum the caller's fused copy
+        computed over them), then the slot's live generation."""
+        if copied is None or header.version == 1:
+            if getattr(self._local, "tag", None) == (ref.slot, ref.generation, layer):
+                data = self._scratch(self.spec.segment_bytes).numpy()
+            else:
+                data = self._host(self._seg_t(ref.slot, layer))
+            copied = checksum(data, header.version)
+        if copied != header.segment_checksums[layer]:
             raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
