@@ -197,9 +197,17 @@ def test_torch_computes_the_same_checksums() -> None:
     """What a GPU engine runs over the bytes where they landed, on CPU tensors here."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
-    for seg in (1, 6, 64, 1000, 65_536):
-        pages = rng.integers(0, 256, (2, 3, seg), dtype=np.uint8)
-        got = page_sum.torch_checksums(torch.from_numpy(pages))
-        assert got.shape == (2, 3) and got.dtype == torch.int64
-        want = [[page_sum.as_int64(reference(pages[i, j].tobytes())) for j in range(3)] for i in range(2)]
-        assert got.tolist() == want
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]     # ci/gpu_check.sh: on GPUs too
+    for device in devices:
+        for seg in (1, 6, 64, 1000, 65_536):
+            pages = rng.integers(0, 256, (2, 3, seg), dtype=np.uint8)
+            got = page_sum.torch_checksums(torch.from_numpy(pages).to(device))
+            assert got.shape == (2, 3) and got.dtype == torch.int64 and got.device == torch.device(device)
+            want = [[page_sum.as_int64(reference(pages[i, j].tobytes())) for j in range(3)] for i in range(2)]
+            assert got.tolist() == want, device
+        # whole pages where they landed: segments viewed in place after each page's header
+        raw = torch.from_numpy(rng.integers(0, 256, (4, 128 + 3 * 512), dtype=np.uint8)).to(device)
+        got = page_sum.torch_checksums(raw[:, 128:].view(4, 3, 512))
+        host = raw.cpu().numpy()
+        assert got.tolist() == [[page_sum.as_int64(page_sum.checksum(host[p, 128 + 512 * j:128 + 512 * (j + 1)]))
+                                 for j in range(3)] for p in range(4)]

@@ -211,6 +211,7 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
         # its bound from this run's raw rates, to tell pof's overhead from the design's.
         "peer_read_to_device_bound_gbps": round(1 / (1 / raw["d2d"] + 1 / raw["checksum_device"]), 3),
         "baseline": "torch copy_ of the same bytes between the same memories, same run",
+        "native_kernel": page_sum.NATIVE,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
