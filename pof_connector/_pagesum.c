@@ -318,8 +318,52 @@ done:
         }                                                                                             \
     }
 
+#ifdef HAVE_AVX2_PATH
+/* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
+ * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. */
+__attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, const unsigned char *k, size_t N,
+                                                            size_t H, size_t D)
+{
+    for (size_t h = 0; h < H; h++) {
+        float *kt = (float *)(dst + h * 2 * N * D * 4);
+        for (size_t n = 0; n < N; n += 8)
+            for (size_t d = 0; d < D; d += 8) {
+                __m256 r[8], t[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm256_loadu_ps((const float *)k + ((n + i) * H + h) * D + d);
+                t[0] = _mm256_unpacklo_ps(r[0], r[1]);
+                t[1] = _mm256_unpackhi_ps(r[0], r[1]);
+                t[2] = _mm256_unpacklo_ps(r[2], r[3]);
+                t[3] = _mm256_unpackhi_ps(r[2], r[3]);
+                t[4] = _mm256_unpacklo_ps(r[4], r[5]);
+                t[5] = _mm256_unpackhi_ps(r[4], r[5]);
+                t[6] = _mm256_unpacklo_ps(r[6], r[7]);
+                t[7] = _mm256_unpackhi_ps(r[6], r[7]);
+                r[0] = _mm256_shuffle_ps(t[0], t[2], 0x44);
+                r[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
+                r[2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
+                r[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
+                r[4] = _mm256_shuffle_ps(t[4], t[6], 0x44);
+                r[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
+                r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
+                r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
+                for (int j = 0; j < 4; j++) {
+                    _mm256_storeu_ps(kt + (d + j) * N + n, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+                    _mm256_storeu_ps(kt + (d + j + 4) * N + n, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+                }
+            }
+    }
+}
+#endif
+
 static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D, size_t isz)
 {
+#ifdef HAVE_AVX2_PATH
+    if (isz == 4 && N % 8 == 0 && D % 8 == 0 && sum_blocks == sum_blocks_avx2) {
+        k_block_avx2_32(dst, k, N, H, D);
+        return;
+    }
+#endif
     if (isz == 4) {
         K_LOOPS(uint32_t)
     } else if (isz == 2) {
