@@ -194,7 +194,6 @@ class PeerHbmTier(Tier):
             raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
         dst = self._slot_t(ref.slot)
         seg = spec.segment_bytes
-        sums = []
         for i, layer in enumerate(layers):
             src = self._as_tensor(layer)
             if src.numel() != seg:
@@ -202,7 +201,9 @@ class PeerHbmTier(Tier):
             start = spec.segment_offset(i)
             with self._on_stream():
                 dst[start:start + seg].copy_(src)
-            sums.append(self._checksums(src, seg)[0])
+        self._sync(*(t for t in layers if isinstance(t, self._torch.Tensor)))
+        # The checksums of the bytes where they landed, all layers at once (on a GPU: by torch, one sync).
+        sums = self._checksums(dst[spec.header_bytes:], seg)
         self._write_header(dst, encode_header(spec, key, ref.generation, sums))
 
     def _checksums(self, t: Any, seg: int) -> tuple[int, ...]:
@@ -210,9 +211,9 @@ class PeerHbmTier(Tier):
         (a GPU tensor by torch on its device: no copy to the host)."""
         if t.device.type == "cpu":
             return page_sum.checksums(t.numpy(), seg)
-        with self._on_stream():
-            got = page_sum.torch_checksums(t.view(-1, seg))
-        return tuple(v & 0xFFFFFFFFFFFFFFFF for v in got.tolist())     # tolist waits for the sums
+        with self._on_stream():      # tolist on the same stream: it waits for the sums
+            got = page_sum.torch_checksums(t.view(-1, seg)).tolist()
+        return tuple(v & 0xFFFFFFFFFFFFFFFF for v in got)
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
         """Write an already packed and verified page, re-stamped with ``ref.generation``."""
