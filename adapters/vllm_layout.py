@@ -141,15 +141,20 @@ class BlockLayout:
                 and self.dtype.itemsize in (1, 2, 4) and kv.is_contiguous()
                 and (self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize) % 64 == 0)
 
-    def copy_checked(self, kv: torch.Tensor, block_ids: list[int], segment: np.ndarray, skip: int) -> int:
-        """Write one page's canonical segment (tier memory) into ``block_ids`` of ``kv`` — its
+    def copy_checked(self, kv_bytes: np.ndarray, block_ids: list[int], segment: np.ndarray, skip: int) -> int:
+        """Write one page's canonical segment (tier memory) into ``block_ids`` of a cache — its
         blocks after the first ``skip`` — converting to the CPU cache's K^T order on the way, and
         return the segment's format-v2 checksum, summed in the same pass (one native call per page
         and layer instead of two strided torch copies per block and a second read for the check).
-        Only where :meth:`can_copy_checked`."""
-        blocks = [kv[b].view(torch.uint8).numpy() for b in block_ids]
-        return page_sum.kt_copy_checksum(segment, blocks, skip, self.block_size, self.kv_heads, self.head_dim,
-                                         self.dtype.itemsize)
+        ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. Only where :meth:`can_copy_checked`."""
+        return page_sum.kt_copy_checksum(segment, [kv_bytes[b] for b in block_ids], skip, self.block_size,
+                                         self.kv_heads, self.head_dim, self.dtype.itemsize)
+
+    @staticmethod
+    def cache_bytes(kv: torch.Tensor) -> np.ndarray:
+        """A CPU cache tensor as a ``[blocks, ...]`` uint8 array over the same memory (no copy)."""
+        out: np.ndarray = kv.view(torch.uint8).numpy()
+        return out
 
     def pages_to_blocks(self, pages: torch.Tensor, blocks_per_page: int) -> torch.Tensor:
         """``[np, *canonical_shape(P)]`` page segments → ``[np * bpp, *block_shape()]`` (a view when a

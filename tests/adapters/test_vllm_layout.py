@@ -138,7 +138,7 @@ def test_fused_cpu_kt_copy_matches_the_torch_copy_and_sums_the_segment(dtype: to
     want = kv.clone()
     page = torch.from_numpy(segment).view(dtype).view(1, *lay.canonical_shape(N * bpp))
     lay.write_blocks(want, blocks, lay.pages_to_blocks(page, bpp)[skip:])
-    got = lay.copy_checked(kv, blocks, segment, skip)
+    got = lay.copy_checked(lay.cache_bytes(kv), blocks, segment, skip)
     assert torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
     assert got == page_sum.checksum(segment)
     assert bool(kv[blocks].any()) and not bool(kv[[0, 1, 2]].any())       # only the page's blocks changed
