@@ -33,7 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from pof_connector import page_sum
 
 LAYOUTS = ("cpu_kt", "cpu_probed", "cpu_opaque", "kv_first_nhd", "kv_first_hnd", "blocks_first",
            "blocks_first_hnd", "mla")
@@ -130,6 +133,28 @@ class BlockLayout:
                 dst[:, 1].view(h, n, d).copy_(blocks[j, 1].permute(1, 0, 2))    # V [N,H,D] -> [H,N,D]
         elif block_ids:
             self.scatter(kv, torch.tensor(block_ids, dtype=torch.long, device=kv.device), blocks)
+
+    def can_copy_checked(self, kv: torch.Tensor) -> bool:
+        """Whether :meth:`copy_checked` handles this layout and cache: ``cpu_kt`` on a CPU tensor,
+        with the native kernel of :mod:`pof_connector.page_sum` built."""
+        return (self.name == "cpu_kt" and kv.device.type == "cpu" and page_sum.NATIVE is not None
+                and self.dtype.itemsize in (1, 2, 4) and kv.is_contiguous()
+                and (self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize) % 64 == 0)
+
+    def copy_checked(self, kv_bytes: np.ndarray, block_ids: list[int], segment: np.ndarray, skip: int) -> int:
+        """Write one page's canonical segment (tier memory) into ``block_ids`` of a cache — its
+        blocks after the first ``skip`` — converting to the CPU cache's K^T order on the way, and
+        return the segment's format-v2 checksum, summed in the same pass (one native call per page
+        and layer instead of two strided torch copies per block and a second read for the check).
+        ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. Only where :meth:`can_copy_checked`."""
+        return page_sum.kt_copy_checksum(segment, [kv_bytes[b] for b in block_ids], skip, self.block_size,
+                                         self.kv_heads, self.head_dim, self.dtype.itemsize)
+
+    @staticmethod
+    def cache_bytes(kv: torch.Tensor) -> np.ndarray:
+        """A CPU cache tensor as a ``[blocks, ...]`` uint8 array over the same memory (no copy)."""
+        out: np.ndarray = kv.view(torch.uint8).numpy()
+        return out
 
     def pages_to_blocks(self, pages: torch.Tensor, blocks_per_page: int) -> torch.Tensor:
         """``[np, *canonical_shape(P)]`` page segments → ``[np * bpp, *block_shape()]`` (a view when a

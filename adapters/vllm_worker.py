@@ -139,14 +139,19 @@ class PoFWorker:
             return
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
+        fused = lay.can_copy_checked(kv)
+        kv_bytes = lay.cache_bytes(kv) if fused else None
         for active in self._loads:
             job, reader = active.job, active.reader
             for i in range(active.readable):
                 seg = reader.segment(i, layer)
                 if seg is None:
                     continue
-                page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
                 skip = job.first_block(i)          # the first page's head is the engine's own
+                if kv_bytes is not None:   # convert, copy and checksum in one pass; the check re-reads nothing
+                    reader.check(i, layer, lay.copy_checked(kv_bytes, job.blocks_to_load(i), seg, skip))
+                    continue
+                page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
                 # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
                 # so the check below covers what the engine received, and the tier may reuse the source.
                 lay.write_blocks(kv, job.blocks_to_load(i), lay.pages_to_blocks(page, bpp)[skip:])

@@ -3,7 +3,9 @@
 #   1. runs the peer_hbm tests on every CUDA device (with one GPU the "peer" is that GPU mapped by
 #      another process through CUDA IPC) and on cpu;
 #   2. measures peer-HBM and host-tier page reads/writes against raw torch copies
-#      (device memcpy, pinned host copies) and prints the ratios as JSON;
+#      (device memcpy, pinned host copies) and prints the ratios as JSON, with the page checksum
+#      (format v2) computed by torch on the GPU over pages where they landed (raw_gbps.checksum_device)
+#      and a host-tier read that DMAs the pages and verifies them there (rows.host_tier_dma_verify);
 #   3. when that python also has vLLM and LMCache (0.5.6): the LMCache end to end, two vLLM servers
 #      with LMCacheConnectorV1 and pof as LMCache's storage plugin (tests/adapters/test_lmcache_vllm.py;
 #      up to 400 s more). It cannot run on a CPU host: LMCache has no CPU GPU-connector. Without
@@ -19,7 +21,7 @@
 # Without any torch it tries `pip install torch` there (a plain requirement pulls the CUDA build).
 # For a host without network, build a wheelhouse elsewhere and carry it (a few MB), e.g.
 #   pip download -d wh --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
-#       xxhash pyyaml redis prometheus_client pytest
+#       xxhash pyyaml redis prometheus_client pytest hypothesis
 # and run with POF_WHEELHOUSE=wh.
 # Artifacts (pytest log, bench JSON, summary JSON) go to $POF_GPU_CHECK_OUT, else $OUT, else
 # /tmp/pof-gpu-check. The last line printed is the summary JSON.
@@ -32,7 +34,7 @@ DRY="${POF_GPU_CHECK_DRY:-0}"
 VENV="${POF_GPU_VENV:-$HOME/.cache/pof/venvs/gpu}"
 ART="${POF_GPU_CHECK_OUT:-${OUT:-/tmp/pof-gpu-check}}"
 mkdir -p "$ART"
-DEPS_IMPORT="numpy xxhash yaml redis prometheus_client pytest"
+DEPS_IMPORT="numpy xxhash yaml redis prometheus_client pytest hypothesis"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 if [[ "$DRY" == "1" ]]; then
@@ -114,14 +116,22 @@ EOF
 command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=index,name,memory.used,memory.total \
     --format=csv,noheader 2>&1 | head -8
 
+# The native page kernel (fused copy + checksum), in place: `pip install .` builds it elsewhere; without a
+# compiler pof falls back to numpy and the host rows say so (bench: "native_kernel").
+if ! "$PY" -c 'import pof_connector._pagesum' >/dev/null 2>&1; then
+    say "building pof_connector._pagesum in place (setup.py build_ext --inplace, limit 120 s)"
+    timeout 120 "$PY" setup.py -q build_ext --inplace >"$ART/build_ext.log" 2>&1 || say "no native kernel: $(tail -1 "$ART/build_ext.log")"
+fi
+
 # ---- 3. the tests: peer_hbm on cpu and on every CUDA device ----------------------------------------
 TESTS_RC=99          # 99: not run
 if [[ " $MISSING " == *" pytest "* || " $MISSING " == *" redis "* ]]; then
     say "SKIP tests: pytest/redis missing"
 else
-    say "pytest -m torch tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py (limit 140 s)"
+    say "pytest -m torch tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py tests/test_page_sum.py (limit 140 s)"
     timeout -k 5 140 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
-        tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py 2>&1 | tee "$ART/pytest.log" | tail -25
+        tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py tests/test_page_sum.py 2>&1 \
+        | tee "$ART/pytest.log" | tail -25
     TESTS_RC=${PIPESTATUS[0]}
     say "tests exit code $TESTS_RC (124: timed out)"
 fi

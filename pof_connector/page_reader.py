@@ -50,7 +50,7 @@ class SlotSource(Protocol):
 
     def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray: ...
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None: ...
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None: ...
 
     def unpin(self, slot: int) -> None: ...
 
@@ -131,14 +131,16 @@ class PageReader:
         tier, ref, _, _ = entry
         return tier.segment_view(ref, layer)
 
-    def check(self, page: int, layer: int) -> bool:
-        """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?"""
+    def check(self, page: int, layer: int, copied: int | None = None) -> bool:
+        """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?
+        ``copied``: the format-v2 checksum a fused copy computed over the bytes it read
+        (:mod:`pof_connector.page_sum`), so they are not read a second time; ``None``: summed here."""
         entry = self._pages[page]
         if entry is None or page in self.failed:
             return False
         tier, ref, header, pinned = entry
         try:
-            tier.check_segment(ref, header, layer)
+            tier.check_segment(ref, header, layer, copied)
         except PageError as e:
             self._fail(page, e, (ref, pinned))
             return False

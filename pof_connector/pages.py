@@ -7,10 +7,16 @@ Byte layout (little-endian)::
     6   kind (0 mha, 1 mla)  u16    68  segment_bytes      u32
     8   key namespace        16s    72  page_tokens        u32
     24  key chain digest     32s    76  reserved (0)       u32
-                                    80  header checksum    u64   xxh3 of bytes [0,80) + [88,end)
-    88  segment checksums    u64 × num_layers (xxh3 of each segment)
+                                    80  header checksum    u64   xxh3 of bytes [0,80) + [88,header_bytes)
+    88  segment checksums    u64 × num_layers (see below)
     ... zero padding to a multiple of 64 bytes (``header_bytes``)
     header_bytes + l * segment_bytes: segment of layer l
+
+Versions: **2** (written now) checksums each segment with :mod:`pof_connector.page_sum` (sums of
+32-bit words that a GPU can recompute with torch where the bytes land, and that the CPU computes
+inside the copy) and covers the header's padding too, so every byte of a page is checked. **1**
+(xxh3-64 of each segment; header checksum over ``[0,80) + [88, 88 + 8 * num_layers)``) is still
+read and verified, on the slower two-pass path; any other version is refused as ``bad_header``.
 
 A segment holds one layer's KV for ``page_tokens`` tokens in the canonical order: MHA is K then
 V, each ``[page_tokens, kv_heads, head_dim]``; MLA is the latent ``[page_tokens, 1, dim]``.
@@ -24,19 +30,23 @@ any input.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
 
+from pof_connector import page_sum
 from pof_connector.keys import PageKey
 
 MAGIC = b"POFP"
-VERSION = 1
+VERSION = 2
+"""The format this build writes."""
+READABLE_VERSIONS = (1, 2)
 KIND_MHA = 0
 KIND_MLA = 1
 MAX_LAYERS = 1024
@@ -66,9 +76,12 @@ def header_bytes_for(num_layers: int) -> int:
     return (raw + HEADER_ALIGN - 1) // HEADER_ALIGN * HEADER_ALIGN
 
 
-def checksum(data: Any) -> int:
-    """xxh3-64 of a buffer (bytes, memoryview, contiguous numpy array)."""
-    return xxhash.xxh3_64_intdigest(data)
+def checksum(data: Any, version: int = VERSION) -> int:
+    """The segment checksum of format ``version`` over a buffer (bytes, memoryview, contiguous numpy
+    array): :mod:`pof_connector.page_sum`'s for v2, xxh3-64 for v1."""
+    if version == 1:
+        return xxhash.xxh3_64_intdigest(data)
+    return page_sum.checksum(as_array(data))
 
 
 @dataclass(frozen=True)
@@ -105,8 +118,10 @@ class PageSpec:
         return page[start:start + self.segment_bytes]
 
 
-@dataclass(frozen=True)
-class PageHeader:
+class PageHeader(NamedTuple):
+    """A decoded, self-checked header (immutable; a NamedTuple because one is built per page load
+    and a frozen dataclass costs several times more to construct)."""
+
     key: PageKey
     generation: int
     kind: int
@@ -114,33 +129,43 @@ class PageHeader:
     segment_bytes: int
     page_tokens: int
     segment_checksums: tuple[int, ...]
+    version: int = VERSION
+    """The page format (see the module docstring): which segment checksum the page carries."""
 
     @classmethod
-    def parse(cls, buf: Any) -> PageHeader:
-        """Decode and self-check a header; raises only :class:`PageError`."""
-        mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
+    def parse(cls, buf: Any, expected: PageKey | None = None) -> PageHeader:
+        """Decode and self-check a header; raises only :class:`PageError`. ``expected``: the key
+        the caller wants, reused as the header's when equal (saves building one per page load);
+        ``None``: no expectation (check with :meth:`expect`)."""
+        mv = memoryview(buf)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
         if len(mv) < _SUMS_AT:
             raise PageError("bad_header", f"{len(mv)} bytes is shorter than a header")
         magic, version, kind, ns, digest, gen, layers, seg, tokens, _ = _FIXED.unpack_from(mv, 0)
         if magic != MAGIC:
             raise PageError("bad_header", f"magic {magic!r}")
-        if version != VERSION:
-            raise PageError("bad_header", f"version {version}, this build reads {VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise PageError("bad_header", f"page format version {version}; this build reads "
+                                          f"{', '.join(map(str, READABLE_VERSIONS))}")
         if kind not in (KIND_MHA, KIND_MLA):
             raise PageError("bad_header", f"kind {kind}")
         if not 1 <= layers <= MAX_LAYERS or not 1 <= seg <= MAX_SEGMENT_BYTES or tokens < 1:
             raise PageError("bad_header", f"geometry layers={layers} segment={seg} tokens={tokens}")
-        end = _SUMS_AT + 8 * layers
+        end = _SUMS_AT + 8 * layers if version == 1 else header_bytes_for(layers)
         if len(mv) < end:
             raise PageError("bad_header", f"header of {layers} layers needs {end} bytes, got {len(mv)}")
         (stored,) = _CHECKSUM.unpack_from(mv, _CHECKSUM_AT)
-        h = xxhash.xxh3_64()
-        h.update(mv[:_CHECKSUM_AT])
+        h = xxhash.xxh3_64(mv[:_CHECKSUM_AT])
         h.update(mv[_SUMS_AT:end])
         if h.intdigest() != stored:
             raise PageError("bad_header", "header checksum mismatch")
-        sums = struct.unpack_from(f"<{layers}Q", mv, _SUMS_AT)
-        return cls(PageKey(ns, digest), gen, kind, layers, seg, tokens, sums)
+        sums = _sums_struct(layers).unpack_from(mv, _SUMS_AT)
+        if expected is not None and expected.digest == digest and expected.namespace == ns:
+            key = expected
+        else:
+            key = PageKey(ns, digest)
+        return cls(key, gen, kind, layers, seg, tokens, sums, version)
 
     def expect(self, spec: PageSpec, key: PageKey, generation: int | None) -> None:
         """Raise :class:`PageError` unless this header is ``key`` at ``generation`` with ``spec``'s
@@ -156,20 +181,33 @@ class PageHeader:
             raise PageError("stale_generation", f"generation {self.generation}, expected {generation}")
 
 
-def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksums: Sequence[int]) -> bytes:
+def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksums: Sequence[int],
+                  version: int = VERSION) -> bytes:
+    """A header; ``version`` 1 only to re-stamp a v1 page (its checksums are xxh3)."""
     if len(segment_checksums) != spec.num_layers:
         raise ValueError(f"{len(segment_checksums)} segment checksums for {spec.num_layers} layers")
-    fixed = _FIXED.pack(MAGIC, VERSION, spec.kind, key.namespace, key.digest, generation,
-                        spec.num_layers, spec.segment_bytes, spec.page_tokens, 0)
-    sums = struct.pack(f"<{spec.num_layers}Q", *segment_checksums)
-    h = xxhash.xxh3_64()
-    h.update(fixed)
-    h.update(sums)
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"page format version {version}; allowed: {READABLE_VERSIONS}")
     out = bytearray(spec.header_bytes)
-    out[:_CHECKSUM_AT] = fixed
-    out[_CHECKSUM_AT:_SUMS_AT] = _CHECKSUM.pack(h.intdigest())
-    out[_SUMS_AT:_SUMS_AT + len(sums)] = sums
+    _header_struct(spec.num_layers).pack_into(
+        out, 0, MAGIC, version, spec.kind, key.namespace, key.digest, generation, spec.num_layers,
+        spec.segment_bytes, spec.page_tokens, 0, 0, *segment_checksums)
+    mv = memoryview(out)
+    h = xxhash.xxh3_64(mv[:_CHECKSUM_AT])
+    h.update(mv[_SUMS_AT:_SUMS_AT + 8 * spec.num_layers if version == 1 else spec.header_bytes])
+    _CHECKSUM.pack_into(out, _CHECKSUM_AT, h.intdigest())
     return bytes(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _sums_struct(num_layers: int) -> struct.Struct:
+    return struct.Struct(f"<{num_layers}Q")
+
+
+@functools.lru_cache(maxsize=64)
+def _header_struct(num_layers: int) -> struct.Struct:
+    """Fixed fields, the header checksum (packed as 0, set after) and ``num_layers`` segment checksums."""
+    return struct.Struct(f"<4sHH16s32sQIIIIQ{num_layers}Q")
 
 
 def as_array(buf: Any) -> np.ndarray:
@@ -194,14 +232,7 @@ def pack_page(spec: PageSpec, key: PageKey, generation: int, layers: Sequence[An
         raise ValueError(f"page buffer of {len(dst)} bytes, need {spec.page_bytes}")
     if len(layers) != spec.num_layers:
         raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
-    sums = []
-    for i, layer in enumerate(layers):
-        src = as_array(layer)
-        if len(src) != spec.segment_bytes:
-            raise ValueError(f"layer {i} segment has {len(src)} bytes, expected {spec.segment_bytes}")
-        start = spec.segment_offset(i)
-        dst[start:start + spec.segment_bytes] = src
-        sums.append(checksum(src))
+    sums = page_sum.gather_checksums(dst[spec.header_bytes:spec.page_bytes], [as_array(layer) for layer in layers])
     dst[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, generation, sums), dtype=np.uint8)
 
 
@@ -210,11 +241,22 @@ def verify_page(spec: PageSpec, page: Any, key: PageKey, generation: int | None 
     mv = as_array(page)
     header = PageHeader.parse(mv[:spec.header_bytes])
     header.expect(spec, key, generation)
-    for layer in range(spec.num_layers):
-        verify_segment(spec, header, layer, spec.segment(mv, layer))
+    if header.version == 1:
+        for layer in range(spec.num_layers):
+            verify_segment(spec, header, layer, spec.segment(mv, layer))
+    else:
+        expect_checksums(header, page_sum.checksums(mv[spec.header_bytes:spec.page_bytes], spec.segment_bytes),
+                         header.key.hex())
     return header
 
 
 def verify_segment(spec: PageSpec, header: PageHeader, layer: int, segment: Any) -> None:
-    if checksum(segment) != header.segment_checksums[layer]:
+    if checksum(segment, header.version) != header.segment_checksums[layer]:
         raise PageError("bad_checksum", f"layer {layer} of {header.key.hex()}")
+
+
+def expect_checksums(header: PageHeader, got: Sequence[int], where: str) -> None:
+    """Raise ``bad_checksum`` naming the first layer whose checksum in ``got`` is not the header's."""
+    if tuple(got) != header.segment_checksums:
+        layer = next(i for i, (a, b) in enumerate(zip(got, header.segment_checksums, strict=True)) if a != b)
+        raise PageError("bad_checksum", f"layer {layer} of {where}")

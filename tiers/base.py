@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pof_connector import page_sum
 from pof_connector.keys import PageKey
 from pof_connector.pages import (
     GENERATION_AT,
@@ -40,6 +41,7 @@ from pof_connector.pages import (
     as_array,
     checksum,
     encode_header,
+    expect_checksums,
 )
 from pof_connector.tiers.ordering import require_store_order
 from pof_connector.tiers.slot_table import SlotTable
@@ -74,6 +76,11 @@ class Tier(ABC):
         self.num_slots = len(generations)
         self._region = region
         self._generations = generations
+        # Per-call overhead matters at 64 KiB pages: a memoryview copies header bytes, a uint64 view
+        # of the region reads and writes a slot's generation word, without building slices.
+        self._bytes: memoryview | None = memoryview(region) if isinstance(region, np.ndarray) else None  # type: ignore[arg-type]
+        self._words: np.ndarray | None = (region.view(np.uint64) if isinstance(region, np.ndarray)
+                                          and len(region) % 8 == 0 else None)
         self._books = SlotTable(own_slots)
         self._gen_lock = threading.Lock()
 
@@ -213,10 +220,15 @@ class Tier(ABC):
 
     def _set_live_generation(self, slot: int, generation: int) -> None:
         start = slot * self.slot_bytes + GENERATION_AT
+        if self._words is not None:              # slot_bytes and GENERATION_AT are multiples of 8
+            self._words[start >> 3] = generation
+            return
         self._region[start:start + 8].view(np.uint64)[0] = generation
 
     def live_generation(self, slot: int) -> int:
         start = slot * self.slot_bytes + GENERATION_AT
+        if self._words is not None:
+            return int(self._words[start >> 3])
         return int(self._region[start:start + 8].view(np.uint64)[0])
 
     def write(self, ref: SlotRef, key: PageKey, layers: Sequence[Any]) -> None:
@@ -225,17 +237,17 @@ class Tier(ABC):
         if len(layers) != spec.num_layers:
             raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
         dst = self._slot(ref.slot)
-        seg = spec.segment_bytes
-        sums = []
-        for i, layer in enumerate(layers):
-            src = as_array(layer)
-            if len(src) != seg:
-                raise ValueError(f"layer {i}: {len(src)} bytes, expected {seg}")
-            start = spec.segment_offset(i)
-            out = dst[start:start + seg]
-            np.copyto(out, src)
-            sums.append(checksum(out))      # of the copy, while it is still in cache
-        self._write_header(dst, encode_header(spec, key, ref.generation, sums))
+        body = dst[spec.header_bytes:]
+        # One call copies every segment and sums it in the same pass (page_sum's native kernel).
+        sums: tuple[int, ...] | None = None
+        if page_sum.NATIVE is not None:
+            try:        # numpy segments as they are (the kernel takes their bytes): no wrapping
+                sums = page_sum.gather_checksums(body, layers, True)
+            except (TypeError, BufferError):      # no buffer protocol (torch tensors): wrap them
+                pass
+        if sums is None:     # streaming stores: a slot is read later, if ever; caching it would evict
+            sums = page_sum.gather_checksums(body, [as_array(layer) for layer in layers], True)
+        self._write_header_at(ref.slot, encode_header(spec, key, ref.generation, sums))
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
         """Write an already packed and verified page, re-stamped with ``ref.generation``."""
@@ -244,7 +256,18 @@ class Tier(ABC):
         header = PageHeader.parse(src[:spec.header_bytes])
         dst = self._slot(ref.slot)
         np.copyto(dst[spec.header_bytes:], src[spec.header_bytes:spec.page_bytes])
-        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums))
+        self._write_header_at(ref.slot, encode_header(spec, header.key, ref.generation,
+                                                      header.segment_checksums, header.version))
+
+    def _write_header_at(self, slot: int, header: bytes) -> None:
+        """:meth:`_write_header` into ``slot``: one copy of the header with a zero generation, then
+        the generation word (plain stores in program order: see the module docstring)."""
+        if self._bytes is None or self._words is None:
+            self._write_header(self._slot(slot), header)
+            return
+        start = slot * self.slot_bytes
+        self._bytes[start:start + len(header)] = header[:GENERATION_AT] + bytes(8) + header[GENERATION_AT + 8:]
+        self._words[(start + GENERATION_AT) >> 3] = int.from_bytes(header[GENERATION_AT:GENERATION_AT + 8], "little")
 
     def _write_header(self, dst: np.ndarray, header: bytes) -> None:
         # The generation field goes last: until it is stored, readers see generation 0.
@@ -261,7 +284,7 @@ class Tier(ABC):
         self._check_slot(ref.slot)
         dst = as_array(into)[:spec.header_bytes]
         np.copyto(dst, self._slot(ref.slot)[:spec.header_bytes])
-        header = PageHeader.parse(dst)
+        header = PageHeader.parse(dst, key)
         header.expect(spec, key, ref.generation)
         return header
 
@@ -272,32 +295,38 @@ class Tier(ABC):
         start = self.spec.segment_offset(layer)
         return self._slot(ref.slot)[start:start + self.spec.segment_bytes]
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
         """Zero-copy read, step 2: after the caller copied :meth:`segment_view`, check the checksum
         of those same bytes and that the slot was not rewritten meanwhile (a writer zeroes the
-        generation before touching any byte). Raises :class:`PageError`."""
-        if checksum(self.segment_view(ref, layer)) != header.segment_checksums[layer]:
+        generation before touching any byte). ``copied``: the format-v2 checksum the caller's copy
+        computed over the bytes it read (a fused copy), used instead of a second pass; ``None``:
+        sum them here. Raises :class:`PageError`."""
+        if copied is None or header.version == 1:
+            copied = checksum(self.segment_view(ref, layer), header.version)
+        if copied != header.segment_checksums[layer]:
             raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
 
     def read(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
-        """Copy and check a whole page into ``into`` (``spec.page_bytes`` long): one copy, then
-        the header, every segment checksum, and the live generation once."""
+        """Copy and check a whole page into ``into`` (``spec.page_bytes`` long): one call copies the
+        page and sums its segments in the same pass; then the copied header (key, generation,
+        header checksum) and the segment checksums are checked, and the live generation once (a
+        writer zeroes it before touching any byte, so an unchanged one means an untorn copy)."""
         spec = self.spec
         self._check_slot(ref.slot)
         dst = as_array(into)[:spec.page_bytes]
         src = self._slot(ref.slot)
         hb, seg = spec.header_bytes, spec.segment_bytes
-        np.copyto(dst[:hb], src[:hb])
-        header = PageHeader.parse(dst[:hb])
+        sums = page_sum.copy_checksums(dst, src, seg, hb)
+        header = PageHeader.parse(dst[:hb], key)
         header.expect(spec, key, ref.generation)
-        for layer, expected in enumerate(header.segment_checksums):
-            start = spec.segment_offset(layer)
-            out = dst[start:start + seg]
-            np.copyto(out, src[start:start + seg])    # segment by segment: each is checked while cached
-            if checksum(out) != expected:
-                raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if header.version == 1:       # xxh3: a second pass over each copied segment
+            for layer, expected in enumerate(header.segment_checksums):
+                if checksum(spec.segment(dst, layer), 1) != expected:
+                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        else:
+            expect_checksums(header, sums, f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header

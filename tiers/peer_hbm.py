@@ -19,10 +19,12 @@ seqlock protocol of :mod:`pof_connector.tiers.base`:
 
 * writer: zero the slot's live generation and synchronize, copy the segments, copy the header
   except its generation, synchronize, copy the generation last, synchronize;
-* reader: copy, then check key, generation and the xxh3 checksums of the bytes the caller got, then
-  re-read the live generation. The page format's checksums are xxh3, computed on the host, so a
-  copy that lands on a GPU is brought back once (device → pinned host) to be checked; ``ci/gpu_check.sh``
-  measures what that costs against the raw copies.
+* reader: copy, then check key, generation and the segment checksums of the bytes the caller got,
+  then re-read the live generation. Format v2's checksums (:mod:`pof_connector.page_sum`) are
+  computed by torch on the device where the bytes landed: a whole-page read into GPU memory
+  brings only the header back to the host, and a write from GPU segments sums them on the GPU.
+  (A v1 page's xxh3 checksums are host-only: such a page is brought back once to be checked.)
+  ``ci/gpu_check.sh`` measures what checking costs against the raw copies.
 
 torch is optional for pof: this module imports it only when a peer_hbm tier is built, and fails
 with a :class:`ConfigError` naming ``tiers.peer_hbm`` when it is missing.
@@ -39,7 +41,17 @@ import numpy as np
 
 from pof_connector.config import ConfigError, TierConfig
 from pof_connector.keys import PageKey
-from pof_connector.pages import GENERATION_AT, PageError, PageHeader, PageSpec, as_array, checksum, encode_header
+from pof_connector import page_sum
+from pof_connector.pages import (
+    GENERATION_AT,
+    PageError,
+    PageHeader,
+    PageSpec,
+    as_array,
+    checksum,
+    encode_header,
+    expect_checksums,
+)
 from pof_connector.tiers.base import SlotRef, Tier, slot_bytes_for
 from pof_connector.tiers.peer_region import PeerRegion
 
@@ -182,7 +194,6 @@ class PeerHbmTier(Tier):
             raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
         dst = self._slot_t(ref.slot)
         seg = spec.segment_bytes
-        sums = []
         for i, layer in enumerate(layers):
             src = self._as_tensor(layer)
             if src.numel() != seg:
@@ -190,8 +201,19 @@ class PeerHbmTier(Tier):
             start = spec.segment_offset(i)
             with self._on_stream():
                 dst[start:start + seg].copy_(src)
-            sums.append(checksum(self._host(src)))
+        self._sync(*(t for t in layers if isinstance(t, self._torch.Tensor)))
+        # The checksums of the bytes where they landed, all layers at once (on a GPU: by torch, one sync).
+        sums = self._checksums(dst[spec.header_bytes:], seg)
         self._write_header(dst, encode_header(spec, key, ref.generation, sums))
+
+    def _checksums(self, t: Any, seg: int) -> tuple[int, ...]:
+        """Format v2's checksums of each ``seg``-byte segment of flat ``t``, summed where ``t`` is
+        (a GPU tensor by torch on its device: no copy to the host)."""
+        if t.device.type == "cpu":
+            return page_sum.checksums(t.numpy(), seg)
+        with self._on_stream():      # tolist on the same stream: it waits for the sums
+            got = page_sum.torch_checksums(t.view(-1, seg)).tolist()
+        return tuple(v & 0xFFFFFFFFFFFFFFFF for v in got)
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
         """Write an already packed and verified page, re-stamped with ``ref.generation``."""
@@ -201,7 +223,8 @@ class PeerHbmTier(Tier):
         dst = self._slot_t(ref.slot)
         with self._on_stream():
             dst[spec.header_bytes:].copy_(src[spec.header_bytes:spec.page_bytes])
-        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums))
+        self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums,
+                                              header.version))
 
     def _write_header(self, dst: Any, header: bytes) -> None:
         # Everything but the generation first, then a barrier, then the generation: until it lands,
@@ -236,14 +259,17 @@ class PeerHbmTier(Tier):
         self._check_slot(ref.slot)
         return self._host(self._seg_t(ref.slot, layer), tag=(ref.slot, ref.generation, layer))
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
         """After the caller copied :meth:`segment_view`: the checksum of those bytes (the scratch
-        copy it was given, when there is one), then the slot's live generation."""
-        if getattr(self._local, "tag", None) == (ref.slot, ref.generation, layer):
-            data = self._scratch(self.spec.segment_bytes).numpy()
-        else:
-            data = self._host(self._seg_t(ref.slot, layer))
-        if checksum(data) != header.segment_checksums[layer]:
+        copy it was given, when there is one; ``copied``: the v2 checksum the caller's fused copy
+        computed over them), then the slot's live generation."""
+        if copied is None or header.version == 1:
+            if getattr(self._local, "tag", None) == (ref.slot, ref.generation, layer):
+                data = self._scratch(self.spec.segment_bytes).numpy()
+            else:
+                data = self._host(self._seg_t(ref.slot, layer))
+            copied = checksum(data, header.version)
+        if copied != header.segment_checksums[layer]:
             raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
@@ -259,12 +285,16 @@ class PeerHbmTier(Tier):
         with self._on_stream():
             dst.copy_(self._slot_t(ref.slot))
         self._sync(dst)
-        got = self._host(dst)          # one device→host copy when ``into`` is on a GPU
-        header = PageHeader.parse(got[:spec.header_bytes])
+        hb = spec.header_bytes
+        header = PageHeader.parse(self._host(dst[:hb]).copy())     # only the header comes to the host
         header.expect(spec, key, ref.generation)
-        for layer, expected in enumerate(header.segment_checksums):
-            if checksum(spec.segment(got, layer)) != expected:
-                raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        if header.version == 1:          # xxh3 is host-only: the page comes back once
+            got = self._host(dst)
+            for layer, expected in enumerate(header.segment_checksums):
+                if checksum(spec.segment(got, layer), 1) != expected:
+                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        else:                            # summed where the bytes landed (a GPU: by torch, there)
+            expect_checksums(header, self._checksums(dst[hb:], spec.segment_bytes), f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header

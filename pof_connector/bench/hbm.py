@@ -13,12 +13,18 @@ row                         pof                                             raw 
 ``peer_write_from_host``    ``PeerHbmTier.write`` of pinned host segments   ``copy_`` pinned → device
 ``host_tier_to_device``     ``CpuDramTier.read`` (pinned, checked), then    ``copy_`` pinned → device
                             ``copy_`` into the engine's GPU
+``host_tier_dma_verify``    headers checked on the host, the pages DMAed   ``copy_`` pinned → device
+                            from the (pinned) tier slots to the GPU and
+                            their segment checksums verified there by
+                            torch, then the live generations
 ==========================  ==============================================  =========================
 
 ``ratio`` (the headline) is ``peer_read_to_device``; ``peer_vs_host_tier`` compares the two ways
 an engine gets a page onto its GPU: from a peer GPU's HBM or from this host's DRAM tier.
-Throughputs are medians over repeats, in GB/s (10^9 bytes per second). ``raw_gbps.xxh3_host`` is
-the page checksum alone on the host, which bounds every checked read that ends on a GPU.
+Throughputs are medians over repeats, in GB/s (10^9 bytes per second). ``raw_gbps.checksum_host``
+is the page format's segment checksum alone on the host (v2, :mod:`pof_connector.page_sum`);
+``raw_gbps.checksum_device`` is the same checksum computed by torch on the engine's device over
+pages already there: what verifying a page where the DMA put it costs.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from pof_connector import page_sum
 from pof_connector.bench import BenchError
 from pof_connector.config import TierConfig
 from pof_connector.keys import PageKey
-from pof_connector.pages import PageSpec, checksum
+from pof_connector.pages import PageHeader, PageSpec
 from pof_connector.tiers import SlotRef, Tier, make_tier
 
 
@@ -130,9 +137,32 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
     def raw_h2d() -> None:
         dev_out.copy_(src_flat, non_blocking=True)
 
-    def xxh3_host() -> None:          # what checking costs on its own: the page format's checksums
+    hb, seg, layers = spec.header_bytes, spec.segment_bytes, spec.num_layers
+
+    def checksum_host() -> None:      # what checking costs on its own: the page format's checksums
         for h in host_pages:
-            checksum(h)
+            page_sum.checksums(h[hb:], seg)
+
+    dev_segments = dev_out.view(pages, pb)[:, hb:].view(pages, layers, seg)
+
+    def checksum_device() -> None:    # the same, by torch where the pages landed
+        page_sum.torch_checksums(dev_segments)
+
+    host_region = torch.from_numpy(host_tier.region)         # pinned under CUDA: DMA straight from the slots
+    host_slots = [host_region[r.slot * host_tier.slot_bytes:r.slot * host_tier.slot_bytes + pb] for r in host_refs]
+    scratch = np.empty(hb, dtype=np.uint8)
+
+    def host_tier_dma_verify() -> None:
+        headers: list[PageHeader] = [host_tier.read_header(r, k, scratch) for k, r in zip(keys, host_refs, strict=True)]
+        for src, dst in zip(host_slots, dev_pages, strict=True):
+            dst.copy_(src, non_blocking=True)
+        want = torch.tensor([[page_sum.as_int64(v) for v in h.segment_checksums] for h in headers],
+                            dtype=torch.int64).to(eng, non_blocking=True)
+        if not bool((page_sum.torch_checksums(dev_segments) == want).all()):     # waits for the DMA and sums
+            raise RuntimeError("bench: a page failed its checksum on the device")
+        for r in host_refs:
+            if host_tier.live_generation(r.slot) != r.generation:
+                raise RuntimeError("bench: a slot was rewritten during the read")
 
     def pof_read_dev() -> None:
         for k, r, dst in zip(keys, refs, dev_pages, strict=True):
@@ -154,11 +184,13 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
     def m(fn: Callable[[], None]) -> float:
         return _measure(torch, [eng, torch.device(peer)], fn, nbytes, min_s, max_repeat)
 
-    raw = {"d2d": m(raw_d2d), "d2h_pinned": m(raw_d2h), "h2d_pinned": m(raw_h2d), "xxh3_host": m(xxh3_host)}
+    raw = {"d2d": m(raw_d2d), "d2h_pinned": m(raw_d2h), "h2d_pinned": m(raw_h2d),
+           "checksum_host": m(checksum_host), "checksum_device": m(checksum_device)}
     ours = {"peer_read_to_device": m(pof_read_dev), "peer_read_to_host": m(pof_read_host),
-            "peer_write_from_host": m(pof_write), "host_tier_to_device": m(host_tier_to_dev)}
+            "peer_write_from_host": m(pof_write), "host_tier_to_device": m(host_tier_to_dev),
+            "host_tier_dma_verify": m(host_tier_dma_verify)}
     base = {"peer_read_to_device": "d2d", "peer_read_to_host": "d2h_pinned", "peer_write_from_host": "h2d_pinned",
-            "host_tier_to_device": "h2d_pinned"}
+            "host_tier_to_device": "h2d_pinned", "host_tier_dma_verify": "h2d_pinned"}
     # Everything read back must still be the pages: a fast wrong answer is no result.
     for k, r, dst in zip(keys, refs, dev_pages, strict=True):
         peer_tier.read(r, k, dst)
@@ -175,10 +207,11 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
         "bytes_per_pass": nbytes, "raw_gbps": {k: round(v, 3) for k, v in raw.items()}, "rows": rows,
         "ratio": rows["peer_read_to_device"]["ratio"],
         "peer_vs_host_tier": round(ours["peer_read_to_device"] / ours["host_tier_to_device"], 4),
-        # A checked read to a GPU copies device→device, device→host and hashes on the host, one after
-        # the other: its bound from this run's raw rates, to tell pof's overhead from the design's.
-        "peer_read_to_device_bound_gbps": round(1 / (1 / raw["d2d"] + 1 / raw["d2h_pinned"] + 1 / raw["xxh3_host"]), 3),
+        # A checked read to a GPU copies device→device, then torch sums the copy there (format v2):
+        # its bound from this run's raw rates, to tell pof's overhead from the design's.
+        "peer_read_to_device_bound_gbps": round(1 / (1 / raw["d2d"] + 1 / raw["checksum_device"]), 3),
         "baseline": "torch copy_ of the same bytes between the same memories, same run",
+        "native_kernel": page_sum.NATIVE,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],

@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pof_connector.bench import BenchError
 from pof_connector.bench.router import _own_cores as own_cores
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
@@ -47,6 +49,7 @@ from pof_connector.index.embedded import stop_embedded
 
 Progress = Callable[[str], None]
 HITS = "vllm:external_prefix_cache_hits_total"
+LOADED_BYTES = "vllm:pof_loaded_bytes_total"
 SETUPS = ("recompute", "pof", "example", "fabric")
 FABRIC_STAGING = "512MiB"
 """B's fabric.staging_size: a 6,000-token prompt of the bench model is 47 pages of 2 MiB, and
@@ -54,6 +57,10 @@ the staging must hold a whole load (the excess would be recomputed)."""
 
 
 NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without a connector configured); "
+        "floor_s = median TTFT of the same prompt as a hit in vLLM's own prefix cache; pof_s, example_s = median "
+        "TTFT served by each connector; loaded_bytes = page bytes pof loaded per timed request (its counters); "
+        "memcpy_s = one numpy.copyto of loaded_bytes in this run; overhead_ratio = (pof_s - floor_s) / memcpy_s; "
+        "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - floor_s); "
         "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
         "vLLM's own prefix cache (the floor); fabric.ratio = median TTFT of B served from A's pool over NIXL / "
         "median recompute of the same prompts by A (the pair runs side by side, each server on half of the "
@@ -86,7 +93,23 @@ def _time_server(name: str, server: VllmServer, prompts: list[list[int]], *, war
             out["engine_hit"].append(server.timed_complete(p, max_tokens=1)[0])
         progress(f"  {name}: prompt {i + 1}/{len(prompts)}: TTFT {ttft:.3f} s, {out['hits'][-1]:.0f} tokens from the "
                  f"connector")
+    if name == "pof":
+        time.sleep(2.0)         # vLLM exports the worker's pof counters with its periodic stats
+        out["loaded_bytes"] = [server.metrics().get(LOADED_BYTES, 0.0)]
     return out
+
+
+def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
+    """Best-of-``repeat`` time of one ``numpy.copyto`` of ``nbytes`` between buffers already faulted
+    in: what moving a load's bytes once costs on this host, right now."""
+    src = np.ones(max(nbytes, 1), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _time_fabric(a: VllmServer, b: VllmServer, prompts: list[list[int]], progress: Progress) -> dict[str, list[Any]]:
@@ -176,6 +199,10 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
                 raise BenchError(f"{name} server failed: {e}; its log: {server.log}\n{server.tail(30)}") from e
             finally:
                 server.stop()
+            if name == "pof":      # a memcpy of the bytes each timed request loaded, in this run
+                per_request = int(results[name]["loaded_bytes"][0] / max(prompts, 1))
+                results[name]["loaded_bytes"] = [per_request]
+                results[name]["memcpy_s"] = [memcpy_seconds(per_request)]
         if "fabric" in setups:
             results["fabric"] = _fabric_pair(model_dir, work, runtime_dir / "fabric", max_len, common, progress,
                                              data)
@@ -228,9 +255,21 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
                 "ttft_runs_s": {name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
                 "prompt_tokens": prompt_tokens, "prompts": prompts, "model": str(model_dir), "dtype": dtype,
                 "block_size": block_size, "note": NOTE}
+    floor = med["engine_prefix_cache"]
+    loaded = results["pof"]["loaded_bytes"][0]
+    memcpy_s = results["pof"]["memcpy_s"][0]
+    above = med["pof"] - floor
     return {
         **out,
         "ratio": round(med["pof"] / recompute, 4),
+        "floor_s": round(floor, 4),
+        "pof_s": round(med["pof"], 4),
+        "example_s": round(med["example"], 4) if "example" in med else None,
+        "loaded_bytes": loaded,
+        "memcpy_s": round(memcpy_s, 6),
+        "overhead_ratio": round(above / memcpy_s, 3) if memcpy_s > 0 and loaded > 0 else None,
+        "pof_vs_example_above_floor": (round(above / (med["example"] - floor), 3)
+                                       if "example" in med and med["example"] > floor else None),
         "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,
         "ttft_s": {name: round(v, 4) for name, v in med.items()},
         "ttft_runs_s": {name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},

@@ -120,10 +120,10 @@ class StagedPage:
         page: np.ndarray = self._staging.page(ref.slot)
         return page[self._spec.segment_offset(layer):self._spec.segment_offset(layer) + self._spec.segment_bytes]
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int) -> None:
-        """Nothing left to check: a layer is handed out only after it was validated on arrival
-        (:meth:`~pof_connector.fabric.remote_reader.RemoteLoad.get`), and staging slots are pof's
-        own (no one writes them until they are given back)."""
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
+        """Nothing left to check (``copied`` is not needed): a layer is handed out only after it was
+        validated on arrival (:meth:`~pof_connector.fabric.remote_reader.RemoteLoad.get`), and
+        staging slots are pof's own (no one writes them until they are given back)."""
 
     def header(self, ref: SlotRef) -> np.ndarray:
         return self._staging.page(ref.slot)[:self._spec.header_bytes]

@@ -179,7 +179,8 @@ class SpillWriter:
         buf = self.staging.page(stage[0])
         header = PageHeader.parse(page[:spec.header_bytes])
         np.copyto(buf, page[:spec.page_bytes])
-        buf[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, grant.generation, header.segment_checksums),
+        buf[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, grant.generation, header.segment_checksums,
+                                                              header.version),
                                                 dtype=np.uint8)
         buf[GENERATION_AT:GENERATION_AT + 8] = 0        # the generation word goes last, on its own
         self.staging.set_generation(stage[0], grant.generation)

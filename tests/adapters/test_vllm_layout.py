@@ -117,3 +117,28 @@ def test_pages_of_several_blocks() -> None:
     assert pages.shape == (2, *lay.canonical_shape(2 * N))
     assert torch.equal(pages[1, 0, N:], kv[4, 0]) and torch.equal(pages[0, 1, :N], kv[1, 1])
     assert torch.equal(lay.pages_to_blocks(pages, 2), blocks)
+
+
+@pytest.mark.parametrize(("dtype", "bpp", "skip"),
+                         [(torch.float32, 1, 0), (torch.bfloat16, 3, 1), (torch.float16, 2, 0)])
+def test_fused_cpu_kt_copy_matches_the_torch_copy_and_sums_the_segment(dtype: torch.dtype, bpp: int, skip: int) -> None:
+    """The one-pass native load (layout conversion + copy + format-v2 checksum) writes the very
+    bytes the strided torch copies write, and its checksum is the segment's."""
+    from pof_connector import page_sum
+    from pof_connector.adapters.vllm_layout import _kt_order
+
+    lay = infer_layout(torch.zeros(B, H, N, 2 * D, dtype=dtype), block_size=N, kv_heads=H, head_dim=D,
+                       is_mla=False, cpu_order=_kt_order(H, N, D))
+    assert lay.name == "cpu_kt"
+    kv = torch.zeros(B, H, N, 2 * D, dtype=dtype)
+    if not lay.can_copy_checked(kv):
+        pytest.skip("the native kernel was not built here")
+    segment = torch.randn(2 * bpp * N * H * D).to(dtype).view(torch.uint8).numpy()
+    blocks = [9, 4, 6][:bpp - skip]
+    want = kv.clone()
+    page = torch.from_numpy(segment).view(dtype).view(1, *lay.canonical_shape(N * bpp))
+    lay.write_blocks(want, blocks, lay.pages_to_blocks(page, bpp)[skip:])
+    got = lay.copy_checked(lay.cache_bytes(kv), blocks, segment, skip)
+    assert torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
+    assert got == page_sum.checksum(segment)
+    assert bool(kv[blocks].any()) and not bool(kv[[0, 1, 2]].any())       # only the page's blocks changed

@@ -341,6 +341,7 @@ def test_pof_bench_hbm_moves_pages_both_ways_on_cpu_tensors(capsys: pytest.Captu
                  "--segment-bytes", "64KiB", "--min-seconds", "0.01"]) == 0
     result = json.loads(capsys.readouterr().out)      # stdout is the JSON alone (progress: stderr)
     assert set(result["rows"]) == {"peer_read_to_device", "peer_read_to_host", "peer_write_from_host",
-                                   "host_tier_to_device"}
+                                   "host_tier_to_device", "host_tier_dma_verify"}
+    assert result["raw_gbps"]["checksum_host"] > 0 and result["raw_gbps"]["checksum_device"] > 0
     assert all(row["pof_gbps"] > 0 and row["raw_gbps"] > 0 for row in result["rows"].values())
     assert result["page_bytes"] > 2 * 64 * 1024 and result["peer_is_other_gpu"] is False

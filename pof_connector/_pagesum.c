@@ -1,0 +1,482 @@
+/* Fused copy + per-layer checksum of page segments (page format v2), see pof_connector/page_sum.py.
+ *
+ * The checksum of a segment of L bytes: zero-pad it to n = ceil(L / 4) little-endian 32-bit words
+ * w_0 .. w_{n-1} and take, modulo 2^64,
+ *     A = sum_i w_i,   B = sum_i (n - i) * w_i,   checksum = A + MIX * B.
+ * A plain sum and a position-weighted one (Fletcher's pair, with 64-bit accumulators), so torch
+ * can compute it on a GPU over the bytes where they landed (page_sum.torch_checksums).
+ *
+ * A copy loads each byte once, stores it and adds it to the sums in the same loop, so the bytes
+ * cross the memory bus once and the arithmetic hides behind the memory traffic. The GIL is
+ * released around large calls.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MIX 0x9E3779B97F4A7C16ULL   /* 2 x odd: see page_sum.py for why */
+#define LANES 16                     /* 32-bit words per block: 64 bytes, one cache line */
+#define BLOCK (4 * LANES)
+#define RELEASE_GIL_BYTES (64 * 1024)
+
+typedef struct {
+    uint64_t a[LANES];
+    uint64_t b[LANES];
+} sum_state;
+
+/* Sum `nblocks` whole blocks at `p` into the lane sums; with `dst`, also copy them there (one
+ * pass: each byte is loaded once, stored once and summed while in a register). `stream`: the
+ * copy may bypass the caches (non-temporal stores, for a tier slot that nobody reads soon);
+ * only honoured with a 32-byte aligned `dst`, and fenced before returning, so stores issued
+ * after the call (the page header, its generation word last) become visible after these. */
+typedef void (*sum_blocks_fn)(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s, int stream);
+
+static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s,
+                               int stream)
+{
+    (void)stream;
+    uint64_t a[LANES], b[LANES];
+    memcpy(a, s->a, sizeof a);
+    memcpy(b, s->b, sizeof b);
+    for (size_t j = 0; j < nblocks; j++) {
+        uint32_t w[LANES];
+        memcpy(w, p + j * BLOCK, BLOCK);
+        if (dst != NULL)
+            memcpy(dst + j * BLOCK, w, BLOCK);
+        for (int l = 0; l < LANES; l++) {
+            a[l] += w[l];
+            b[l] += a[l];
+        }
+    }
+    memcpy(s->a, a, sizeof a);
+    memcpy(s->b, b, sizeof b);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+
+__attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char *p, unsigned char *dst,
+                                                            size_t nblocks, sum_state *s, int stream)
+{
+    stream = stream && dst != NULL && ((uintptr_t)dst & 31) == 0;
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)(s->a + 0)), a1 = _mm256_loadu_si256((const __m256i *)(s->a + 4));
+    __m256i a2 = _mm256_loadu_si256((const __m256i *)(s->a + 8)), a3 = _mm256_loadu_si256((const __m256i *)(s->a + 12));
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)(s->b + 0)), b1 = _mm256_loadu_si256((const __m256i *)(s->b + 4));
+    __m256i b2 = _mm256_loadu_si256((const __m256i *)(s->b + 8)), b3 = _mm256_loadu_si256((const __m256i *)(s->b + 12));
+    for (size_t j = 0; j < nblocks; j++) {
+        const unsigned char *q = p + j * BLOCK;
+        if (dst != NULL) {
+            __m256i y0 = _mm256_loadu_si256((const __m256i *)q), y1 = _mm256_loadu_si256((const __m256i *)(q + 32));
+            if (stream) {
+                _mm256_stream_si256((__m256i *)(dst + j * BLOCK), y0);
+                _mm256_stream_si256((__m256i *)(dst + j * BLOCK + 32), y1);
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + j * BLOCK), y0);
+                _mm256_storeu_si256((__m256i *)(dst + j * BLOCK + 32), y1);
+            }
+        }
+        a0 = _mm256_add_epi64(a0, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 0))));
+        a1 = _mm256_add_epi64(a1, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 16))));
+        a2 = _mm256_add_epi64(a2, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 32))));
+        a3 = _mm256_add_epi64(a3, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 48))));
+        b0 = _mm256_add_epi64(b0, a0);
+        b1 = _mm256_add_epi64(b1, a1);
+        b2 = _mm256_add_epi64(b2, a2);
+        b3 = _mm256_add_epi64(b3, a3);
+    }
+    _mm256_storeu_si256((__m256i *)(s->a + 0), a0);
+    _mm256_storeu_si256((__m256i *)(s->a + 4), a1);
+    _mm256_storeu_si256((__m256i *)(s->a + 8), a2);
+    _mm256_storeu_si256((__m256i *)(s->a + 12), a3);
+    _mm256_storeu_si256((__m256i *)(s->b + 0), b0);
+    _mm256_storeu_si256((__m256i *)(s->b + 4), b1);
+    _mm256_storeu_si256((__m256i *)(s->b + 8), b2);
+    _mm256_storeu_si256((__m256i *)(s->b + 12), b3);
+    if (stream)
+        _mm_sfence();
+}
+#endif
+
+static sum_blocks_fn sum_blocks = sum_blocks_generic;
+
+/* The checksum, given the lane sums of the first `nblocks` whole blocks and the `len` bytes
+ * (tail included) at `p`. Lane l of block j is word i = LANES*j + l, summed (m - j) times into
+ * b[l] (m blocks), and n - i = LANES*(m - j) + (n - LANES*m - l). */
+static uint64_t finish(const sum_state *s, const unsigned char *p, size_t len)
+{
+    size_t m = len / BLOCK, n = (len + 3) / 4;
+    uint64_t A = 0, B = 0;
+    for (int l = 0; l < LANES; l++) {
+        A += s->a[l];
+        B += (uint64_t)LANES * s->b[l] + ((uint64_t)(n - LANES * m) - (uint64_t)l) * s->a[l];
+    }
+    size_t i = LANES * m;
+    for (size_t off = m * BLOCK; off < len; off += 4, i++) {
+        uint32_t w = 0;
+        size_t k = len - off < 4 ? len - off : 4;
+        memcpy(&w, p + off, k);        /* little-endian hosts only (x86, the tiers' requirement) */
+        A += w;
+        B += (uint64_t)(n - i) * w;
+    }
+    return A + MIX * B;
+}
+
+static uint64_t sum_one(const unsigned char *p, size_t len)
+{
+    sum_state s;
+    memset(&s, 0, sizeof s);
+    sum_blocks(p, NULL, len / BLOCK, &s, 0);
+    return finish(&s, p, len);
+}
+
+static uint64_t copy_sum_one(unsigned char *dst, const unsigned char *src, size_t len, int stream)
+{
+    sum_state s;
+    memset(&s, 0, sizeof s);
+    size_t whole = len / BLOCK * BLOCK;
+    sum_blocks(src, dst, len / BLOCK, &s, stream);
+    memcpy(dst + whole, src + whole, len - whole);
+    return finish(&s, dst, len);
+}
+
+static PyObject *as_tuple(const uint64_t *sums, Py_ssize_t count)
+{
+    PyObject *out = PyTuple_New(count);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static int segment_count(Py_ssize_t total, Py_ssize_t seg, Py_ssize_t *count)
+{
+    if (seg <= 0 || total % seg != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte segments", total, seg);
+        return -1;
+    }
+    *count = total / seg;
+    return 0;
+}
+
+PyDoc_STRVAR(checksums_doc, "checksums(buf, segment_bytes) -> tuple: the checksum of each segment of buf.");
+
+static PyObject *py_checksums(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    Py_ssize_t seg, count;
+    if (!PyArg_ParseTuple(args, "y*n", &src, &seg))
+        return NULL;
+    if (segment_count(src.len, seg, &count) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    uint64_t *sums = PyMem_Malloc(sizeof(uint64_t) * (count ? count : 1));
+    if (sums == NULL) {
+        PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
+    const unsigned char *p = src.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        sums[i] = sum_one(p + i * seg, (size_t)seg);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyObject *out = as_tuple(sums, count);
+    PyMem_Free(sums);
+    return out;
+}
+
+PyDoc_STRVAR(copy_checksums_doc,
+             "copy_checksums(dst, src, segment_bytes, head=0) -> tuple: copy src into dst (same length) and return "
+             "the checksum of each segment of the copy after its first `head` bytes (copied, not summed).");
+
+static PyObject *py_copy_checksums(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    Py_ssize_t seg, count, head = 0;
+    if (!PyArg_ParseTuple(args, "w*y*n|n", &dst, &src, &seg, &head))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t *sums = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy of %zd bytes into %zd", src.len, dst.len);
+        goto done;
+    }
+    if (head < 0 || head > src.len) {
+        PyErr_Format(PyExc_ValueError, "head of %zd bytes in a copy of %zd", head, src.len);
+        goto done;
+    }
+    if (segment_count(src.len - head, seg, &count) < 0)
+        goto done;
+    sums = PyMem_Malloc(sizeof(uint64_t) * (count ? count : 1));
+    if (sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *d = (unsigned char *)dst.buf + head;
+    const unsigned char *s = (const unsigned char *)src.buf + head;
+    if (src.len >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst.buf, src.buf, (size_t)head);
+        for (Py_ssize_t i = 0; i < count; i++)
+            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0);
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy(dst.buf, src.buf, (size_t)head);
+        for (Py_ssize_t i = 0; i < count; i++)
+            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0);
+    }
+    out = as_tuple(sums, count);
+done:
+    PyMem_Free(sums);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return out;
+}
+
+PyDoc_STRVAR(gather_checksums_doc,
+             "gather_checksums(dst, srcs, stream=False) -> tuple: copy each buffer of srcs (all of len(dst) // "
+             "len(srcs) bytes) into consecutive segments of dst and return the checksum of each copy. stream: "
+             "bypass the caches (for a destination nobody reads soon).");
+
+static PyObject *py_gather_checksums(PyObject *self, PyObject *args)
+{
+    Py_buffer dst;
+    PyObject *seq_in;
+    int stream = 0;
+    if (!PyArg_ParseTuple(args, "w*O|p", &dst, &seq_in, &stream))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "srcs must be a sequence of buffers");
+    if (seq == NULL) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), got = 0, seg = 0;
+    PyObject *out = NULL;
+    Py_buffer *views = PyMem_Calloc(count ? count : 1, sizeof(Py_buffer));
+    uint64_t *sums = PyMem_Malloc(sizeof(uint64_t) * (count ? count : 1));
+    if (views == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (count == 0 || dst.len % count != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes cannot hold %zd equal segments", dst.len, count);
+        goto done;
+    }
+    seg = dst.len / count;
+    for (; got < count; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (views[got].len != seg) {
+            PyErr_Format(PyExc_ValueError, "segment %zd has %zd bytes, expected %zd", got, views[got].len, seg);
+            got++;
+            goto done;
+        }
+    }
+    unsigned char *d = dst.buf;
+    if (dst.len >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++)
+            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++)
+            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream);
+    }
+    out = as_tuple(sums, count);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(sums);
+    Py_DECREF(seq);
+    PyBuffer_Release(&dst);
+    return out;
+}
+
+/* vLLM's CPU attention cache stores a block per head as K^T [D, N] then V [N, D]; the canonical
+ * segment holds K [P, H, D] then V [P, H, D] for a page of P = blocks * N tokens. Copy block b's
+ * tokens of head h into it (src rows read in order, stores scattered within the head's K^T, which
+ * stays in L1), summing
+ * the segment's canonical bytes in the same pass over each block, in the segment's order. */
+#define K_LOOPS(T)                                                                                    \
+    for (size_t h = 0; h < H; h++) {                                                                  \
+        T *kt = (T *)(dst + h * 2 * N * D * sizeof(T));                                               \
+        for (size_t n = 0; n < N; n++) {                                                              \
+            const T *row = (const T *)k + (n * H + h) * D;                                            \
+            for (size_t d = 0; d < D; d++)                                                            \
+                kt[d * N + n] = row[d];                                                               \
+        }                                                                                             \
+    }
+
+#ifdef HAVE_AVX2_PATH
+/* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
+ * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. */
+__attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, const unsigned char *k, size_t N,
+                                                            size_t H, size_t D)
+{
+    for (size_t h = 0; h < H; h++) {
+        float *kt = (float *)(dst + h * 2 * N * D * 4);
+        for (size_t n = 0; n < N; n += 8)
+            for (size_t d = 0; d < D; d += 8) {
+                __m256 r[8], t[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm256_loadu_ps((const float *)k + ((n + i) * H + h) * D + d);
+                t[0] = _mm256_unpacklo_ps(r[0], r[1]);
+                t[1] = _mm256_unpackhi_ps(r[0], r[1]);
+                t[2] = _mm256_unpacklo_ps(r[2], r[3]);
+                t[3] = _mm256_unpackhi_ps(r[2], r[3]);
+                t[4] = _mm256_unpacklo_ps(r[4], r[5]);
+                t[5] = _mm256_unpackhi_ps(r[4], r[5]);
+                t[6] = _mm256_unpacklo_ps(r[6], r[7]);
+                t[7] = _mm256_unpackhi_ps(r[6], r[7]);
+                r[0] = _mm256_shuffle_ps(t[0], t[2], 0x44);
+                r[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
+                r[2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
+                r[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
+                r[4] = _mm256_shuffle_ps(t[4], t[6], 0x44);
+                r[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
+                r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
+                r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
+                for (int j = 0; j < 4; j++) {
+                    _mm256_storeu_ps(kt + (d + j) * N + n, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+                    _mm256_storeu_ps(kt + (d + j + 4) * N + n, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+                }
+            }
+    }
+}
+#endif
+
+static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D, size_t isz)
+{
+#ifdef HAVE_AVX2_PATH
+    if (isz == 4 && N % 8 == 0 && D % 8 == 0 && sum_blocks == sum_blocks_avx2) {
+        k_block_avx2_32(dst, k, N, H, D);
+        return;
+    }
+#endif
+    if (isz == 4) {
+        K_LOOPS(uint32_t)
+    } else if (isz == 2) {
+        K_LOOPS(uint16_t)
+    } else {
+        K_LOOPS(uint8_t)
+    }
+}
+
+static void v_block(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz)
+{
+    size_t row = D * isz;
+    for (size_t h = 0; h < H; h++) {
+        unsigned char *vv = dst + (2 * h + 1) * N * row;
+        for (size_t n = 0; n < N; n++)
+            memcpy(vv + n * row, v + (n * H + h) * row, row);
+    }
+}
+
+PyDoc_STRVAR(kt_copy_checksum_doc,
+             "kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize) -> int: write the canonical "
+             "segment src (K then V, each [blocks * block_tokens, heads, head_dim]) into vLLM CPU-cache blocks "
+             "dsts[b - skip] for b >= skip (each [heads, 2, block_tokens * head_dim]: K^T then V per head) and "
+             "return the checksum of the whole of src, summed as it is copied.");
+
+static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    PyObject *seq_in;
+    Py_ssize_t skip, N, H, D, isz;
+    if (!PyArg_ParseTuple(args, "y*Onnnnn", &src, &seq_in, &skip, &N, &H, &D, &isz))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "dsts must be a sequence of writable buffers");
+    if (seq == NULL) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t ndst = PySequence_Fast_GET_SIZE(seq), got = 0;
+    PyObject *out = NULL;
+    Py_buffer *views = PyMem_Calloc(ndst ? ndst : 1, sizeof(Py_buffer));
+    size_t half = (size_t)N * H * D * isz;          /* one block's K (or V) bytes */
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (N < 1 || H < 1 || D < 1 || (isz != 1 && isz != 2 && isz != 4) || skip < 0 || half % BLOCK != 0
+        || src.len % (2 * half) != 0 || (size_t)(skip + ndst) != (size_t)src.len / (2 * half)) {
+        PyErr_Format(PyExc_ValueError, "kt_copy_checksum: %zd bytes, %zd + %zd blocks of %zd tokens x %zd heads x "
+                     "%zd dims x %zd bytes do not fit (each block's K must be a multiple of %d bytes)",
+                     src.len, skip, ndst, N, H, D, isz, BLOCK);
+        goto done;
+    }
+    for (; got < ndst; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if ((size_t)views[got].len != 2 * half) {
+            PyErr_Format(PyExc_ValueError, "block %zd has %zd bytes, expected %zu", got, views[got].len, 2 * half);
+            got++;
+            goto done;
+        }
+    }
+    size_t blocks = (size_t)src.len / (2 * half);
+    const unsigned char *k = src.buf, *v = (const unsigned char *)src.buf + blocks * half;
+    sum_state st;
+    memset(&st, 0, sizeof st);
+    Py_BEGIN_ALLOW_THREADS
+    /* Sum a block's bytes first: the sequential pass streams them into cache at full speed, and
+     * the transposing copy then gathers from cache instead of striding through DRAM. (Both read the
+     * same tier bytes; the caller's generation check afterwards proves nobody rewrote them.) */
+    for (size_t b = 0; b < blocks; b++) {           /* K of every block, then V: the canonical order */
+        sum_blocks(k + b * half, NULL, half / BLOCK, &st, 0);
+        if (b >= (size_t)skip)
+            k_block(views[b - skip].buf, k + b * half, N, H, D, isz);
+    }
+    for (size_t b = 0; b < blocks; b++) {
+        sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
+        if (b >= (size_t)skip)
+            v_block(views[b - skip].buf, v + b * half, N, H, D, isz);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyLong_FromUnsignedLongLong(finish(&st, src.buf, (size_t)src.len));
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    PyBuffer_Release(&src);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"kt_copy_checksum", py_kt_copy_checksum, METH_VARARGS, kt_copy_checksum_doc},
+    {"checksums", py_checksums, METH_VARARGS, checksums_doc},
+    {"copy_checksums", py_copy_checksums, METH_VARARGS, copy_checksums_doc},
+    {"gather_checksums", py_gather_checksums, METH_VARARGS, gather_checksums_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pagesum", "Fused copy + checksum of page segments (format v2).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__pagesum(void)
+{
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        sum_blocks = sum_blocks_avx2;
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", sum_blocks == sum_blocks_generic ? "generic" : "avx2") < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,147 @@
+"""The per-layer segment checksum of page format v2, fused with the copy that moves the bytes.
+
+Definition (the same on every implementation): zero-pad a segment of ``L`` bytes to
+``n = ceil(L / 4)`` little-endian 32-bit words ``w_0 .. w_{n-1}`` and take, modulo 2**64,
+
+    A = sum(w_i),   B = sum((n - i) * w_i),   checksum = A + MIX * B.
+
+Why this and not xxh3 (format v1): a plain sum and a position-weighted sum are what a GPU computes
+at HBM speed with two torch reductions over the bytes where a DMA put them
+(:func:`torch_checksums`), so a GPU engine verifies a page in device memory instead of bringing it
+back to the host; and on the CPU the sums fit in the copy loop itself (the native kernel
+``pof_connector._pagesum``), so checking costs no second pass over memory.
+
+What it catches, for segments up to ``MAX_SEGMENT_BYTES`` (``n < 2**28``): every error inside one
+32-bit word — any flipped bit, any burst of up to 32 bits (``A`` moves by ``d != 0``, the checksum
+by ``d * (1 + MIX * (n - i))``, an odd factor times ``0 < |d| < 2**32``); every swap of two
+different words (``B`` moves by ``(j - i) * (w_j - w_i)``, below ``2**60``, times ``MIX``, which
+is twice an odd number); a segment zeroed, shifted or taken from another page unless the two sums
+collide by chance (about 2**-64 for unrelated data). It is not a MAC: like xxh3 it guards against
+faults and stale slots, not against a forger (the generation protocol and the index guard the
+rest).
+
+Implementations: the native kernel when the package was built with it (``pip install .`` compiles
+it; it is optional, so an install without a compiler still works), else numpy (same values,
+several times slower, two passes). :data:`NATIVE` says which one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+MIX = 0x9E3779B97F4A7C16
+"""Twice an odd number: keeps single-word errors and word swaps detectable after folding A and B."""
+_MASK = (1 << 64) - 1
+_MIX_SIGNED = MIX - (1 << 64)      # the same residue as an int64, for torch
+
+_native: ModuleType | None
+try:
+    from pof_connector import _pagesum as _native
+except ImportError:       # built without a C compiler, or a source checkout without build_ext
+    _native = None
+NATIVE: str | None = None if _native is None else _native.KERNEL
+"""The native kernel in use ("avx2" or "generic"); ``None``: the numpy fallback."""
+
+
+def _words(seg: np.ndarray) -> np.ndarray:
+    pad = -len(seg) % 4
+    if pad:
+        seg = np.concatenate([seg, np.zeros(pad, dtype=np.uint8)])
+    return np.ascontiguousarray(seg).view("<u4").astype(np.uint64)
+
+
+def _numpy_checksum(seg: np.ndarray) -> int:
+    w = _words(seg)
+    weights = np.arange(len(w), 0, -1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        a = int(w.sum(dtype=np.uint64))
+        b = int((w * weights).sum(dtype=np.uint64))
+    return (a + MIX * b) & _MASK
+
+
+def checksums(buf: np.ndarray, segment_bytes: int) -> tuple[int, ...]:
+    """The checksum of each ``segment_bytes`` segment of a flat uint8 array (a whole number of them)."""
+    if _native is not None:
+        result: tuple[int, ...] = _native.checksums(buf, segment_bytes)
+        return result
+    if len(buf) % segment_bytes:
+        raise ValueError(f"{len(buf)} bytes are not a whole number of {segment_bytes}-byte segments")
+    return tuple(_numpy_checksum(buf[i:i + segment_bytes]) for i in range(0, len(buf), segment_bytes))
+
+
+def checksum(buf: np.ndarray) -> int:
+    """The checksum of one segment (a flat uint8 array)."""
+    return checksums(buf, len(buf))[0]
+
+
+def copy_checksums(dst: np.ndarray, src: np.ndarray, segment_bytes: int, head: int = 0) -> tuple[int, ...]:
+    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of each
+    segment of the copy after its first ``head`` bytes (a page header: copied, not summed). One
+    pass over the bytes with the native kernel."""
+    if _native is not None:
+        result: tuple[int, ...] = _native.copy_checksums(dst, src, segment_bytes, head)
+        return result
+    if len(dst) != len(src):
+        raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
+    np.copyto(dst, src)
+    return checksums(dst[head:], segment_bytes)
+
+
+def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], stream: bool = False) -> tuple[int, ...]:
+    """Copy each of ``srcs`` (flat uint8 arrays of ``len(dst) // len(srcs)`` bytes) into consecutive
+    segments of ``dst`` and return the checksum of each copy, in one call. ``stream``: the native
+    kernel may bypass the caches (for a tier slot, which nobody reads soon after it is written)."""
+    if _native is not None:
+        result: tuple[int, ...] = _native.gather_checksums(dst, srcs, stream)
+        return result
+    seg = len(dst) // max(len(srcs), 1)
+    if not srcs or seg * len(srcs) != len(dst):
+        raise ValueError(f"{len(dst)} bytes cannot hold {len(srcs)} equal segments")
+    for i, src in enumerate(srcs):
+        if len(src) != seg:
+            raise ValueError(f"segment {i} has {len(src)} bytes, expected {seg}")
+        np.copyto(dst[i * seg:(i + 1) * seg], src)
+    return checksums(dst, seg)
+
+
+def kt_copy_checksum(src: np.ndarray, dsts: Sequence[np.ndarray], skip: int, block_tokens: int, heads: int,
+                     head_dim: int, itemsize: int) -> int:
+    """Write a canonical segment (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into
+    vLLM CPU-cache blocks ``dsts[b - skip]`` for ``b >= skip`` (each ``[heads, 2, block_tokens *
+    head_dim]``: K^T then V per head) and return the checksum of all of ``src``, in one pass.
+    Native kernel only (callers check :data:`NATIVE`)."""
+    if _native is None:
+        raise RuntimeError("kt_copy_checksum needs the native kernel (pof_connector._pagesum)")
+    result: int = _native.kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize)
+    return result
+
+
+def torch_checksums(segments: Any) -> Any:
+    """The checksums of a ``[..., segment_bytes]`` uint8 tensor's last-dimension rows, computed by
+    torch on the tensor's own device (CPU or GPU), as an int64 tensor of shape ``[...]`` holding
+    each checksum's two's-complement value (compare with :func:`as_int64`). Only the last
+    dimension must be contiguous: ``pages[:, header_bytes:].view(P, layers, seg)``-style views of
+    whole pages are summed in place."""
+    import torch  # only callers that already hold tensors get here
+
+    seg = segments.shape[-1]
+    pad = -seg % 4
+    if pad:
+        segments = torch.nn.functional.pad(segments, (0, pad))
+    if segments.stride(-1) != 1 or any(st % 4 for st in segments.stride()[:-1]) or segments.storage_offset() % 4:
+        segments = segments.contiguous()
+    w = segments.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    n = w.shape[-1]
+    weights = torch.arange(n, 0, -1, dtype=torch.int64, device=w.device)
+    a = w.sum(dim=-1)
+    b = (w * weights).sum(dim=-1)           # int64 arithmetic wraps: the sums are taken mod 2**64
+    return a + _MIX_SIGNED * b
+
+
+def as_int64(value: int) -> int:
+    """A checksum (unsigned 64-bit) as the int64 that :func:`torch_checksums` returns for it."""
+    return value - (1 << 64) if value >= 1 << 63 else value

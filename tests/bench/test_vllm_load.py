@@ -1,0 +1,17 @@
+"""``python -m pof_connector.bench.vllm_load``: the worker's load path runs both ways and restores
+the saved blocks byte for byte (the bench raises otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def test_the_load_bench_runs_both_paths_and_checks_the_blocks() -> None:
+    from pof_connector.bench.vllm_load import run
+
+    result = run(pages=2, repeat=1)
+    assert result["layout"] == "cpu_kt" and result["loaded_bytes"] == 2 * ((2 << 20) + 192)   # KV + header
+    assert result["fused_s"] > 0 and result["torch_s"] > 0 and result["memcpy_s"] > 0
+    assert result["fused_available"] is True

@@ -1,0 +1,213 @@
+"""Format v2's segment checksum: one definition on every implementation (native kernel, numpy
+fallback, torch), fused copies that match plain ones, v1 pages still read, and no flipped bit
+anywhere in a page gets past a load."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pof_connector import page_sum
+from pof_connector.keys import PageKey
+from pof_connector.pages import PageError, PageHeader, PageSpec, encode_header, pack_page, verify_page
+from pof_connector.tiers import CpuDramTier
+
+KEY = PageKey(bytes(range(16)), bytes(range(32)))
+SPEC = PageSpec(num_layers=3, segment_bytes=1000, page_tokens=4)     # 1000: not a multiple of 64
+
+
+def reference(data: bytes) -> int:
+    """The definition, word by word in Python integers."""
+    padded = data + bytes(-len(data) % 4)
+    words = struct.unpack(f"<{len(padded) // 4}I", padded)
+    n = len(words)
+    a = sum(words)
+    b = sum((n - i) * w for i, w in enumerate(words))
+    return (a + page_sum.MIX * b) % (1 << 64)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each test runs on the native kernel and on the numpy fallback (what an install without a C
+    compiler runs)."""
+    if request.param == "native":
+        if page_sum.NATIVE is None:
+            pytest.skip("the native kernel was not built here")
+    else:
+        monkeypatch.setattr(page_sum, "_native", None)
+    yield request.param
+
+
+def test_native_kernel_is_built() -> None:
+    """CI builds the package with its kernel (pip install -e .): a silent fallback would halve the
+    data path's speed. Set POF_ALLOW_NO_NATIVE=1 where no compiler exists on purpose."""
+    import os
+
+    if os.environ.get("POF_ALLOW_NO_NATIVE") != "1":
+        assert page_sum.NATIVE in ("avx2", "generic")
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(min_size=1, max_size=600))
+def test_every_implementation_matches_the_definition(data: bytes) -> None:
+    arr = np.frombuffer(data, dtype=np.uint8)
+    want = reference(data)
+    assert page_sum._numpy_checksum(arr) == want
+    if page_sum._native is not None:
+        assert page_sum._native.checksums(arr, len(arr)) == (want,)
+        dst = np.zeros(len(arr), dtype=np.uint8)
+        assert page_sum._native.copy_checksums(dst, arr, len(arr)) == (want,) and dst.tobytes() == data
+
+
+@pytest.mark.parametrize("seg", [1, 3, 64, 1000, 4096, 65_539])
+def test_fused_copies_match_plain_ones(impl: str, seg: int) -> None:
+    rng = np.random.default_rng(seg)
+    src = rng.integers(0, 256, 4 * seg, dtype=np.uint8)
+    want = tuple(reference(src[i:i + seg].tobytes()) for i in range(0, 4 * seg, seg))
+    assert page_sum.checksums(src, seg) == want
+    dst = np.zeros_like(src)
+    assert page_sum.copy_checksums(dst, src, seg) == want and np.array_equal(dst, src)
+    gathered = np.zeros_like(src)
+    parts = [src[i:i + seg] for i in range(0, 4 * seg, seg)]
+    assert page_sum.gather_checksums(gathered, parts) == want and np.array_equal(gathered, src)
+    if seg > 1:
+        with pytest.raises(ValueError):
+            page_sum.copy_checksums(dst[:-1], src[:-1], seg)      # not a whole number of segments
+    with pytest.raises(ValueError):
+        page_sum.gather_checksums(gathered, [*parts[:3], src[:seg + 1]])
+
+
+def test_single_word_errors_and_swaps_change_the_checksum() -> None:
+    rng = np.random.default_rng(7)
+    seg = rng.integers(0, 256, 4096, dtype=np.uint8)
+    base = page_sum.checksum(seg)
+    for pos in (0, 1, 2047, 4095):
+        for bit in range(8):
+            x = seg.copy()
+            x[pos] ^= 1 << bit
+            assert page_sum.checksum(x) != base
+    words = seg.view("<u4").copy()
+    words[[3, 900]] = words[[900, 3]]
+    assert words[3] != words[900] and page_sum.checksum(words.view(np.uint8)) != base
+
+
+def make_page(spec: PageSpec, seed: int = 1, generation: int = 9) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    layers = [rng.integers(0, 256, spec.segment_bytes, dtype=np.uint8) for _ in range(spec.num_layers)]
+    page = np.zeros(spec.page_bytes, dtype=np.uint8)
+    pack_page(spec, KEY, generation, layers, page)
+    return page
+
+
+def test_pages_round_trip_on_both_implementations(impl: str) -> None:
+    page = make_page(SPEC)
+    header = verify_page(SPEC, page, KEY, 9)
+    assert header.version == 2
+    tier = CpuDramTier(SPEC, 4 * SPEC.page_bytes + 256)
+    ref = tier.prepare_store(KEY)
+    assert ref is not None
+    tier.write_page(ref[0], page)
+    out = np.zeros(SPEC.page_bytes, dtype=np.uint8)
+    tier.read(ref[0], KEY, out)
+    assert np.array_equal(out[SPEC.header_bytes:], page[SPEC.header_bytes:])
+
+
+def v1_page(spec: PageSpec, generation: int = 9) -> np.ndarray:
+    """A page as a build of format v1 wrote it (xxh3 segment checksums)."""
+    page = make_page(spec, generation=generation)
+    sums = [xxhash.xxh3_64_intdigest(spec.segment(page, i).tobytes()) for i in range(spec.num_layers)]
+    page[:spec.header_bytes] = np.frombuffer(encode_header(spec, KEY, generation, sums, version=1), dtype=np.uint8)
+    return page
+
+
+def test_v1_pages_are_still_read_and_checked() -> None:
+    page = v1_page(SPEC)
+    assert verify_page(SPEC, page, KEY, 9).version == 1
+    tier = CpuDramTier(SPEC, 4 * SPEC.page_bytes + 256)
+    got = tier.prepare_store(KEY)
+    assert got is not None
+    ref = got[0]
+    tier.write_page(ref, page)                     # re-stamped, still v1 with its xxh3 checksums
+    out = np.zeros(SPEC.page_bytes, dtype=np.uint8)
+    assert tier.read(ref, KEY, out).version == 1
+    header = tier.read_header(ref, KEY, np.zeros(SPEC.header_bytes, dtype=np.uint8))
+    tier.check_segment(ref, header, 2)
+    tier.segment_view(ref, 2)[5] ^= 1
+    with pytest.raises(PageError) as e:
+        tier.check_segment(ref, header, 2)
+    assert e.value.reason == "bad_checksum"
+    bad = page.copy()
+    bad[SPEC.segment_offset(1)] ^= 4
+    with pytest.raises(PageError) as e:
+        verify_page(SPEC, bad, KEY, 9)
+    assert e.value.reason == "bad_checksum"
+
+
+def test_unknown_versions_are_refused_by_name() -> None:
+    raw = bytearray(encode_header(SPEC, KEY, 3, [0] * SPEC.num_layers))
+    raw[4:6] = (3).to_bytes(2, "little")
+    with pytest.raises(PageError) as e:
+        PageHeader.parse(bytes(raw))
+    assert e.value.reason == "bad_header" and "version 3" in str(e.value) and "reads 1, 2" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def stored() -> tuple[CpuDramTier, np.ndarray]:
+    tier = CpuDramTier(SPEC, 2 * SPEC.page_bytes + 256)
+    got = tier.prepare_store(KEY)
+    assert got is not None
+    tier.write_page(got[0], make_page(SPEC, generation=1))
+    tier.complete_store(KEY, True)
+    return tier, tier.region[:SPEC.page_bytes].copy()
+
+
+@settings(max_examples=400, deadline=None)
+@given(bit=st.integers(0, 8 * SPEC.page_bytes - 1))
+def test_a_flipped_bit_anywhere_in_a_page_is_refused(stored: tuple[CpuDramTier, np.ndarray], bit: int) -> None:
+    """Header (fields, checksums, padding), generation word and every segment: any single flipped
+    bit makes the whole-page load, the layer-wise load and a plain verify refuse the page."""
+    tier, clean = stored
+    ref = next(r for _, r in tier.stored())
+    flipped = clean.copy()
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(PageError):
+        verify_page(SPEC, flipped, KEY, ref.generation)
+    slot = tier.region[tier.slot_offset(ref.slot):tier.slot_offset(ref.slot) + SPEC.page_bytes]
+    np.copyto(slot, flipped)
+    try:
+        with pytest.raises(PageError):
+            tier.read(ref, KEY, np.zeros(SPEC.page_bytes, dtype=np.uint8))
+        with pytest.raises(PageError):         # the zero-copy load: header, then each layer's check
+            header = tier.read_header(ref, KEY, np.zeros(SPEC.header_bytes, dtype=np.uint8))
+            for layer in range(SPEC.num_layers):
+                tier.check_segment(ref, header, layer)
+    finally:
+        np.copyto(slot, clean)
+    tier.read(ref, KEY, np.zeros(SPEC.page_bytes, dtype=np.uint8))      # restored: accepted again
+
+
+@pytest.mark.torch
+def test_torch_computes_the_same_checksums() -> None:
+    """What a GPU engine runs over the bytes where they landed, on CPU tensors here."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]     # ci/gpu_check.sh: on GPUs too
+    for device in devices:
+        for seg in (1, 6, 64, 1000, 65_536):
+            pages = rng.integers(0, 256, (2, 3, seg), dtype=np.uint8)
+            got = page_sum.torch_checksums(torch.from_numpy(pages).to(device))
+            assert got.shape == (2, 3) and got.dtype == torch.int64 and got.device == torch.device(device)
+            want = [[page_sum.as_int64(reference(pages[i, j].tobytes())) for j in range(3)] for i in range(2)]
+            assert got.tolist() == want, device
+        # whole pages where they landed: segments viewed in place after each page's header
+        raw = torch.from_numpy(rng.integers(0, 256, (4, 128 + 3 * 512), dtype=np.uint8)).to(device)
+        got = page_sum.torch_checksums(raw[:, 128:].view(4, 3, 512))
+        host = raw.cpu().numpy()
+        assert got.tolist() == [[page_sum.as_int64(page_sum.checksum(host[p, 128 + 512 * j:128 + 512 * (j + 1)]))
+                                 for j in range(3)] for p in range(4)]
