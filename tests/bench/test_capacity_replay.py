@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -76,3 +77,50 @@ def test_an_overloaded_trial_gives_up_and_fails() -> None:
     assert trial.gave_up and not figures["passed"]
     assert figures["requests"] == 30 and figures["failed"] > 10        # not sent once it gave up
     assert len(seen) < 20
+
+
+class FakeFleet:
+    """Stands in for :class:`~pof_connector.bench.capacity_fleet.Fleet` (real vLLM servers): one
+    fake server, counters that grow with the prompts it saw, a usage spread of 0.5."""
+
+    def __init__(self, url: str, seen: list[list[int]]) -> None:
+        self.setup, self.url, self.seen = "static", url, seen
+        self.router = None
+
+    def route(self, trace: list[TraceRequest]) -> Any:
+        return lambda r, k: (self.url, {})
+
+    def counters(self) -> dict[str, float]:
+        tokens = float(sum(len(p) for p in self.seen))
+        return {"vllm:num_preemptions_total": 0.0, "vllm:iteration_tokens_total_sum": tokens,
+                "vllm:prefix_cache_hits_total": 0.0, "vllm:external_prefix_cache_hits_total": 0.0,
+                "vllm:prompt_tokens_total": tokens}
+
+    def usage(self) -> list[float]:
+        return [0.7, 0.2]
+
+    def idle(self) -> bool:
+        return True
+
+    def reset_caches(self) -> None:
+        pass
+
+
+def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
+    from pof_connector.bench.capacity import SetupRun, _report
+    from pof_connector.bench.capacity_fleet import FleetSpec
+
+    seen: list[list[int]] = []
+    lines: list[str] = []
+    many = [TraceRequest(i * 0.05, f"s{i}", "t", 40, 10, 2) for i in range(20)]
+    with serve(fake_vllm(seen, 0.0)) as url:
+        run = SetupRun(FakeFleet(url, seen), many, 500, 1.0, lines.append)  # type: ignore[arg-type]
+        best = run.search(max_trials=3)
+    assert best == 4.0 and [t["factor"] for t in run.trials] == [1.0, 2.0, 4.0]      # doubling while it passes
+    assert all(t["passed"] and t["tokens_computed"] > 0 for t in run.trials)
+    assert run.trials[0]["spread_mean"] == 0.5 and len(lines) == 3
+    rows = {"static": {"goodput_rps": 1.0, "at_reference_load": run.trials[0], "trials": run.trials},
+            "pof": {"goodput_rps": 2.5, "at_reference_load": {**run.trials[0], "spread_mean": 0.2}, "trials": []}}
+    out = _report(rows, {}, {"requests": 20}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None, Path("m"))
+    assert out["ratio"] == 2.5 and out["ratio_vs_best"] == 2.5
+    assert out["fragmentation"]["pof_vs_static"] == 0.4
