@@ -124,7 +124,8 @@ class SetupRun:
         return {"preemptions": d["vllm:num_preemptions_total"], "tokens_computed": int(computed),
                 "tokens_first_touch": minimum, "tokens_recomputed": int(max(0.0, computed - minimum)),
                 "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
-                "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"])}
+                "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"]),
+                "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"])}
 
     def _quiesce(self, timeout_s: float = 120.0) -> None:
         """Until no request runs or waits (streams closed by a give-up are aborted a moment later),

@@ -94,7 +94,7 @@ class FakeFleet:
         tokens = float(sum(len(p) for p in self.seen))
         return {"vllm:num_preemptions_total": 0.0, "vllm:iteration_tokens_total_sum": tokens,
                 "vllm:prefix_cache_hits_total": 0.0, "vllm:external_prefix_cache_hits_total": 0.0,
-                "vllm:prompt_tokens_total": tokens}
+                "vllm:prompt_tokens_total": tokens, "vllm:pof_loaded_pages_total": 0.0}
 
     def usage(self) -> list[float]:
         return [0.7, 0.2]
