@@ -11,10 +11,14 @@ replayed open-loop (:mod:`.capacity_replay`) through each set-up (:mod:`.capacit
   p90 TTFT stays within the SLO and no request fails, found by a bounded search over the factor
   (doubling or halving from 1, then bisecting geometrically; each factor is one trial with fresh
   token content, so trials share no cached prefix).
-- Per trial: mean/p90 TTFT, preemptions (``vllm:num_preemptions_total``), tokens recomputed
-  (tokens the engines computed, ``vllm:iteration_tokens_total``, beyond the first-touch minimum:
-  every prompt block once in the cluster plus the decode steps), and the fragmentation spread
-  (mean and p90 over time of max - min ``vllm:kv_cache_usage_perc`` across servers).
+- Per trial: mean/p90 TTFT, preemptions (``vllm:num_preemptions_total``), pages resumed requests
+  loaded from the pool (``vllm:pof_loaded_pages``), tokens recomputed (tokens the engines
+  computed, ``vllm:iteration_tokens_total``, beyond the first-touch minimum: every prompt block
+  once in the cluster plus the decode steps; a lower bound: vLLM 0.32 counts a request's first
+  prefill only, so the re-prefill of a request resumed without the pool is in no counter and
+  shows as ``preemptions``; concurrent first touches of one prefix count once each), and the
+  fragmentation spread (mean and p90 over time of max - min ``vllm:kv_cache_usage_perc`` across
+  servers).
 
 ``ratio`` = pof goodput / static goodput; ``ratio_vs_best`` = pof goodput / the best other set-up.
 Needs vLLM (and vllm-router for ``cache_aware``) in this Python.
@@ -276,8 +280,9 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                 f"and no failed request; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
                 "(cold, one at a time); ratio = pof / static goodput; ratio_vs_best = pof / best other set-up; "
                 "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
-                "load (factor 1); tokens_recomputed = engine-computed tokens beyond every prompt block once in the "
-                "cluster plus decode steps",
+                "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "
+                "them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "
+                "re-prefill after a preemption is in no vLLM counter (see preemptions, pool_loaded_pages)",
     }
 
 
@@ -289,10 +294,16 @@ def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    ceiling = 2 * slo_s       # where a trial that failed or gave up (no p90) is marked
     for name, row in results.items():
-        pts = [(t["offered_rps"], t["p90_ttft_s"]) for t in row["trials"] if t["p90_ttft_s"] is not None]
+        pts = [(t["offered_rps"], t["p90_ttft_s"] if t["passed"] or t["p90_ttft_s"] is not None else ceiling)
+               for t in row["trials"]]
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+            line = ax.plot(*zip(*pts, strict=True), marker="o", label=name)[0]
+            failed = [(t["offered_rps"], ceiling) for t in row["trials"] if not t["passed"] and t["p90_ttft_s"] is None]
+            if failed:
+                ax.scatter(*zip(*failed, strict=True), marker="x", s=80, color=line.get_color())
+    ax.axhline(ceiling, linestyle=":", color="lightgrey", label="failed / gave up (x)")
     ax.axhline(slo_s, linestyle="--", color="grey", label=f"SLO {slo_s:.2f} s")
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("p90 TTFT (s)")
