@@ -5,7 +5,8 @@ the cheapest thing that does the same job on the same machine in the same run, s
 means something on any host: :mod:`.tiers` against ``numpy.copyto`` of the same bytes,
 :mod:`.index` against one bare Redis round trip, :mod:`.fabric` against a raw NIXL READ
 (:mod:`.fabric_owner`, :mod:`.raw_nixl_reader`), :mod:`.hbm` against raw torch copies,
-:mod:`.vllm` against recompute and vLLM's own connector, :mod:`.router` against vllm-router.
+:mod:`.vllm` against recompute and vLLM's own connector, :mod:`.router` against vllm-router,
+:mod:`.capacity` (goodput within a TTFT SLO of KV-constrained servers) against static placement.
 Helpers: :mod:`.service_process`, :mod:`.vllm_server`, :mod:`.router_process` (processes stopped
 by PID) and :mod:`.make_model` (the local test models). :mod:`.cli` registers them as
 ``pof bench`` commands and prints their tables.
