@@ -83,6 +83,13 @@ class PoFConnector(KVConnectorBase_V1):
             self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), hnd_preferred=_hnd_preferred(),
                                      pp_rank=_pp_rank())
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: the pool is a best-effort cache, never a hand-off. vLLM's default (the producer
+        role, so ``kv_both`` too) makes a preemption drop the request's in-flight output and
+        resample it; a save the preemption cut short is only a later miss here."""
+        return False
+
     # ---- scheduler side ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -8,6 +8,7 @@ means something on any host: :mod:`.tiers` against ``numpy.copyto`` of the same 
 :mod:`.vllm` against recompute and vLLM's own connector, :mod:`.router` against vllm-router,
 :mod:`.lmcache` against LMCache's own ``local_cpu`` backend (:mod:`.lmcache_node` runs one LMCache
 engine per process).
+:mod:`.capacity` (goodput within a TTFT SLO of KV-constrained servers) against static placement.
 Helpers: :mod:`.service_process`, :mod:`.vllm_server`, :mod:`.router_process` (processes stopped
 by PID) and :mod:`.make_model` (the local test models). :mod:`.cli` registers them as
 ``pof bench`` commands and prints their tables.

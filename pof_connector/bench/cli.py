@@ -18,6 +18,7 @@ from pof_connector.bench import lmcache as bench_lmcache  # starts LMCache engin
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
+from pof_connector.bench.capacity_cli import add_capacity_parser
 from pof_connector.bench.chaos_faults import KINDS as CHAOS_KINDS
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
 from pof_connector.config import ConfigError, PofConfig, format_size, redact_url
@@ -411,3 +412,4 @@ def add_parser(sub: Any) -> None:
     chaos.add_argument("--max-requests", type=int, default=1_000_000, help="stop the traffic after this many")
     chaos.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
     chaos.set_defaults(handler=cmd_bench_chaos)
+    add_capacity_parser(bsub)

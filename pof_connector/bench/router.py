@@ -218,13 +218,8 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                 # events): with a shared pool every node can load every prefix, and the router must
                 # still tell a prefix in an engine's cache from one it has to load.
                 for i, endpoint in enumerate(events):
-                    cfg = tmp / f"relay-n{i}.json"
-                    cfg.write_text(json.dumps({"node_id": f"n{i}", "runtime_dir": str(tmp / f"rt-pof{i}"), **pool}))
-                    relay = ServiceProcess(tmp / f"relay-n{i}.log")
-                    relay.launch([sys.executable, "-m", "pof_connector.cli", "relay", "--config", str(cfg),
-                                  "--engine-events", endpoint, "--bind", f"tcp://127.0.0.1:{free_port()}",
-                                  "--no-pool-residency"])
-                    relays.append(relay)
+                    relays.append(start_relay(tmp, f"n{i}", {"runtime_dir": str(tmp / f"rt-pof{i}"), **pool},
+                                              endpoint))
                 config = {"index_url": redis.url, "tokenizer": str(model_dir),
                           "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
                 router = RouterProcess.pof(tmp, config).start()
@@ -280,9 +275,7 @@ def _start_pair(model_dir: Path, tmp: Path, name: str, pool: dict[str, Any], max
         kv = connector_config({"node_id": f"n{i}", "runtime_dir": str(tmp / f"rt-{name}{i}"), **pool}, role=role)
         extra = list(common)
         if events is not None:
-            port = events[i].rsplit(":", 1)[1]
-            extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                        "endpoint": f"tcp://*:{port}", "topic": ""})]
+            extra += kv_events_args(events[i])
         servers.append(VllmServer(model_dir, tmp / f"{name}{i}", kv_transfer=kv, max_model_len=max_len,
                                   extra_args=extra, env=_own_cores(i)))
     try:
@@ -293,6 +286,24 @@ def _start_pair(model_dir: Path, tmp: Path, name: str, pool: dict[str, Any], max
             s.stop()
         raise
     return servers
+
+
+def kv_events_args(endpoint: str) -> list[str]:
+    """vLLM flags that publish its KV events on ``endpoint``'s port (tcp://127.0.0.1:PORT)."""
+    port = endpoint.rsplit(":", 1)[1]
+    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": f"tcp://*:{port}", "topic": ""})]
+
+
+def start_relay(tmp: Path, node: str, pool: dict[str, Any], endpoint: str) -> ServiceProcess:
+    """A `pof relay` putting node ``node``'s engine prefix cache (its KV events on ``endpoint``)
+    into the index of ``pool`` (a pof config without ``node_id``)."""
+    cfg = tmp / f"relay-{node}.json"
+    cfg.write_text(json.dumps({"node_id": node, **pool}))
+    relay = ServiceProcess(tmp / f"relay-{node}.log")
+    relay.launch([sys.executable, "-m", "pof_connector.cli", "relay", "--config", str(cfg),
+                  "--engine-events", endpoint, "--bind", f"tcp://127.0.0.1:{free_port()}", "--no-pool-residency"])
+    return relay
 
 
 def _own_cores(i: int) -> dict[str, str]:

@@ -1,0 +1,319 @@
+"""``pof bench capacity``: how much load a KV-constrained cluster serves within a TTFT SLO, with and
+without the pool, on real vLLM CPU servers (issue 14).
+
+The workload is a trace (:mod:`.capacity_trace`: ``--trace FILE`` or the seeded fragmenting mix),
+replayed open-loop (:mod:`.capacity_replay`) through each set-up (:mod:`.capacity_fleet`:
+``static``, ``round_robin``, ``cache_aware``, ``pof``), each on freshly started servers.
+
+- **SLO**: ``SLO_MULTIPLE`` x the unloaded TTFT, measured at the start of the run: the p90 TTFT of
+  a sample of the trace's prompt sizes, sent one at a time, cold, to an idle server.
+- **Goodput** of a set-up: the highest offered load (the trace's arrival rate x a factor) at which
+  p90 TTFT stays within the SLO and no request fails, found by a bounded search over the factor
+  (doubling or halving from 1, then bisecting geometrically; each factor is one trial with fresh
+  token content, so trials share no cached prefix).
+- Per trial: mean/p90 TTFT, preemptions (``vllm:num_preemptions_total``), pages resumed requests
+  loaded from the pool (``vllm:pof_loaded_pages``), tokens recomputed (tokens the engines
+  computed, ``vllm:iteration_tokens_total``, beyond the first-touch minimum: every prompt block
+  once in the cluster plus the decode steps; a lower bound: vLLM 0.32 counts a request's first
+  prefill only, so the re-prefill of a request resumed without the pool is in no counter and
+  shows as ``preemptions``; concurrent first touches of one prefix count once each), and the
+  fragmentation spread (mean and p90 over time of max - min ``vllm:kv_cache_usage_perc`` across
+  servers).
+
+``ratio`` = pof goodput / static goodput; ``ratio_vs_best`` = pof goodput / the best other set-up.
+Needs vLLM (and vllm-router for ``cache_aware``) in this Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pof_connector.bench import BenchError, Progress
+from pof_connector.bench.capacity_fleet import SETUPS, Fleet, FleetSpec, UsageSampler
+from pof_connector.bench.capacity_replay import Replay, Trial
+from pof_connector.bench.capacity_trace import (
+    Mix,
+    TraceRequest,
+    check_sessions,
+    fragmenting_trace,
+    read_trace,
+    summary,
+    tokens_for,
+)
+from pof_connector.bench.vllm_server import build_model, stream_completion
+
+SLO_MULTIPLE = 4.0
+"""The SLO is this many times the unloaded p90 TTFT."""
+BLOCK = 128
+MAX_FACTOR, MIN_FACTOR = 16.0, 1 / 16
+
+
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def prompt_sizes(trace: list[TraceRequest]) -> list[int]:
+    """Each request's prompt length, answers counted at their ``max_tokens``."""
+    context: dict[str, int] = {}
+    out = []
+    for r in trace:
+        n = context.get(r.session, r.system_tokens) + r.turn_tokens
+        out.append(n)
+        context[r.session] = n + r.max_tokens
+    return out
+
+
+def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int, samples: int) -> list[float]:
+    """TTFTs of cold prompts of the trace's sizes (evenly spread quantiles), one at a time."""
+    sizes = sorted(prompt_sizes(trace))
+    picks = [sizes[min(len(sizes) - 1, round(q * (len(sizes) - 1) / max(samples - 1, 1)))] for q in range(samples)]
+    out = []
+    for i, n in enumerate(picks):
+        ttft, _ = stream_completion(url, tokens_for("unloaded", str(i), n, vocab, variant=-1), max_tokens=2)
+        out.append(ttft)
+    return out
+
+
+def _p90(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
+
+
+class SetupRun:
+    """The trials of one set-up on its fleet."""
+
+    def __init__(self, fleet: Fleet, trace: list[TraceRequest], vocab: int, slo_s: float, progress: Progress) -> None:
+        self.fleet = fleet
+        self.trace = trace
+        self.vocab = vocab
+        self.slo_s = slo_s
+        self.progress = progress
+        self.trials: list[dict[str, Any]] = []
+        self._variant = 0
+
+    def trial(self, factor: float) -> bool:
+        self._variant += 1
+        self._quiesce()
+        replay = Replay(self.trace, self.fleet.route(self.trace), vocab=self.vocab, variant=self._variant, block=BLOCK,
+                        slo_s=self.slo_s, timeout_s=max(60.0, 20 * self.slo_s))
+        before = self.fleet.counters()
+        with UsageSampler(self.fleet) as sampler:
+            trial = replay.run(factor)
+        self._quiesce()
+        after = self.fleet.counters()
+        row = trial.figures(self.slo_s)
+        row.update(sampler.figures())
+        row.update(self._work(trial, before, after))
+        row["backends"] = _shares(trial)
+        self.trials.append(row)
+        verdict = "meets" if row["passed"] else "misses"
+        self.progress(f"  {self.fleet.setup} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
+                      f"{row['p90_ttft_s']} s, {row['failed']} failed{', gave up' if trial.gave_up else ''}, "
+                      f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} -> {verdict} the SLO")
+        return bool(row["passed"])
+
+    def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+        d = {k: after[k] - before[k] for k in after}
+        computed = d["vllm:iteration_tokens_total_sum"]
+        sent = [o for o in trial.outcomes if not o.error.startswith("not sent")]
+        minimum = sum(o.first_touch_tokens + o.max_tokens - 1 for o in sent)
+        return {"preemptions": d["vllm:num_preemptions_total"], "tokens_computed": int(computed),
+                "tokens_first_touch": minimum, "tokens_recomputed": int(max(0.0, computed - minimum)),
+                "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
+                "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"]),
+                "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"])}
+
+    def _quiesce(self, timeout_s: float = 120.0) -> None:
+        """Until no request runs or waits (streams closed by a give-up are aborted a moment later),
+        then drop the engines' prefix caches."""
+        deadline = time.monotonic() + timeout_s
+        while not self.fleet.idle():
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.fleet.setup}: the servers still had requests {timeout_s:g} s after a trial")
+            time.sleep(0.5)
+        self.fleet.reset_caches()
+
+    def search(self, max_trials: int) -> float:
+        """The highest passing factor found within ``max_trials`` trials (0: none passed)."""
+        passed, failed = 0.0, math.inf
+        f = 1.0
+        for _ in range(max_trials):
+            if self.trial(f):
+                passed = f
+            else:
+                failed = f
+            if math.isinf(failed):
+                if f >= MAX_FACTOR:
+                    break
+                f *= 2
+            elif passed == 0.0:
+                if f <= MIN_FACTOR:
+                    break
+                f /= 2
+            else:
+                f = math.sqrt(passed * failed)
+        return passed
+
+
+def _shares(trial: Trial) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for o in trial.outcomes:
+        if o.backend:
+            out[o.backend] = out.get(o.backend, 0) + 1
+    return out
+
+
+def router_latency(fleet: Fleet, vocab: int, n: int = 5) -> float | None:
+    """Mean TTFT through the set-up's router minus direct, on cold 512-token prompts (None: no router)."""
+    if fleet.router is None:
+        return None
+    direct, routed = [], []
+    for i in range(n):
+        direct.append(stream_completion(fleet.servers[i % len(fleet.servers)].url,
+                                        tokens_for("latency-direct", str(i), 512, vocab, variant=-2), 2)[0])
+        routed.append(stream_completion(fleet.router.url, tokens_for("latency-routed", str(i), 512, vocab,
+                                                                     variant=-2), 2)[0])
+    return round(statistics.fmean(routed) - statistics.fmean(direct), 4)
+
+
+def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model: str | None, setups: list[str],
+        kv_tokens: int | None, max_trials: int | None, plot: Path | None, progress: Progress) -> dict[str, Any]:
+    if servers not in (2, 3):
+        raise BenchError(f"--servers must be 2 or 3, got {servers}")
+    bad = [s for s in setups if s not in SETUPS]
+    if bad or not setups:
+        raise BenchError(f"unknown set-ups {bad}; allowed: {', '.join(SETUPS)}")
+    if trace_file is not None:
+        trace = read_trace(trace_file)
+    else:
+        trace = fragmenting_trace(seed, Mix().scaled(0.3) if quick else Mix())
+    check_sessions(trace)
+    info = summary(trace)
+    model_dir = Path(model) if model else build_model("tiny")
+    vocab = _vocab(model_dir)
+    longest = int(info["max_context_tokens"])
+    max_len = -(-(longest + 64) // BLOCK) * BLOCK
+    kv = kv_tokens or 2 * longest          # one server holds two of the longest sessions
+    blocks = max(-(-kv // BLOCK), max_len // BLOCK)
+    spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8)
+    trials = max_trials or (2 if quick else 6)
+    progress(f"trace: {info['requests']} requests, {info['sessions']} sessions ({info['multi_turn_sessions']} "
+             f"multi-turn, longest context {longest} tokens), {info['tenants']} tenants over {info['span_s']} s; "
+             f"{servers} servers with KV for {blocks * BLOCK} tokens each; set-ups {', '.join(setups)}")
+    workdir = Path(tempfile.mkdtemp(prefix="pof-bench-capacity-", dir="/tmp"))
+    results: dict[str, dict[str, Any]] = {}
+    slo_s = unloaded = 0.0
+    skipped: dict[str, str] = {}
+    try:
+        for name in setups:
+            if name == "cache_aware" and shutil.which("vllm-router") is None \
+                    and not (Path(sys.executable).parent / "vllm-router").exists():
+                skipped[name] = "vllm-router is not installed"
+                progress(f"{name}: skipped ({skipped[name]})")
+                continue
+            progress(f"{name}: starting {servers} vLLM servers ...")
+            fleet = Fleet(name, model_dir, workdir / name, spec).start()
+            try:
+                if not slo_s:
+                    sample = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
+                    unloaded = _p90(sample)
+                    slo_s = SLO_MULTIPLE * unloaded
+                    progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
+                added = router_latency(fleet, vocab)
+                setup = SetupRun(fleet, trace, vocab, slo_s, progress)
+                best = setup.search(trials)
+            finally:
+                fleet.stop()
+            base_rps = len(trace) / max(trace[-1].at, 1e-3)
+            at_best = next((t for t in setup.trials if t["passed"] and t["factor"] == round(best, 4)), None)
+            at_one = next((t for t in setup.trials if t["factor"] == 1.0), None)
+            results[name] = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
+                             "router_added_latency_s": added, "at_goodput": at_best, "at_reference_load": at_one,
+                             "trials": sorted(setup.trials, key=lambda t: t["factor"])}
+            progress(f"{name}: goodput {results[name]['goodput_rps']} req/s (x{best:.3g})")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_dir)
+    if plot is not None:
+        draw(results, slo_s, plot)
+        out["plot"] = str(plot)
+    return out
+
+
+def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: dict[str, Any], slo_s: float,
+            unloaded: float, spec: FleetSpec, seed: int, trace_file: Path | None, model: Path) -> dict[str, Any]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        if a is None or b is None:
+            return None
+        return round(a / b, 4) if b > 0 else (math.inf if a > 0 else None)
+
+    pof = results.get("pof", {}).get("goodput_rps")
+    static = results.get("static", {}).get("goodput_rps")
+    others = [r["goodput_rps"] for n, r in results.items() if n != "pof"]
+
+    def spread(name: str) -> float | None:
+        row = (results.get(name) or {}).get("at_reference_load") or {}
+        return row.get("spread_mean")
+
+    return {
+        "bench": "capacity",
+        "ratio": ratio(pof, static),
+        "ratio_vs_best": ratio(pof, max(others)) if others else None,
+        "goals": {"ratio": 2.0, "ratio_vs_best": 1.3, "pof_spread_vs_static": 0.5},
+        "fragmentation": {"pof_spread_mean": spread("pof"), "static_spread_mean": spread("static"),
+                          "pof_vs_static": ratio(spread("pof"), spread("static"))},
+        "slo_s": round(slo_s, 4), "slo_multiple": SLO_MULTIPLE, "unloaded_p90_ttft_s": round(unloaded, 4),
+        "setups": results, "skipped": skipped,
+        "trace": {**info, "source": str(trace_file) if trace_file else f"seeded fragmenting mix (seed {seed})"},
+        "cluster": {"servers": spec.servers, "kv_tokens_per_server": spec.kv_blocks * spec.block,
+                    "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
+                    "dtype": spec.dtype, "model": str(model)},
+        "note": f"goodput = highest offered load (trace arrival rate x factor, bounded search) with p90 TTFT <= SLO "
+                f"and no failed request; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
+                "(cold, one at a time); ratio = pof / static goodput; ratio_vs_best = pof / best other set-up; "
+                "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
+                "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "
+                "them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "
+                "re-prefill after a preemption is in no vLLM counter (see preemptions, pool_loaded_pages)",
+    }
+
+
+def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path) -> None:
+    """p90 TTFT against offered load, one line per set-up, the SLO as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ceiling = 2 * slo_s       # where a trial that failed or gave up (no p90) is marked
+    for name, row in results.items():
+        pts = [(t["offered_rps"], t["p90_ttft_s"] if t["passed"] or t["p90_ttft_s"] is not None else ceiling)
+               for t in row["trials"]]
+        if pts:
+            line = ax.plot(*zip(*pts, strict=True), marker="o", label=name)[0]
+            failed = [(t["offered_rps"], ceiling) for t in row["trials"] if not t["passed"] and t["p90_ttft_s"] is None]
+            if failed:
+                ax.scatter(*zip(*failed, strict=True), marker="x", s=80, color=line.get_color())
+    ax.axhline(ceiling, linestyle=":", color="lightgrey", label="failed / gave up (x)")
+    ax.axhline(slo_s, linestyle="--", color="grey", label=f"SLO {slo_s:.2f} s")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("p90 TTFT (s)")
+    ax.set_yscale("log")
+    ax.set_title("pof bench capacity: p90 TTFT vs offered load")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["SETUPS", "SLO_MULTIPLE", "draw", "prompt_sizes", "run"]

@@ -1,0 +1,74 @@
+"""``pof bench capacity``: its arguments and its table (registered by :mod:`pof_connector.bench.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from pof_connector.bench import capacity as bench_capacity  # starts vLLM servers and routers; imports no vLLM
+from pof_connector.cli_support import out_console, print_json, progress
+
+
+def _setups(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if n not in bench_capacity.SETUPS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"set-ups are some of {', '.join(bench_capacity.SETUPS)}, got {text!r}")
+    return names
+
+
+def cmd_bench_capacity(args: argparse.Namespace) -> int:
+    setups = args.setups or (["static", "pof"] if args.quick else list(bench_capacity.SETUPS))
+    result = bench_capacity.run(servers=args.servers, quick=args.quick, trace_file=args.trace, seed=args.seed,
+                                model=args.model, setups=setups, kv_tokens=args.kv_tokens,
+                                max_trials=args.max_trials, plot=args.plot, progress=progress)
+    if args.json:
+        print_json(result)
+        return 0
+    t = result["trace"]
+    table = Table(title=f"capacity: {t['requests']} requests, {t['sessions']} sessions, {result['cluster']['servers']} "
+                        f"servers, SLO p90 TTFT <= {result['slo_s']:.3f} s", title_justify="left")
+    for name in ("set-up", "goodput req/s", "mean TTFT s", "p90 TTFT s", "preemptions", "recomputed tokens",
+                 "spread mean", "spread p90"):
+        table.add_column(name, justify="left" if name == "set-up" else "right")
+    for name, row in result["setups"].items():
+        ref = row["at_reference_load"] or {}
+        table.add_row(name, f"{row['goodput_rps']:.3f}", str(ref.get("mean_ttft_s")), str(ref.get("p90_ttft_s")),
+                      f"{ref.get('preemptions', 0):.0f}", str(ref.get("tokens_recomputed")),
+                      str(ref.get("spread_mean")), str(ref.get("spread_p90")))
+    out = out_console()
+    out.print(table)
+    out.print(f"ratio pof / static goodput [bold]{result['ratio']}[/bold], pof / best other "
+              f"{result['ratio_vs_best']}; spread pof / static {result['fragmentation']['pof_vs_static']} "
+              "(TTFT, preemptions, tokens and spread at the reference load, factor 1)")
+    return 0
+
+
+def add_capacity_parser(bsub: Any) -> None:
+    p = bsub.add_parser("capacity", help="goodput within a TTFT SLO of KV-constrained servers, with and without "
+                                         "the pool",
+                        description="Replays a fragmenting multi-tenant trace (long multi-turn sessions, short "
+                                    "requests of tenants sharing system prompts, open loop) on 2 or 3 real vLLM "
+                                    "CPU servers whose KV memory is bounded, through static (hash affinity), "
+                                    "round_robin, vllm-router cache_aware and pof router + pool, each on freshly "
+                                    "started servers; searches each set-up's goodput (highest load with p90 TTFT "
+                                    "within the SLO and no failure). Needs vLLM (and vllm-router for cache_aware).")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--trace", type=Path, metavar="FILE",
+                   help='replay a JSONL trace: one {"at", "session", "tenant", "system_tokens", "turn_tokens", '
+                        '"max_tokens"} per line (default: the seeded fragmenting mix)')
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="write p90 TTFT vs offered load (needs matplotlib)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short trace, static and pof only, two trials each (what CI runs)")
+    p.add_argument("--servers", type=int, default=2, choices=(2, 3), help="vLLM servers (default 2)")
+    p.add_argument("--setups", type=_setups, default=None,
+                   help=f"comma-separated, of {','.join(bench_capacity.SETUPS)} (default all; --quick: static,pof)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the default trace (default 1)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV cache tokens per server (default: twice the trace's longest session context)")
+    p.add_argument("--max-trials", type=int, default=None, help="trials per set-up (default 6; --quick 2)")
+    p.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
+    p.set_defaults(handler=cmd_bench_capacity)

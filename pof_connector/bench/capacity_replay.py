@@ -1,0 +1,206 @@
+"""One trial of ``pof bench capacity``: replay a trace open-loop at a rate factor, time each request's
+first token.
+
+A session's turns go one after another (turn k's prompt holds turn k-1's answer), each sent at its
+arrival time scaled by the factor or when the previous turn answered, whichever is later; different
+sessions never wait for each other. Each request streams a greedy completion with its token ids, and
+its TTFT is the client-side time to the first chunk. A trial that can no longer meet the SLO (more
+than a tenth of its requests late or failed) gives up early: the requests not yet sent are not
+sent, and streams in flight are closed (vLLM aborts them), so an overloaded trial ends quickly and
+leaves the servers idle for the next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pof_connector.bench.capacity_trace import TraceRequest, tokens_for
+
+Route = Callable[[TraceRequest, int], tuple[str, dict[str, str]]]
+"""Where a request goes: (base URL, extra headers), given the request and its turn number."""
+LATE_SHARE = 0.1
+"""p90 TTFT over the SLO means more than this share of requests late: then the trial has failed."""
+
+
+@dataclass
+class Outcome:
+    """One request of a trial. ``ttft_s`` None: it got no first token (``error`` says why)."""
+
+    session: str
+    turn: int
+    prompt_tokens: int
+    first_touch_tokens: int
+    """Prompt tokens no earlier request in the cluster computed (whole blocks only are shareable)."""
+    max_tokens: int
+    ttft_s: float | None = None
+    error: str = ""
+    backend: str = ""
+
+
+class FirstTouch:
+    """Which leading blocks of a prompt some earlier request already computed (its prompt and
+    the answer it generated, all but the answer's last token), cluster-wide."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self._seen: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def _digests(self, tokens: list[int], blocks: int) -> list[bytes]:
+        out, h = [], hashlib.sha256()
+        for i in range(blocks):
+            h.update(json.dumps(tokens[i * self.block:(i + 1) * self.block]).encode())
+            out.append(h.copy().digest())
+        return out
+
+    def new_tokens(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` that must be computed at least once (never the last: logits)."""
+        keys = self._digests(prompt, (len(prompt) - 1) // self.block)
+        with self._lock:
+            n = next((i for i, k in enumerate(keys) if k not in self._seen), len(keys))
+        return len(prompt) - n * self.block
+
+    def computed(self, tokens: list[int]) -> None:
+        keys = self._digests(tokens, len(tokens) // self.block)
+        with self._lock:
+            self._seen.update(keys)
+
+
+@dataclass
+class Trial:
+    factor: float
+    offered_rps: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    gave_up: bool = False
+    wall_s: float = 0.0
+
+    def ttfts(self) -> list[float]:
+        return [o.ttft_s for o in self.outcomes if o.ttft_s is not None]
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for o in self.outcomes if o.ttft_s is None)
+
+    def p90(self) -> float:
+        """p90 TTFT; a request without a first token counts as infinitely late."""
+        values = sorted(o.ttft_s if o.ttft_s is not None else math.inf for o in self.outcomes)
+        return values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)] if values else math.inf
+
+    def passed(self, slo_s: float) -> bool:
+        return not self.gave_up and self.failed == 0 and self.p90() <= slo_s
+
+    def figures(self, slo_s: float) -> dict[str, Any]:
+        ttfts = self.ttfts()
+        p90 = self.p90()
+        return {"factor": round(self.factor, 4), "offered_rps": round(self.offered_rps, 4),
+                "passed": self.passed(slo_s), "gave_up": self.gave_up, "requests": len(self.outcomes),
+                "failed": self.failed, "late": sum(1 for t in ttfts if t > slo_s),
+                "mean_ttft_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
+                "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1)}
+
+
+class Replay:
+    """Sends a trace through ``route`` at ``factor`` times its arrival rate."""
+
+    def __init__(self, trace: list[TraceRequest], route: Route, *, vocab: int, variant: int, block: int,
+                 slo_s: float, timeout_s: float) -> None:
+        """``variant``: the token-content variant (a fresh one per trial: trials share no prefix)."""
+        self.trace = trace
+        self.route = route
+        self.vocab = vocab
+        self.variant = variant
+        self.slo_s = slo_s
+        self.timeout_s = timeout_s
+        self.touch = FirstTouch(block)
+        self._give_up = threading.Event()
+        self._lock = threading.Lock()
+        self._bad = 0
+
+    def run(self, factor: float) -> Trial:
+        span = max(self.trace[-1].at, 1e-3) / factor
+        trial = Trial(factor, len(self.trace) / span)
+        sessions: dict[str, list[TraceRequest]] = {}
+        for r in self.trace:
+            sessions.setdefault(r.session, []).append(r)
+        allowed = int(LATE_SHARE * len(self.trace))
+        t0 = time.perf_counter() + 0.2
+        with ThreadPoolExecutor(len(sessions)) as ex:
+            futures = [ex.submit(self._session, turns, factor, t0, allowed) for turns in sessions.values()]
+            for f in futures:
+                trial.outcomes += f.result()
+        trial.gave_up = self._give_up.is_set()
+        trial.wall_s = time.perf_counter() - t0
+        return trial
+
+    def _session(self, turns: list[TraceRequest], factor: float, t0: float, allowed: int) -> list[Outcome]:
+        first = turns[0]
+        context = tokens_for("system", first.tenant, first.system_tokens, self.vocab, self.variant)
+        out: list[Outcome] = []
+        for k, r in enumerate(turns):
+            prompt = context + tokens_for("turn", f"{r.session}/{k}", r.turn_tokens, self.vocab, self.variant)
+            o = Outcome(r.session, k, len(prompt), len(prompt), r.max_tokens)
+            out.append(o)
+            if k == 0 or out[-2].ttft_s is not None:
+                time.sleep(max(0.0, t0 + r.at / factor - time.perf_counter()))
+            if self._give_up.is_set() or (k > 0 and out[-2].ttft_s is None):
+                why = "the trial gave up" if self._give_up.is_set() else "an earlier turn failed"
+                o.error = f"not sent: {why}"
+                continue
+            o.first_touch_tokens = self.touch.new_tokens(prompt)       # what the cluster computed until now
+            url, headers = self.route(r, k)
+            answer = self._one(o, url, headers, prompt)
+            if o.ttft_s is None or o.ttft_s > self.slo_s:
+                with self._lock:
+                    self._bad += 1
+                    if self._bad > allowed:
+                        self._give_up.set()
+            if answer is not None:
+                self.touch.computed(prompt + answer[:-1])
+                context = prompt + answer
+        return out
+
+    def _one(self, o: Outcome, url: str, headers: dict[str, str], prompt: list[int]) -> list[int] | None:
+        """Stream one completion; the answer's token ids, or None (``o.error`` set)."""
+        body = {"model": "m", "prompt": prompt, "max_tokens": o.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **headers})
+        t0 = time.perf_counter()
+        answer: list[int] = []
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                o.backend = r.headers.get("x-pof-backend", "") or url
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    ids = choice.get("token_ids") or []
+                    if ids and o.ttft_s is None:
+                        o.ttft_s = time.perf_counter() - t0
+                    answer += ids
+                    if self._give_up.is_set():
+                        o.error = "closed: the trial gave up"
+                        return None
+        except urllib.error.HTTPError as e:
+            o.error = f"HTTP {e.code}: {e.read()[:200]!r}"
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            o.error = f"{type(e).__name__}: {e}"
+        if o.error:
+            o.ttft_s = None
+            return None
+        if len(answer) != o.max_tokens:
+            o.error, o.ttft_s = f"{len(answer)} tokens of {o.max_tokens} in the answer", None
+            return None
+        return answer

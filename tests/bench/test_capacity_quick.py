@@ -1,0 +1,55 @@
+"""``pof bench capacity --quick --json`` on real vLLM CPU servers (what CI runs): its JSON has every
+field the issue asks for, filled for each set-up it ran. Figures are not checked: they are the
+bench's to report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TRIAL_FIELDS = {"factor", "offered_rps", "passed", "gave_up", "requests", "failed", "late", "mean_ttft_s",
+                "p90_ttft_s", "preemptions", "tokens_computed", "tokens_recomputed", "spread_mean", "spread_p90",
+                "pool_hit_tokens", "engine_hit_tokens", "backends"}
+
+
+def test_quick_capacity_json_has_its_fields(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    plot = tmp_path / "capacity.png"
+    args = [sys.executable, "-m", "pof_connector.cli", "bench", "capacity", "--quick", "--json"]
+    try:
+        import matplotlib  # noqa: F401
+        args += ["--plot", str(plot)]
+    except ImportError:
+        plot = None  # type: ignore[assignment]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-4000:]
+    check_quick_json(json.loads(done.stdout), done.stderr)
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def check_quick_json(out: dict[str, Any], stderr: str) -> None:
+    """What ``--quick --json`` must hold (also run on a saved run's output by hand)."""
+    assert out["bench"] == "capacity"
+    for key in ("ratio", "ratio_vs_best", "slo_s", "slo_multiple", "unloaded_p90_ttft_s", "fragmentation", "trace",
+                "cluster", "setups", "goals"):
+        assert key in out, key
+    assert set(out["setups"]) == {"static", "pof"}
+    assert out["slo_s"] == pytest.approx(out["slo_multiple"] * out["unloaded_p90_ttft_s"], rel=1e-2)
+    for name, row in out["setups"].items():
+        assert {"goodput_rps", "goodput_factor", "at_goodput", "at_reference_load", "trials"} <= set(row), name
+        assert row["trials"] and row["at_reference_load"] is not None, name
+        for trial in row["trials"]:
+            assert set(trial) >= TRIAL_FIELDS, (name, TRIAL_FIELDS - set(trial))
+    assert out["setups"]["static"]["at_reference_load"]["pool_hit_tokens"] == 0      # no pool: never loads
+    assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens"} <= set(out["trace"])
+    assert "pof_spread_mean" in out["fragmentation"] and "static_spread_mean" in out["fragmentation"]
+    assert "unloaded p90 TTFT" in stderr and "pof: goodput" in stderr        # progress lines

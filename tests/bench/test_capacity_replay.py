@@ -1,0 +1,126 @@
+"""The capacity bench's replay on real HTTP connections: a session's turn carries the earlier turns
+and answers, first-touch tokens count only what no earlier request computed, and an overloaded
+trial gives up early. The server is a stand-in for vLLM's streaming ``/v1/completions`` (the
+real engine is exercised by ``test_capacity_quick``, in the vLLM venv)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from pof_connector.bench.capacity_replay import Replay
+from pof_connector.bench.capacity_trace import TraceRequest, tokens_for
+from tests.http_server import serve
+
+BLOCK = 16
+
+
+def fake_vllm(seen: list[list[int]], delay_s: float) -> FastAPI:
+    """Streams ``max_tokens`` token ids (the prompt's length mod 97, then +1...) as vLLM does with
+    ``return_token_ids``, after ``delay_s``; records every prompt."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> StreamingResponse:
+        body = await request.json()
+        seen.append(body["prompt"])
+
+        async def chunks() -> AsyncIterator[str]:
+            await asyncio.sleep(delay_s)
+            for i in range(body["max_tokens"]):
+                ids = [3 + (len(body["prompt"]) + i) % 97]
+                yield "data: " + json.dumps({"choices": [{"text": "x", "token_ids": ids}]}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def trace() -> list[TraceRequest]:
+    return [TraceRequest(0.0, "s", "t", 40, 10, 5), TraceRequest(0.05, "other", "t", 40, 7, 3),
+            TraceRequest(0.1, "s", "t", 40, 20, 5)]
+
+
+def test_a_session_turn_carries_the_earlier_turn_and_answer() -> None:
+    seen: list[list[int]] = []
+    with serve(fake_vllm(seen, 0.0)) as url:
+        replay = Replay(trace(), lambda r, k: (url, {}), vocab=500, variant=1, block=BLOCK, slo_s=5.0, timeout_s=10)
+        trial = replay.run(factor=1.0)
+    assert trial.passed(5.0) and trial.failed == 0 and len(trial.ttfts()) == 3
+    system = tokens_for("system", "t", 40, 500, 1)
+    first = system + tokens_for("turn", "s/0", 10, 500, 1)
+    answer = [3 + (len(first) + i) % 97 for i in range(5)]
+    assert first in seen
+    assert first + answer + tokens_for("turn", "s/1", 20, 500, 1) in seen
+    by = {(o.session, o.turn): o for o in trial.outcomes}
+    assert by[("s", 0)].first_touch_tokens == 50
+    # turn 1: the first turn's prompt and answer but its last token (54 tokens: 3 blocks) are known
+    assert by[("s", 1)].first_touch_tokens == 75 - 3 * BLOCK
+    # the other session shares the tenant's system prompt: its 2 whole blocks are known
+    assert by[("other", 0)].first_touch_tokens == 47 - 2 * BLOCK
+
+
+def test_an_overloaded_trial_gives_up_and_fails() -> None:
+    seen: list[list[int]] = []
+    many = [TraceRequest(i * 0.1, f"s{i}", "t", 40, 10, 2) for i in range(30)]
+    with serve(fake_vllm(seen, 0.5)) as url:
+        replay = Replay(many, lambda r, k: (url, {}), vocab=500, variant=0, block=BLOCK, slo_s=0.1, timeout_s=10)
+        trial = replay.run(factor=1.0)
+    figures: dict[str, Any] = trial.figures(0.1)
+    assert trial.gave_up and not figures["passed"]
+    assert figures["requests"] == 30 and figures["failed"] > 10        # not sent once it gave up
+    assert len(seen) < 20
+
+
+class FakeFleet:
+    """Stands in for :class:`~pof_connector.bench.capacity_fleet.Fleet` (real vLLM servers): one
+    fake server, counters that grow with the prompts it saw, a usage spread of 0.5."""
+
+    def __init__(self, url: str, seen: list[list[int]]) -> None:
+        self.setup, self.url, self.seen = "static", url, seen
+        self.router = None
+
+    def route(self, trace: list[TraceRequest]) -> Any:
+        return lambda r, k: (self.url, {})
+
+    def counters(self) -> dict[str, float]:
+        tokens = float(sum(len(p) for p in self.seen))
+        return {"vllm:num_preemptions_total": 0.0, "vllm:iteration_tokens_total_sum": tokens,
+                "vllm:prefix_cache_hits_total": 0.0, "vllm:external_prefix_cache_hits_total": 0.0,
+                "vllm:prompt_tokens_total": tokens, "vllm:pof_loaded_pages_total": 0.0}
+
+    def usage(self) -> list[float]:
+        return [0.7, 0.2]
+
+    def idle(self) -> bool:
+        return True
+
+    def reset_caches(self) -> None:
+        pass
+
+
+def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
+    from pof_connector.bench.capacity import SetupRun, _report
+    from pof_connector.bench.capacity_fleet import FleetSpec
+
+    seen: list[list[int]] = []
+    lines: list[str] = []
+    many = [TraceRequest(i * 0.05, f"s{i}", "t", 40, 10, 2) for i in range(20)]
+    with serve(fake_vllm(seen, 0.0)) as url:
+        run = SetupRun(FakeFleet(url, seen), many, 500, 1.0, lines.append)  # type: ignore[arg-type]
+        best = run.search(max_trials=3)
+    assert best == 4.0 and [t["factor"] for t in run.trials] == [1.0, 2.0, 4.0]      # doubling while it passes
+    assert all(t["passed"] and t["tokens_computed"] > 0 for t in run.trials)
+    assert run.trials[0]["spread_mean"] == 0.5 and len(lines) == 3
+    rows = {"static": {"goodput_rps": 1.0, "at_reference_load": run.trials[0], "trials": run.trials},
+            "pof": {"goodput_rps": 2.5, "at_reference_load": {**run.trials[0], "spread_mean": 0.2}, "trials": []}}
+    out = _report(rows, {}, {"requests": 20}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None, Path("m"))
+    assert out["ratio"] == 2.5 and out["ratio_vs_best"] == 2.5
+    assert out["fragmentation"]["pof_vs_static"] == 0.4
