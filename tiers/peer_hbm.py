@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from pof_connector import page_sum
 from pof_connector.config import ConfigError, TierConfig
 from pof_connector.keys import PageKey
-from pof_connector import page_sum
 from pof_connector.pages import (
     GENERATION_AT,
     PageError,
