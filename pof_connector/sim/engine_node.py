@@ -94,7 +94,7 @@ class EngineNode(NodeView):
             return
         self.waiting.append(job)
         if not self._busy:
-            self._boundary(now)
+            self._start(now, 0, 0.0, 0.0)      # schedule at ``now``, after every arrival of this instant
         elif self._k > 1:
             self._cut(now)
 
@@ -269,17 +269,18 @@ class EngineNode(NodeView):
         self._resid[job.offset % self.profile.block_tokens] -= 1
         self._offsets -= job.offset
         job.generated = job.offset + self.steps - job.prompt_tokens
+        job.computed = max(job.computed, job.context - 1)     # the last sampled token has no KV yet
         self.used -= self.profile.blocks(job.context)
 
     def _release_pins(self, job: Job) -> None:
         self.cache.unpin(job.system_key, job.request.system_tokens)
-        self.cache.unpin(job.session_key, job.context)
+        self.cache.unpin(job.session_key, job.computed)
 
     def _complete(self, job: Job, now: float) -> None:
         self._leave(job)
         self._release_pins(job)
         if self.pool is not None:
-            self.pool.store(self.index, job.session_key, job.context)
+            self.pool.store(self.index, job.session_key, job.computed)
             self.pool.drop(f"r:{job.id}")
         job.done_at = now
         self.events.finished(job, now)
@@ -288,7 +289,7 @@ class EngineNode(NodeView):
         self._leave(job)
         self._release_pins(job)
         if self.pool is not None:
-            self.pool.store(self.index, f"r:{job.id}", job.context)
+            self.pool.store(self.index, f"r:{job.id}", job.computed)
         job.preemptions += 1
         self.preemptions += 1
         self.counters.preemptions += 1

@@ -65,7 +65,7 @@ class Simulator(NodeEvents):
                 raise _Stop
             return
         s = job.request.session
-        self._session_known[s] = max(self._session_known.get(s, 0), job.context)
+        self._session_known[s] = max(self._session_known.get(s, 0), job.computed)
 
     # -- the run --------------------------------------------------------------------------------
     def _push(self, at: float, kind: int, a: int, b: int = 0) -> None:
