@@ -38,6 +38,7 @@ class EngineNode(NodeView):
     def __init__(self, index: int, profile: Profile, events: NodeEvents, counters: Counters,
                  pool: KvPool | None = None) -> None:
         self.index = index
+        self._name = f"n{index}"
         self.profile = profile
         self.events = events
         self.counters = counters
@@ -68,7 +69,7 @@ class EngineNode(NodeView):
     # -- NodeView -------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        return f"n{self.index}"
+        return self._name
 
     def outstanding(self) -> int:
         return len(self.waiting) + len(self.decoding) + len(self._prefill)

@@ -54,6 +54,10 @@ class KvPool:
         for node in self._where.pop(key, {}):
             self._used[node] -= self._stores[node].pop(key)
 
+    def holders(self, key: str) -> dict[int, int]:
+        """Nodes whose pool stores ``key`` -> the tokens they store (do not modify)."""
+        return self._where.get(key, {})
+
     def own(self, node: int, key: str) -> int:
         return self._stores[node].get(key, 0)
 

@@ -44,20 +44,22 @@ class PofPolicy(Policy):
         self.profile = profile
         self.learn = learn
         self.router: Router | None = None
+        self.locator: SimLocator | None = None
         self._nodes: list[NodeView] = []
         self._index: dict[str, int] = {}
 
     def bind(self, nodes: list[NodeView], pool: KvPool | None) -> None:
-        self.router = Router(router_config(self.profile, len(nodes), learn=self.learn),
-                             SimLocator(self.profile, nodes, pool))
+        self.locator = SimLocator(self.profile, nodes, pool)
+        self.router = Router(router_config(self.profile, len(nodes), learn=self.learn), self.locator)
         self._nodes = nodes
         self._index = {n.name: i for i, n in enumerate(nodes)}
         self.tick(0.0)
 
     def tick(self, now: float) -> None:
-        assert self.router is not None
-        for b, n in zip(self.router.backends, self._nodes, strict=True):
-            b.record_load(n.reading())
+        assert self.router is not None and self.locator is not None
+        self.locator.readings = [n.reading() for n in self._nodes]
+        for b, load in zip(self.router.backends, self.locator.readings, strict=True):
+            b.record_load(load)
 
     def choose(self, job: Job, nodes: list[NodeView], now: float) -> int:
         assert self.router is not None

@@ -6,6 +6,7 @@ answers from the index for real nodes."""
 from __future__ import annotations
 
 from pof_connector.index.base import NodeInfo
+from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.locator import Locality, NodeLocality
 from pof_connector.sim.base import NodeView
 from pof_connector.sim.job import Job
@@ -22,6 +23,8 @@ class SimLocator:
         self.nodes = nodes
         self.pool = pool
         page = profile.block_tokens
+        self.readings: list[EngineLoad] = []
+        """The nodes' last metrics readings (what a relay would publish beside the index)."""
         self._info = [NodeInfo(n.name, meta={"page_bytes": str(profile.kv_bytes_per_token * page), "model": MODEL})
                       for n in nodes]
 
@@ -30,34 +33,36 @@ class SimLocator:
             raise TypeError("the simulator's locator answers for simulated prompts (PromptRef) only")
         job = tokens.job
         page = self.profile.block_tokens
+        local = self.profile.local_tier.name
+        remote = self.profile.remote_tier.name
+        stored = self._stored(job)
+        far = max((n for held in stored.values() for n in held.values()), default=0)
         out: dict[str, NodeLocality] = {}
         for i, n in enumerate(self.nodes):
             held: dict[str, int] = {}
             usable: dict[str, int] = {}
-            if self.pool is not None:
-                own, tokens_, tier = self._pool(i, job)
-                if own:
-                    held[self.profile.local_tier.name] = own
-                if tier is not None and tokens_:
-                    usable[tier] = tokens_
-            out[n.name] = NodeLocality(n.name, page, held, n.cached_prefix(job), usable,
-                                       near_tokens=held.get(self.profile.local_tier.name, 0),
-                                       load=n.reading(), info=self._info[i])
+            own = max((held_by.get(i, 0) for held_by in stored.values()), default=0)
+            if own:
+                held[local] = own
+            if own >= far and own:
+                usable[local] = own
+            elif far:
+                usable[remote] = far
+            out[n.name] = NodeLocality(n.name, page, held, n.cached_prefix(job), usable, near_tokens=own,
+                                       load=self.readings[i] if self.readings else None, info=self._info[i])
         return Locality(MODEL, job.prompt_tokens, page, out)
 
-    def _pool(self, node: int, job: Job) -> tuple[int, int, str | None]:
-        """(tokens its own pool holds, tokens it can load, the tier they come from)."""
-        assert self.pool is not None
+    def _stored(self, job: Job) -> dict[str, dict[int, int]]:
+        """Per prefix key of ``job``'s prompt, the leading tokens of it each node's pool stores
+        (capped at what the prompt shares with it, whole pages)."""
+        if self.pool is None:
+            return {}
         cap = job.prompt_tokens - 1
         page = self.profile.block_tokens
-        own = best = 0
-        tier: str | None = None
+        out: dict[str, dict[int, int]] = {}
         for key, limit in ((job.session_key, job.history_tokens), (job.system_key, job.request.system_tokens)):
-            mine = min(self.pool.own(node, key), limit, cap)
-            own = max(own, mine - mine % page)
-            n, t = self.pool.best(node, key)
-            n = min(n, limit, cap)
-            n -= n % page
-            if t is not None and n > best:
-                best, tier = n, t.name
-        return own, best, tier
+            where = self.pool.holders(key)
+            if where:
+                lim = min(limit, cap)
+                out[key] = {node: min(n, lim) // page * page for node, n in where.items()}
+        return out

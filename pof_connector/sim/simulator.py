@@ -41,6 +41,7 @@ class Simulator(NodeEvents):
         self._seq = 0
         self._late = 0
         self._late_limit = 0
+        self._arrived = 0
         self._session_known: dict[str, int] = {}
         self._tenants: set[str] = set()
         self._usage: list[tuple[float, float, float]] = []
@@ -101,6 +102,7 @@ class Simulator(NodeEvents):
             self._push(k * cfg.metrics_interval_s, TICK, k)
         horizon = span + cfg.drain_s
         events = 0
+        self._arrived = 0
         aborted = False
         try:
             while self._heap:
@@ -121,6 +123,7 @@ class Simulator(NodeEvents):
         return self._result(jobs, span, aborted, events, time.perf_counter() - started)
 
     def _arrive(self, job: Job, now: float) -> None:
+        self._arrived += 1
         r = job.request
         job.known_tokens = max(self._session_known.get(r.session, 0),
                                r.system_tokens if r.tenant in self._tenants else 0)
@@ -150,4 +153,5 @@ class Simulator(NodeEvents):
             spread_p90=spreads[min(len(spreads) - 1, math.ceil(0.9 * len(spreads)) - 1)],
             idle_busiest=sum(b for _, b, _ in self._usage) / k, idle_idlest=sum(i for _, _, i in self._usage) / k,
             loaded_bytes=dict(self.pool.loaded_bytes) if self.pool else {},
-            stored_bytes=self.pool.stored_bytes if self.pool else 0, events=events, wall_s=wall_s)
+            stored_bytes=self.pool.stored_bytes if self.pool else 0, events=events, arrived=self._arrived,
+            wall_s=wall_s)

@@ -36,6 +36,8 @@ class TrialResult:
     """Bytes loaded from the pool, per tier."""
     stored_bytes: int = 0
     events: int = 0
+    arrived: int = 0
+    """Requests that arrived before the run ended (all of them unless it was given up)."""
     wall_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
