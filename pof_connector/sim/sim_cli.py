@@ -42,6 +42,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", type=_policies, default=POLICIES, metavar="P,...",
                    help=f"some of {', '.join(POLICIES)} (default all)")
+    p.add_argument("--factor", type=float, metavar="F",
+                   help="one run per policy at this rate factor instead of the goodput search (speed checks)")
     p.add_argument("--json", action="store_true", help="print JSON on stdout")
     p.set_defaults(handler=run)
 
@@ -57,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         requests = make_mix(args.mix, nodes=args.nodes, requests=args.requests, seed=args.seed,
                             kv_tokens=profile.kv_tokens)
-    report = run_sim(profile, requests, nodes=args.nodes, policies=args.policies,
-                     progress=progress if not args.json else lambda _: None)
+    if args.factor is not None and not args.factor > 0:
+        raise ConfigError(f"--factor: must be > 0, got {args.factor}")
+    report = run_sim(profile, requests, nodes=args.nodes, policies=args.policies, factor=args.factor,
+                     progress=progress)
     if args.json:
         print_json({"workload": args.mix or str(args.trace), "seed": args.seed, **report.to_json()})
     else:

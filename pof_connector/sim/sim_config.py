@@ -18,5 +18,8 @@ class SimConfig:
     """KV-usage samples over the arrivals' span (the fragmentation spread)."""
     metrics_interval_s: float = 0.5
     """How often the policy is told to read the nodes' metrics (the router's ``metrics_interval_s``)."""
+    give_up: bool = True
+    """Stop a run that has failed the SLO (a failure, or too many late first tokens); off for
+    speed checks, which must simulate every request."""
     late_share: float = 0.1
     """Give up once more than this share of requests got their first token later than the SLO."""

@@ -83,7 +83,9 @@ def _r(x: float | None) -> float | None:
 
 
 def run_sim(profile: Profile, requests: list[SimRequest], *, nodes: int, policies: tuple[str, ...] = POLICIES,
-            progress: Callable[[str], None] = lambda _: None) -> SimReport:
+            factor: float | None = None, progress: Callable[[str], None] = lambda _: None) -> SimReport:
+    """Goodput per policy; with ``factor``, one run per policy at that rate factor instead of the
+    search (its 'goodput' is that factor if the run passed, else 0)."""
     slo = profile.slo_multiple * unloaded_ttft(profile, requests)
     span = max(r.at for r in requests) - min(r.at for r in requests)
     started, cpu = time.perf_counter(), time.process_time()
@@ -92,13 +94,18 @@ def run_sim(profile: Profile, requests: list[SimRequest], *, nodes: int, policie
     for name in policies:
         make = policy_factory(name, profile, requests)
 
-        def trial(factor: float, make: Callable[..., Any] = make, name: str = name) -> TrialResult:
+        def trial(f: float, make: Callable[..., Any] = make, name: str = name) -> TrialResult:
             nonlocal simulated
-            r = Simulator(profile, make(), SimConfig(nodes=nodes, rate_factor=factor, slo_s=slo)).run(requests)
+            config = SimConfig(nodes=nodes, rate_factor=f, slo_s=slo, give_up=factor is None)
+            r = Simulator(profile, make(), config).run(requests)
             simulated += r.arrived
-            progress(f"{name} x{factor:.3g}: p90 TTFT {r.p90_ttft_s:.3g} s (SLO {slo:.3g} s), failed {r.failed}, "
+            progress(f"{name} x{f:.3g}: p90 TTFT {r.p90_ttft_s:.3g} s (SLO {slo:.3g} s), failed {r.failed}, "
                      f"{'pass' if r.passed else 'fail'} ({r.wall_s:.1f} s)")
             return r
-        results[name] = search(trial)
+        if factor is None:
+            results[name] = search(trial)
+        else:
+            once = trial(factor)
+            results[name] = Goodput(factor if once.passed else 0.0, once if once.passed else None, [once])
     return SimReport(profile.name, nodes, len(requests), span, slo, results, simulated,
                      time.perf_counter() - started, time.process_time() - cpu)

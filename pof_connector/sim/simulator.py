@@ -56,13 +56,13 @@ class Simulator(NodeEvents):
         ttft = at - job.arrival
         if self.config.slo_s is not None and ttft > self.config.slo_s:
             self._late += 1
-            if self._late > self._late_limit:
+            if self._late > self._late_limit and self.config.give_up:
                 raise _Stop
 
     def finished(self, job: Job, at: float) -> None:
         self.policy.finished(job, at)
         if job.failed:
-            if self.config.slo_s is not None:
+            if self.config.slo_s is not None and self.config.give_up:
                 raise _Stop
             return
         s = job.request.session
