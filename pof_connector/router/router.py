@@ -19,11 +19,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from pof_connector.index import IndexUnavailable
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.index_health import IndexHealth
-from pof_connector.locality.locator import Locality, Locator, ModelRequired, UnknownModel
+from pof_connector.locality.locator import Locality, ModelRequired, UnknownModel
 from pof_connector.router.backend import Backend
 from pof_connector.router.cost_model import Candidate, CostModel, Estimate
 from pof_connector.router.kv_admission import Admission, KvAdmission, NodePressure
@@ -35,6 +36,14 @@ STICKY_TTL_S = 3600.0
 MAX_SESSIONS = 1 << 16
 """Sessions remembered at most (the least recently used are forgotten): session ids come from
 clients, who could otherwise grow the table without end."""
+
+
+class Locates(Protocol):
+    """Where a prompt's prefix lives: :class:`~pof_connector.locality.locator.Locator` on the index,
+    or the simulator's view of its simulated nodes (``pof sim``), which drives this same router."""
+
+    def locate(self, tokens: list[int], model: str | None = None,
+               cache_salt: str | None = None) -> Locality: ...
 
 
 class NoBackend(RuntimeError):
@@ -87,7 +96,7 @@ class Decision:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, locator: Locator | None) -> None:
+    def __init__(self, config: RouterConfig, locator: Locates | None) -> None:
         self.config = config
         self.locator = locator
         self.backends = [Backend(b, config.health.failures_to_remove) for b in config.backends]

@@ -1,0 +1,68 @@
+"""An engine's prefix cache as vLLM keeps it: blocks of finished (or running) requests stay cached
+while free, and are evicted least-recently-used when an allocation needs them.
+
+Entries are whole prefixes by key (``t:<tenant>``: a system prompt, ``s:<session>``: a session's
+context so far), block-aligned as the engine caches full blocks only. An entry a running request
+holds is *pinned*: its blocks are that request's (counted in the node's used blocks), so it is
+never evicted and does not count against the cache's room. Requests do not share blocks with each
+other here (vLLM does, by reference count): a node counts a shared prefix once per request, which
+errs towards calling it full, as :mod:`pof_connector.router.kv_admission` does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixCache:
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        """key -> [tokens, pins]"""
+        self.free_blocks = 0
+        """Blocks of unpinned entries: free to the allocator, cached until evicted."""
+
+    def tokens(self, key: str) -> int:
+        """Cached leading tokens under ``key`` (0: none); touches it."""
+        e = self._entries.get(key)
+        if e is None:
+            return 0
+        self._entries.move_to_end(key)
+        return e[0]
+
+    def peek(self, key: str) -> int:
+        e = self._entries.get(key)
+        return 0 if e is None else e[0]
+
+    def pin(self, key: str, tokens: int) -> None:
+        """A running request holds ``key``'s first ``tokens`` (adds or grows the entry)."""
+        tokens -= tokens % self.block_tokens
+        e = self._entries.get(key)
+        if e is None:
+            self._entries[key] = [tokens, 1]
+            return
+        if e[1] == 0:
+            self.free_blocks -= e[0] // self.block_tokens
+        e[0] = max(e[0], tokens)
+        e[1] += 1
+        self._entries.move_to_end(key)
+
+    def unpin(self, key: str, tokens: int = 0) -> None:
+        """A request let go of ``key``, whose cached length is now at least ``tokens``."""
+        e = self._entries[key]
+        e[0] = max(e[0], tokens - tokens % self.block_tokens)
+        e[1] -= 1
+        if e[1] == 0:
+            self.free_blocks += e[0] // self.block_tokens
+
+    def shrink(self, room_blocks: int) -> None:
+        """Evict least-recently-used unpinned entries until they fit in ``room_blocks``."""
+        if self.free_blocks <= room_blocks:
+            return
+        for key in list(self._entries):
+            e = self._entries[key]
+            if e[1] == 0:
+                del self._entries[key]
+                self.free_blocks -= e[0] // self.block_tokens
+                if self.free_blocks <= room_blocks:
+                    return

@@ -1,0 +1,68 @@
+"""The simulator's answer to the router's locality question: per node, the leading prompt tokens in
+its engine's prefix cache, those its own pool stores, and those its pool can load (from its own
+tier or over the remote tier from another node's), as :class:`~pof_connector.locality.locator.Locator`
+answers from the index for real nodes."""
+
+from __future__ import annotations
+
+from pof_connector.index.base import NodeInfo
+from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.locality.locator import Locality, NodeLocality
+from pof_connector.sim.base import NodeView
+from pof_connector.sim.job import Job
+from pof_connector.sim.kv_pool import KvPool
+from pof_connector.sim.profile import Profile
+from pof_connector.sim.prompt_ref import PromptRef
+
+MODEL = "sim"
+
+
+class SimLocator:
+    def __init__(self, profile: Profile, nodes: list[NodeView], pool: KvPool | None) -> None:
+        self.profile = profile
+        self.nodes = nodes
+        self.pool = pool
+        page = profile.block_tokens
+        self.readings: list[EngineLoad] = []
+        """The nodes' last metrics readings (what a relay would publish beside the index)."""
+        self._info = [NodeInfo(n.name, meta={"page_bytes": str(profile.kv_bytes_per_token * page), "model": MODEL})
+                      for n in nodes]
+
+    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None) -> Locality:
+        if not isinstance(tokens, PromptRef):
+            raise TypeError("the simulator's locator answers for simulated prompts (PromptRef) only")
+        job = tokens.job
+        page = self.profile.block_tokens
+        local = self.profile.local_tier.name
+        remote = self.profile.remote_tier.name
+        stored = self._stored(job)
+        far = max((n for held in stored.values() for n in held.values()), default=0)
+        out: dict[str, NodeLocality] = {}
+        for i, n in enumerate(self.nodes):
+            held: dict[str, int] = {}
+            usable: dict[str, int] = {}
+            own = max((held_by.get(i, 0) for held_by in stored.values()), default=0)
+            if own:
+                held[local] = own
+            if own >= far and own:
+                usable[local] = own
+            elif far:
+                usable[remote] = far
+            out[n.name] = NodeLocality(n.name, page, held, n.cached_prefix(job), usable, near_tokens=own,
+                                       load=self.readings[i] if self.readings else None, info=self._info[i])
+        return Locality(MODEL, job.prompt_tokens, page, out)
+
+    def _stored(self, job: Job) -> dict[str, dict[int, int]]:
+        """Per prefix key of ``job``'s prompt, the leading tokens of it each node's pool stores
+        (capped at what the prompt shares with it, whole pages)."""
+        if self.pool is None:
+            return {}
+        cap = job.prompt_tokens - 1
+        page = self.profile.block_tokens
+        out: dict[str, dict[int, int]] = {}
+        for key, limit in ((job.session_key, job.history_tokens), (job.system_key, job.request.system_tokens)):
+            where = self.pool.holders(key)
+            if where:
+                lim = min(limit, cap)
+                out[key] = {node: min(n, lim) // page * page for node, n in where.items()}
+        return out

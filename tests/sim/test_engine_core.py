@@ -1,0 +1,150 @@
+"""The event core against hand-computed cases, on a toy profile: 4-token blocks, 10 ms of prefill
+per token, 100 ms per iteration, 1 MB of KV per token, a local tier of 1 GB/s (1 ms per token) and
+a remote tier of 0.5 GB/s (2 ms per token), no latencies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pof_connector.config import ConfigError
+from pof_connector.sim.base import NodeView, Policy
+from pof_connector.sim.job import Job
+from pof_connector.sim.profile import Profile, load_profile, profile_from_mapping
+from pof_connector.sim.sim_config import SimConfig
+from pof_connector.sim.simulator import Simulator
+from pof_connector.sim.workload import SimRequest
+
+TOY: dict[str, Any] = {
+    "kv_blocks": 10, "block_tokens": 4, "kv_bytes_per_token": 1_000_000, "max_running": 8,
+    "max_batched_tokens": 1000, "prefill_s_per_token": 0.01, "prefill_s_per_token_ctx": 0.0,
+    "decode_step_s": 0.1, "decode_s_per_seq": 0.0, "decode_s_per_ctx_token": 0.0,
+    "local_tier": {"name": "cpu_dram", "gbps": 1.0, "latency_us": 0, "capacity_gb": 100},
+    "remote_tier": {"name": "remote", "gbps": 0.5, "latency_us": 0},
+}
+
+
+def toy(**changes: Any) -> Profile:
+    return profile_from_mapping({**TOY, **changes}, "toy", "toy")
+
+
+class Placed(Policy):
+    """Places request i on ``nodes_of[i]``; ``pool``: the nodes have the pool."""
+
+    def __init__(self, nodes_of: list[int], pool: bool = False) -> None:
+        self.name = "placed"
+        self.nodes_of = nodes_of
+        self.uses_pool = pool
+
+    def choose(self, job: Job, nodes: list[NodeView], now: float) -> int:
+        return self.nodes_of[job.id]
+
+
+def run(profile: Profile, requests: list[SimRequest], nodes_of: list[int], *, pool: bool = False,
+        nodes: int = 1) -> tuple[list[Job], Simulator]:
+    sim = Simulator(profile, Placed(nodes_of, pool), SimConfig(nodes=nodes))
+    jobs: list[Job] = []
+    make = sim.jobs
+
+    def keep(reqs: list[SimRequest]) -> list[Job]:
+        jobs.extend(make(reqs))
+        return jobs
+    sim.jobs = keep  # type: ignore[method-assign]
+    sim.run(requests)
+    return jobs, sim
+
+
+def req(at: float, session: str, turn: int, max_tokens: int, system: int = 0, tenant: str = "t") -> SimRequest:
+    return SimRequest(at, session, tenant, system, turn, max_tokens)
+
+
+def test_one_request_prefills_then_decodes() -> None:
+    (job,), sim = run(toy(), [req(0.0, "a", 10, 3)], [0])
+    assert job.first_token_at == pytest.approx(0.1 + 10 * 0.01)      # one iteration: step + prefill
+    assert job.done_at == pytest.approx(0.2 + 2 * 0.1)               # two more decode steps
+    assert sim.nodes[0].used == 0 and job.generated == 3
+    assert sim.counters.computed_tokens == 10 and sim.counters.recomputed_tokens == 0
+
+
+def test_admission_waits_for_blocks() -> None:
+    # A needs ceil(31 / 4) = 8 of the 10 blocks; B's ceil(11 / 4) = 3 do not fit beside it
+    (a, b), _ = run(toy(), [req(0.0, "a", 30, 2), req(0.0, "b", 10, 1, tenant="u")], [0, 0])
+    assert a.first_token_at == pytest.approx(0.1 + 0.3)
+    assert a.done_at == pytest.approx(0.5)                         # 31 -> 32 tokens: no new block
+    assert b.first_token_at == pytest.approx(0.5 + 0.1 + 0.1)       # admitted when A's blocks free
+
+
+def test_a_request_larger_than_the_node_fails() -> None:
+    (job,), sim = run(toy(), [req(0.0, "a", 40, 2)], [0])
+    assert job.failed and sim.counters.failed == 1
+
+
+def preempting() -> list[SimRequest]:
+    # 6 blocks; A and B (7-token prompts, 10 tokens out) take 2 each, then a block each at their
+    # 9th token (6 used); at the 13th neither block is free: B, the newest, is preempted with 12
+    # tokens (11 with KV), and resumes when A ends at 0.24 + 9 x 0.1 = 1.14
+    return [req(0.0, "a", 7, 10), req(0.0, "b", 7, 10, tenant="u")]
+
+
+def test_preemption_of_the_newest_recomputes_without_the_pool() -> None:
+    (a, b), sim = run(toy(kv_blocks=6), preempting(), [0, 0])
+    assert a.first_token_at == b.first_token_at == pytest.approx(0.1 + 14 * 0.01)
+    assert (a.preemptions, b.preemptions, sim.counters.preemptions) == (0, 1, 1)
+    assert a.done_at == pytest.approx(1.14)
+    assert b.done_at == pytest.approx(1.14 + 0.1 + 12 * 0.01 + 4 * 0.1)     # re-prefill 12, 4 more steps
+    assert sim.counters.recomputed_tokens == 11
+
+
+def test_preemption_with_the_pool_loads_what_was_stored() -> None:
+    (_, b), sim = run(toy(kv_blocks=6), preempting(), [0, 0], pool=True)
+    assert b.preemptions == 1
+    # 11 tokens with KV, stored block-aligned: 8 loaded over the local tier (1 ms each), 4 computed
+    assert b.done_at == pytest.approx(1.14 + 0.1 + 4 * 0.01 + 8 * 0.001 + 4 * 0.1)
+    assert sim.counters.recomputed_tokens == 3 and sim.counters.loaded_tokens == 8
+    assert sim.pool is not None and sim.pool.loaded_bytes["cpu_dram"] == 8_000_000
+
+
+def session(second_at: float = 1.0) -> list[SimRequest]:
+    # turn 1: 8 tokens, 4 out (11 with KV at its end, 8 of them in whole blocks); turn 2: 12 + 4 = 16
+    return [req(0.0, "s", 8, 4), req(second_at, "s", 4, 2)]
+
+
+def test_session_turn_on_its_node_hits_the_engine_cache() -> None:
+    (_, two), sim = run(toy(), session(), [0, 0])
+    assert two.prompt_tokens == 16 and two.history_tokens == 12
+    assert two.ttft == pytest.approx(0.1 + 8 * 0.01)
+    assert sim.counters.recomputed_tokens == 3          # the partial block (engines cache whole blocks)
+
+
+def test_session_moving_without_the_pool_recomputes() -> None:
+    (_, two), sim = run(toy(), session(), [0, 1], nodes=2)
+    assert two.ttft == pytest.approx(0.1 + 16 * 0.01)
+    assert sim.counters.recomputed_tokens == 11
+
+
+def test_session_moving_with_the_pool_loads_its_kv() -> None:
+    (_, two), sim = run(toy(), session(), [0, 1], pool=True, nodes=2)
+    load_s = 8 * 1_000_000 / 0.5e9                                  # 8 tokens over the remote tier
+    assert two.ttft == pytest.approx(0.1 + 8 * 0.01 + load_s)
+    assert two.ttft < 0.1 + 16 * 0.01                              # cheaper than recomputing
+    assert sim.counters.recomputed_tokens == 3
+    assert sim.pool is not None and sim.pool.loaded_bytes["remote"] == 8_000_000
+
+
+def test_an_arrival_cuts_a_decode_segment_at_the_step_in_progress() -> None:
+    # A decodes 20 steps from 0.2; B arrives at 0.45, mid-step 3, and is admitted when it ends (0.5)
+    (_, b), _ = run(toy(), [req(0.0, "a", 10, 21), req(0.45, "b", 4, 1, tenant="u")], [0, 0])
+    assert b.first_token_at == pytest.approx(0.5 + 0.1 + 4 * 0.01)
+
+
+def test_profiles_load_and_bad_keys_are_named() -> None:
+    h200 = load_profile("h200")
+    assert h200.kv_bytes_per_token == 131072 and h200.kv_tokens == 800_000
+    assert load_profile("cpu-bench").block_tokens == 128
+    with pytest.raises(ConfigError, match="kv_blocks"):
+        profile_from_mapping({**TOY, "kv_blocks": 0}, "x", "x")
+    with pytest.raises(ConfigError, match=r"local_tier\.speed"):
+        profile_from_mapping({**TOY, "local_tier": {**TOY["local_tier"], "speed": 1}}, "x", "x")
+    with pytest.raises(ConfigError, match="no shipped profile"):
+        load_profile("nope")
