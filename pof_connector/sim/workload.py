@@ -8,37 +8,21 @@ tokens and the model's answers, at their ``max_tokens``) + this turn's new token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from pof_connector.config import ConfigError
+from pof_connector.bench.capacity_trace import TraceRequest, check_sessions, read_trace
 
-
-@dataclass(frozen=True, slots=True)
-class SimRequest:
-    at: float
-    session: str
-    tenant: str
-    system_tokens: int
-    turn_tokens: int
-    max_tokens: int
+SimRequest = TraceRequest
+"""One request, exactly a ``pof bench capacity --trace`` line (the bench's own type, so a trace
+means the same to the bench and to the simulator)."""
 
 
 def load_trace(path: Path) -> list[SimRequest]:
     """A JSONL trace in ``pof bench capacity``'s format, read by that bench's own parser (which
-    refuses a malformed line naming its number and field); the one place to switch readers."""
-    try:
-        # the capbench branch brings it; until it is merged --trace says so (the ignore is then unused)
-        from pof_connector.bench.capacity_trace import (  # type: ignore[import-not-found,unused-ignore]
-            check_sessions,
-            read_trace,
-        )
-    except ImportError:
-        raise ConfigError("--trace needs pof bench capacity's trace reader (pof_connector.bench.capacity_trace), "
-                          "which this build does not have; use --mix") from None
+    refuses a malformed line naming its number and field)."""
     trace = read_trace(path)
     check_sessions(trace)
-    return [SimRequest(r.at, r.session, r.tenant, r.system_tokens, r.turn_tokens, r.max_tokens) for r in trace]
+    return trace
 
 
 def multi_turn_sessions(requests: list[SimRequest]) -> set[str]:

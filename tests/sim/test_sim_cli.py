@@ -49,7 +49,6 @@ def test_pof_sim_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_pof_sim_replays_a_capacity_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("pof_connector.bench.capacity_trace")       # from pof bench capacity (capbench)
     lines = [{"at": i * 0.5, "session": f"s{i % 3}", "tenant": "t1", "system_tokens": 1500, "turn_tokens": 300,
               "max_tokens": 64} for i in range(12)]
     trace = tmp_path / "trace.jsonl"
