@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
-from pof_connector.index.server import server_binary
+from pof_connector.index.server import server_binary, terminate
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 1000
@@ -218,13 +218,7 @@ class ClusterServers:
             p.close()
             if p.proc is None:
                 continue
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
-                try:
-                    p.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.proc.kill()
-                    p.proc.wait()
+            terminate(p.proc)
             p.proc = None
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
