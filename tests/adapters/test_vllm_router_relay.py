@@ -205,7 +205,13 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
 
         assert loads()["a:engine"] is not None and loads()["b:engine"] is not None   # read from the engines
         # The relays read /metrics once a heartbeat: the last one may have caught b still running.
-        wait_for(lambda: loads()["a:engine"] == loads()["b:engine"] == EngineLoad(0, 0), 15, "idle engines' load")
+        def idle(load: EngineLoad | None) -> bool:
+            return load is not None and (load.running, load.waiting) == (0, 0)
+
+        wait_for(lambda: idle(loads()["a:engine"]) and idle(loads()["b:engine"]), 15, "idle engines' load")
+        for load in (loads()["a:engine"], loads()["b:engine"]):     # the KV figures the router's capacity rule reads
+            assert load is not None and load.block_tokens == BLOCK and load.kv_usage is not None, load
+            assert load.kv_capacity_tokens and load.kv_capacity_tokens > 0 and load.preemptions == 0, load
         index.close()
     finally:
         for t in (tap, tap2):
