@@ -94,3 +94,24 @@ build_engine_venv() {
     rm -f "$cons"
     echo "$venv/bin/python"
 }
+
+# install_no_deps PY TAG PIN IMPORT: `pip install --no-deps PIN` (name==version) into PY unless the
+# python statement IMPORT already runs there with that version installed. An incremental step after
+# build_engine_venv, for a package whose declared requirements must not move the venv's pins (NIXL's
+# bare `torch`, LMCache's CUDA-only packages).
+install_no_deps() {
+    local py=$1 tag=$2 pin=$3 import=$4
+    if "$py" - "${pin%%==*}" "${pin#*==}" >/dev/null 2>&1 <<PYCHECK
+import importlib.metadata, sys
+$import
+sys.exit(importlib.metadata.version(sys.argv[1]) != sys.argv[2])
+PYCHECK
+    then
+        echo "[$tag] $pin present" >&2
+    else
+        echo "[$tag] pip install --no-deps $pin" >&2
+        "$py" -m pip install --no-deps --quiet --disable-pip-version-check "$pin" 2>&1 \
+            | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+        "$py" -c "$import" >&2
+    fi
+}

@@ -31,17 +31,6 @@ PY="$(tail -n 1 "$built")"
 
 # lmcache itself, without its CUDA-only requirements: an incremental step, so it runs again only
 # when the pinned version does not import.
-if "$PY" - "${LMCACHE_PIN#*==}" <<'PYCHECK' >/dev/null 2>&1
-import importlib.metadata, sys
-from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface  # noqa: F401
-sys.exit(importlib.metadata.version("lmcache") != sys.argv[1])
-PYCHECK
-then
-    echo "[lmcache_venv] $LMCACHE_PIN present" >&2
-else
-    echo "[lmcache_venv] pip install --no-deps $LMCACHE_PIN" >&2
-    "$PY" -m pip install --no-deps --quiet --disable-pip-version-check "$LMCACHE_PIN" 2>&1 \
-        | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
-    "$PY" -c 'import lmcache.v1.cache_engine, importlib.metadata as md; print("  lmcache", md.version("lmcache"))' >&2
-fi
+install_no_deps "$PY" lmcache_venv "$LMCACHE_PIN" \
+    "from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface; import lmcache.v1.cache_engine"
 echo "$PY"

@@ -33,17 +33,5 @@ PY="$(tail -n 1 "$built")"
 # move the torch pin; the pin is the one of pyproject.toml's `nixl` extra.
 nixl_req="$(grep -o '"nixl-cu13==[^"]*"' "$(dirname "$HERE")/pyproject.toml" | head -n 1 | tr -d '"')"
 [[ -n "$nixl_req" ]] || { echo "[vllm_venv] no nixl-cu13 pin in pyproject.toml" >&2; exit 1; }
-if "$PY" - "${nixl_req#*==}" <<'PYCHECK' >/dev/null 2>&1
-import importlib.metadata, sys
-import nixl_cu13._api  # noqa: F401
-sys.exit(importlib.metadata.version("nixl-cu13") != sys.argv[1])
-PYCHECK
-then
-    echo "[vllm_venv] $nixl_req present" >&2
-else
-    echo "[vllm_venv] pip install --no-deps $nixl_req" >&2
-    "$PY" -m pip install --no-deps --quiet --disable-pip-version-check "$nixl_req" 2>&1 \
-        | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
-    "$PY" -c 'import nixl_cu13._api' >&2
-fi
+install_no_deps "$PY" vllm_venv "$nixl_req" "import nixl_cu13._api"
 echo "$PY"
