@@ -43,6 +43,19 @@ def _env() -> dict[str, str]:
             "LMCACHE_TRACK_USAGE": "false"}
 
 
+def stop_node(proc: subprocess.Popen[str], *, timeout_s: float) -> None:
+    """Stop a node started with a stdin pipe: closing it is its signal to leave (it withdraws its
+    pages and closes its pool); SIGKILL when it has not left within ``timeout_s``, then reap it."""
+    if proc.poll() is None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _node(python: str, args: dict[str, Any]) -> list[str]:
     return [python, "-m", "pof_connector.bench.lmcache_node", json.dumps(args)]
 
@@ -96,13 +109,7 @@ def run(*, python: str, chunks: int, rounds: int, layers: int, heads: int, head_
         get = _last_json(done.stdout, "pof node B", done.stderr)
     finally:
         if a_proc is not None:
-            assert a_proc.stdin is not None
-            a_proc.stdin.close()
-            try:
-                a_proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                a_proc.kill()
-                a_proc.wait()
+            stop_node(a_proc, timeout_s=60)
         stop_embedded(runtime_dir)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

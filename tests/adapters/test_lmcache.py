@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from pof_connector.bench.lmcache import stop_node
 from pof_connector.bench.lmcache_node import Shape, expected_kv, write_config
 from pof_connector.index.server import RedisServer
 
@@ -68,23 +69,12 @@ def start_node(config: Path, **extra: Any) -> subprocess.Popen[str]:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
-            stop_node(proc)
+            stop_node(proc, timeout_s=30)
             log.seek(0)
             raise AssertionError(f"node failed: {log.read()[-3000:]}")
     stored = json.loads(line)
     assert (stored["stored"], stored["plugin"]) == (CHUNKS, "PoFStoragePlugin")
     return proc
-
-
-def stop_node(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture
@@ -94,7 +84,7 @@ def stored(configs: tuple[Path, Path], tags: dict[str, str] | None) -> Iterator[
     try:
         yield proc
     finally:
-        stop_node(proc)
+        stop_node(proc, timeout_s=30)
 
 
 def load(config: Path, op: str = "load", **extra: Any) -> tuple[dict[str, Any], str]:
@@ -125,7 +115,7 @@ def test_lmcaches_scheduler_role_answers_lookups_from_the_index(configs: tuple[P
         got, _ = load(configs[1], "lookup", role="scheduler")
         assert got == {"lookup_tokens": CHUNKS * CHUNK, "plugin": "PoFStoragePlugin", "pool_role": "client"}
     finally:
-        stop_node(worker_b)
+        stop_node(worker_b, timeout_s=30)
 
 
 def test_a_corrupt_page_is_a_miss(configs: tuple[Path, Path], shm_path: str, stored: subprocess.Popen[str]) -> None:
