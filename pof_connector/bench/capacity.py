@@ -26,6 +26,7 @@ Needs vLLM (and vllm-router for ``cache_aware``) in this Python.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -115,8 +116,10 @@ class SetupRun:
         row["backends"] = _shares(trial)
         self.trials.append(row)
         verdict = "meets" if row["passed"] else "misses"
+        errors = ", ".join(f"{n} {why}" for why, n in row["errors"].items() if not why.startswith("not sent"))
         self.progress(f"  {self.fleet.setup} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
-                      f"{row['p90_ttft_s']} s, {row['failed']} failed{', gave up' if trial.gave_up else ''}, "
+                      f"{row['p90_ttft_s']} s, {row['late']} late, {row['failed']} failed"
+                      f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
                       f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} -> {verdict} the SLO")
         return bool(row["passed"])
 
@@ -191,12 +194,12 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     bad = [s for s in setups if s not in SETUPS]
     if bad or not setups:
         raise BenchError(f"unknown set-ups {bad}; allowed: {', '.join(SETUPS)}")
-    if trace_file is not None:
-        trace = read_trace(trace_file)
-    else:
-        trace = fragmenting_trace(seed, Mix().scaled(0.3) if quick else Mix())
+    mix = Mix().scaled(0.3) if quick else Mix()
+    trace = read_trace(trace_file) if trace_file is not None else fragmenting_trace(seed, mix)
     check_sessions(trace)
     info = summary(trace)
+    if trace_file is None:
+        info["mix"] = dataclasses.asdict(mix)       # what `pof sim validate` rebuilds the trace from
     model_dir = Path(model) if model else build_model("tiny")
     vocab = _vocab(model_dir)
     longest = int(info["max_context_tokens"])
@@ -272,7 +275,8 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                           "pof_vs_static": ratio(spread("pof"), spread("static"))},
         "slo_s": round(slo_s, 4), "slo_multiple": SLO_MULTIPLE, "unloaded_p90_ttft_s": round(unloaded, 4),
         "setups": results, "skipped": skipped,
-        "trace": {**info, "source": str(trace_file) if trace_file else f"seeded fragmenting mix (seed {seed})"},
+        "trace": {**info, "source": str(trace_file) if trace_file else f"seeded fragmenting mix (seed {seed})",
+                  "seed": seed},
         "cluster": {"servers": spec.servers, "kv_tokens_per_server": spec.kv_blocks * spec.block,
                     "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
                     "dtype": spec.dtype, "model": str(model)},

@@ -107,7 +107,17 @@ class Trial:
                 "passed": self.passed(slo_s), "gave_up": self.gave_up, "requests": len(self.outcomes),
                 "failed": self.failed, "late": sum(1 for t in ttfts if t > slo_s),
                 "mean_ttft_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
-                "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1)}
+                "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1),
+                "errors": self.errors()}
+
+    def errors(self) -> dict[str, int]:
+        """How many requests failed for each reason (the reason cut before its details)."""
+        out: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.error:
+                why = o.error.split(":")[0] if not o.error.startswith(("not sent", "closed")) else o.error
+                out[why] = out.get(why, 0) + 1
+        return out
 
 
 class Replay:

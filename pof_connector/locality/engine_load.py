@@ -37,6 +37,7 @@ free: the engine evicts them on demand). ``gpu_cache_usage_perc``: vLLM's older 
 PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
 CACHE_CONFIG = "vllm:cache_config_info"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+_WANTED = (*RUNNING, *WAITING, *KV_USAGE, *PREEMPTIONS, CACHE_CONFIG, SGLANG_CAPACITY)
 _T = TypeVar("_T")
 
 
@@ -87,7 +88,10 @@ def parse_engine_load(text: str) -> EngineLoad | None:
     preemptions: float | None = None
     capacity: float | None = None
     block: int | None = None
-    for family in text_string_to_metric_families(text):
+    # Only the series read here go to the parser: a vLLM /metrics page is ~100 KB of histograms, and
+    # parsing all of it twice a second per backend cost `pof router` a quarter of a core (measured).
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             name = sample.name
             if name in RUNNING:

@@ -50,6 +50,7 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
         for trial in row["trials"]:
             assert set(trial) >= TRIAL_FIELDS, (name, TRIAL_FIELDS - set(trial))
     assert out["setups"]["static"]["at_reference_load"]["pool_hit_tokens"] == 0      # no pool: never loads
-    assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens"} <= set(out["trace"])
+    assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens", "mix", "seed"} <= set(out["trace"])
+    assert out["trace"]["mix"]["long_sessions"] >= 2          # enough for `pof sim validate` to rebuild the trace
     assert "pof_spread_mean" in out["fragmentation"] and "static_spread_mean" in out["fragmentation"]
     assert "unloaded p90 TTFT" in stderr and "pof: goodput" in stderr        # progress lines

@@ -76,6 +76,9 @@ def test_an_overloaded_trial_gives_up_and_fails() -> None:
     figures: dict[str, Any] = trial.figures(0.1)
     assert trial.gave_up and not figures["passed"]
     assert figures["requests"] == 30 and figures["failed"] > 10        # not sent once it gave up
+    assert figures["errors"].get("not sent: the trial gave up", 0) > 10
+    # a stream closed after its first token counts as an error, not as a request without a first token
+    assert sum(n for why, n in figures["errors"].items() if not why.startswith("closed")) == figures["failed"]
     assert len(seen) < 20
 
 

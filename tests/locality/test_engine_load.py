@@ -68,6 +68,15 @@ def test_kv_occupancy_and_pressure_from_both_engines() -> None:
     assert parse_engine_load(early) == EngineLoad(4, 5, 0.75, None, 128, 3)
 
 
+def test_only_the_series_read_are_parsed_and_lookalike_names_do_not_count() -> None:
+    # a vLLM page is mostly histograms; a series whose name only starts like a read one is not it
+    noise = "".join(f'vllm:x{h}_seconds_bucket{{le="{b}"}} {b}.0\n' for h in range(40) for b in range(30))
+    text = VLLM + noise + 'vllm:num_requests_running_peak{model_name="m"} 99.0\nnot prometheus at all {\n'
+    load = parse_engine_load(text)
+    assert load is not None and (load.running, load.waiting) == (4, 5)
+    assert parse_engine_load(noise) is None
+
+
 def test_meta_round_trip_and_missing_load() -> None:
     load = EngineLoad(running=4, waiting=5)
     assert EngineLoad.from_meta({"x": "y", **load.to_meta()}) == load
