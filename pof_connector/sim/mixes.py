@@ -28,11 +28,15 @@ def _tokens(n: float, scale: float) -> int:
     return max(1, round(n * scale))
 
 
-def long_context(rnd: random.Random, requests: int, rps: float, scale: float) -> list[SimRequest]:
+LONG_SHARE = 0.05
+"""Share of ``long-context``'s requests that are long sessions' turns (``--long-share`` changes it)."""
+
+
+def long_context(rnd: random.Random, requests: int, rps: float, scale: float,
+                 long_share: float = LONG_SHARE) -> list[SimRequest]:
     out: list[SimRequest] = []
     at = 0.0
     k = 0
-    long_share = 0.05
     while len(out) < requests:
         at += rnd.expovariate(rps)
         if rnd.random() < long_share / 8:              # a long session starts (8 turns on average)
@@ -90,7 +94,16 @@ PER_NODE_RPS = {"long-context": 2.0, "prefix-heavy": 4.0, "uniform": 4.0}
 """Arrival rate per node at rate factor 1 (requests / s)."""
 
 
-def make_mix(name: str, *, nodes: int, requests: int, seed: int, kv_tokens: int) -> list[SimRequest]:
+def make_mix(name: str, *, nodes: int, requests: int, seed: int, kv_tokens: int,
+             long_share: float | None = None) -> list[SimRequest]:
+    """``long_share``: the share of long sessions' turns (``long-context`` only; ``None``: its default)."""
     if name not in MIXES:
         raise ConfigError(f"--mix: {name!r} is not a built-in mix; mixes: {', '.join(MIXES)}")
-    return MIXES[name](random.Random(seed), requests, PER_NODE_RPS[name] * nodes, kv_tokens / REFERENCE_KV_TOKENS)
+    rnd, rps, scale = random.Random(seed), PER_NODE_RPS[name] * nodes, kv_tokens / REFERENCE_KV_TOKENS
+    if long_share is not None:
+        if name != "long-context":
+            raise ConfigError(f"--long-share: only mix long-context has long sessions, not {name!r}")
+        if not 0 < long_share < 1:
+            raise ConfigError(f"--long-share: a share between 0 and 1 (exclusive) is required, got {long_share}")
+        return long_context(rnd, requests, rps, scale, long_share)
+    return MIXES[name](rnd, requests, rps, scale)
