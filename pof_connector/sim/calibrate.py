@@ -7,7 +7,8 @@ block``), the block size, ``max_num_seqs``; the KV bytes per token come from the
 costs that matter at this scale are fitted: a prefill cost per token, a fixed cost per engine step
 and a cost per running request in a step. The fit keeps the unloaded p90 TTFT the bench measured
 (the SLO's base: ``decode_step_s + prefill_s_per_token x p90 prompt = unloaded p90``) and picks,
-on a grid, the split between fixed and per-token cost and the per-request cost whose replay of the
+on a grid, the split between the API server's latency per request (no engine time), the fixed step cost and
+the per-token cost, and the per-request step cost, whose replay of the
 ``fit_setups``' trials (by default the physical baseline, ``static``, alone: the other set-ups are
 left for ``pof sim validate`` to predict) comes closest to the measured mean and p90 TTFT and to
 the measured pass / fail of each trial.
@@ -31,6 +32,9 @@ from pof_connector.sim.profile import Profile, TierProfile, load_profile
 FIXED_SHARES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
 """Shares of the unloaded p90 TTFT tried as the fixed step cost (the rest is prefill per token)."""
 PER_SEQ = (0.0, 0.05, 0.15, 0.4)
+"""Cost per running request in a step, tried as a share of the fixed step cost."""
+LATENCY_SHARES = (0.0, 0.15, 0.3, 0.5)
+"""Shares of the unloaded p90 TTFT tried as the API server's latency per request (no engine time)."""
 """Cost per running request in a step, tried as a share of the fixed step cost."""
 PASS_FAIL_WEIGHT = 4.0
 """A replayed trial that passes where the bench's failed (or the reverse) costs this much."""
@@ -126,16 +130,20 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
     unloaded = run.unloaded_p90_s
     n90 = max(_p90(prompt_sizes(run.trace)), 1)
     best: tuple[float, Profile] | None = None
-    for share in FIXED_SHARES:
-        step = share * unloaded
-        for per_seq in PER_SEQ:
-            p = replace(base, decode_step_s=step, decode_s_per_seq=per_seq * step,
-                        prefill_s_per_token=(unloaded - step) / n90)
-            err = score(run, p, fit_setups)
-            if best is None or err < best[0]:
-                best = (err, p)
+    for lat in LATENCY_SHARES:
+        for share in FIXED_SHARES:
+            if lat + share >= 0.9:
+                continue
+            step = share * unloaded
+            for per_seq in PER_SEQ:
+                p = replace(base, decode_step_s=step, decode_s_per_seq=per_seq * step,
+                            request_latency_s=lat * unloaded, prefill_s_per_token=(unloaded * (1 - lat) - step) / n90)
+                err = score(run, p, fit_setups)
+                if best is None or err < best[0]:
+                    best = (err, p)
     assert best is not None
-    notes.append(f"decode_step_s, decode_s_per_seq, prefill_s_per_token: fitted (grid) to the unloaded p90 TTFT "
+    notes.append(f"request_latency_s, decode_step_s, decode_s_per_seq, prefill_s_per_token: fitted (grid) to the "
+                 f"unloaded p90 TTFT "
                  f"{unloaded} s at the p90 prompt of {n90} tokens and to the trials of {', '.join(fit_setups)}")
     return Fit(best[1], best[0], fit_setups, (run.source,) + (("pof bench vllm",) if vllm else ()), tuple(notes))
 
@@ -151,7 +159,7 @@ def profile_mapping(p: Profile) -> dict[str, Any]:
             "prefill_s_per_token": float(f"{p.prefill_s_per_token:.4g}"), "prefill_s_per_token_ctx": 0.0,
             "decode_step_s": float(f"{p.decode_step_s:.4g}"), "decode_s_per_seq": float(f"{p.decode_s_per_seq:.4g}"),
             "decode_s_per_ctx_token": 0.0, "local_tier": tier(p.local_tier), "remote_tier": tier(p.remote_tier),
-            "slo_multiple": p.slo_multiple}
+            "request_latency_s": float(f"{p.request_latency_s:.4g}"), "slo_multiple": p.slo_multiple}
 
 
 def profile_yaml(f: Fit) -> str:

@@ -117,8 +117,8 @@ class EngineNode(NodeView):
         for job in self._prefill:
             job.generated += 1
             if job.first_token_at is None:
-                job.first_token_at = now
-                self.events.first_token(job, now)
+                job.first_token_at = now + self.profile.request_latency_s     # the API server's part
+                self.events.first_token(job, job.first_token_at)
             self._join(job)
         self._prefill = []
         while self._finish and self._finish[0][0] <= self.steps:
