@@ -48,8 +48,10 @@ def add_parsers(sub: Any) -> None:
                    help="shares of long-session requests for mix long-context, e.g. 0.02,0.05,0.1 "
                         "(default: the mix's own, 0.05)")
     s.add_argument("--profile", default="h200", help="profile YAML or shipped name (default h200)")
-    s.add_argument("--requests-per-node", type=int, default=125,
-                   help="requests per node of each point's workload (default 125)")
+    s.add_argument("--requests-per-node", type=int, default=250,
+                   help="requests per node of each point's workload (default 250: fewer, and the runs at high "
+                        "rate factors are too short to leave the empty cluster's transient, which flatters "
+                        "whichever policy spreads the burst)")
     s.add_argument("--policies", default="static,pof", metavar="P,...",
                    help="policies to run (default static,pof: the ratio's two)")
     s.add_argument("--seed", type=int, default=0)
