@@ -58,6 +58,8 @@ def draw_sweep(points: list[SweepPoint], path: Path) -> None:
     ax.axhline(1.0, linestyle=":", color="lightgrey")
     ax.axhline(2.0, linestyle="--", color="grey", label="2x")
     ax.set_xscale("log", base=2)
+    counts = sorted({p.nodes for p in points})
+    ax.set_xticks(counts, [str(n) for n in counts])
     ax.set_xlabel("nodes")
     ax.set_ylabel("capacity ratio pof / static")
     ax.set_title("what the pool buys, by cluster size")
