@@ -48,10 +48,11 @@ class SimLocator:
                 if n > own_of.get(node, 0):
                     own_of[node] = n
         far = max(own_of.values(), default=0)
-        readings = self.readings
-        # Nodes holding nothing of the prompt (neither pool nor engine cache) share one entry: the
-        # router reads of it only what they have in common (page size, the remote tier's offer);
-        # their loads it reads from its own backends, which the simulator keeps fresh.
+        # Nodes holding the same of the prompt (own pool, engine cache; most often nothing, or a
+        # tenant's system prompt cached everywhere) share one entry: the router reads of an entry
+        # only the page size and what it holds and can load, and weighs each distinct entry once;
+        # the nodes' loads it reads from its own backends, which the simulator keeps fresh (so the
+        # entries carry no load reading and no node id).
         if self.cached is None:
             maybe: Iterable[int] = range(len(self.nodes))
         else:
@@ -59,14 +60,18 @@ class SimLocator:
         engine_of = {i: e for i in maybe if (e := self.nodes[i].cached_prefix(job))}
         nothing = NodeLocality("*", page, {}, 0, {remote: far} if far else {}, 0, None, self._info[0])
         out: dict[str, NodeLocality] = dict.fromkeys(self._names, nothing)
+        shared: dict[tuple[int, int], NodeLocality] = {(0, 0): nothing}
         for i in own_of.keys() | engine_of.keys():
-            own = own_of.get(i, 0)
-            if own:
-                held, usable = {local: own}, ({local: own} if own >= far else {remote: far})
-            else:
-                held, usable = {}, ({remote: far} if far else {})
-            out[self._names[i]] = NodeLocality(self._names[i], page, held, engine_of.get(i, 0), usable, own,
-                                               readings[i] if readings else None, self._info[i])
+            own, engine = own_of.get(i, 0), engine_of.get(i, 0)
+            entry = shared.get((own, engine))
+            if entry is None:
+                if own:
+                    held, usable = {local: own}, ({local: own} if own >= far else {remote: far})
+                else:
+                    held, usable = {}, ({remote: far} if far else {})
+                entry = shared[(own, engine)] = NodeLocality("*", page, held, engine, usable, own, None,
+                                                             self._info[0])
+            out[self._names[i]] = entry
         return Locality(MODEL, job.prompt_tokens, page, out)
 
     def _stored(self, job: Job) -> dict[str, dict[int, int]]:
