@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,24 +147,33 @@ class SetupRun:
 
     def search(self, max_trials: int) -> float:
         """The highest passing factor found within ``max_trials`` trials (0: none passed)."""
-        passed, failed = 0.0, math.inf
-        f = 1.0
-        for _ in range(max_trials):
-            if self.trial(f):
-                passed = f
-            else:
-                failed = f
-            if math.isinf(failed):
-                if f >= MAX_FACTOR:
-                    break
-                f *= 2
-            elif passed == 0.0:
-                if f <= MIN_FACTOR:
-                    break
-                f /= 2
-            else:
-                f = math.sqrt(passed * failed)
-        return passed
+        return bounded_search(self.trial, max_trials)
+
+
+def bounded_search(trial: Callable[[float], bool], max_trials: int) -> float:
+    """The goodput search: ``trial(factor)`` at 1, doubling while it passes (up to
+    ``MAX_FACTOR``) or halving while it fails (down to ``MIN_FACTOR``), then bisecting
+    geometrically between the highest pass and the lowest failure; the highest passing factor
+    found within ``max_trials`` trials (0: none passed). ``pof sim validate`` replays a bench with
+    this same search."""
+    passed, failed = 0.0, math.inf
+    f = 1.0
+    for _ in range(max_trials):
+        if trial(f):
+            passed = f
+        else:
+            failed = f
+        if math.isinf(failed):
+            if f >= MAX_FACTOR:
+                break
+            f *= 2
+        elif passed == 0.0:
+            if f <= MIN_FACTOR:
+                break
+            f /= 2
+        else:
+            f = math.sqrt(passed * failed)
+    return passed
 
 
 def _shares(trial: Trial) -> dict[str, int]:
@@ -290,7 +300,8 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
     }
 
 
-def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path) -> None:
+def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path,
+         title: str = "pof bench capacity: p90 TTFT vs offered load") -> None:
     """p90 TTFT against offered load, one line per set-up, the SLO as a dashed line."""
     import matplotlib
 
@@ -312,7 +323,7 @@ def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path) -> None:
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("p90 TTFT (s)")
     ax.set_yscale("log")
-    ax.set_title("pof bench capacity: p90 TTFT vs offered load")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,4 +331,4 @@ def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["SETUPS", "SLO_MULTIPLE", "draw", "prompt_sizes", "run"]
+__all__ = ["SETUPS", "SLO_MULTIPLE", "bounded_search", "draw", "prompt_sizes", "run"]

@@ -35,6 +35,9 @@ class Backend:
         self.config = config
         self.name = config.name
         self.url = config.url
+        self.pool_node = config.pool_node
+        """Its pool's node id in the index (``config.pool_node``, read once: the router looks it
+        up for every backend per request)."""
         self.healthy = True
         self._failures = 0
         self._failures_to_remove = failures_to_remove
@@ -79,10 +82,15 @@ class Backend:
     def pressure(self, stale_after_s: float) -> NodePressure:
         """The last reading, if younger than ``stale_after_s``, with the blocks it does not show
         (requests sent since, and those it found still waiting for their first token)."""
+        return NodePressure(*self.pressure_fields(stale_after_s))
+
+    def pressure_fields(self, stale_after_s: float, now: float | None = None) -> tuple[EngineLoad | None, int, bool]:
+        """:meth:`pressure`'s fields as a tuple (what the router reads of every backend per
+        request); ``now``: ``time.monotonic()`` read once for all of them (``None``: read it)."""
         with self._lock:
-            if self.engine_load is None or time.monotonic() - self._load_at > stale_after_s:
-                return NodePressure(None)
-            return NodePressure(self.engine_load, self._pending_blocks, self.preempting)
+            if self.engine_load is None or (time.monotonic() if now is None else now) - self._load_at > stale_after_s:
+                return None, 0, False
+            return self.engine_load, self._pending_blocks, self.preempting
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:

@@ -49,7 +49,7 @@ CEILINGS = (10.0, 0.1 / TOKEN_SCALE, 1.0)
 values: a slow CPU box is far above a GPU-sized start value, and that is no fault of the fit."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """One node as seen for one request."""
 
@@ -68,7 +68,7 @@ class Candidate:
     """Tokens those still have to compute."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Estimate:
     name: str
     ttft_s: float
@@ -95,6 +95,9 @@ class CostModel:
         self.config = config
         self._theta = np.array([config.request_overhead_s, config.prefill_s_per_token / TOKEN_SCALE,
                                 config.decode_s_per_running, 1.0])
+        self._coef = tuple(float(v) for v in self._theta)
+        """``_theta`` as Python floats: an estimate is four products, cheaper than a numpy call (the
+        router weighs every backend per request)."""
         r = config.learn_range
         self._low = np.array([self._theta[0] / r, self._theta[1] / r, 0.0, FETCH_BOUNDS[0]])
         self._high = np.array([max(self._theta[0] * r, CEILINGS[0]), max(self._theta[1] * r, CEILINGS[1]),
@@ -108,36 +111,55 @@ class CostModel:
 
     @property
     def s_per_token(self) -> float:
-        return float(self._theta[1] * TOKEN_SCALE)
+        return self._coef[1] * TOKEN_SCALE
 
     @property
     def overhead_s(self) -> float:
-        return float(self._theta[0])
+        return self._coef[0]
 
     @property
     def s_per_decoding(self) -> float:
-        return float(self._theta[2])
+        return self._coef[2]
 
     @property
     def fetch_factor(self) -> float:
-        return float(self._theta[3])
+        return self._coef[3]
 
     def estimate(self, c: Candidate) -> Estimate:
-        cap = max(c.prompt_tokens - 1, 0)
-        engine = min(c.engine_tokens, cap)
-        pool_total = sum(c.usable.values())
+        recompute, fetch_tokens, fetch_s = self.prefix_terms(c.prompt_tokens, c.engine_tokens, c.usable,
+                                                             c.bytes_per_token)
+        x = _features(recompute, fetch_s, c.running, c.waiting, c.waiting_tokens)
+        return Estimate(c.name, self._dot(x), recompute, fetch_tokens, fetch_s, x, c.prompt_tokens, c.waiting_tokens)
+
+    def prefix_terms(self, prompt_tokens: int, engine_tokens: int, usable: dict[str, int],
+                     bytes_per_token: float) -> tuple[int, int, float]:
+        """What a node's locality makes of a prompt: (tokens to recompute, tokens to fetch from
+        the pool, seconds the fetch takes at the configured bandwidths)."""
+        cap = max(prompt_tokens - 1, 0)
+        engine = min(engine_tokens, cap)
+        pool_total = sum(usable.values()) if usable else 0
         pool = min(pool_total, cap)
         fetch_tokens = max(pool - engine, 0)
         fetch_s = 0.0
         if fetch_tokens and pool_total:
-            for tier, n in c.usable.items():
-                gbps = self.config.tier_gbps.get(tier, self.config.tier_gbps.get("remote", 1.0))
-                fetch_s += fetch_tokens * n / pool_total * c.bytes_per_token / (gbps * 1e9)
-        recompute = c.prompt_tokens - max(engine, pool)
-        x = (c.waiting + 1.0, (c.waiting_tokens + recompute) * TOKEN_SCALE, float(max(c.running - c.waiting, 0)),
-             fetch_s)
-        return Estimate(c.name, float(np.dot(self._theta, x)), recompute, fetch_tokens, fetch_s, x,
-                        c.prompt_tokens, c.waiting_tokens)
+            gbps_of = self.config.tier_gbps
+            for tier, n in usable.items():
+                gbps = gbps_of.get(tier, gbps_of.get("remote", 1.0))
+                fetch_s += fetch_tokens * n / pool_total * bytes_per_token / (gbps * 1e9)
+        return prompt_tokens - max(engine, pool), fetch_tokens, fetch_s
+
+    def ttft_s(self, recompute: int, fetch_s: float, running: int, waiting: int, waiting_tokens: int) -> float:
+        """``estimate(...).ttft_s`` (the same float) from :meth:`prefix_terms` and the node's
+        load, without building an :class:`Estimate`: the router weighs every backend per request
+        with it (nodes sharing a locality share their prefix terms) and builds the estimate of
+        the chosen one only."""
+        c = self._coef                     # _dot(_features(...)) written out: one call, not three
+        return (c[0] * (waiting + 1.0) + c[1] * ((waiting_tokens + recompute) * TOKEN_SCALE)
+                + c[2] * float(max(running - waiting, 0)) + c[3] * fetch_s)
+
+    def _dot(self, x: tuple[float, float, float, float]) -> float:
+        c = self._coef
+        return c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3]
 
     def observe(self, est: Estimate, ttft_s: float, cached_tokens: int | None = None) -> None:
         """Learn from a request whose first token came ``ttft_s`` after it was sent;
@@ -150,7 +172,13 @@ class CostModel:
             px = self._p @ x
             gain = px / (FORGET + x @ px)
             self._theta = np.clip(self._theta + gain * (ttft_s - x @ self._theta), self._low, self._high)
+            self._coef = tuple(float(v) for v in self._theta)
             p = (self._p - np.outer(gain, px)) / FORGET
             trace = float(np.trace(p))
             self._p = p * (self._p_trace / trace) if trace > self._p_trace else p
             self.observed += 1
+
+
+def _features(recompute: int, fetch_s: float, running: int, waiting: int,
+              waiting_tokens: int) -> tuple[float, float, float, float]:
+    return (waiting + 1.0, (waiting_tokens + recompute) * TOKEN_SCALE, float(max(running - waiting, 0)), fetch_s)

@@ -32,7 +32,7 @@ from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.router.router_config import CapacityConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Admission:
     need_blocks: int
     """KV blocks the request holds at its longest (prompt + max_tokens)."""
@@ -46,7 +46,7 @@ class Admission:
     """Estimated admission delay on a saturated node (0 when it has room)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodePressure:
     """One node's last reading as the router keeps it."""
 
@@ -61,6 +61,10 @@ class NodePressure:
 class KvAdmission:
     def __init__(self, config: CapacityConfig) -> None:
         self.config = config
+        # plain attributes: read for every backend per request (a pydantic field read costs 4x)
+        self._enabled = config.enabled
+        self._watermark = config.high_watermark
+        self._block_tokens = config.block_tokens
 
     def block_tokens(self, load: EngineLoad | None) -> int:
         return load.block_tokens if load is not None and load.block_tokens else self.config.block_tokens
@@ -70,19 +74,26 @@ class KvAdmission:
 
     def assess(self, node: NodePressure, need_tokens: int, *, s_per_token: float, overhead_s: float) -> Admission:
         """Admission of a request holding ``need_tokens`` KV tokens (prompt + max_tokens)."""
-        load = node.load
-        bt = self.block_tokens(load)
-        need = math.ceil(max(need_tokens, 0) / bt)
-        if not self.config.enabled or load is None or load.kv_usage is None:
-            return Admission(need, None, False, "no-metrics")
-        usage = min(max(load.kv_usage, 0.0), 1.0)
+        return Admission(*self.verdict(node.load, node.pending_blocks, node.preempting, need_tokens,
+                                       s_per_token, overhead_s))
+
+    def verdict(self, load: EngineLoad | None, pending_blocks: int, preempting: bool, need_tokens: int,
+                s_per_token: float, overhead_s: float) -> tuple[int, int | None, bool, str, float]:
+        """:meth:`assess`'s fields as a tuple, from a :class:`NodePressure`'s (the router weighs
+        every backend per request with it, and builds the chosen one's :class:`Admission` only)."""
+        bt = load.block_tokens if load is not None and load.block_tokens else self._block_tokens
+        need = -(-max(need_tokens, 0) // bt)
+        if not self._enabled or load is None or load.kv_usage is None:
+            return need, None, False, "no-metrics", 0.0
+        usage = load.kv_usage
+        usage = 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage
         free: int | None = None
         overflow = 0
         if load.kv_capacity_tokens:
-            free = math.floor((1.0 - usage) * load.kv_capacity_tokens / bt) - node.pending_blocks
-            overflow = max(need - free, 0)
-        pressed = usage >= self.config.high_watermark and (load.waiting > 0 or node.preempting)
+            free = math.floor((1.0 - usage) * load.kv_capacity_tokens / bt) - pending_blocks
+            overflow = need - free if need > free else 0
+        pressed = usage >= self._watermark and (load.waiting > 0 or preempting)
         if not overflow and not pressed:
-            return Admission(need, free, False, "room")
+            return need, free, False, "room", 0.0
         cost = overflow * bt * s_per_token + (load.waiting + 1) * overhead_s
-        return Admission(need, free, True, "kv-full" if overflow else "pressure", cost)
+        return need, free, True, "kv-full" if overflow else "pressure", cost

@@ -24,7 +24,7 @@ from typing import Protocol
 from pof_connector.index import IndexUnavailable
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.index_health import IndexHealth
-from pof_connector.locality.locator import Locality, ModelRequired, UnknownModel
+from pof_connector.locality.locator import Locality, ModelRequired, NodeLocality, UnknownModel
 from pof_connector.router.backend import Backend
 from pof_connector.router.cost_model import Candidate, CostModel, Estimate
 from pof_connector.router.kv_admission import Admission, KvAdmission, NodePressure
@@ -48,18 +48,6 @@ class Locates(Protocol):
 
 class NoBackend(RuntimeError):
     """Every backend is out of service."""
-
-
-@dataclass(frozen=True)
-class _Option:
-    """One backend as weighed for one request."""
-
-    backend: Backend
-    estimate: Estimate
-    admission: Admission
-    held: int
-    """Leading prompt tokens it holds itself (engine cache or own pool tiers)."""
-    turn: int
 
 
 @dataclass(frozen=True)
@@ -167,39 +155,80 @@ class Router:
             return self._least_loaded_decision(live, f"fallback:{type(e).__name__}", len(tokens), need)
         assert found is not None
         self.index_health.ok()
-        options: list[_Option] = []
+        n_tokens = len(tokens)
+        cost, kv, stale = self.cost, self.kv, self.config.capacity.stale_after_s
+        s_per_token, overhead_s = cost.s_per_token, cost.overhead_s
         offset = next(self._rr)
+        # Every backend is weighed with plain numbers (a cluster of hundreds of backends, and `pof
+        # sim` driving this per simulated request); the chosen one's Estimate and Admission objects
+        # are built once it is known. Keys: equal estimates (e.g. nodes loading the same shared
+        # region) go to the node holding the prefix, then round the backends (an idle cluster and a
+        # new prefix), not always to the first; the turn makes every key distinct.
+        weighed: list[tuple[Backend, NodeLocality | None, float, bool, int]] = []
+        # id(locality entry) -> (recompute, fetch_s, bytes per token, held): the entries of nodes
+        # holding nothing of the prompt may be one shared object (the simulator's are)
+        terms: dict[int, tuple[int, float, float, int]] = {}
+        best_roomy: tuple[tuple[float, int, int], int] | None = None
+        best_any: tuple[tuple[float, int, int], int] | None = None
+        holder_key: tuple[int, int] | None = None
+        holder_i = 0
+        n_live = len(live)
+        now = time.monotonic()
         for i, b in enumerate(live):
-            node = found.nodes.get(b.config.pool_node)
-            bytes_per_token = 0.0
-            if node is not None and node.info is not None and node.page_tokens:
-                bytes_per_token = int(node.info.meta.get("page_bytes", 0)) / node.page_tokens
-            est = self.cost.estimate(Candidate(
-                b.name, len(tokens), node.engine_tokens if node else 0, node.usable if node else {},
-                bytes_per_token, b.running, b.waiting, b.waiting_tokens))
-            adm = self._assess(b, need, node.load if node else None)
-            held = max(node.engine_tokens, node.held_tokens) if node else 0
-            options.append(_Option(b, est, adm, held, (i - offset) % len(live)))
-        roomy = [o for o in options if not o.admission.saturated]
-        # equal estimates (e.g. nodes loading the same shared region) go to the node holding the
-        # prefix, then round the backends (an idle cluster and a new prefix), not always to the first
-        best = min(roomy or options, key=lambda o: (o.estimate.ttft_s + (0.0 if roomy else o.admission.cost_s),
-                                                    -o.held, o.turn))
-        holder = max(options, key=lambda o: (o.held, -o.turn))
-        has_holder = holder.held > 0
-        saturated = tuple(o.backend.name for o in options if o.admission.saturated)
-        if not roomy:
+            node = found.nodes.get(b.pool_node)
+            t = terms.get(id(node))
+            if t is None:
+                t = terms[id(node)] = self._prefix_terms(node, n_tokens)
+            recompute, fetch_s, bpt, held = t
+            ttft = cost.ttft_s(recompute, fetch_s, b.running, b.waiting, b.waiting_tokens)
+            load, pending, preempting = b.pressure_fields(stale, now)
+            if load is None and node is not None and node.load is not None:
+                load = node.load                    # the relay's reading, published in the index
+            _, _, saturated, _, adm_cost = kv.verdict(load, pending, preempting, need, s_per_token, overhead_s)
+            turn = (i - offset) % n_live
+            weighed.append((b, node, bpt, saturated, held))
+            if not saturated:
+                key = (ttft, -held, turn)
+                if best_roomy is None or key < best_roomy[0]:
+                    best_roomy = (key, i)
+            elif best_roomy is None:
+                key = (ttft + adm_cost, -held, turn)
+                if best_any is None or key < best_any[0]:
+                    best_any = (key, i)
+            if holder_key is None or (held, -turn) > holder_key:
+                holder_key, holder_i = (held, -turn), i
+        chosen = best_roomy or best_any
+        assert chosen is not None
+        b, node, bpt, _, best_held = weighed[chosen[1]]
+        estimate = cost.estimate(Candidate(
+            b.name, n_tokens, node.engine_tokens if node else 0, node.usable if node else {}, bpt,
+            b.running, b.waiting, b.waiting_tokens))
+        admission = self._assess(b, need, node.load if node else None)
+        holder_b, _, _, holder_saturated, holder_held = weighed[holder_i]
+        has_holder = holder_held > 0
+        if best_roomy is None:
             route = "all-saturated"
         elif not has_holder:
             route = "no-prefix"
-        elif best is holder or best.held >= holder.held:
+        elif holder_i == chosen[1] or best_held >= holder_held:
             route = "prefix-holder"
-        elif holder.admission.saturated:
-            route = "holder-saturated:pool" if best.estimate.fetch_tokens > 0 else "holder-saturated:recompute"
+        elif holder_saturated:
+            route = "holder-saturated:pool" if estimate.fetch_tokens > 0 else "holder-saturated:recompute"
         else:
             route = "lower-cost"
-        return Decision(best.backend, "pof", best.estimate, len(tokens), route, best.admission, saturated,
-                        holder.backend.name if has_holder else None, best.estimate.fetch_tokens)
+        return Decision(b, "pof", estimate, n_tokens, route, admission,
+                        tuple(w[0].name for w in weighed if w[3]),
+                        holder_b.name if has_holder else None, estimate.fetch_tokens)
+
+    def _prefix_terms(self, node: NodeLocality | None, n_tokens: int) -> tuple[int, float, float, int]:
+        """(recompute, fetch_s, bytes per token, held) of a prompt on a node with locality ``node``
+        (``None``: the index knows nothing of it)."""
+        if node is None:
+            recompute, _, fetch_s = self.cost.prefix_terms(n_tokens, 0, {}, 0.0)
+            return recompute, fetch_s, 0.0, 0
+        bpt = _bytes_per_token(node)
+        recompute, _, fetch_s = self.cost.prefix_terms(n_tokens, node.engine_tokens, node.usable, bpt)
+        return recompute, fetch_s, bpt, max(node.engine_tokens, node.held_tokens)
 
     def _least_loaded_decision(self, live: list[Backend], why: str, n_tokens: int, need: int | None) -> Decision:
         """The least loaded backend; with ``need`` (policy ``pof``) among those with KV room when any has."""
@@ -223,3 +252,10 @@ class Router:
             if entry is None or entry[1] < time.monotonic():
                 return None
             return next((b for b in live if b.name == entry[0]), None)
+
+
+def _bytes_per_token(node: NodeLocality) -> float:
+    """KV bytes per token of ``node``'s pages (its published ``page_bytes``); 0: it does not say."""
+    if node.info is None or not node.page_tokens:
+        return 0.0
+    return int(node.info.meta.get("page_bytes", 0)) / node.page_tokens

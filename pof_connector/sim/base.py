@@ -38,8 +38,10 @@ class Policy(ABC):
     uses_pool: bool = False
     """The nodes have the pool (store computed pages, load them instead of recomputing)."""
 
-    def bind(self, nodes: list[NodeView], pool: KvPool | None) -> None:
-        """The nodes (and pool) of the run about to start."""
+    def bind(self, nodes: list[NodeView], pool: KvPool | None, cached: dict[str, set[int]] | None = None) -> None:
+        """The nodes (and pool) of the run about to start; ``cached``: prefix key -> indices of
+        the nodes whose engine cache has an entry for it, kept current by the nodes (``None``:
+        ask every node)."""
 
     def tick(self, now: float) -> None:
         """A metrics interval passed (the real router reads its backends' ``/metrics`` then)."""

@@ -36,7 +36,7 @@ further ahead than this)."""
 
 class EngineNode(NodeView):
     def __init__(self, index: int, profile: Profile, events: NodeEvents, counters: Counters,
-                 pool: KvPool | None = None) -> None:
+                 pool: KvPool | None = None, *, cached: dict[str, set[int]] | None = None) -> None:
         self.index = index
         self._name = f"n{index}"
         self.profile = profile
@@ -44,7 +44,8 @@ class EngineNode(NodeView):
         self.counters = counters
         self.pool = pool
         """``None``: no pool (nothing stored, nothing loaded)."""
-        self.cache = PrefixCache(profile.block_tokens)
+        self.cache = PrefixCache(profile.block_tokens, index, cached)
+        """``cached``: shared by the run's nodes, prefix key -> nodes caching it (``None``: not kept)."""
         self.total = profile.kv_blocks
         self.used = 0
         """Blocks requests hold, with those reserved for the decode steps of the segment under way."""
@@ -75,8 +76,12 @@ class EngineNode(NodeView):
         return len(self.waiting) + len(self.decoding) + len(self._prefill)
 
     def cached_prefix(self, job: Job) -> int:
-        return min(max(min(self.cache.peek(job.session_key), job.history_tokens),
-                       min(self.cache.peek(job.system_key), job.request.system_tokens)), job.prompt_tokens - 1)
+        peek = self.cache.peek
+        session, system = peek(job.session_key), peek(job.system_key)
+        if not session and not system:
+            return 0                           # most nodes, for most prompts
+        return min(max(min(session, job.history_tokens), min(system, job.request.system_tokens)),
+                   job.prompt_tokens - 1)
 
     def reading(self) -> EngineLoad:
         return EngineLoad(running=len(self.decoding) + len(self._prefill), waiting=len(self.waiting),
@@ -112,8 +117,8 @@ class EngineNode(NodeView):
         for job in self._prefill:
             job.generated += 1
             if job.first_token_at is None:
-                job.first_token_at = now
-                self.events.first_token(job, now)
+                job.first_token_at = now + self.profile.request_latency_s     # the API server's part
+                self.events.first_token(job, job.first_token_at)
             self._join(job)
         self._prefill = []
         while self._finish and self._finish[0][0] <= self.steps:

@@ -42,13 +42,14 @@ class Job:
     """The policy's own handle (the real router's ticket, for policy pof)."""
     decision: Any = None
 
-    @property
-    def session_key(self) -> str:
-        return "s:" + self.request.session
+    session_key: str = ""
+    """The key of its session's context in prefix caches and pools (set on creation)."""
+    system_key: str = ""
+    """The key of its tenant's system prompt (set on creation)."""
 
-    @property
-    def system_key(self) -> str:
-        return "t:" + self.request.tenant
+    def __post_init__(self) -> None:
+        self.session_key = "s:" + self.request.session
+        self.system_key = "t:" + self.request.tenant
 
     @property
     def context(self) -> int:

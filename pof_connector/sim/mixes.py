@@ -7,9 +7,10 @@ them); a session's later turns follow its previous one after an exponential thin
 
 - ``long-context``: the problem statement's case: a few long multi-turn sessions whose context grows
   to 64K-128K tokens (about 5 % of the requests are their turns) beside short one-off requests of
-  0.5-4K tokens from 8 tenants with 512-2048-token system prompts;
-- ``prefix-heavy``: 16 tenants of Zipf-skewed popularity with 2K-8K-token system prompts, sessions
-  of 1-3 short turns;
+  0.5-4K tokens from 8 tenants (one per node on more than 8 nodes) with 512-2048-token system
+  prompts;
+- ``prefix-heavy``: 16 tenants (two per node on more than 8 nodes) of Zipf-skewed popularity with
+  2K-8K-token system prompts, sessions of 1-2 short turns;
 - ``uniform``: the control: one-off 1-2K-token prompts sharing nothing.
 """
 
@@ -28,11 +29,15 @@ def _tokens(n: float, scale: float) -> int:
     return max(1, round(n * scale))
 
 
-def long_context(rnd: random.Random, requests: int, rps: float, scale: float) -> list[SimRequest]:
+LONG_SHARE = 0.05
+"""Share of ``long-context``'s requests that are long sessions' turns (``--long-share`` changes it)."""
+
+
+def long_context(rnd: random.Random, requests: int, rps: float, scale: float, tenants: int = 8,
+                 long_share: float = LONG_SHARE) -> list[SimRequest]:
     out: list[SimRequest] = []
     at = 0.0
     k = 0
-    long_share = 0.05
     while len(out) < requests:
         at += rnd.expovariate(rps)
         if rnd.random() < long_share / 8:              # a long session starts (8 turns on average)
@@ -45,7 +50,7 @@ def long_context(rnd: random.Random, requests: int, rps: float, scale: float) ->
                                       _tokens(rnd.randint(256, 512), scale)))
                 t += rnd.expovariate(1 / 20.0)
         else:
-            tenant = rnd.randrange(8)
+            tenant = rnd.randrange(tenants)
             system = _tokens(512 + 512 * (tenant % 4), scale)
             out.append(SimRequest(round(at, 4), f"short{k}", f"T{tenant}", system,
                                   _tokens(rnd.uniform(0, 2048), scale), _tokens(rnd.randint(128, 512), scale)))
@@ -54,8 +59,7 @@ def long_context(rnd: random.Random, requests: int, rps: float, scale: float) ->
     return out[:requests]
 
 
-def prefix_heavy(rnd: random.Random, requests: int, rps: float, scale: float) -> list[SimRequest]:
-    tenants = 16
+def prefix_heavy(rnd: random.Random, requests: int, rps: float, scale: float, tenants: int = 16) -> list[SimRequest]:
     weights = [1 / (i + 1) for i in range(tenants)]
     systems = [_tokens(rnd.uniform(2_000, 8_000), scale) for _ in range(tenants)]
     out: list[SimRequest] = []
@@ -74,7 +78,8 @@ def prefix_heavy(rnd: random.Random, requests: int, rps: float, scale: float) ->
     return out[:requests]
 
 
-def uniform(rnd: random.Random, requests: int, rps: float, scale: float) -> list[SimRequest]:
+def uniform(rnd: random.Random, requests: int, rps: float, scale: float, tenants: int = 0) -> list[SimRequest]:
+    """``tenants``: unused (every request is its own tenant)."""
     out: list[SimRequest] = []
     at = 0.0
     for k in range(requests):
@@ -84,13 +89,28 @@ def uniform(rnd: random.Random, requests: int, rps: float, scale: float) -> list
     return out
 
 
-MIXES: dict[str, Callable[[random.Random, int, float, float], list[SimRequest]]] = {
+MIXES: dict[str, Callable[[random.Random, int, float, float, int], list[SimRequest]]] = {
     "long-context": long_context, "prefix-heavy": prefix_heavy, "uniform": uniform}
 PER_NODE_RPS = {"long-context": 2.0, "prefix-heavy": 4.0, "uniform": 4.0}
 """Arrival rate per node at rate factor 1 (requests / s)."""
+TENANTS_PER_NODE = {"long-context": 1, "prefix-heavy": 2, "uniform": 0}
+"""Tenants of one-off requests per node (8 and 16 at least): a cluster grows with its tenants, and
+``static`` places a one-off request by its tenant, so a fixed tenant count would leave most of a
+large cluster to the long sessions alone."""
+MIN_TENANTS = {"long-context": 8, "prefix-heavy": 16, "uniform": 0}
 
 
-def make_mix(name: str, *, nodes: int, requests: int, seed: int, kv_tokens: int) -> list[SimRequest]:
+def make_mix(name: str, *, nodes: int, requests: int, seed: int, kv_tokens: int,
+             long_share: float | None = None) -> list[SimRequest]:
+    """``long_share``: the share of long sessions' turns (``long-context`` only; ``None``: its default)."""
     if name not in MIXES:
         raise ConfigError(f"--mix: {name!r} is not a built-in mix; mixes: {', '.join(MIXES)}")
-    return MIXES[name](random.Random(seed), requests, PER_NODE_RPS[name] * nodes, kv_tokens / REFERENCE_KV_TOKENS)
+    rnd, rps, scale = random.Random(seed), PER_NODE_RPS[name] * nodes, kv_tokens / REFERENCE_KV_TOKENS
+    tenants = max(MIN_TENANTS[name], TENANTS_PER_NODE[name] * nodes)
+    if long_share is not None:
+        if name != "long-context":
+            raise ConfigError(f"--long-share: only mix long-context has long sessions, not {name!r}")
+        if not 0 < long_share < 1:
+            raise ConfigError(f"--long-share: a share between 0 and 1 (exclusive) is required, got {long_share}")
+        return long_context(rnd, requests, rps, scale, tenants, long_share)
+    return MIXES[name](rnd, requests, rps, scale, tenants)

@@ -48,8 +48,8 @@ class PofPolicy(Policy):
         self._nodes: list[NodeView] = []
         self._index: dict[str, int] = {}
 
-    def bind(self, nodes: list[NodeView], pool: KvPool | None) -> None:
-        self.locator = SimLocator(self.profile, nodes, pool)
+    def bind(self, nodes: list[NodeView], pool: KvPool | None, cached: dict[str, set[int]] | None = None) -> None:
+        self.locator = SimLocator(self.profile, nodes, pool, cached)
         self.router = Router(router_config(self.profile, len(nodes), learn=self.learn), self.locator)
         self._nodes = nodes
         self._index = {n.name: i for i, n in enumerate(nodes)}

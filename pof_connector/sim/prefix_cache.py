@@ -15,8 +15,12 @@ from collections import OrderedDict
 
 
 class PrefixCache:
-    def __init__(self, block_tokens: int) -> None:
+    def __init__(self, block_tokens: int, node: int = 0, holders: dict[str, set[int]] | None = None) -> None:
         self.block_tokens = block_tokens
+        self.node = node
+        self.holders = holders
+        """Shared by the nodes of a run: key -> the nodes whose cache has an entry for it (so a
+        lookup visits the nodes that have the prefix, not every node); ``None``: not kept."""
         self._entries: OrderedDict[str, list[int]] = OrderedDict()
         """key -> [tokens, pins]"""
         self.free_blocks = 0
@@ -40,6 +44,8 @@ class PrefixCache:
         e = self._entries.get(key)
         if e is None:
             self._entries[key] = [tokens, 1]
+            if self.holders is not None:
+                self.holders.setdefault(key, set()).add(self.node)
             return
         if e[1] == 0:
             self.free_blocks -= e[0] // self.block_tokens
@@ -59,10 +65,19 @@ class PrefixCache:
         """Evict least-recently-used unpinned entries until they fit in ``room_blocks``."""
         if self.free_blocks <= room_blocks:
             return
-        for key in list(self._entries):
-            e = self._entries[key]
+        victims = []
+        free = self.free_blocks
+        for key, e in self._entries.items():      # oldest first; stop once enough is found
             if e[1] == 0:
-                del self._entries[key]
-                self.free_blocks -= e[0] // self.block_tokens
-                if self.free_blocks <= room_blocks:
-                    return
+                victims.append(key)
+                free -= e[0] // self.block_tokens
+                if free <= room_blocks:
+                    break
+        for key in victims:
+            del self._entries[key]
+            if self.holders is not None:
+                nodes = self.holders[key]
+                nodes.discard(self.node)
+                if not nodes:
+                    del self.holders[key]
+        self.free_blocks = free

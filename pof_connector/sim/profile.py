@@ -7,7 +7,8 @@ required unless marked, and a bad file fails naming the key. Cost model of one n
   ``n * (prefill_s_per_token + prefill_s_per_token_ctx * (s + n / 2))`` (attention grows with context);
 - one decode step of ``B`` requests holding ``C`` tokens of context in all:
   ``decode_step_s + decode_s_per_seq * B + decode_s_per_ctx_token * C``;
-- a load of ``n`` tokens from a pool tier: ``latency_us + n * kv_bytes_per_token / gbps``.
+- a load of ``n`` tokens from a pool tier: ``latency_us + n * kv_bytes_per_token / gbps``;
+- every TTFT also counts ``request_latency_s`` (optional, 0), which occupies no engine.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Profile:
     """Where a node's pool stores its pages (and loads its own back from)."""
     remote_tier: TierProfile
     """How a node loads pages another node's pool stores."""
+    request_latency_s: float = 0.0
+    """Added to every TTFT without occupying the engine: the API server's own work per request
+    (HTTP, tokenising, detokenising the first token), which a CPU host's bench shows and a GPU
+    node's costs leave out (0)."""
     slo_multiple: float = 4.0
     """The TTFT SLO is this many times the unloaded p90 TTFT of the workload (as ``pof bench capacity``)."""
 
@@ -83,7 +88,7 @@ class Profile:
 
 _NUMBERS = {f.name for f in fields(Profile)} - {"name", "local_tier", "remote_tier"}
 _INTS = {"kv_blocks", "block_tokens", "kv_bytes_per_token", "max_running", "max_batched_tokens"}
-_OPTIONAL = {"slo_multiple"}
+_OPTIONAL = {"slo_multiple", "request_latency_s"}
 
 
 def _number(raw: dict[str, Any], key: str, where: str, *, integer: bool, positive: bool) -> float:

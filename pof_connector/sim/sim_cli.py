@@ -1,5 +1,6 @@
-"""``pof sim [--json] --mix NAME | --trace FILE --nodes N --profile FILE|NAME``: goodput per policy
-on a simulated cluster (see :mod:`pof_connector.sim`)."""
+"""``pof sim [--json] [--plot FILE.png] --mix NAME | --trace FILE --nodes N --profile FILE|NAME``:
+goodput per policy on a simulated cluster (see :mod:`pof_connector.sim`); ``pof sim sweep``,
+``pof sim calibrate`` and ``pof sim validate`` (:mod:`.sim_tools_cli`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from rich.table import Table
 
 from pof_connector.cli_support import out_console, print_json, progress
 from pof_connector.config import ConfigError
+from pof_connector.sim import sim_tools_cli
 from pof_connector.sim.mixes import MIXES, make_mix
 from pof_connector.sim.policies import POLICIES
 from pof_connector.sim.profile import builtin_profiles, load_profile
+from pof_connector.sim.sim_plot import draw_load, require_matplotlib
 from pof_connector.sim.sim_run import SimReport, run_sim
 from pof_connector.sim.workload import load_trace
 
@@ -32,7 +35,7 @@ def add_parser(sub: Any) -> None:
                                    "(highest load within the TTFT SLO, no failures) of static, round_robin, "
                                    "cache_aware and pof (the real pof router, with the pool), and the capacity "
                                    "ratio pof / static.")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--mix", choices=sorted(MIXES), help="a built-in workload")
     src.add_argument("--trace", type=Path, metavar="FILE", help="a JSONL trace (pof bench capacity --trace format)")
     p.add_argument("--nodes", type=int, default=8, help="engine nodes (default 8)")
@@ -45,14 +48,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--factor", type=float, metavar="F",
                    help="one run per policy at this rate factor instead of the goodput search (speed checks)")
     p.add_argument("--json", action="store_true", help="print JSON on stdout")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw p90 TTFT against offered load per policy")
     p.set_defaults(handler=run)
+    sim_tools_cli.add_parsers(p.add_subparsers(dest="sim_command", metavar="{sweep,calibrate,validate}"))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mix is None and args.trace is None:
+        raise ConfigError("pof sim: one of --mix NAME or --trace FILE is required (or a command: sweep, calibrate, "
+                          "validate)")
     if args.nodes < 1:
         raise ConfigError(f"--nodes: must be >= 1, got {args.nodes}")
     if args.requests < 1:
         raise ConfigError(f"--requests: must be >= 1, got {args.requests}")
+    if args.plot is not None:
+        require_matplotlib()
     profile = load_profile(args.profile)
     if args.trace is not None:
         requests = load_trace(args.trace)
@@ -63,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--factor: must be > 0, got {args.factor}")
     report = run_sim(profile, requests, nodes=args.nodes, policies=args.policies, factor=args.factor,
                      progress=progress)
+    if args.plot is not None:
+        draw_load(report, args.plot)
     if args.json:
-        print_json({"workload": args.mix or str(args.trace), "seed": args.seed, **report.to_json()})
+        print_json({"workload": args.mix or str(args.trace), "seed": args.seed, **report.to_json(),
+                    **({"plot": str(args.plot)} if args.plot else {})})
     else:
         show(report, args.mix or str(args.trace))
     return 0

@@ -5,6 +5,8 @@ answers from the index for real nodes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pof_connector.index.base import NodeInfo
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.locator import Locality, NodeLocality
@@ -18,10 +20,14 @@ MODEL = "sim"
 
 
 class SimLocator:
-    def __init__(self, profile: Profile, nodes: list[NodeView], pool: KvPool | None) -> None:
+    def __init__(self, profile: Profile, nodes: list[NodeView], pool: KvPool | None,
+                 cached: dict[str, set[int]] | None = None) -> None:
         self.profile = profile
         self.nodes = nodes
         self.pool = pool
+        self.cached = cached
+        """Prefix key -> nodes whose engine cache has it (``None``: ask every node)."""
+        self._names = [n.name for n in nodes]
         page = profile.block_tokens
         self.readings: list[EngineLoad] = []
         """The nodes' last metrics readings (what a relay would publish beside the index)."""
@@ -36,20 +42,36 @@ class SimLocator:
         local = self.profile.local_tier.name
         remote = self.profile.remote_tier.name
         stored = self._stored(job)
-        far = max((n for held in stored.values() for n in held.values()), default=0)
-        out: dict[str, NodeLocality] = {}
-        for i, n in enumerate(self.nodes):
-            held: dict[str, int] = {}
-            usable: dict[str, int] = {}
-            own = max((held_by.get(i, 0) for held_by in stored.values()), default=0)
-            if own:
-                held[local] = own
-            if own >= far and own:
-                usable[local] = own
-            elif far:
-                usable[remote] = far
-            out[n.name] = NodeLocality(n.name, page, held, n.cached_prefix(job), usable, near_tokens=own,
-                                       load=self.readings[i] if self.readings else None, info=self._info[i])
+        own_of: dict[int, int] = {}
+        for held_by in stored.values():
+            for node, n in held_by.items():
+                if n > own_of.get(node, 0):
+                    own_of[node] = n
+        far = max(own_of.values(), default=0)
+        # Nodes holding the same of the prompt (own pool, engine cache; most often nothing, or a
+        # tenant's system prompt cached everywhere) share one entry: the router reads of an entry
+        # only the page size and what it holds and can load, and weighs each distinct entry once;
+        # the nodes' loads it reads from its own backends, which the simulator keeps fresh (so the
+        # entries carry no load reading and no node id).
+        if self.cached is None:
+            maybe: Iterable[int] = range(len(self.nodes))
+        else:
+            maybe = self.cached.get(job.session_key, set()) | self.cached.get(job.system_key, set())
+        engine_of = {i: e for i in maybe if (e := self.nodes[i].cached_prefix(job))}
+        nothing = NodeLocality("*", page, {}, 0, {remote: far} if far else {}, 0, None, self._info[0])
+        out: dict[str, NodeLocality] = dict.fromkeys(self._names, nothing)
+        shared: dict[tuple[int, int], NodeLocality] = {(0, 0): nothing}
+        for i in own_of.keys() | engine_of.keys():
+            own, engine = own_of.get(i, 0), engine_of.get(i, 0)
+            entry = shared.get((own, engine))
+            if entry is None:
+                if own:
+                    held, usable = {local: own}, ({local: own} if own >= far else {remote: far})
+                else:
+                    held, usable = {}, ({remote: far} if far else {})
+                entry = shared[(own, engine)] = NodeLocality("*", page, held, engine, usable, own, None,
+                                                             self._info[0])
+            out[self._names[i]] = entry
         return Locality(MODEL, job.prompt_tokens, page, out)
 
     def _stored(self, job: Job) -> dict[str, dict[int, int]]:

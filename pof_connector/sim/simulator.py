@@ -35,7 +35,10 @@ class Simulator(NodeEvents):
         self.config = config
         self.counters = Counters()
         self.pool = KvPool(profile, config.nodes) if policy.uses_pool else None
-        self.nodes = [EngineNode(i, profile, self, self.counters, self.pool) for i in range(config.nodes)]
+        self.cached: dict[str, set[int]] = {}
+        """Prefix key -> nodes whose engine cache has it (the nodes keep it)."""
+        self.nodes = [EngineNode(i, profile, self, self.counters, self.pool, cached=self.cached)
+                      for i in range(config.nodes)]
         self._views: list[NodeView] = list(self.nodes)
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
@@ -89,7 +92,7 @@ class Simulator(NodeEvents):
         jobs = self.jobs(requests)
         cfg = self.config
         self._late_limit = int(cfg.late_share * len(jobs))
-        self.policy.bind(self._views, self.pool)
+        self.policy.bind(self._views, self.pool, self.cached)
         span = max((j.arrival for j in jobs), default=0.0)
         for j in jobs:
             self._push(j.arrival, ARRIVE, j.id)

@@ -1,0 +1,169 @@
+"""``pof sim calibrate``: a node profile fitted to a ``pof bench capacity --json`` run on this host
+(and, optionally, a ``pof bench vllm --json`` run for the pool tier's load speed).
+
+What the bench states is taken as is: KV blocks per server (``cluster.kv_tokens_per_server /
+block``), the block size, ``max_num_seqs``; the KV bytes per token come from the model's
+``config.json`` (layers x KV heads x head dim x 2 x dtype bytes) when it is readable. The three
+costs that matter at this scale are fitted: a prefill cost per token, a fixed cost per engine step
+and a cost per running request in a step. The fit keeps the unloaded p90 TTFT the bench measured
+(the SLO's base: ``decode_step_s + prefill_s_per_token x p90 prompt = unloaded p90``) and picks,
+on a grid, the split between the API server's latency per request (no engine time), the fixed step cost and
+the per-token cost, and the per-request step cost, whose replay of the
+``fit_setups``' trials (by default the physical baseline, ``static``, alone: the other set-ups are
+left for ``pof sim validate`` to predict) comes closest to the measured mean and p90 TTFT and to
+the measured pass / fail of each trial.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pof_connector.bench.capacity import prompt_sizes
+from pof_connector.config import ConfigError
+from pof_connector.sim.bench_run import BenchRun, replay_trial
+from pof_connector.sim.profile import Profile, TierProfile, load_profile
+
+FIXED_SHARES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
+"""Shares of the unloaded p90 TTFT tried as the fixed step cost (the rest is prefill per token)."""
+PER_SEQ = (0.0, 0.05, 0.15, 0.4)
+"""Cost per running request in a step, tried as a share of the fixed step cost."""
+LATENCY_SHARES = (0.0, 0.15, 0.3, 0.5)
+"""Shares of the unloaded p90 TTFT tried as the API server's latency per request (no engine time)."""
+"""Cost per running request in a step, tried as a share of the fixed step cost."""
+PASS_FAIL_WEIGHT = 4.0
+"""A replayed trial that passes where the bench's failed (or the reverse) costs this much."""
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Fit:
+    profile: Profile
+    error: float
+    """Mean squared log error (and pass / fail penalties) per fitted trial; lower is closer."""
+    fitted_on: tuple[str, ...]
+    sources: tuple[str, ...]
+    notes: tuple[str, ...]
+    """How each non-fitted value was found."""
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.profile
+        return {"profile": profile_mapping(p), "error": round(self.error, 4), "fitted_on": list(self.fitted_on),
+                "sources": list(self.sources), "notes": list(self.notes), "name": p.name}
+
+
+def kv_bytes_per_token(cluster: dict[str, Any]) -> int | None:
+    """From the bench model's config.json (``None``: not readable here)."""
+    try:
+        cfg = json.loads((Path(str(cluster.get("model", ""))) / "config.json").read_text())
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        dtype = DTYPE_BYTES.get(str(cluster.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype")), 2)
+        return int(cfg["num_hidden_layers"] * heads * head_dim * 2 * dtype)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def base_profile(run: BenchRun, vllm: dict[str, Any] | None, name: str) -> tuple[Profile, list[str]]:
+    """The profile before the fit: what the bench states, the rest from ``cpu-bench``."""
+    start = load_profile("cpu-bench")
+    c = run.cluster
+    block = int(c["block"])
+    notes = [f"kv_blocks, block_tokens, max_running: the bench's cluster ({c['kv_tokens_per_server']} KV tokens "
+             f"per server, block {block}, max_num_seqs {c['max_num_seqs']})"]
+    bpt = kv_bytes_per_token(c)
+    if bpt is None:
+        bpt = start.kv_bytes_per_token
+        notes.append(f"kv_bytes_per_token: the model's config.json was not readable; cpu-bench's {bpt}")
+    else:
+        notes.append(f"kv_bytes_per_token: {c.get('model')}'s config.json at dtype {c.get('dtype')}")
+    local = start.local_tier
+    if vllm is not None:
+        loaded = vllm.get("loaded_bytes")
+        overhead = (vllm.get("load_overhead_s") or {}).get("pof")
+        if isinstance(loaded, (int, float)) and isinstance(overhead, (int, float)) and loaded > 0 and overhead > 0:
+            local = replace(local, gbps=round(loaded / overhead / 1e9, 3))
+            notes.append(f"local_tier.gbps: pof bench vllm loaded {loaded} B in {overhead} s above the engine's "
+                         "own prefix-cache TTFT")
+    profile = replace(start, name=name, kv_blocks=int(c["kv_tokens_per_server"]) // block, block_tokens=block,
+                      max_running=int(c["max_num_seqs"]), kv_bytes_per_token=bpt, local_tier=local,
+                      prefill_s_per_token_ctx=0.0, decode_s_per_ctx_token=0.0)
+    return profile, notes
+
+
+def _p90(values: list[int]) -> int:
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
+
+
+def _log_err(sim: float | None, measured: float | None) -> float:
+    if sim is None or measured is None or not math.isfinite(sim) or sim <= 0 or measured <= 0:
+        return 0.0
+    return math.log(sim / measured) ** 2
+
+
+def score(run: BenchRun, profile: Profile, setups: tuple[str, ...]) -> float:
+    """How far the replay of ``setups``' measured trials is from them (see :data:`PASS_FAIL_WEIGHT`)."""
+    total, n = 0.0, 0
+    for name in setups:
+        for t in run.setups[name].get("trials") or []:
+            r = replay_trial(run, profile, name, float(t["factor"]), give_up=False)
+            p90 = None if math.isinf(r.p90_ttft_s) else r.p90_ttft_s
+            total += _log_err(r.mean_ttft_s, t.get("mean_ttft_s")) + _log_err(p90, t.get("p90_ttft_s"))
+            total += PASS_FAIL_WEIGHT * (bool(r.passed) != bool(t.get("passed")))
+            n += 1
+    return total / max(n, 1)
+
+
+def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[str, ...] = ("static",),
+        name: str = "calibrated") -> Fit:
+    missing = [s for s in fit_setups if s not in run.setups]
+    if missing:
+        raise ConfigError(f"--fit-setups: {missing[0]!r} is not in the bench run (it ran "
+                          f"{', '.join(run.setups)})")
+    base, notes = base_profile(run, vllm, name)
+    unloaded = run.unloaded_p90_s
+    n90 = max(_p90(prompt_sizes(run.trace)), 1)
+    best: tuple[float, Profile] | None = None
+    for lat in LATENCY_SHARES:
+        for share in FIXED_SHARES:
+            if lat + share >= 0.9:
+                continue
+            step = share * unloaded
+            for per_seq in PER_SEQ:
+                p = replace(base, decode_step_s=step, decode_s_per_seq=per_seq * step,
+                            request_latency_s=lat * unloaded, prefill_s_per_token=(unloaded * (1 - lat) - step) / n90)
+                err = score(run, p, fit_setups)
+                if best is None or err < best[0]:
+                    best = (err, p)
+    assert best is not None
+    notes.append(f"request_latency_s, decode_step_s, decode_s_per_seq, prefill_s_per_token: fitted (grid) to the "
+                 f"unloaded p90 TTFT "
+                 f"{unloaded} s at the p90 prompt of {n90} tokens and to the trials of {', '.join(fit_setups)}")
+    return Fit(best[1], best[0], fit_setups, (run.source,) + (("pof bench vllm",) if vllm else ()), tuple(notes))
+
+
+def profile_mapping(p: Profile) -> dict[str, Any]:
+    def tier(t: TierProfile) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": t.name, "gbps": t.gbps, "latency_us": t.latency_us}
+        if t.capacity_gb:
+            out["capacity_gb"] = t.capacity_gb
+        return out
+    return {"kv_blocks": p.kv_blocks, "block_tokens": p.block_tokens, "kv_bytes_per_token": p.kv_bytes_per_token,
+            "max_running": p.max_running, "max_batched_tokens": p.max_batched_tokens,
+            "prefill_s_per_token": float(f"{p.prefill_s_per_token:.4g}"), "prefill_s_per_token_ctx": 0.0,
+            "decode_step_s": float(f"{p.decode_step_s:.4g}"), "decode_s_per_seq": float(f"{p.decode_s_per_seq:.4g}"),
+            "decode_s_per_ctx_token": 0.0, "local_tier": tier(p.local_tier), "remote_tier": tier(p.remote_tier),
+            "request_latency_s": float(f"{p.request_latency_s:.4g}"), "slo_multiple": p.slo_multiple}
+
+
+def profile_yaml(f: Fit) -> str:
+    head = [f"# Fitted by `pof sim calibrate` from {', '.join(f.sources)} (fit error {f.error:.3g}).",
+            *(f"# - {n}" for n in f.notes),
+            "# Not fitted (cpu-bench's values): max_batched_tokens, the tiers unless stated above, slo_multiple."]
+    return "\n".join(head) + "\n" + yaml.safe_dump(profile_mapping(f.profile), sort_keys=False)

@@ -1,0 +1,73 @@
+"""``pof sim validate``: replay a ``pof bench capacity --json`` run in the simulator and compare, per
+set-up, simulated and measured goodput (and p90 TTFT at goodput).
+
+Each set-up is simulated on as many nodes as the bench had servers, with the bench's trace, SLO
+(``slo_s``) and goodput search (:func:`~pof_connector.bench.capacity.bounded_search`, as many
+trials as the bench ran per set-up), so both goodputs come from the same discrete factors.
+``max_rel_error`` = the largest |simulated - measured| / measured goodput; ``same_ordering``: every
+pair of set-ups compares the same way (higher, lower or equal) in both.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+from typing import Any
+
+from pof_connector.bench.capacity import bounded_search
+from pof_connector.sim.bench_run import BenchRun, replay_trial
+from pof_connector.sim.policies import POLICIES
+from pof_connector.sim.profile import Profile
+from pof_connector.sim.trial_result import TrialResult
+
+TOLERANCE = 0.20
+"""The issue's bar: every set-up's simulated goodput within 20 % of the measured."""
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {}
+    skipped = []
+    for name, measured in run.setups.items():
+        if name not in POLICIES:
+            skipped.append(name)
+            continue
+        trials: list[TrialResult] = []
+
+        def trial(f: float, name: str = name, trials: list[TrialResult] = trials) -> bool:
+            r = replay_trial(run, profile, name, f, give_up=True)
+            trials.append(r)
+            return r.passed
+        factor = bounded_search(trial, run.max_trials)
+        at = next((t for t in trials if t.passed and t.factor == factor), None)
+        sim_rps = factor * run.base_rps
+        meas_rps = float(measured["goodput_rps"])
+        meas_at = measured.get("at_goodput") or {}
+        rows[name] = {
+            "measured_goodput_rps": round(meas_rps, 4), "simulated_goodput_rps": round(sim_rps, 4),
+            "measured_factor": measured.get("goodput_factor"), "simulated_factor": round(factor, 4),
+            "rel_error": round(abs(sim_rps - meas_rps) / meas_rps, 4) if meas_rps > 0 else
+            (0.0 if sim_rps == 0 else None),
+            "measured_p90_ttft_s": meas_at.get("p90_ttft_s"),
+            "simulated_p90_ttft_s": None if at is None or math.isinf(at.p90_ttft_s) else round(at.p90_ttft_s, 4),
+            "trials": [{"factor": round(t.factor, 4), "passed": t.passed,
+                        "p90_ttft_s": None if math.isinf(t.p90_ttft_s) else round(t.p90_ttft_s, 4),
+                        "mean_ttft_s": None if math.isinf(t.mean_ttft_s) else round(t.mean_ttft_s, 4)}
+                       for t in trials],
+        }
+    errors = [r["rel_error"] for r in rows.values()]
+    max_err = None if not errors or any(e is None for e in errors) else max(errors)
+    same = all(_sign(rows[a]["simulated_goodput_rps"] - rows[b]["simulated_goodput_rps"])
+               == _sign(rows[a]["measured_goodput_rps"] - rows[b]["measured_goodput_rps"])
+               for a, b in combinations(rows, 2))
+
+    def order(key: str) -> list[str]:
+        return sorted(rows, key=lambda n: -rows[n][key])
+    return {"bench": run.source, "profile": profile.name, "servers": run.servers, "slo_s": run.slo_s,
+            "max_trials": run.max_trials, "setups": rows, "skipped": skipped, "max_rel_error": max_err,
+            "within_tolerance": max_err is not None and max_err <= TOLERANCE, "tolerance": TOLERANCE,
+            "same_ordering": same, "measured_order": order("measured_goodput_rps"),
+            "simulated_order": order("simulated_goodput_rps")}
