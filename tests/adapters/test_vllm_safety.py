@@ -210,6 +210,26 @@ def test_a_lora_request_does_not_hit_the_base_models_pages(stored_prompt: Any) -
     assert scheduler.matched_tokens(request("b2", tokens), 0) == 4 * P
 
 
+def test_a_request_vllm_cannot_schedule_yet_is_not_looked_up_every_step(stored_prompt: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks again each step for the request at the head of a queue blocked on KV memory."""
+    from pof_connector.adapters import vllm_scheduler
+
+    scheduler, tokens = stored_prompt
+    calls: list[int] = []
+    real = scheduler.pool.lookup
+    monkeypatch.setattr(scheduler.pool, "lookup", lambda keys, **kw: calls.append(len(keys)) or real(keys, **kw))
+    waiting = request("waiting", tokens)
+    assert [scheduler.matched_tokens(waiting, 0) for _ in range(5)] == [4 * P] * 5
+    assert calls == [4]
+    assert scheduler.matched_tokens(waiting, P) == 3 * P        # more tokens cached locally: a new question
+    assert calls == [4, 3]
+    monkeypatch.setattr(vllm_scheduler, "LOOKUP_REUSE_S", 0.0)  # the answer aged out
+    assert scheduler.matched_tokens(waiting, P) == 3 * P and calls == [4, 3, 3]
+    scheduler.finished("waiting")
+    assert "waiting" not in scheduler._looked
+
+
 def test_multimodal_pages_from_the_first_placeholder_on_are_never_shared(stored_prompt: Any) -> None:
     """Two prompts with the same placeholder ids but different images have the same tokens; only
     the pages before the first placeholder hold KV that the tokens alone determine."""
