@@ -26,8 +26,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -54,9 +53,10 @@ def slot_bytes_for(spec: PageSpec) -> int:
     return (spec.page_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """Where a page sits in a tier: its slot and the generation it was written with."""
+class SlotRef(NamedTuple):
+    """Where a page sits in a tier: its slot and the generation it was written with. (Immutable; a
+    NamedTuple because every store and load builds one, and a frozen dataclass costs several
+    times more to construct.)"""
 
     slot: int
     generation: int
