@@ -318,7 +318,8 @@ class Tier(ABC):
         header checksum) and the segment checksums are checked, and the live generation once (a
         writer zeroes it before touching any byte, so an unchanged one means an untorn copy)."""
         spec = self.spec
-        self._check_slot(ref.slot)
+        if not 0 <= ref.slot < self.num_slots:
+            self._check_slot(ref.slot)          # raises
         # The whole page in one native call; None: a check failed (or no kernel, or a v1 page), and
         # the Python path below copies again and says which.
         sums = page_sum.load_page(as_array(into), self._region, ref.slot * self.slot_bytes, self._template,

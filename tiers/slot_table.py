@@ -167,4 +167,7 @@ class SlotTable:
             return list(self._ready.items())
 
     def _victim(self) -> PageKey | None:
-        return next((k for k, s in self._ready.items() if s not in self._pins), None)
+        for k, s in self._ready.items():      # a loop, not next(genexpr): this runs on every full-tier store
+            if s not in self._pins:
+                return k
+        return None
