@@ -303,6 +303,264 @@ done:
     return out;
 }
 
+/* ---- whole pages: one call per store or load (page format v2) -------------------------------
+ *
+ * At 64 KiB pages the Python around a fused copy (building and parsing the header, slicing views,
+ * comparing tuples) costs as much as the copy itself, so a tier's store and load of a whole page
+ * are one call each. Header layout: see pof_connector/pages.py. The header checksum (xxh3-64 of
+ * bytes [0, 80) + [88, header_bytes)) is computed by the xxhash package the Python side already
+ * uses, called from here, so both sides agree by construction. */
+
+#define HDR_NS_AT 8
+#define HDR_DIGEST_AT 24
+#define HDR_GEN_AT 56
+#define HDR_GEOMETRY_AT 64       /* num_layers, segment_bytes, page_tokens, reserved: 16 bytes */
+#define HDR_CHECKSUM_AT 80
+#define HDR_SUMS_AT 88
+
+static PyObject *xxh3_intdigest;        /* xxhash.xxh3_64_intdigest, imported on first use */
+
+static inline uint32_t le32(const unsigned char *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t le64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* The header checksum of the `hb`-byte header at `h`; -1 with an exception set on failure. */
+static int header_checksum(const unsigned char *h, Py_ssize_t hb, uint64_t *out)
+{
+    if (xxh3_intdigest == NULL) {
+        PyObject *mod = PyImport_ImportModule("xxhash");
+        if (mod == NULL)
+            return -1;
+        xxh3_intdigest = PyObject_GetAttrString(mod, "xxh3_64_intdigest");
+        Py_DECREF(mod);
+        if (xxh3_intdigest == NULL)
+            return -1;
+    }
+    PyObject *joined = PyBytes_FromStringAndSize(NULL, hb - 8);
+    if (joined == NULL)
+        return -1;
+    memcpy(PyBytes_AS_STRING(joined), h, HDR_CHECKSUM_AT);
+    memcpy(PyBytes_AS_STRING(joined) + HDR_CHECKSUM_AT, h + HDR_SUMS_AT, (size_t)(hb - HDR_SUMS_AT));
+    PyObject *r = PyObject_CallOneArg(xxh3_intdigest, joined);
+    Py_DECREF(joined);
+    if (r == NULL)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Geometry of a header template (a v2 header of the tier's spec): -1 with ValueError when the
+ * template is not one, or the page does not fit `room` bytes from `offset`. */
+static int template_geometry(const Py_buffer *tpl, Py_ssize_t *layers, Py_ssize_t *seg)
+{
+    const unsigned char *t = tpl->buf;
+    if (tpl->len < HDR_SUMS_AT) {
+        PyErr_SetString(PyExc_ValueError, "header template shorter than a header");
+        return -1;
+    }
+    *layers = le32(t + HDR_GEOMETRY_AT);
+    *seg = le32(t + HDR_GEOMETRY_AT + 4);
+    /* The limits of pages.py (MAX_LAYERS, MAX_SEGMENT_BYTES): page sizes cannot overflow. */
+    if (*layers < 1 || *layers > 1024 || *seg < 1 || *seg > (1 << 30)
+        || tpl->len != (HDR_SUMS_AT + 8 * *layers + 63) / 64 * 64) {
+        PyErr_Format(PyExc_ValueError, "header template of %zd bytes for %zd layers", tpl->len, *layers);
+        return -1;
+    }
+    return 0;
+}
+
+static int key_parts(const Py_buffer *ns, const Py_buffer *digest)
+{
+    if (ns->len != HDR_DIGEST_AT - HDR_NS_AT || digest->len != HDR_GEN_AT - HDR_DIGEST_AT) {
+        PyErr_Format(PyExc_ValueError, "key of %zd + %zd bytes, expected 16 + 32", ns->len, digest->len);
+        return -1;
+    }
+    return 0;
+}
+
+static inline void compiler_barrier(void)
+{
+#if defined(__GNUC__)
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
+PyDoc_STRVAR(store_page_doc,
+             "store_page(region, offset, template, namespace, digest, generation, srcs, stream) -> None: write a "
+             "v2 page into region[offset:]: copy each of srcs (one segment per layer) summing it, then the header "
+             "(template's fixed fields, the key, the segment checksums, the header checksum) with its generation "
+             "field zero, then the generation word last. stream: bypass the caches for the segments.");
+
+static PyObject *py_store_page(PyObject *self, PyObject *args)
+{
+    Py_buffer region, tpl, ns, digest;
+    Py_ssize_t offset;
+    unsigned long long generation;
+    PyObject *seq_in;
+    int stream = 0;
+    if (!PyArg_ParseTuple(args, "w*ny*y*y*KO|p", &region, &offset, &tpl, &ns, &digest, &generation, &seq_in,
+                          &stream))
+        return NULL;
+    PyObject *out = NULL, *seq = NULL;
+    Py_buffer *views = NULL;
+    unsigned char *hdr = NULL;
+    Py_ssize_t layers, seg, got = 0, hb = tpl.len;
+    if (template_geometry(&tpl, &layers, &seg) < 0 || key_parts(&ns, &digest) < 0)
+        goto done;
+    if (offset < 0 || offset > region.len - (hb + layers * seg)) {
+        PyErr_Format(PyExc_ValueError, "page of %zd bytes at %zd outside a region of %zd", hb + layers * seg,
+                     offset, region.len);
+        goto done;
+    }
+    seq = PySequence_Fast(seq_in, "srcs must be a sequence of buffers");
+    if (seq == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(seq) != layers) {
+        PyErr_Format(PyExc_ValueError, "%zd layer segments for %zd layers", PySequence_Fast_GET_SIZE(seq), layers);
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)layers, sizeof(Py_buffer));
+    hdr = PyMem_Malloc((size_t)hb);
+    if (views == NULL || hdr == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < layers; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (views[got].len != seg) {
+            PyErr_Format(PyExc_ValueError, "segment %zd has %zd bytes, expected %zd", got, views[got].len, seg);
+            got++;
+            goto done;
+        }
+    }
+    unsigned char *slot = (unsigned char *)region.buf + offset;
+    uint64_t *sums = (uint64_t *)(hdr + HDR_SUMS_AT);     /* hdr is malloc-aligned, HDR_SUMS_AT % 8 == 0 */
+    if (layers * seg >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < layers; i++)
+            sums[i] = copy_sum_one(slot + hb + i * seg, views[i].buf, (size_t)seg, stream);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < layers; i++)
+            sums[i] = copy_sum_one(slot + hb + i * seg, views[i].buf, (size_t)seg, stream);
+    }
+    memcpy(hdr, tpl.buf, HDR_SUMS_AT);
+    memset(hdr + HDR_SUMS_AT + 8 * layers, 0, (size_t)(hb - HDR_SUMS_AT - 8 * layers));
+    memcpy(hdr + HDR_NS_AT, ns.buf, 16);
+    memcpy(hdr + HDR_DIGEST_AT, digest.buf, 32);
+    uint64_t gen = generation, hsum;
+    memcpy(hdr + HDR_GEN_AT, &gen, 8);
+    if (header_checksum(hdr, hb, &hsum) < 0)
+        goto done;
+    memcpy(hdr + HDR_CHECKSUM_AT, &hsum, 8);
+    /* Readers see generation 0 (set when the slot was prepared) until every other byte is stored:
+     * plain stores in program order (x86 TSO; the streaming stores above were fenced). */
+    memcpy(slot, hdr, HDR_GEN_AT);
+    memcpy(slot + HDR_GEOMETRY_AT, hdr + HDR_GEOMETRY_AT, (size_t)(hb - HDR_GEOMETRY_AT));
+    compiler_barrier();
+    *(volatile uint64_t *)(slot + HDR_GEN_AT) = gen;
+    out = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(hdr);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&region);
+    PyBuffer_Release(&tpl);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&digest);
+    return out;
+}
+
+PyDoc_STRVAR(load_page_doc,
+             "load_page(dst, region, offset, template, namespace, digest, generation) -> tuple | None: copy the "
+             "page at region[offset:] into dst, summing its segments as they are copied, and return the segment "
+             "checksums when the copy is a v2 page of template's geometry holding this key at this generation, "
+             "with a valid header checksum and segment checksums, and the slot's live generation is still "
+             "`generation` after the copy. None: any check failed, or dst is too short (the caller finds out "
+             "which on its slow path).");
+
+static PyObject *py_load_page(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, region, tpl, ns, digest;
+    Py_ssize_t offset;
+    unsigned long long generation;
+    if (!PyArg_ParseTuple(args, "w*y*ny*y*y*K", &dst, &region, &offset, &tpl, &ns, &digest, &generation))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t *sums = NULL;
+    Py_ssize_t layers, seg, hb = tpl.len;
+    if (template_geometry(&tpl, &layers, &seg) < 0 || key_parts(&ns, &digest) < 0)
+        goto done;
+    Py_ssize_t page = hb + layers * seg;
+    if (offset < 0 || offset > region.len - page) {
+        PyErr_Format(PyExc_ValueError, "page of %zd bytes at %zd outside a region of %zd", page, offset, region.len);
+        goto done;
+    }
+    if (dst.len < page) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)layers);
+    if (sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const unsigned char *slot = (const unsigned char *)region.buf + offset;
+    unsigned char *d = dst.buf;
+    uint64_t live;
+    if (page >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(d, slot, (size_t)hb);
+        for (Py_ssize_t i = 0; i < layers; i++)
+            sums[i] = copy_sum_one(d + hb + i * seg, slot + hb + i * seg, (size_t)seg, 0);
+        compiler_barrier();
+        live = *(const volatile uint64_t *)(slot + HDR_GEN_AT);     /* after the copy: x86 keeps loads in order */
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy(d, slot, (size_t)hb);
+        for (Py_ssize_t i = 0; i < layers; i++)
+            sums[i] = copy_sum_one(d + hb + i * seg, slot + hb + i * seg, (size_t)seg, 0);
+        compiler_barrier();
+        live = *(const volatile uint64_t *)(slot + HDR_GEN_AT);
+    }
+    const unsigned char *t = tpl.buf;
+    int ok = live == generation && le64(d + HDR_GEN_AT) == generation
+             && memcmp(d, t, HDR_NS_AT) == 0                                   /* magic, version 2, kind */
+             && memcmp(d + HDR_NS_AT, ns.buf, 16) == 0 && memcmp(d + HDR_DIGEST_AT, digest.buf, 32) == 0
+             && memcmp(d + HDR_GEOMETRY_AT, t + HDR_GEOMETRY_AT, 16) == 0;     /* layers, segment, tokens, 0 */
+    for (Py_ssize_t i = 0; ok && i < layers; i++)
+        ok = le64(d + HDR_SUMS_AT + 8 * i) == sums[i];
+    if (ok) {
+        uint64_t hsum;
+        if (header_checksum(d, hb, &hsum) < 0)
+            goto done;
+        ok = hsum == le64(d + HDR_CHECKSUM_AT);
+    }
+    out = ok ? as_tuple(sums, layers) : Py_NewRef(Py_None);
+done:
+    PyMem_Free(sums);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&region);
+    PyBuffer_Release(&tpl);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&digest);
+    return out;
+}
+
 /* vLLM's CPU attention cache stores a block per head as K^T [D, N] then V [N, D]; the canonical
  * segment holds K [P, H, D] then V [P, H, D] for a page of P = blocks * N tokens. Copy block b's
  * tokens of head h into it (src rows read in order, stores scattered within the head's K^T, which
@@ -459,6 +717,8 @@ static PyMethodDef methods[] = {
     {"checksums", py_checksums, METH_VARARGS, checksums_doc},
     {"copy_checksums", py_copy_checksums, METH_VARARGS, copy_checksums_doc},
     {"gather_checksums", py_gather_checksums, METH_VARARGS, gather_checksums_doc},
+    {"store_page", py_store_page, METH_VARARGS, store_page_doc},
+    {"load_page", py_load_page, METH_VARARGS, load_page_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -44,6 +44,11 @@ class PageKey:
             raise ValueError(f"PageKey needs a {NAMESPACE_BYTES}-byte namespace and a {DIGEST_BYTES}-byte "
                              f"digest, got {len(self.namespace)} and {len(self.digest)}")
 
+    def __hash__(self) -> int:
+        # Kept by dataclass (frozen, eq): the generated one builds a tuple per call, and a tier's
+        # books hash each key ~8 times per store and load. bytes cache their own hashes.
+        return hash(self.digest) ^ hash(self.namespace)
+
     def hex(self) -> str:
         return f"{self.namespace.hex()}:{self.digest.hex()}"
 

@@ -108,6 +108,35 @@ def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], stream: bool =
     return checksums(dst, seg)
 
 
+def store_page(region: np.ndarray, offset: int, template: bytes, namespace: bytes, digest: bytes, generation: int,
+               srcs: Sequence[Any], stream: bool = False) -> bool:
+    """Write a whole format-v2 page into ``region[offset:]`` in one native call: each of ``srcs``
+    (one segment per layer) copied and summed, then the header (``template``'s fixed fields, the
+    key, ``generation``, the segment checksums and the header checksum) with its generation field
+    zero, the generation word last (the tier's write protocol). ``template``: a header of the
+    page's spec (:func:`pof_connector.pages.header_template`). ``False``: no native kernel here,
+    nothing was written (the caller takes its Python path). Raises ``TypeError``/``BufferError``
+    before writing anything when a segment has no buffer interface (a torch tensor)."""
+    if _native is None:
+        return False
+    _native.store_page(region, offset, template, namespace, digest, generation, srcs, stream)
+    return True
+
+
+def load_page(dst: np.ndarray, region: np.ndarray, offset: int, template: bytes, namespace: bytes, digest: bytes,
+              generation: int) -> tuple[int, ...] | None:
+    """Copy the page at ``region[offset:]`` into ``dst`` and check it in one native call, summing
+    its segments as they are copied: the segment checksums when it is a format-v2 page of
+    ``template``'s geometry holding this key at ``generation`` whose header and segment checksums
+    hold and whose slot still has that live generation after the copy. ``None`` when anything
+    differs, ``dst`` is too short or no native kernel is here: the caller then copies and checks on
+    its Python path, which names the reason (and reads format-v1 pages)."""
+    if _native is None:
+        return None
+    result: tuple[int, ...] | None = _native.load_page(dst, region, offset, template, namespace, digest, generation)
+    return result
+
+
 def kt_copy_checksum(src: np.ndarray, dsts: Sequence[np.ndarray], skip: int, block_tokens: int, heads: int,
                      head_dim: int, itemsize: int) -> int:
     """Write a canonical segment (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into

@@ -52,6 +52,7 @@ KIND_MLA = 1
 MAX_LAYERS = 1024
 MAX_SEGMENT_BYTES = 1 << 30
 HEADER_ALIGN = 64
+_ZERO_KEY = PageKey(bytes(16), bytes(32))
 
 _FIXED = struct.Struct("<4sHH16s32sQIIII")   # everything before the header checksum
 _CHECKSUM = struct.Struct("<Q")
@@ -197,6 +198,13 @@ def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksu
     h.update(mv[_SUMS_AT:_SUMS_AT + 8 * spec.num_layers if version == 1 else spec.header_bytes])
     _CHECKSUM.pack_into(out, _CHECKSUM_AT, h.intdigest())
     return bytes(out)
+
+
+def header_template(spec: PageSpec) -> bytes:
+    """A format-v2 header of ``spec``'s geometry with a zero key, generation and checksums: the fixed
+    fields the native whole-page store and load (:func:`pof_connector.page_sum.store_page`) fill in
+    and compare against."""
+    return encode_header(spec, _ZERO_KEY, 0, [0] * spec.num_layers)
 
 
 @functools.lru_cache(maxsize=64)

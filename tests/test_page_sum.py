@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pof_connector import page_sum
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, encode_header, pack_page, verify_page
-from pof_connector.tiers import CpuDramTier
+from pof_connector.tiers import CpuDramTier, SlotRef
 
 KEY = PageKey(bytes(range(16)), bytes(range(32)))
 SPEC = PageSpec(num_layers=3, segment_bytes=1000, page_tokens=4)     # 1000: not a multiple of 64
@@ -211,3 +211,62 @@ def test_torch_computes_the_same_checksums() -> None:
         host = raw.cpu().numpy()
         assert got.tolist() == [[page_sum.as_int64(page_sum.checksum(host[p, 128 + 512 * j:128 + 512 * (j + 1)]))
                                  for j in range(3)] for p in range(4)]
+
+
+@pytest.mark.parametrize("spec", [SPEC, PageSpec(num_layers=8, segment_bytes=8192, page_tokens=64)])
+def test_whole_page_calls_write_what_the_python_path_writes(spec: PageSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native whole-page store (header built in C) and the numpy fallback leave the same bytes
+    in a slot, and each implementation reads back what the other wrote."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    rng = np.random.default_rng(3)
+    layers = [rng.integers(0, 256, spec.segment_bytes, dtype=np.uint8) for _ in range(spec.num_layers)]
+    native, fallback = (CpuDramTier(spec, 2 * spec.page_bytes + 256) for _ in range(2))
+    refs = []
+    for tier in (native, fallback):
+        if tier is fallback:
+            monkeypatch.setattr(page_sum, "_native", None)
+        got = tier.prepare_store(KEY)
+        assert got is not None
+        tier.write(got[0], KEY, layers)
+        tier.complete_store(KEY, True)
+        refs.append(got[0])
+    assert refs[0] == refs[1]
+    assert np.array_equal(native.region, fallback.region)
+    out = np.zeros(spec.page_bytes, dtype=np.uint8)
+    want = fallback.read(refs[1], KEY, out)           # still the fallback: native's bytes, read by numpy
+    monkeypatch.undo()
+    assert native.read(refs[0], KEY, out) == want     # native load: the same header, checksums included
+    assert np.array_equal(out[spec.header_bytes:], np.concatenate(layers))
+    assert np.array_equal(out[:spec.header_bytes], fallback.region[:spec.header_bytes])
+
+
+def test_whole_page_load_names_why_it_refused(impl: str) -> None:
+    """The native load only says yes or no; a refused page still fails with the reason the Python
+    checks give (stale or torn slot, another key, a bad header, a bad segment)."""
+    tier = CpuDramTier(SPEC, 2 * SPEC.page_bytes + 256)
+    got = tier.prepare_store(KEY)
+    assert got is not None
+    ref = got[0]
+    rng = np.random.default_rng(4)
+    tier.write(ref, KEY, [rng.integers(0, 256, SPEC.segment_bytes, dtype=np.uint8) for _ in range(3)])
+    out = np.zeros(SPEC.page_bytes, dtype=np.uint8)
+    slot = tier.region[tier.slot_offset(ref.slot):tier.slot_offset(ref.slot) + SPEC.page_bytes]
+
+    def reason(r: SlotRef = ref, k: PageKey = KEY) -> str:
+        with pytest.raises(PageError) as e:
+            tier.read(r, k, out)
+        return e.value.reason
+
+    assert reason(SlotRef(ref.slot, ref.generation + 1)) == "stale_generation"
+    assert reason(k=PageKey(bytes(16), bytes(32))) == "wrong_key"
+    for at, why in ((SPEC.header_bytes + 999, "bad_checksum"), (81, "bad_header"), (90, "bad_header"),
+                    (SPEC.header_bytes - 1, "bad_header")):      # a segment; header checksum, sums, padding
+        slot[at] ^= 0x10
+        assert reason() == why, at
+        slot[at] ^= 0x10
+    tier.read(ref, KEY, out)
+    tier._set_live_generation(ref.slot, 0)        # a writer took the slot (the race: tests/tiers/test_cxl.py)
+    assert reason() == "bad_header"               # the copied header's generation no longer matches its checksum
+    with pytest.raises(ValueError):
+        tier.read(ref, KEY, out[:-1])

@@ -26,8 +26,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -42,6 +41,7 @@ from pof_connector.pages import (
     checksum,
     encode_header,
     expect_checksums,
+    header_template,
 )
 from pof_connector.tiers.ordering import require_store_order
 from pof_connector.tiers.slot_table import SlotTable
@@ -53,9 +53,10 @@ def slot_bytes_for(spec: PageSpec) -> int:
     return (spec.page_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """Where a page sits in a tier: its slot and the generation it was written with."""
+class SlotRef(NamedTuple):
+    """Where a page sits in a tier: its slot and the generation it was written with. (Immutable; a
+    NamedTuple because every store and load builds one, and a frozen dataclass costs several
+    times more to construct.)"""
 
     slot: int
     generation: int
@@ -83,6 +84,7 @@ class Tier(ABC):
                                           and len(region) % 8 == 0 else None)
         self._books = SlotTable(own_slots)
         self._gen_lock = threading.Lock()
+        self._template = header_template(spec)     # what the native whole-page store and load fill in
 
     # ---- books -----------------------------------------------------------------------------
 
@@ -105,7 +107,7 @@ class Tier(ABC):
         With ``pin`` the slot stays put until :meth:`unpin`; a local reader uses that.
         """
         slot = self._books.lookup(key, pin=pin, touch=touch)
-        return None if slot is None else SlotRef(slot, int(self._generations[slot]))
+        return None if slot is None else SlotRef(slot, self._generations.item(slot))
 
     def contains(self, key: PageKey) -> bool:
         return self._books.contains(key)
@@ -123,7 +125,7 @@ class Tier(ABC):
             return None
         slot, evicted = got
         with self._gen_lock:
-            generation = int(self._generations[slot]) + 1
+            generation = self._generations.item(slot) + 1     # item(): a Python int, no numpy scalar
             self._generations[slot] = generation
         self._set_live_generation(slot, 0)
         return SlotRef(slot, generation), evicted
@@ -228,7 +230,8 @@ class Tier(ABC):
     def live_generation(self, slot: int) -> int:
         start = slot * self.slot_bytes + GENERATION_AT
         if self._words is not None:
-            return int(self._words[start >> 3])
+            live: int = self._words.item(start >> 3)
+            return live
         return int(self._region[start:start + 8].view(np.uint64)[0])
 
     def write(self, ref: SlotRef, key: PageKey, layers: Sequence[Any]) -> None:
@@ -236,17 +239,18 @@ class Tier(ABC):
         spec = self.spec
         if len(layers) != spec.num_layers:
             raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
-        dst = self._slot(ref.slot)
-        body = dst[spec.header_bytes:]
-        # One call copies every segment and sums it in the same pass (page_sum's native kernel).
-        sums: tuple[int, ...] | None = None
-        if page_sum.NATIVE is not None:
-            try:        # numpy segments as they are (the kernel takes their bytes): no wrapping
-                sums = page_sum.gather_checksums(body, layers, True)
-            except (TypeError, BufferError):      # no buffer protocol (torch tensors): wrap them
-                pass
-        if sums is None:     # streaming stores: a slot is read later, if ever; caching it would evict
-            sums = page_sum.gather_checksums(body, [as_array(layer) for layer in layers], True)
+        # The whole page in one native call: segments copied and summed, header, generation last.
+        try:        # numpy segments as they are (the kernel takes their bytes): no wrapping
+            if page_sum.store_page(self._region, ref.slot * self.slot_bytes, self._template, key.namespace,
+                                   key.digest, ref.generation, layers, True):
+                return
+        except (TypeError, BufferError):      # no buffer protocol (torch tensors): wrapped below
+            if page_sum.store_page(self._region, ref.slot * self.slot_bytes, self._template, key.namespace,
+                                   key.digest, ref.generation, [as_array(layer) for layer in layers], True):
+                return
+        # No native kernel: numpy copies, sums and header (same bytes, several times slower).
+        body = self._slot(ref.slot)[spec.header_bytes:]
+        sums = page_sum.gather_checksums(body, [as_array(layer) for layer in layers], True)
         self._write_header_at(ref.slot, encode_header(spec, key, ref.generation, sums))
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
@@ -314,7 +318,15 @@ class Tier(ABC):
         header checksum) and the segment checksums are checked, and the live generation once (a
         writer zeroes it before touching any byte, so an unchanged one means an untorn copy)."""
         spec = self.spec
-        self._check_slot(ref.slot)
+        if not 0 <= ref.slot < self.num_slots:
+            self._check_slot(ref.slot)          # raises
+        # The whole page in one native call; None: a check failed (or no kernel, or a v1 page), and
+        # the Python path below copies again and says which.
+        sums = page_sum.load_page(as_array(into), self._region, ref.slot * self.slot_bytes, self._template,
+                                  key.namespace, key.digest, ref.generation)
+        if sums is not None:
+            return PageHeader(key, ref.generation, spec.kind, spec.num_layers, spec.segment_bytes, spec.page_tokens,
+                              sums)
         dst = as_array(into)[:spec.page_bytes]
         src = self._slot(ref.slot)
         hb, seg = spec.header_bytes, spec.segment_bytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 from pof_connector.keys import PageKey
 
@@ -23,7 +23,7 @@ class SlotTable:
         self._capacity = len(slots)
         self._ready: OrderedDict[PageKey, int] = OrderedDict()   # LRU order: oldest first
         self._pending: dict[PageKey, int] = {}
-        self._pins: Counter[int] = Counter()
+        self._pins: dict[int, int] = {}          # slot -> readers (a plain dict: Counter's __missing__ is Python)
         self._lent: set[int] = set()          # granted to other nodes' writers (fabric spill)
         self._detached: set[int] = set()      # removed, not free yet: pinned, or being invalidated
         self._lock = threading.Lock()
@@ -76,7 +76,7 @@ class SlotTable:
                 if touch:
                     self._ready.move_to_end(key)
                 if pin:
-                    self._pins[slot] += 1
+                    self._pins[slot] = self._pins.get(slot, 0) + 1
             return slot
 
     def contains(self, key: PageKey) -> bool:
@@ -142,16 +142,17 @@ class SlotTable:
 
     def pin(self, slot: int) -> None:
         with self._lock:
-            self._pins[slot] += 1
+            self._pins[slot] = self._pins.get(slot, 0) + 1
 
     def unpin(self, slot: int) -> bool:
         """Drop one pin. ``True`` when that was the last pin of a detached slot: the caller
         invalidates it and calls :meth:`release`."""
         with self._lock:
-            self._pins[slot] -= 1
-            if self._pins[slot] > 0:
+            left = self._pins.get(slot, 0) - 1
+            if left > 0:
+                self._pins[slot] = left
                 return False
-            del self._pins[slot]
+            self._pins.pop(slot, None)
             return slot in self._detached
 
     def victim(self) -> tuple[PageKey, int] | None:
@@ -166,4 +167,7 @@ class SlotTable:
             return list(self._ready.items())
 
     def _victim(self) -> PageKey | None:
-        return next((k for k, s in self._ready.items() if s not in self._pins), None)
+        for k, s in self._ready.items():      # a loop, not next(genexpr): this runs on every full-tier store
+            if s not in self._pins:
+                return k
+        return None
