@@ -1,12 +1,13 @@
 """The worker half of the vLLM connector (Worker process): moves bytes, keeps no books.
 
-Loads: ``start`` opens a zero-copy read of the pages (headers checked, slots pinned);
-``wait_layer(l)``, called right before layer ``l``'s attention, copies that layer of every page
-straight from tier memory into vLLM's blocks (converting the layout on the way) and then checks
-the copied bytes' checksum and the slot's generation. One copy per byte, on the forward's own
-thread: no staging buffer, no I/O thread competing for cores. Pages that fail are reported
-through ``get_block_ids_with_load_errors`` in the same step and vLLM recomputes them
-(``kv_load_failure_policy: recompute``).
+Loads: ``start`` opens a zero-copy read of the pages (headers checked, slots pinned) and starts
+a :class:`LayerLoader`: on a thread of its own, layer after layer in model order, it copies each
+layer of every page straight from tier memory into vLLM's blocks (converting the layout on the
+way) and checks the copied bytes' checksum and the slot's generation. ``wait_layer(l)``, called
+right before layer ``l``'s attention, waits only for that layer, so layer ``l + 1`` is copied
+while the engine computes layer ``l``. One copy per byte, no staging buffer. Pages that fail are
+reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
+loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
 
 Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into staging right
 after attention wrote them; ``end_step`` hands the staged pages to the pool,
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from pof_connector.adapters.layer_loader import LayerLoader
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
@@ -69,6 +72,8 @@ class PoFWorker:
         self.kv: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self._loads: list[_ActiveLoad] = []
+        self._loader: LayerLoader | None = None      # copying this step's loads
+        self._load_thread: ThreadPoolExecutor | None = None
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
@@ -109,10 +114,16 @@ class PoFWorker:
 
     def start(self, meta: PoFConnectorMetadata) -> None:
         assert self.pool is not None
+        if self._loader is not None:      # the last step's loads were never finished: report them first
+            self._finish_loads()
         for job in meta.loads:
             job = self._for_this_rank(job)
             reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
             self._loads.append(_ActiveLoad(job, reader))
+        if self._loads:
+            if self._load_thread is None:
+                self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pof-load")
+            self._loader = LayerLoader(self._load_thread, self._copy_layer, len(self.kv))
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
         """The scheduler planned with rank 0's keys and locations. Another TP rank (other heads) or
@@ -134,9 +145,14 @@ class PoFWorker:
         return [PageKey(own, k.digest) for k in keys]
 
     def wait_layer(self, layer_name: str) -> None:
+        """Return once ``layer_name``'s KV of this step's loads is in the engine's blocks (or its
+        pages failed, for recompute)."""
         layer = self.layer_index.get(layer_name)
-        if not self._loads or layer is None:      # not a layer whose KV the pool holds
-            return
+        if self._loader is not None and layer is not None:    # else: not a layer whose KV the pool holds
+            self._loader.wait(layer)
+
+    def _copy_layer(self, layer: int) -> None:
+        """The loader thread: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         fused = lay.can_copy_checked(kv)
@@ -158,7 +174,12 @@ class PoFWorker:
                 reader.check(i, layer)          # after the copy: were those bytes the page's?
 
     def _finish_loads(self) -> None:
-        """After the forward: report the blocks of every page that failed, for recompute."""
+        """After the forward: wait for the loader (the layers the engine did not ask for too), then
+        report the blocks of every page that failed, for recompute. The loader's unexpected error
+        is raised (the caller fails every load)."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.finish()
         for active in self._loads:
             active.reader.close()
             job = active.job
@@ -188,6 +209,9 @@ class PoFWorker:
 
     def abort_loads(self) -> None:
         """Give up on this step's loads after an unexpected error: all their blocks are recomputed."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.cancel()          # the thread stops reading before the readers close
         self.fail_jobs([a.job for a in self._loads])
         for active in self._loads:
             active.reader.close()
@@ -257,5 +281,8 @@ class PoFWorker:
         self.pool.store(items).add_done_callback(release)
 
     def close(self) -> None:
+        self.abort_loads()
+        if self._load_thread is not None:
+            self._load_thread.shutdown(wait=True)
         if self.pool is not None:
             self.pool.close()
