@@ -63,7 +63,9 @@ NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without
         "memcpy_s = one numpy.copyto of loaded_bytes in this run; overhead_ratio = (pof_s - floor_s) / memcpy_s; "
         "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - floor_s); "
         "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
-        "vLLM's own prefix cache (the floor); fabric.ratio = median TTFT of B served from A's pool over NIXL / "
+        "vLLM's own prefix cache (the floor); pof_above_floor_paired_s = median over timed loads of (the load's TTFT "
+        "- the floor timed right after it), less sensitive to a busy machine than "
+        "the difference of medians; fabric.ratio = median TTFT of B served from A's pool over NIXL / "
         "median recompute of the same prompts by A (the pair runs side by side, each server on half of the "
         "cores, as two hosts would); servers run one at a time (the fabric pair together) with the same flags; "
         "answers checked equal")
@@ -285,7 +287,10 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
                                        if "example" in med and med["example"] > floor else None),
         "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,
         "ttft_s": {name: round(v, 4) for name, v in med.items()},
-        "ttft_runs_s": {name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
+        "ttft_runs_s": {**{name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
+                        "engine_prefix_cache": [round(x, 4) for x in results["pof"]["engine_hit"]]},
+        "pof_above_floor_paired_s": round(statistics.median(
+            t - f for t, f in zip(results["pof"]["ttft"], results["pof"]["engine_hit"], strict=True)), 4),
         "load_overhead_s": {name: round(med[name] - med["engine_prefix_cache"], 4)
                             for name in ("pof", "example") if name in med},
         "pool_tokens": results["pof"]["hits"],
