@@ -1,11 +1,15 @@
 """The worker half of the vLLM connector (Worker process): moves bytes, keeps no books.
 
 Loads: ``start`` opens a zero-copy read of the pages (headers checked, slots pinned) and starts
-a :class:`LayerLoader`: on a thread of its own, layer after layer in model order, it copies each
-layer of every page straight from tier memory into vLLM's blocks (converting the layout on the
-way) and checks the copied bytes' checksum and the slot's generation. ``wait_layer(l)``, called
-right before layer ``l``'s attention, waits only for that layer, so layer ``l + 1`` is copied
-while the engine computes layer ``l``. One copy per byte, no staging buffer. Pages that fail are
+a :class:`LayerLoader`: layer after layer in model order, it copies each layer of every page
+straight from tier memory into vLLM's blocks (converting the layout on the way) and checks the
+copied bytes' checksum and the slot's generation. ``wait_layer(l)``, called right before layer
+``l``'s attention, waits only for that layer. Where a core is free for it (a GPU engine, or a CPU
+engine whose threads leave a core idle) the loader runs on a thread of its own, so layer
+``l + 1`` is copied while the engine computes layer ``l``; where the forward keeps every core
+busy (vLLM on the CPU, by default), it copies each layer on the forward's thread right before
+the engine reads it — measured, a copy thread there stalls the engine's OpenMP threads for
+longer than the copy takes. One copy per byte, no staging buffer. Pages that fail are
 reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
 loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
 
@@ -17,6 +21,7 @@ which writes them on its own thread — the forward never waits for a tier.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -61,7 +66,10 @@ class _PendingSave:
 
 class PoFWorker:
     def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False,
-                 pp_rank: int = 0) -> None:
+                 pp_rank: int = 0, overlap: bool | None = None) -> None:
+        """``overlap``: copy loads on a thread of their own while the engine computes (``True``)
+        or on the engine's thread, each layer right before it is read (``False``); ``None``:
+        decided at :meth:`register` by :func:`core_to_spare`."""
         self.config = config
         self.geo = geo
         self.tp_rank = tp_rank
@@ -74,6 +82,7 @@ class PoFWorker:
         self._loads: list[_ActiveLoad] = []
         self._loader: LayerLoader | None = None      # copying this step's loads
         self._load_thread: ThreadPoolExecutor | None = None
+        self.overlap = overlap
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
@@ -106,9 +115,12 @@ class PoFWorker:
         config = replace(self.config, node_id=geo.node_id(self.config, self.tp_rank, self.pp_rank))
         self.pool = Pool(config, spec, geo.namespace(config, self.tp_rank, self.pp_rank),
                          meta={"engine": "vllm", "model": geo.model})
-        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s", len(names),
+        if self.overlap is None:
+            self.overlap = core_to_spare(self.kv[0].device)
+        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
                  self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
-                 ", ".join(f"{t.medium}" for t in self.pool.tiers))
+                 ", ".join(f"{t.medium}" for t in self.pool.tiers),
+                 "overlapped with the forward" if self.overlap else "on the forward's thread")
 
     # ---- loads ----------------------------------------------------------------------------------
 
@@ -121,9 +133,9 @@ class PoFWorker:
             reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
             self._loads.append(_ActiveLoad(job, reader))
         if self._loads:
-            if self._load_thread is None:
+            if self.overlap and self._load_thread is None:
                 self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pof-load")
-            self._loader = LayerLoader(self._load_thread, self._copy_layer, len(self.kv))
+            self._loader = LayerLoader(self._copy_layer, len(self.kv), self._load_thread if self.overlap else None)
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
         """The scheduler planned with rank 0's keys and locations. Another TP rank (other heads) or
@@ -152,7 +164,7 @@ class PoFWorker:
             self._loader.wait(layer)
 
     def _copy_layer(self, layer: int) -> None:
-        """The loader thread: copy and check layer ``layer`` of every page of this step's loads."""
+        """The loader: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         fused = lay.can_copy_checked(kv)
@@ -286,3 +298,12 @@ class PoFWorker:
             self._load_thread.shutdown(wait=True)
         if self.pool is not None:
             self.pool.close()
+
+
+def core_to_spare(device: torch.device) -> bool:
+    """Whether a load copied on a thread of its own overlaps the forward instead of slowing it:
+    the forward runs on a GPU (the host cores mostly wait), or torch's threads leave one of this
+    process's cores idle."""
+    if device.type != "cpu":
+        return True
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads()

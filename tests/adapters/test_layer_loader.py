@@ -29,7 +29,7 @@ def test_layers_are_copied_in_order_and_released_one_by_one(executor: ThreadPool
             assert gate.wait(10)           # layer 2 is slow (the engine is computing layer 1)
         copied.append(layer)
 
-    loader = LayerLoader(executor, copy, 4)
+    loader = LayerLoader(copy, 4, executor)
     loader.wait(1)                         # returns while layer 2 is still being copied
     assert copied == [0, 1]
     waiter = threading.Thread(target=loader.wait, args=(3,))
@@ -46,7 +46,7 @@ def test_layers_are_copied_in_order_and_released_one_by_one(executor: ThreadPool
 
 def test_finish_waits_for_layers_nobody_asked_for(executor: ThreadPoolExecutor) -> None:
     copied: list[int] = []
-    loader = LayerLoader(executor, copied.append, 3)
+    loader = LayerLoader(copied.append, 3, executor)
     loader.finish()
     assert copied == [0, 1, 2]
 
@@ -59,7 +59,7 @@ def test_an_error_on_the_thread_reaches_the_engine_thread(executor: ThreadPoolEx
             raise IndexError("block 99 is past the end of the cache")
         copied.append(layer)
 
-    loader = LayerLoader(executor, copy, 3)
+    loader = LayerLoader(copy, 3, executor)
     for layer in (1, 2):                     # waiters of the failed layer and of later ones are released
         with pytest.raises(RuntimeError, match="block 99") as e:
             loader.wait(layer)
@@ -80,7 +80,7 @@ def test_cancel_stops_after_the_layer_in_progress(executor: ThreadPoolExecutor) 
             assert gate.wait(10)
         copied.append(layer)
 
-    loader = LayerLoader(executor, copy, 4)
+    loader = LayerLoader(copy, 4, executor)
     assert started.wait(10)
     canceller = threading.Thread(target=loader.cancel)
     canceller.start()
@@ -91,4 +91,34 @@ def test_cancel_stops_after_the_layer_in_progress(executor: ThreadPoolExecutor) 
     assert not canceller.is_alive()
     assert copied == [0, 1]                  # once cancel returns, the thread touches nothing more
     loader.wait(3)                           # nobody is left waiting
+    assert not loader.complete
+
+
+def test_inline_copies_each_layer_when_it_is_waited_for() -> None:
+    """Without an executor (no free core) the engine's thread copies each layer right before it
+    reads it, in order; finish copies the layers nobody asked for."""
+    copied: list[int] = []
+    loader = LayerLoader(copied.append, 4)
+    assert copied == []
+    loader.wait(0)
+    assert copied == [0]
+    loader.wait(2)                           # a skipped wait still copies in model order
+    assert copied == [0, 1, 2]
+    loader.wait(1)
+    assert copied == [0, 1, 2]
+    assert not loader.complete
+    loader.finish()
+    assert copied == [0, 1, 2, 3]
+    assert loader.complete
+
+
+def test_inline_errors_are_raised_where_they_happen() -> None:
+    def copy(layer: int) -> None:
+        raise IndexError("block 99 is past the end of the cache")
+
+    loader = LayerLoader(copy, 2)
+    with pytest.raises(IndexError):
+        loader.wait(0)
+    loader.cancel()
+    loader.finish()                          # cancelled: copies nothing more
     assert not loader.complete

@@ -24,18 +24,19 @@ GEO = VllmGeometry(model="m", kv_dtype="float32", kv_heads=H, head_dim=D, num_la
                    block_size=N, page_tokens=2 * N, tp_size=1)
 
 
-def make_worker(runtime_dir: str) -> tuple[PoFWorker, dict[str, torch.Tensor]]:
+def make_worker(runtime_dir: str, overlap: bool | None = None) -> tuple[PoFWorker, dict[str, torch.Tensor]]:
     cfg = PofConfig.from_mapping({"node_id": "w", "index_url": "local", "runtime_dir": runtime_dir,
                                   "tiers": {"cpu_dram": {"size": "16MiB"}}})
-    worker = PoFWorker(cfg, GEO, tp_rank=0)
+    worker = PoFWorker(cfg, GEO, tp_rank=0, overlap=overlap)
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, H, N, 2 * D) for i in range(LAYERS)}
     worker.register(kv)
     return worker, kv
 
 
-@pytest.fixture
-def worker(runtime_dir: str) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
-    w, kv = make_worker(runtime_dir)
+@pytest.fixture(params=[False, True], ids=["inline", "overlapped"])
+def worker(runtime_dir: str, request: pytest.FixtureRequest) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
+    """A worker that copies loads on the forward's thread, or on a thread of its own."""
+    w, kv = make_worker(runtime_dir, overlap=request.param)
     yield w, kv
     w.close()
 
@@ -110,10 +111,17 @@ def saved_pages(w: PoFWorker, kv: dict[str, torch.Tensor]) -> tuple[list[Any], d
     return keys, original
 
 
-def test_later_layers_load_while_the_engine_computes_earlier_ones(worker: Any) -> None:
-    """The loader runs ahead of the forward: after ``start`` and the first layer's wait, the last
-    layer's blocks fill without the engine asking for them (it is computing layer 0)."""
-    w, kv = worker
+def test_later_layers_load_while_the_engine_computes_earlier_ones(runtime_dir: str) -> None:
+    """Overlapped, the loader runs ahead of the forward: after ``start`` and the first layer's
+    wait, the last layer's blocks fill without the engine asking for them (it is computing layer 0)."""
+    w, kv = make_worker(runtime_dir, overlap=True)
+    try:
+        later_layers_fill(w, kv)
+    finally:
+        w.close()
+
+
+def later_layers_fill(w: PoFWorker, kv: dict[str, torch.Tensor]) -> None:
     keys, original = saved_pages(w, kv)
     names = list(kv)
     w.start(PoFConnectorMetadata(loads=[LoadJob("r2", keys, w.pool.lookup(keys).sources, [[10, 11], [12, 13]])]))
