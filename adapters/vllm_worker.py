@@ -1,12 +1,17 @@
 """The worker half of the vLLM connector (Worker process): moves bytes, keeps no books.
 
-Loads: ``start`` opens a zero-copy read of the pages (headers checked, slots pinned);
-``wait_layer(l)``, called right before layer ``l``'s attention, copies that layer of every page
-straight from tier memory into vLLM's blocks (converting the layout on the way) and then checks
-the copied bytes' checksum and the slot's generation. One copy per byte, on the forward's own
-thread: no staging buffer, no I/O thread competing for cores. Pages that fail are reported
-through ``get_block_ids_with_load_errors`` in the same step and vLLM recomputes them
-(``kv_load_failure_policy: recompute``).
+Loads: ``start`` opens a zero-copy read of the pages (headers checked, slots pinned) and starts
+a :class:`LayerLoader`: layer after layer in model order, it copies each layer of every page
+straight from tier memory into vLLM's blocks (converting the layout on the way) and checks the
+copied bytes' checksum and the slot's generation. ``wait_layer(l)``, called right before layer
+``l``'s attention, waits only for that layer. Where a core is free for it (a GPU engine, or a CPU
+engine whose threads leave a core idle) the loader runs on a thread of its own, so layer
+``l + 1`` is copied while the engine computes layer ``l``; where the forward keeps every core
+busy (vLLM on the CPU, by default), it copies each layer on the forward's thread right before
+the engine reads it — measured, a copy thread there stalls the engine's OpenMP threads for
+longer than the copy takes. One copy per byte, no staging buffer. Pages that fail are
+reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
+loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
 
 Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into staging right
 after attention wrote them; ``end_step`` hands the staged pages to the pool,
@@ -16,12 +21,15 @@ which writes them on its own thread — the forward never waits for a tier.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from pof_connector.adapters.layer_loader import LayerLoader
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
@@ -58,7 +66,10 @@ class _PendingSave:
 
 class PoFWorker:
     def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False,
-                 pp_rank: int = 0) -> None:
+                 pp_rank: int = 0, overlap: bool | None = None) -> None:
+        """``overlap``: copy loads on a thread of their own while the engine computes (``True``)
+        or on the engine's thread, each layer right before it is read (``False``); ``None``:
+        decided at :meth:`register` by :func:`core_to_spare`."""
         self.config = config
         self.geo = geo
         self.tp_rank = tp_rank
@@ -69,6 +80,9 @@ class PoFWorker:
         self.kv: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self._loads: list[_ActiveLoad] = []
+        self._loader: LayerLoader | None = None      # copying this step's loads
+        self._load_thread: ThreadPoolExecutor | None = None
+        self.overlap = overlap
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
@@ -101,18 +115,27 @@ class PoFWorker:
         config = replace(self.config, node_id=geo.node_id(self.config, self.tp_rank, self.pp_rank))
         self.pool = Pool(config, spec, geo.namespace(config, self.tp_rank, self.pp_rank),
                          meta={"engine": "vllm", "model": geo.model})
-        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s", len(names),
+        if self.overlap is None:
+            self.overlap = core_to_spare(self.kv[0].device)
+        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
                  self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
-                 ", ".join(f"{t.medium}" for t in self.pool.tiers))
+                 ", ".join(f"{t.medium}" for t in self.pool.tiers),
+                 "overlapped with the forward" if self.overlap else "on the forward's thread")
 
     # ---- loads ----------------------------------------------------------------------------------
 
     def start(self, meta: PoFConnectorMetadata) -> None:
         assert self.pool is not None
+        if self._loader is not None:      # the last step's loads were never finished: report them first
+            self._finish_loads()
         for job in meta.loads:
             job = self._for_this_rank(job)
             reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
             self._loads.append(_ActiveLoad(job, reader))
+        if self._loads:
+            if self.overlap and self._load_thread is None:
+                self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pof-load")
+            self._loader = LayerLoader(self._copy_layer, len(self.kv), self._load_thread if self.overlap else None)
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
         """The scheduler planned with rank 0's keys and locations. Another TP rank (other heads) or
@@ -134,9 +157,14 @@ class PoFWorker:
         return [PageKey(own, k.digest) for k in keys]
 
     def wait_layer(self, layer_name: str) -> None:
+        """Return once ``layer_name``'s KV of this step's loads is in the engine's blocks (or its
+        pages failed, for recompute)."""
         layer = self.layer_index.get(layer_name)
-        if not self._loads or layer is None:      # not a layer whose KV the pool holds
-            return
+        if self._loader is not None and layer is not None:    # else: not a layer whose KV the pool holds
+            self._loader.wait(layer)
+
+    def _copy_layer(self, layer: int) -> None:
+        """The loader: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         fused = lay.can_copy_checked(kv)
@@ -158,7 +186,12 @@ class PoFWorker:
                 reader.check(i, layer)          # after the copy: were those bytes the page's?
 
     def _finish_loads(self) -> None:
-        """After the forward: report the blocks of every page that failed, for recompute."""
+        """After the forward: wait for the loader (the layers the engine did not ask for too), then
+        report the blocks of every page that failed, for recompute. The loader's unexpected error
+        is raised (the caller fails every load)."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.finish()
         for active in self._loads:
             active.reader.close()
             job = active.job
@@ -188,6 +221,9 @@ class PoFWorker:
 
     def abort_loads(self) -> None:
         """Give up on this step's loads after an unexpected error: all their blocks are recomputed."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.cancel()          # the thread stops reading before the readers close
         self.fail_jobs([a.job for a in self._loads])
         for active in self._loads:
             active.reader.close()
@@ -257,5 +293,17 @@ class PoFWorker:
         self.pool.store(items).add_done_callback(release)
 
     def close(self) -> None:
+        self.abort_loads()
+        if self._load_thread is not None:
+            self._load_thread.shutdown(wait=True)
         if self.pool is not None:
             self.pool.close()
+
+
+def core_to_spare(device: torch.device) -> bool:
+    """Whether a load copied on a thread of its own overlaps the forward instead of slowing it:
+    the forward runs on a GPU (the host cores mostly wait), or torch's threads leave one of this
+    process's cores idle."""
+    if device.type != "cpu":
+        return True
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads()

@@ -196,7 +196,8 @@ def cmd_bench_lmcache(args: argparse.Namespace) -> int:
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
     setups = tuple(args.setups) + (("fabric",) if args.fabric and "fabric" not in args.setups else ())
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
-                            dtype=args.dtype, block_size=args.block_size, progress=progress, setups=setups)
+                            dtype=args.dtype, block_size=args.block_size, progress=progress, setups=setups,
+                            repeats=args.repeats)
     if args.json:
         print_json(result)
         return 0
@@ -369,6 +370,9 @@ def add_parser(sub: Any) -> None:
     vllm.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'bench' model)")
     vllm.add_argument("--prompt-tokens", type=int, default=6000, help="tokens per prompt (default 6000)")
     vllm.add_argument("--prompts", type=int, default=3, help="distinct prompts timed per server (default 3)")
+    vllm.add_argument("--repeats", type=int, default=3,
+                      help="timed loads per prompt on the connector servers, each followed by the same prompt as a "
+                           "hit in vLLM's own prefix cache (the floor), alternating (default 3)")
     vllm.add_argument("--dtype", default="float32",
                       help="model dtype (default float32: bf16 is emulated, and slow, on CPUs without AVX512-BF16)")
     vllm.add_argument("--block-size", type=int, default=128, help="vLLM block size = page size (default 128)")

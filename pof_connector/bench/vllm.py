@@ -57,12 +57,15 @@ the staging must hold a whole load (the excess would be recomputed)."""
 
 
 NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without a connector configured); "
-        "floor_s = median TTFT of the same prompt as a hit in vLLM's own prefix cache; pof_s, example_s = median "
-        "TTFT served by each connector; loaded_bytes = page bytes pof loaded per timed request (its counters); "
+        "floor_s = median TTFT of the same prompt as a hit in vLLM's own prefix cache (timed right after each "
+        "pof load, repeats per prompt); pof_s, example_s = median TTFT served by each connector; "
+        "loaded_bytes = page bytes pof loaded per timed request (its counters); "
         "memcpy_s = one numpy.copyto of loaded_bytes in this run; overhead_ratio = (pof_s - floor_s) / memcpy_s; "
         "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - floor_s); "
         "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
-        "vLLM's own prefix cache (the floor); fabric.ratio = median TTFT of B served from A's pool over NIXL / "
+        "vLLM's own prefix cache (the floor); pof_above_floor_paired_s = median over timed loads of (the load's TTFT "
+        "- the floor timed right after it), less sensitive to a busy machine than "
+        "the difference of medians; fabric.ratio = median TTFT of B served from A's pool over NIXL / "
         "median recompute of the same prompts by A (the pair runs side by side, each server on half of the "
         "cores, as two hosts would); servers run one at a time (the fabric pair together) with the same flags; "
         "answers checked equal")
@@ -73,26 +76,33 @@ def _prompts(count: int, tokens: int, vocab: int = 1900) -> list[list[int]]:
     return [[rnd.randrange(3, vocab) for _ in range(tokens)] for _ in range(count)]
 
 
-def _time_server(name: str, server: VllmServer, prompts: list[list[int]], *, warm: bool,
+def _time_server(name: str, server: VllmServer, prompts: list[list[int]], *, warm: bool, repeats: int,
                  progress: Progress) -> dict[str, list[Any]]:
     """Per prompt: the cold TTFT (connector servers: their first pass, which stores the prompt),
     the TTFT after a prefix-cache reset (served by the connector, if any), the answer, the tokens
-    the connector served, and (connector servers) the TTFT of a hit in vLLM's own prefix cache."""
+    the connector served, and (connector servers) the TTFT of a hit in vLLM's own prefix cache.
+    Connector servers time ``repeats`` load / floor pairs per prompt, alternating (reset, the
+    load, then the same prompt as a hit in the engine's own cache), so both medians see the same
+    moments of a noisy machine; every answer must equal the prompt's first."""
     out: dict[str, list[Any]] = {"cold": [], "ttft": [], "answers": [], "hits": [], "engine_hit": []}
     for i, p in enumerate(prompts):
         if warm:
             out["cold"].append(server.timed_complete(p, max_tokens=1)[0])
             time.sleep(1.0)                    # let the connector finish storing
-        server.reset_prefix_cache()
-        before = server.metrics().get(HITS, 0.0)
-        ttft, answer = server.timed_complete(p, max_tokens=1)
-        out["hits"].append(server.metrics().get(HITS, 0.0) - before)
-        out["ttft"].append(ttft)
-        out["answers"].append(answer)
-        if warm:
-            out["engine_hit"].append(server.timed_complete(p, max_tokens=1)[0])
-        progress(f"  {name}: prompt {i + 1}/{len(prompts)}: TTFT {ttft:.3f} s, {out['hits'][-1]:.0f} tokens from the "
-                 f"connector")
+        for r in range(repeats if warm else 1):
+            server.reset_prefix_cache()
+            before = server.metrics().get(HITS, 0.0)
+            ttft, answer = server.timed_complete(p, max_tokens=1)
+            out["hits"].append(server.metrics().get(HITS, 0.0) - before)
+            out["ttft"].append(ttft)
+            if r == 0:
+                out["answers"].append(answer)
+            elif answer != out["answers"][-1]:
+                raise BenchError(f"{name}: prompt {i + 1}'s greedy answer changed between timed loads")
+            if warm:
+                out["engine_hit"].append(server.timed_complete(p, max_tokens=1)[0])
+            progress(f"  {name}: prompt {i + 1}/{len(prompts)}: TTFT {ttft:.3f} s, {out['hits'][-1]:.0f} tokens "
+                     f"from the connector")
     if name == "pof":
         time.sleep(2.0)         # vLLM exports the worker's pof counters with its periodic stats
         out["loaded_bytes"] = [server.metrics().get(LOADED_BYTES, 0.0)]
@@ -168,8 +178,12 @@ def _fabric_pair(model_dir: Path, work: Path, runtime_dir: Path, max_len: int, c
 
 
 def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, block_size: int,
-        progress: Progress, setups: tuple[str, ...] = ("recompute", "pof", "example")) -> dict[str, Any]:
-    """``setups``: which of :data:`SETUPS` to run (``fabric`` is the pair of servers joined by NIXL)."""
+        progress: Progress, setups: tuple[str, ...] = ("recompute", "pof", "example"),
+        repeats: int = 1) -> dict[str, Any]:
+    """``setups``: which of :data:`SETUPS` to run (``fabric`` is the pair of servers joined by NIXL);
+    ``repeats``: timed loads (each with its floor) per prompt on the pof and example servers."""
+    if repeats < 1:
+        raise BenchError(f"repeats must be at least 1, got {repeats}")
     if not setups or any(s not in SETUPS for s in setups):
         raise BenchError(f"setups must be some of {', '.join(SETUPS)}, got {', '.join(setups) or 'none'}")
     model_dir = Path(model) if model else build_model("bench")
@@ -194,13 +208,14 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
             server = VllmServer(model_dir, work / name, kv_transfer=kv, max_model_len=max_len, kv_cache_gib=4,
                                 extra_args=common).start()
             try:
-                results[name] = _time_server(name, server, data, warm=warm, progress=progress)
+                results[name] = _time_server(name, server, data, warm=warm, repeats=repeats,
+                                             progress=progress)
             except Exception as e:      # keep the server logs for the post-mortem, then re-raise
                 raise BenchError(f"{name} server failed: {e}; its log: {server.log}\n{server.tail(30)}") from e
             finally:
                 server.stop()
             if name == "pof":      # a memcpy of the bytes each timed request loaded, in this run
-                per_request = int(results[name]["loaded_bytes"][0] / max(prompts, 1))
+                per_request = int(results[name]["loaded_bytes"][0] / max(len(results[name]["ttft"]), 1))
                 results[name]["loaded_bytes"] = [per_request]
                 results[name]["memcpy_s"] = [memcpy_seconds(per_request)]
         if "fabric" in setups:
@@ -210,7 +225,7 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
     finally:
         stop_embedded(runtime_dir)
         stop_embedded(runtime_dir / "fabric")
-    return _summary(results, prompt_tokens, prompts, model_dir, dtype, block_size)
+    return {**_summary(results, prompt_tokens, prompts, model_dir, dtype, block_size), "repeats": repeats}
 
 
 def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, prompts: int, model_dir: Path,
@@ -272,7 +287,10 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
                                        if "example" in med and med["example"] > floor else None),
         "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,
         "ttft_s": {name: round(v, 4) for name, v in med.items()},
-        "ttft_runs_s": {name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
+        "ttft_runs_s": {**{name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
+                        "engine_prefix_cache": [round(x, 4) for x in results["pof"]["engine_hit"]]},
+        "pof_above_floor_paired_s": round(statistics.median(
+            t - f for t, f in zip(results["pof"]["ttft"], results["pof"]["engine_hit"], strict=True)), 4),
         "load_overhead_s": {name: round(med[name] - med["engine_prefix_cache"], 4)
                             for name in ("pof", "example") if name in med},
         "pool_tokens": results["pof"]["hits"],

@@ -3,6 +3,7 @@ with a real pool — no server: saves, layer-wise loads, and errors turned into 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,18 +24,19 @@ GEO = VllmGeometry(model="m", kv_dtype="float32", kv_heads=H, head_dim=D, num_la
                    block_size=N, page_tokens=2 * N, tp_size=1)
 
 
-def make_worker(runtime_dir: str) -> tuple[PoFWorker, dict[str, torch.Tensor]]:
+def make_worker(runtime_dir: str, overlap: bool | None = None) -> tuple[PoFWorker, dict[str, torch.Tensor]]:
     cfg = PofConfig.from_mapping({"node_id": "w", "index_url": "local", "runtime_dir": runtime_dir,
                                   "tiers": {"cpu_dram": {"size": "16MiB"}}})
-    worker = PoFWorker(cfg, GEO, tp_rank=0)
+    worker = PoFWorker(cfg, GEO, tp_rank=0, overlap=overlap)
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, H, N, 2 * D) for i in range(LAYERS)}
     worker.register(kv)
     return worker, kv
 
 
-@pytest.fixture
-def worker(runtime_dir: str) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
-    w, kv = make_worker(runtime_dir)
+@pytest.fixture(params=[False, True], ids=["inline", "overlapped"])
+def worker(runtime_dir: str, request: pytest.FixtureRequest) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
+    """A worker that copies loads on the forward's thread, or on a thread of its own."""
+    w, kv = make_worker(runtime_dir, overlap=request.param)
     yield w, kv
     w.close()
 
@@ -94,3 +96,66 @@ def test_unexpected_errors_become_recompute(worker: Any) -> None:
     lost = Location("w", "cpu_dram", 0, 0)
     gone = LoadJob("r3", keys[1:2], [lost], [[6, 7]])                       # a page the pool does not hold
     assert step(w, kv, PoFConnectorMetadata(loads=[gone])) == {6, 7}
+
+
+def saved_pages(w: PoFWorker, kv: dict[str, torch.Tensor]) -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """Two pages (blocks 3-4 and 7-8) saved to the pool; their keys and the saved caches."""
+    for t in kv.values():
+        t.copy_(torch.randn_like(t))
+    keys = w.pool.keys_for(list(range(4 * N)))
+    assert step(w, kv, PoFConnectorMetadata(saves=[SaveJob("r1", keys, [[3, 4], [7, 8]])])) == set()
+    w.pool.flush()
+    original = {name: t.clone() for name, t in kv.items()}
+    for t in kv.values():
+        t.zero_()
+    return keys, original
+
+
+def test_later_layers_load_while_the_engine_computes_earlier_ones(runtime_dir: str) -> None:
+    """Overlapped, the loader runs ahead of the forward: after ``start`` and the first layer's
+    wait, the last layer's blocks fill without the engine asking for them (it is computing layer 0)."""
+    w, kv = make_worker(runtime_dir, overlap=True)
+    try:
+        later_layers_fill(w, kv)
+    finally:
+        w.close()
+
+
+def later_layers_fill(w: PoFWorker, kv: dict[str, torch.Tensor]) -> None:
+    keys, original = saved_pages(w, kv)
+    names = list(kv)
+    w.start(PoFConnectorMetadata(loads=[LoadJob("r2", keys, w.pool.lookup(keys).sources, [[10, 11], [12, 13]])]))
+    w.wait_layer(names[0])
+    assert torch.equal(kv[names[0]][10:14], torch.cat([original[names[0]][3:5], original[names[0]][7:9]]))
+    last = kv[names[-1]]
+    deadline = time.monotonic() + 10
+    while not torch.equal(last[12:14], original[names[-1]][7:9]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(last[12:14], original[names[-1]][7:9])      # copied in the background
+    w.end_step()
+    assert w.take_load_errors() == set()
+
+
+def test_a_page_failing_at_its_last_layer_is_reported_after_the_forward(worker: Any) -> None:
+    """The loader checks every layer on its thread; a page whose last layer was corrupted is still
+    reported (all its blocks) when vLLM asks after the forward, the other page is loaded."""
+    w, kv = worker
+    keys, original = saved_pages(w, kv)
+    tier = w.pool.tiers[0]
+    ref = tier.find(keys[1])
+    assert ref is not None
+    tier.segment_view(ref, LAYERS - 1)[5] ^= 1                       # one flipped bit, last layer
+    load = LoadJob("r2", keys, w.pool.lookup(keys).sources, [[10, 11], [12, 13]])
+    assert step(w, kv, PoFConnectorMetadata(loads=[load])) == {12, 13}
+    for name in kv:
+        assert torch.equal(kv[name][10:12], original[name][3:5])
+
+
+def test_layers_the_engine_never_waits_for_are_loaded_before_the_step_ends(worker: Any) -> None:
+    w, kv = worker
+    keys, original = saved_pages(w, kv)
+    w.start(PoFConnectorMetadata(loads=[LoadJob("r2", keys, w.pool.lookup(keys).sources, [[10, 11], [12, 13]])]))
+    w.end_step()                                                       # no wait_layer at all
+    assert w.take_load_errors() == set()
+    for name in kv:
+        assert torch.equal(kv[name][12:14], original[name][7:9])

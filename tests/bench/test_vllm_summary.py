@@ -1,0 +1,38 @@
+"""``pof bench vllm``'s figures from timed runs (no server): the floor pairs with each load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pof_connector.bench import BenchError
+from pof_connector.bench import vllm as bench_vllm
+
+
+def results() -> dict[str, dict[str, list[object]]]:
+    answers: list[object] = [[7], [8]]
+    return {
+        "recompute": {"ttft": [20.0, 22.0], "answers": answers, "hits": [0, 0], "cold": [], "engine_hit": []},
+        # two prompts x two repeats: each load, then the same prompt as an engine prefix-cache hit
+        "pof": {"ttft": [1.00, 1.30, 1.10, 1.20], "engine_hit": [0.98, 1.29, 1.07, 1.18], "cold": [15.0, 16.0],
+                "answers": answers, "hits": [5888] * 4, "loaded_bytes": [100_000_000], "memcpy_s": [0.01]},
+        "example": {"ttft": [1.2, 1.3, 1.25, 1.35], "engine_hit": [1, 1, 1, 1], "cold": [15.0, 16.0],
+                    "answers": answers, "hits": [5888] * 4},
+    }
+
+
+def test_the_paired_figure_is_the_median_of_each_load_minus_its_own_floor() -> None:
+    out = bench_vllm._summary(results(), 6000, 2, Path("m"), "float32", 128)
+    assert out["pof_above_floor_paired_s"] == pytest.approx(0.02, abs=1e-4)    # diffs .02 .01 .03 .02
+    assert out["floor_s"] == pytest.approx(1.125)                               # medians keep their meaning
+    assert out["pof_s"] == pytest.approx(1.15)
+    assert out["overhead_ratio"] == pytest.approx(2.5)
+    assert out["ttft_runs_s"]["engine_prefix_cache"] == [0.98, 1.29, 1.07, 1.18]
+
+
+def test_answers_that_differ_from_the_recompute_fail_the_bench() -> None:
+    r = results()
+    r["pof"]["answers"] = [[7], [9]]
+    with pytest.raises(BenchError, match="pof's greedy answers differ"):
+        bench_vllm._summary(r, 6000, 2, Path("m"), "float32", 128)
