@@ -117,7 +117,8 @@ def store_page(region: np.ndarray, offset: int, template: bytes, namespace: byte
     page's spec (:func:`pof_connector.pages.header_template`). ``False``: no native kernel here,
     nothing was written (the caller takes its Python path). Raises ``TypeError``/``BufferError``
     before writing anything when a segment has no buffer interface (a torch tensor)."""
-    if _native is None:
+    # a build from before the whole-page calls (an editable install not rebuilt) takes the Python path
+    if _native is None or not hasattr(_native, "store_page"):
         return False
     _native.store_page(region, offset, template, namespace, digest, generation, srcs, stream)
     return True
@@ -131,7 +132,7 @@ def load_page(dst: np.ndarray, region: np.ndarray, offset: int, template: bytes,
     hold and whose slot still has that live generation after the copy. ``None`` when anything
     differs, ``dst`` is too short or no native kernel is here: the caller then copies and checks on
     its Python path, which names the reason (and reads format-v1 pages)."""
-    if _native is None:
+    if _native is None or not hasattr(_native, "load_page"):
         return None
     result: tuple[int, ...] | None = _native.load_page(dst, region, offset, template, namespace, digest, generation)
     return result

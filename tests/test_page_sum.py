@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,6 +43,35 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     else:
         monkeypatch.setattr(page_sum, "_native", None)
     yield request.param
+
+
+def test_a_kernel_built_before_the_whole_page_calls_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install whose extension was not rebuilt has the old kernel: pages still store
+    and load, on the Python path, instead of raising AttributeError in every tier call."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    monkeypatch.setattr(page_sum, "_native", _OldKernel(page_sum._native))
+    tier = CpuDramTier(SPEC, 2 * SPEC.page_bytes + 256)
+    layers = [np.full(SPEC.segment_bytes, i, dtype=np.uint8) for i in range(SPEC.num_layers)]
+    got = tier.prepare_store(KEY)
+    assert got is not None
+    tier.write(got[0], KEY, layers)
+    tier.complete_store(KEY, True)
+    out = np.zeros(SPEC.page_bytes, dtype=np.uint8)
+    tier.read(got[0], KEY, out)
+    assert np.array_equal(out[SPEC.header_bytes:], np.concatenate(layers))
+
+
+class _OldKernel:
+    """The kernel as built before the whole-page calls: every function but those two."""
+
+    def __init__(self, kernel: Any) -> None:
+        self._k = kernel
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("store_page", "load_page"):
+            raise AttributeError(name)
+        return getattr(self._k, name)
 
 
 def test_native_kernel_is_built() -> None:
