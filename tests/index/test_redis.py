@@ -369,6 +369,8 @@ def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, 
         assert m["a"].location(7) == Location("a", "cpu_dram", 7, 1)
         assert m["b"].location(1) == Location("b", "cxl", 51, 2)
         assert refused == [(1, "unknown_medium")]
+        raw.hdel(key, field[3])                                    # a hole, the last page still held
+        assert {n: x.pages for n, x in reader.longest_prefix(ks).items()} == {"a": 3, "b": 2}
     finally:
         raw.close()
         for c in (a, b, reader):
