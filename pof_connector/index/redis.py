@@ -228,6 +228,28 @@ def _lengths(vals: list[Any]) -> np.ndarray | None:
         return None
 
 
+MAX_CELLS = 1 << 20
+"""Cells (holder x page) of one dense block in :func:`_leading_runs`: 8 MiB."""
+
+
+def _leading_runs(sel: np.ndarray, row: np.ndarray, pg: np.ndarray, medium: np.ndarray, rows: int,
+                  held: int) -> list[np.ndarray]:
+    """Per row (holder), the records of its run of pages from page 0: ``sel`` are record numbers,
+    ``row`` and ``pg`` their holder's row and page; of a page in two media of one holder, the
+    lowest medium code (``medium``, by record number) wins."""
+    pos = np.full((rows, held), -1, dtype=np.int64)        # row, page -> record; -1: none
+    pos[row, pg] = sel
+    filled = pos >= 0
+    if int(filled.sum()) < len(sel):                       # a page in two media of one holder
+        by = np.lexsort((medium[sel], pg, row))
+        sel, row, pg = sel[by], row[by], pg[by]
+        first = np.ones(len(sel), dtype=bool)
+        first[1:] = (row[1:] != row[:-1]) | (pg[1:] != pg[:-1])
+        pos[row[first], pg[first]] = sel[first]
+    ends = np.where(filled.all(axis=1), held, filled.argmin(axis=1)).tolist()
+    return [pos[k, :end] for k, end in enumerate(ends)]
+
+
 class RedisIndex(LocalityIndex):
     """A :class:`LocalityIndex` client on a Redis-protocol server; thread-safe.
 
@@ -390,22 +412,17 @@ class RedisIndex(LocalityIndex):
         row = np.minimum(np.searchsorted(order, inc), len(heads) - 1)
         sel = np.flatnonzero(order[row] == inc)
         row, pg = row[sel], page[sel]
-        pos = np.full((len(heads), held), -1, dtype=np.int64)       # row, page -> record, -1: none
-        pos[row, pg] = sel
-        filled = pos >= 0
-        if int(filled.sum()) < len(sel):                 # a page in two media of one node: the lowest code wins
-            by = np.lexsort((medium[sel], pg, row))
-            sel, row, pg = sel[by], row[by], pg[by]
-            first = np.ones(len(sel), dtype=bool)
-            first[1:] = (row[1:] != row[:-1]) | (pg[1:] != pg[:-1])
-            pos[row[first], pg[first]] = sel[first]
-        runs = np.where(filled.all(axis=1), held, filled.argmin(axis=1)).tolist()
+        runs: list[np.ndarray] = []
+        step = max(1, MAX_CELLS // held)             # rows per dense block: memory stays bounded
+        for r0 in range(0, len(heads), step):
+            part = slice(None) if step >= len(heads) else (row >= r0) & (row < r0 + step)
+            runs += _leading_runs(sel[part], row[part] - r0, pg[part], medium, min(step, len(heads) - r0), held)
         names = self._names(heads)
         out: dict[str, PrefixMatch] = {}
         for k, node_inc in enumerate(heads):
             node = names.get(node_inc)
             if node is not None:
-                idx = pos[k, :runs[k]]
+                idx = runs[k]
                 out[node] = PrefixMatch(node, medium[idx], recs["slot"][idx].astype(np.int64),
                                         recs["gen"][idx].astype(np.int64))
         return out

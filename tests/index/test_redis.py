@@ -375,3 +375,32 @@ def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, 
         raw.close()
         for c in (a, b, reader):
             c.close()
+
+
+def test_many_holders_are_decoded_in_bounded_blocks(redis_server: RedisServer, namespace: bytes,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holders of the first page are decoded a block of rows at a time (memory bounded by
+    ``MAX_CELLS``): the runs are those of one block, a page in two media included."""
+    from pof_connector.index import redis as redis_index
+
+    nodes = [RedisIndex(redis_server.url, f"n{k}") for k in range(5)]
+    reader = RedisIndex(redis_server.url, None)
+    try:
+        ks = page_keys(namespace, list(range(16 * 8)), 16)
+        for k, node in enumerate(nodes):
+            node.heartbeat(NodeInfo(f"n{k}"), 10)
+            node.publish([(key, Location(f"n{k}", "cxl", 10 * k + i, k)) for i, key in enumerate(ks[:8 - k])])
+        nodes[2].publish([(ks[1], Location("n2", "cpu_dram", 99, 7))])     # a faster copy of page 1
+        nodes[3].withdraw([(ks[2], Location("n3", "cxl", 32, 3))])          # a hole at page 2
+        whole = reader.longest_prefix(ks)
+        monkeypatch.setattr(redis_index, "MAX_CELLS", 9)                     # one row per block
+        blocks = reader.longest_prefix(ks)
+        assert {n: m.pages for n, m in whole.items()} == {"n0": 8, "n1": 7, "n2": 6, "n3": 2, "n4": 4}
+        for n, m in whole.items():
+            b = blocks[n]
+            assert [b.location(i) for i in range(b.pages)] == [m.location(i) for i in range(m.pages)]
+        assert whole["n2"].location(1) == Location("n2", "cpu_dram", 99, 7)
+        assert whole["n2"].location(2) == Location("n2", "cxl", 22, 2)
+    finally:
+        for c in (*nodes, reader):
+            c.close()
