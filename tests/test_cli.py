@@ -97,6 +97,10 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["pages"] == 200 and result["nodes"] == 4
     assert result["round_trips_per_lookup"] == 1
     assert result["lookup_p50_ms"] <= result["lookup_p99_ms"]
+    # The server's own time in the lookup bounds the ratio from below.
+    assert result["server_hmget_ms"] > 0
+    floor = (result["rtt_p50_ms"] + result["server_hmget_ms"]) / result["rtt_p50_ms"]
+    assert result["ratio_floor"] > 1 and abs(result["ratio_floor"] - floor) < 0.01 * floor
 
 
 def test_bench_index_on_given_server_leaves_it_clean(server: RedisServer,

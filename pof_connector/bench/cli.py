@@ -96,6 +96,9 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
         else:
             value = fmt.format(result[key])
         table.add_row(label, value)
+    if result["ratio_floor"] is not None:
+        table.add_row("server time in the lookup's HMGET", f"{result['server_hmget_ms']:.3f} ms")
+        table.add_row("ratio floor (a client taking no time)", f"{result['ratio_floor']:.2f}")
     out_console().print(table)
     return 0
 

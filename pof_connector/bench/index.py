@@ -35,7 +35,9 @@ BATCH = 5000
 MEDIUM = "cpu_dram"
 NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, ZRANGE and one "
         "HMGET of every page as a single pipelined buffer; ratio = lookup p50 / PING p50, measured "
-        "interleaved on the same connection pool")
+        "interleaved on the same connection pool; server_hmget_ms = the server's own mean time in that HMGET "
+        "(INFO commandstats, private server only), ratio_floor = (PING p50 + server_hmget_ms) / PING p50: the "
+        "ratio of a client that took no time at all")
 
 
 @dataclass(frozen=True)
@@ -70,13 +72,15 @@ def run(
             keys, expected = _publish_chain(clients, pages, run_id, namespaces)
             progress(f"index: {nodes} nodes hold leading runs of a {pages}-page chain; "
                      f"{WARMUP} warm-ups + {iterations} lookups")
+            before = _hmget_stats(server_url, auth)
             lat = _measure(reader, keys, expected, iterations)
+            server_ms = _server_ms(before, _hmget_stats(server_url, auth)) if url is None else None
             progress(f"index: publishing {memory_pages} locations for the memory figure")
             memory = _memory(clients[0], server_url, auth, memory_pages, run_id, namespaces)
             version = _server_version(server_url, auth)
         finally:
             _cleanup(server_url, auth, reader, clients, namespaces, progress)
-    return _result(lat, memory, pages, nodes, iterations, memory_pages, url, version)
+    return _result(lat, memory, pages, nodes, iterations, memory_pages, url, version, server_ms)
 
 
 def _check_args(pages: int, nodes: int, iterations: int, memory_pages: int) -> None:
@@ -185,6 +189,22 @@ def _memory(client: RedisIndex, url: str, auth: IndexAuth | None, count: int, ru
     return Memory((after - before) / count, hash_bytes / count, count / elapsed)
 
 
+def _hmget_stats(url: str, auth: IndexAuth | None) -> tuple[int, int]:
+    """(calls, microseconds) of ``HMGET`` the server has run so far, from ``INFO commandstats``."""
+    r = redis_client(url, auth, timeout_s=None)
+    try:
+        stats = r.info("commandstats").get("cmdstat_hmget", {})
+    finally:
+        r.close()
+    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+
+
+def _server_ms(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """Mean server time of the lookups' ``HMGET`` in milliseconds (``None``: none ran)."""
+    calls = after[0] - before[0]
+    return (after[1] - before[1]) / calls / 1000 if calls > 0 else None
+
+
 def _server_version(url: str, auth: IndexAuth | None) -> str:
     r = redis_client(url, auth, timeout_s=None)
     try:
@@ -224,11 +244,13 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _result(lat: Latencies, memory: Memory, pages: int, nodes: int, iterations: int, memory_pages: int,
-            url: str | None, version: str) -> dict[str, Any]:
+            url: str | None, version: str, server_ms: float | None) -> dict[str, Any]:
     lookup_p50, rtt_p50 = float(np.percentile(lat.lookup_ms, 50)), float(np.percentile(lat.rtt_ms, 50))
     return {
         "bench": "index",
         "ratio": round(lookup_p50 / rtt_p50, 3),
+        "server_hmget_ms": None if server_ms is None else round(server_ms, 4),
+        "ratio_floor": None if server_ms is None else round((rtt_p50 + server_ms) / rtt_p50, 3),
         "lookup_p50_ms": round(lookup_p50, 4),
         "lookup_p90_ms": _pct(lat.lookup_ms, 90),
         "lookup_p99_ms": _pct(lat.lookup_ms, 99),

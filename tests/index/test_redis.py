@@ -316,3 +316,91 @@ def test_the_pidfile_is_never_seen_half_written(tmp_path: Path) -> None:
         stop.set()
         writer.join()
     assert all(r in (["11"], ["11", "12"]) for r in reads)
+
+
+def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, namespace: bytes) -> None:
+    """What a broken or hostile index writer leaves — a value cut short, padded or empty, a medium
+    code no build knows, records of an incarnation nobody holds — costs misses, counted through
+    ``on_refused``; the lookup never raises."""
+    from pof_connector.index.redis import FIELD_BYTES, RECORD, loc_key
+
+    a, b = RedisIndex(redis_server.url, "a"), RedisIndex(redis_server.url, "b")
+    reader = RedisIndex(redis_server.url, None)
+    raw = redis.Redis(unix_socket_path=str(redis_server.socket))
+    refused: list[tuple[int, str]] = []
+    reader.on_refused = lambda n, why: refused.append((n, why))
+    try:
+        a.heartbeat(NodeInfo("a"), 10)
+        b.heartbeat(NodeInfo("b"), 10)
+        ks = page_keys(namespace, list(range(16 * 8)), 16)
+        a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+        b.publish([(k, Location("b", "cxl", 50 + i, 2)) for i, k in enumerate(ks[:4])])
+        key, field = loc_key(namespace), [k.digest[:FIELD_BYTES] for k in ks]
+        m = reader.longest_prefix(ks)
+        assert {n: x.pages for n, x in m.items()} == {"a": 8, "b": 4} and not refused
+
+        good5 = raw.hget(key, field[5])
+        assert good5 is not None and len(good5) == RECORD.itemsize
+        for bad in (good5 + b"\x00", good5[:-1], b""):          # padded, cut short, empty
+            raw.hset(key, field[5], bad)
+            refused.clear()
+            m = reader.longest_prefix(ks)
+            assert {n: x.pages for n, x in m.items()} == {"a": 5, "b": 4}
+            assert refused == [(1, "malformed")]
+        good0 = raw.hget(key, field[0])
+        raw.hset(key, field[0], b"\x01")                          # the first page: nothing at all
+        refused.clear()
+        assert reader.longest_prefix(ks) == {} and refused == [(1, "malformed")]
+        raw.hset(key, field[0], good0)
+        raw.hset(key, field[5], good5)
+
+        # b's record of page 2 in a medium code no build knows: b's run ends there, a's goes on.
+        recs = np.frombuffer(raw.hget(key, field[2]), dtype=RECORD).copy()
+        recs["medium"][recs["inc"] == b.incarnation] = 200
+        raw.hset(key, field[2], recs.tobytes())
+        # A record of an incarnation that is not live, on every page: ignored.
+        ghost = np.zeros(1, dtype=RECORD)
+        ghost["inc"], ghost["slot"] = 999, 7
+        for f in field:
+            raw.hset(key, f, ghost.tobytes() + raw.hget(key, f))
+        refused.clear()
+        m = reader.longest_prefix(ks)
+        assert {n: x.pages for n, x in m.items()} == {"a": 8, "b": 2}
+        assert m["a"].location(7) == Location("a", "cpu_dram", 7, 1)
+        assert m["b"].location(1) == Location("b", "cxl", 51, 2)
+        assert refused == [(1, "unknown_medium")]
+        raw.hdel(key, field[3])                                    # a hole, the last page still held
+        assert {n: x.pages for n, x in reader.longest_prefix(ks).items()} == {"a": 3, "b": 2}
+    finally:
+        raw.close()
+        for c in (a, b, reader):
+            c.close()
+
+
+def test_many_holders_are_decoded_in_bounded_blocks(redis_server: RedisServer, namespace: bytes,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holders of the first page are decoded a block of rows at a time (memory bounded by
+    ``MAX_CELLS``): the runs are those of one block, a page in two media included."""
+    from pof_connector.index import redis as redis_index
+
+    nodes = [RedisIndex(redis_server.url, f"n{k}") for k in range(5)]
+    reader = RedisIndex(redis_server.url, None)
+    try:
+        ks = page_keys(namespace, list(range(16 * 8)), 16)
+        for k, node in enumerate(nodes):
+            node.heartbeat(NodeInfo(f"n{k}"), 10)
+            node.publish([(key, Location(f"n{k}", "cxl", 10 * k + i, k)) for i, key in enumerate(ks[:8 - k])])
+        nodes[2].publish([(ks[1], Location("n2", "cpu_dram", 99, 7))])     # a faster copy of page 1
+        nodes[3].withdraw([(ks[2], Location("n3", "cxl", 32, 3))])          # a hole at page 2
+        whole = reader.longest_prefix(ks)
+        monkeypatch.setattr(redis_index, "MAX_CELLS", 9)                     # one row per block
+        blocks = reader.longest_prefix(ks)
+        assert {n: m.pages for n, m in whole.items()} == {"n0": 8, "n1": 7, "n2": 6, "n3": 2, "n4": 4}
+        for n, m in whole.items():
+            b = blocks[n]
+            assert [b.location(i) for i in range(b.pages)] == [m.location(i) for i in range(m.pages)]
+        assert whole["n2"].location(1) == Location("n2", "cpu_dram", 99, 7)
+        assert whole["n2"].location(2) == Location("n2", "cxl", 22, 2)
+    finally:
+        for c in (*nodes, reader):
+            c.close()
