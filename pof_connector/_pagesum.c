@@ -243,6 +243,22 @@ done:
     return out;
 }
 
+/* Buffers of the first `count` items of `seq` into `views`, each `seg` bytes long; `*got` counts
+   the views acquired (the caller releases them, also after a failure). -1 with an exception set. */
+static int acquire_segments(PyObject *seq, Py_buffer *views, Py_ssize_t count, Py_ssize_t seg, Py_ssize_t *got)
+{
+    for (; *got < count; (*got)++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, *got), &views[*got], PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        if (views[*got].len != seg) {
+            PyErr_Format(PyExc_ValueError, "segment %zd has %zd bytes, expected %zd", *got, views[*got].len, seg);
+            (*got)++;
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(gather_checksums_doc,
              "gather_checksums(dst, srcs, stream=False) -> tuple: copy each buffer of srcs (all of len(dst) // "
              "len(srcs) bytes) into consecutive segments of dst and return the checksum of each copy. stream: "
@@ -273,15 +289,8 @@ static PyObject *py_gather_checksums(PyObject *self, PyObject *args)
         goto done;
     }
     seg = dst.len / count;
-    for (; got < count; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if (views[got].len != seg) {
-            PyErr_Format(PyExc_ValueError, "segment %zd has %zd bytes, expected %zd", got, views[got].len, seg);
-            got++;
-            goto done;
-        }
-    }
+    if (acquire_segments(seq, views, count, seg, &got) < 0)
+        goto done;
     unsigned char *d = dst.buf;
     if (dst.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
@@ -436,15 +445,8 @@ static PyObject *py_store_page(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    for (; got < layers; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if (views[got].len != seg) {
-            PyErr_Format(PyExc_ValueError, "segment %zd has %zd bytes, expected %zd", got, views[got].len, seg);
-            got++;
-            goto done;
-        }
-    }
+    if (acquire_segments(seq, views, layers, seg, &got) < 0)
+        goto done;
     unsigned char *slot = (unsigned char *)region.buf + offset;
     uint64_t *sums = (uint64_t *)(hdr + HDR_SUMS_AT);     /* hdr is malloc-aligned, HDR_SUMS_AT % 8 == 0 */
     if (layers * seg >= RELEASE_GIL_BYTES) {
