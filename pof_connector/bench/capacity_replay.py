@@ -108,7 +108,21 @@ class Trial:
                 "failed": self.failed, "late": sum(1 for t in ttfts if t > slo_s),
                 "mean_ttft_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
                 "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1),
-                "errors": self.errors()}
+                "errors": self.errors(), **self.by_kind()}
+
+    def by_kind(self) -> dict[str, dict[str, float | int | None]]:
+        """p50 / p90 TTFT of the turns of multi-turn sessions (``sessions``) and of one-off requests
+        (``one_off``) apart: a pool moves the first's context, the second mostly share system prompts."""
+        turns: dict[str, int] = {}
+        for o in self.outcomes:
+            turns[o.session] = turns.get(o.session, 0) + 1
+        out: dict[str, dict[str, float | int | None]] = {}
+        for kind, multi in (("sessions", True), ("one_off", False)):
+            values = sorted(o.ttft_s if o.ttft_s is not None else math.inf
+                            for o in self.outcomes if (turns[o.session] > 1) == multi)
+            p50, p90 = (_quantile(values, 0.5), _quantile(values, 0.9)) if values else (None, None)
+            out[kind] = {"requests": len(values), "p50_ttft_s": p50, "p90_ttft_s": p90}
+        return out
 
     def errors(self) -> dict[str, int]:
         """How many requests failed for each reason (the reason cut before its details)."""
@@ -118,6 +132,13 @@ class Trial:
                 why = o.error.split(":")[0] if not o.error.startswith(("not sent", "closed")) else o.error
                 out[why] = out.get(why, 0) + 1
         return out
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted ``values`` (a request without a first token is infinitely late:
+    ``None`` when the quantile falls on one)."""
+    v = values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
+    return round(v, 4) if math.isfinite(v) else None
 
 
 class Replay:

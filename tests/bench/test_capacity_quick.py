@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TRIAL_FIELDS = {"factor", "offered_rps", "passed", "gave_up", "requests", "failed", "late", "mean_ttft_s",
                 "p90_ttft_s", "preemptions", "tokens_computed", "tokens_recomputed", "spread_mean", "spread_p90",
-                "pool_hit_tokens", "engine_hit_tokens", "backends"}
+                "pool_hit_tokens", "engine_hit_tokens", "backends", "errors", "sessions", "one_off"}
 
 
 def test_quick_capacity_json_has_its_fields(tmp_path: Path) -> None:

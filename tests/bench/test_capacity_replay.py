@@ -65,6 +65,9 @@ def test_a_session_turn_carries_the_earlier_turn_and_answer() -> None:
     assert by[("s", 1)].first_touch_tokens == 75 - 3 * BLOCK
     # the other session shares the tenant's system prompt: its 2 whole blocks are known
     assert by[("other", 0)].first_touch_tokens == 47 - 2 * BLOCK
+    kinds = trial.figures(5.0)
+    assert kinds["sessions"]["requests"] == 2 and kinds["one_off"]["requests"] == 1
+    assert kinds["one_off"]["p90_ttft_s"] == round(by[("other", 0)].ttft_s or 0.0, 4)
 
 
 def test_an_overloaded_trial_gives_up_and_fails() -> None:
@@ -77,6 +80,7 @@ def test_an_overloaded_trial_gives_up_and_fails() -> None:
     assert trial.gave_up and not figures["passed"]
     assert figures["requests"] == 30 and figures["failed"] > 10        # not sent once it gave up
     assert figures["errors"].get("not sent: the trial gave up", 0) > 10
+    assert figures["one_off"]["requests"] == 30 and figures["one_off"]["p90_ttft_s"] is None   # unsent: late
     # a stream closed after its first token counts as an error, not as a request without a first token
     assert sum(n for why, n in figures["errors"].items() if not why.startswith("closed")) == figures["failed"]
     assert len(seen) < 20
