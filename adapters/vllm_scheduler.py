@@ -3,8 +3,9 @@
 Loading is **synchronous and layer-wise**: ``get_num_new_matched_tokens`` answers ``(n, False)``,
 so vLLM schedules the request in the same step, calls ``start_load_kv`` before the forward, and
 every attention layer waits only for its own layer (``wait_for_layer_load``); where a core is
-free, the worker's layer loader copies later layers meanwhile (``adapters/layer_loader.py``). Pool pages are host memory (DRAM, CXL) that copies in milliseconds; an
-asynchronous load would park the request for at least one extra scheduler step and gain nothing.
+free, the worker's layer loader copies later layers meanwhile (``adapters/layer_loader.py``).
+Pool pages are host memory (DRAM, CXL) that copies in milliseconds; an asynchronous load would
+park the request for at least one extra scheduler step and gain nothing.
 """
 
 from __future__ import annotations
