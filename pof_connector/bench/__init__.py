@@ -31,6 +31,12 @@ def quiet(_: str) -> None:
     """A :data:`Progress` that drops everything (library callers, tests)."""
 
 
+def nearest_rank(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0 < q <= 1) of ``ordered`` (sorted, not empty) by the nearest-rank rule:
+    the value at rank ceil(q * n). The capacity bench and `pof sim` both judge p90 TTFT by it."""
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
 def geomean(values: Sequence[float]) -> float:
     """Geometric mean: the right average of ratios (a 2x and a 0.5x row cancel out)."""
     if not values or min(values) <= 0:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pof_connector.bench import BenchError, Progress
+from pof_connector.bench import BenchError, Progress, nearest_rank
 from pof_connector.bench.capacity_fleet import SETUPS, Fleet, FleetSpec, UsageSampler
 from pof_connector.bench.capacity_replay import Replay, Trial
 from pof_connector.bench.capacity_trace import (
@@ -82,11 +82,6 @@ def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int, samples: int)
         ttft, _ = stream_completion(url, tokens_for("unloaded", str(i), n, vocab, variant=-1), max_tokens=2)
         out.append(ttft)
     return out
-
-
-def _p90(values: list[float]) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
 
 
 class SetupRun:
@@ -237,7 +232,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             try:
                 if not slo_s:
                     sample = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
-                    unloaded = _p90(sample)
+                    unloaded = nearest_rank(sorted(sample), 0.9)
                     slo_s = SLO_MULTIPLE * unloaded
                     progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
                 added = router_latency(fleet, vocab)

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pof_connector.bench import nearest_rank
 from pof_connector.bench.capacity_trace import TraceRequest, tokens_for
 
 Route = Callable[[TraceRequest, int], tuple[str, dict[str, str]]]
@@ -95,7 +96,7 @@ class Trial:
     def p90(self) -> float:
         """p90 TTFT; a request without a first token counts as infinitely late."""
         values = sorted(o.ttft_s if o.ttft_s is not None else math.inf for o in self.outcomes)
-        return values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)] if values else math.inf
+        return nearest_rank(values, 0.9) if values else math.inf
 
     def passed(self, slo_s: float) -> bool:
         return not self.gave_up and self.failed == 0 and self.p90() <= slo_s
@@ -137,7 +138,7 @@ class Trial:
 def _quantile(values: list[float], q: float) -> float | None:
     """The ``q`` quantile of sorted ``values`` (a request without a first token is infinitely late:
     ``None`` when the quantile falls on one)."""
-    v = values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
+    v = nearest_rank(values, q)
     return round(v, 4) if math.isfinite(v) else None
 
 

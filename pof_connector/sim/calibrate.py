@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from pof_connector.bench import nearest_rank
 from pof_connector.bench.capacity import prompt_sizes
 from pof_connector.config import ConfigError
 from pof_connector.sim.bench_run import BenchRun, replay_trial
@@ -96,11 +97,6 @@ def base_profile(run: BenchRun, vllm: dict[str, Any] | None, name: str) -> tuple
     return profile, notes
 
 
-def _p90(values: list[int]) -> int:
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
-
-
 def _log_err(sim: float | None, measured: float | None) -> float:
     if sim is None or measured is None or not math.isfinite(sim) or sim <= 0 or measured <= 0:
         return 0.0
@@ -128,7 +124,7 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
                           f"{', '.join(run.setups)})")
     base, notes = base_profile(run, vllm, name)
     unloaded = run.unloaded_p90_s
-    n90 = max(_p90(prompt_sizes(run.trace)), 1)
+    n90 = max(int(nearest_rank(sorted(prompt_sizes(run.trace)), 0.9)), 1)
     best: tuple[float, Profile] | None = None
     for lat in LATENCY_SHARES:
         for share in FIXED_SHARES:

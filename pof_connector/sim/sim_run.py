@@ -3,12 +3,12 @@ and how fast the simulator ran."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pof_connector.bench import nearest_rank
 from pof_connector.sim.goodput_search import Goodput, search
 from pof_connector.sim.policies import POLICIES, policy_factory
 from pof_connector.sim.profile import Profile
@@ -28,7 +28,7 @@ def unloaded_ttft(profile: Profile, requests: list[SimRequest]) -> float:
         history[r.session] = prompt + r.max_tokens
         ttfts.append(profile.request_latency_s + profile.decode_step_s + profile.prefill_s(prompt, 0))
     ttfts.sort()
-    return ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)]
+    return nearest_rank(ttfts, 0.9)
 
 
 @dataclass(frozen=True)

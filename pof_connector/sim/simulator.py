@@ -11,6 +11,7 @@ import heapq
 import math
 import time
 
+from pof_connector.bench import nearest_rank
 from pof_connector.sim.base import NodeEvents, NodeView, Policy
 from pof_connector.sim.counters import Counters
 from pof_connector.sim.engine_node import EngineNode
@@ -141,7 +142,7 @@ class Simulator(NodeEvents):
     def _result(self, jobs: list[Job], span: float, aborted: bool, events: int, wall_s: float) -> TrialResult:
         ttfts = sorted(j.ttft if j.ttft is not None else math.inf for j in jobs)
         n = len(ttfts)
-        p90 = ttfts[min(n - 1, math.ceil(0.9 * n) - 1)] if n else 0.0
+        p90 = nearest_rank(ttfts, 0.9) if n else 0.0
         got = [t for t in ttfts if t != math.inf]
         failed = sum(1 for j in jobs if j.failed or j.first_token_at is None)
         slo = self.config.slo_s
@@ -153,7 +154,7 @@ class Simulator(NodeEvents):
             offered_rps=n / span if span > 0 else 0.0, p90_ttft_s=p90,
             mean_ttft_s=sum(got) / len(got) if got else math.inf, failed=failed, passed=passed, aborted=aborted,
             counters=self.counters, spread_mean=sum(spreads) / len(spreads),
-            spread_p90=spreads[min(len(spreads) - 1, math.ceil(0.9 * len(spreads)) - 1)],
+            spread_p90=nearest_rank(spreads, 0.9),
             idle_busiest=sum(b for _, b, _ in self._usage) / k, idle_idlest=sum(i for _, _, i in self._usage) / k,
             loaded_bytes=dict(self.pool.loaded_bytes) if self.pool else {},
             stored_bytes=self.pool.stored_bytes if self.pool else 0, events=events, arrived=self._arrived,
