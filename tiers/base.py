@@ -240,14 +240,16 @@ class Tier(ABC):
         if len(layers) != spec.num_layers:
             raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
         # The whole page in one native call: segments copied and summed, header, generation last.
+        def store(segments: Sequence[Any]) -> bool:
+            return page_sum.store_page(self._region, ref.slot * self.slot_bytes, self._template, key.namespace,
+                                       key.digest, ref.generation, segments, True)
+
         try:        # numpy segments as they are (the kernel takes their bytes): no wrapping
-            if page_sum.store_page(self._region, ref.slot * self.slot_bytes, self._template, key.namespace,
-                                   key.digest, ref.generation, layers, True):
-                return
-        except (TypeError, BufferError):      # no buffer protocol (torch tensors): wrapped below
-            if page_sum.store_page(self._region, ref.slot * self.slot_bytes, self._template, key.namespace,
-                                   key.digest, ref.generation, [as_array(layer) for layer in layers], True):
-                return
+            stored = store(layers)
+        except (TypeError, BufferError):      # no buffer protocol (torch tensors): wrap them
+            stored = store([as_array(layer) for layer in layers])
+        if stored:
+            return
         # No native kernel: numpy copies, sums and header (same bytes, several times slower).
         body = self._slot(ref.slot)[spec.header_bytes:]
         sums = page_sum.gather_checksums(body, [as_array(layer) for layer in layers], True)
