@@ -243,7 +243,9 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             base_rps = len(trace) / max(trace[-1].at, 1e-3)
             at_best = next((t for t in setup.trials if t["passed"] and t["factor"] == round(best, 4)), None)
             at_one = next((t for t in setup.trials if t["factor"] == 1.0), None)
+            failed = [t["factor"] for t in setup.trials if not t["passed"]]
             results[name] = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
+                             "failed_at_rps": round(min(failed) * base_rps, 4) if failed else None,
                              "router_added_latency_s": added, "at_goodput": at_best, "at_reference_load": at_one,
                              "trials": sorted(setup.trials, key=lambda t: t["factor"])}
             progress(f"{name}: goodput {results[name]['goodput_rps']} req/s (x{best:.3g})")
@@ -259,13 +261,24 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
 def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: dict[str, Any], slo_s: float,
             unloaded: float, spec: FleetSpec, seed: int, trace_file: Path | None, model: Path) -> dict[str, Any]:
     def ratio(a: float | None, b: float | None) -> float | None:
-        if a is None or b is None:
+        """``a / b``; ``None`` when either is unknown or ``b`` is 0 (JSON has no infinity)."""
+        if a is None or b is None or b <= 0:
             return None
-        return round(a / b, 4) if b > 0 else (math.inf if a > 0 else None)
+        return round(a / b, 4)
 
     pof = results.get("pof", {}).get("goodput_rps")
     static = results.get("static", {}).get("goodput_rps")
-    others = [r["goodput_rps"] for n, r in results.items() if n != "pof"]
+    others = [n for n in results if n != "pof"]
+    best = max(others, key=lambda n: (results[n]["goodput_rps"], results[n].get("failed_at_rps") or math.inf),
+               default=None)
+
+    def ratio_range(a: str, b: str | None) -> list[float | None] | None:
+        """Where ``a``'s goodput / ``b``'s lies, given that each set-up's goodput is at least the load
+        it passed and below the lowest load it failed: [low, high] (``None``: unbounded that side)."""
+        if a not in results or b is None or b not in results:
+            return None
+        ra, rb = results[a], results[b]
+        return [ratio(ra["goodput_rps"], rb.get("failed_at_rps")), ratio(ra.get("failed_at_rps"), rb["goodput_rps"])]
 
     def spread(name: str) -> float | None:
         row = (results.get(name) or {}).get("at_reference_load") or {}
@@ -274,7 +287,10 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
     return {
         "bench": "capacity",
         "ratio": ratio(pof, static),
-        "ratio_vs_best": ratio(pof, max(others)) if others else None,
+        "ratio_vs_best": ratio(pof, results[best]["goodput_rps"]) if best else None,
+        "best_other": best,
+        "ratio_range": ratio_range("pof", "static"),
+        "ratio_vs_best_range": ratio_range("pof", best),
         "goals": {"ratio": 2.0, "ratio_vs_best": 1.3, "pof_spread_vs_static": 0.5},
         "fragmentation": {"pof_spread_mean": spread("pof"), "static_spread_mean": spread("static"),
                           "pof_vs_static": ratio(spread("pof"), spread("static"))},
@@ -286,8 +302,11 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                     "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
                     "dtype": spec.dtype, "model": str(model)},
         "note": f"goodput = highest offered load (trace arrival rate x factor, bounded search) with p90 TTFT <= SLO "
-                f"and no failed request; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
-                "(cold, one at a time); ratio = pof / static goodput; ratio_vs_best = pof / best other set-up; "
+                "and no failed request (0: none of the loads tried passed; failed_at_rps: the lowest that failed, "
+                "so goodput lies below it); ratio = pof / static goodput (null when static's is 0), ratio_range: "
+                "[pof goodput / static failed_at, pof failed_at / static goodput], what the search's resolution "
+                f"allows; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
+                "(cold, one at a time); ratio_vs_best = pof / the best other set-up's goodput (best_other); "
                 "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
                 "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "
                 "them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "

@@ -131,3 +131,19 @@ def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
     out = _report(rows, {}, {"requests": 20}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None, Path("m"))
     assert out["ratio"] == 2.5 and out["ratio_vs_best"] == 2.5
     assert out["fragmentation"]["pof_vs_static"] == 0.4
+
+
+def test_a_setup_that_passed_nothing_gives_a_ratio_range_not_infinity() -> None:
+    from pof_connector.bench.capacity import _report
+    from pof_connector.bench.capacity_fleet import FleetSpec
+
+    rows = {"static": {"goodput_rps": 0.0, "failed_at_rps": 0.5, "at_reference_load": None, "trials": []},
+            "round_robin": {"goodput_rps": 0.5, "failed_at_rps": 1.0, "at_reference_load": None, "trials": []},
+            "cache_aware": {"goodput_rps": 0.5, "failed_at_rps": 0.7, "at_reference_load": None, "trials": []},
+            "pof": {"goodput_rps": 1.0, "failed_at_rps": 2.0, "at_reference_load": None, "trials": []}}
+    out = _report(rows, {}, {"requests": 20}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None, Path("m"))
+    assert out["ratio"] is None                                  # not Infinity, which JSON cannot carry
+    assert out["ratio_range"] == [2.0, None]                     # static failed at 0.5 req/s: pof >= 2x it
+    assert out["best_other"] == "round_robin"                   # ties go to the one that failed at more load
+    assert out["ratio_vs_best"] == 2.0 and out["ratio_vs_best_range"] == [1.0, 4.0]
+    json.dumps(out, allow_nan=False)
