@@ -116,7 +116,8 @@ class SetupRun:
         self.progress(f"  {self.fleet.setup} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
                       f"{row['p90_ttft_s']} s, {row['late']} late, {row['failed']} failed"
                       f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
-                      f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} -> {verdict} the SLO")
+                      f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']}, mean TTFT parts "
+                      f"{_parts_text(row['ttft_parts_s'])} -> {verdict} the SLO")
         return bool(row["passed"])
 
     def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
@@ -128,7 +129,9 @@ class SetupRun:
                 "tokens_first_touch": minimum, "tokens_recomputed": int(max(0.0, computed - minimum)),
                 "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
                 "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"]),
-                "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"])}
+                "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"]),
+                "ttft_parts_s": ttft_parts(d, statistics.fmean(o.ttft_s for o in sent if o.ttft_s is not None)
+                                           if any(o.ttft_s is not None for o in sent) else None)}
 
     def _quiesce(self, timeout_s: float = 120.0) -> None:
         """Until no request runs or waits (streams closed by a give-up are aborted a moment later),
@@ -143,6 +146,24 @@ class SetupRun:
     def search(self, max_trials: int) -> float:
         """The highest passing factor found within ``max_trials`` trials (0: none passed)."""
         return bounded_search(self.trial, max_trials)
+
+
+def _parts_text(parts: dict[str, float | None]) -> str:
+    return " / ".join(f"{k} {v}" for k, v in parts.items() if k != "engine")
+
+
+def ttft_parts(d: dict[str, float], client_mean_s: float | None) -> dict[str, float | None]:
+    """Where a trial's mean TTFT went, from the engines' own histograms (``d``: their increase over
+    the trial): ``queue`` (waiting for the scheduler: KV memory or a batch slot), ``prefill`` (first
+    scheduled to first token: compute, or a load from the pool), ``engine`` (vLLM's TTFT, from
+    arrival at its API server), and ``outside`` = the client's mean TTFT - ``engine``: HTTP, the
+    router, the tokenizer. Means over requests that got a first token; ``None``: none did."""
+    def mean(name: str) -> float | None:
+        n = d.get(f"vllm:{name}_seconds_count", 0.0)
+        return round(d[f"vllm:{name}_seconds_sum"] / n, 4) if n > 0 else None
+    engine = mean("time_to_first_token")
+    return {"queue": mean("request_queue_time"), "prefill": mean("request_prefill_time"), "engine": engine,
+            "outside": round(client_mean_s - engine, 4) if client_mean_s is not None and engine is not None else None}
 
 
 def bounded_search(trial: Callable[[float], bool], max_trials: int) -> float:

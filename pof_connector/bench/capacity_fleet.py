@@ -40,7 +40,10 @@ from pof_connector.index.server import RedisServer
 
 SETUPS = ("static", "round_robin", "cache_aware", "pof")
 COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vllm:prefix_cache_hits_total",
-            "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:pof_loaded_pages_total")
+            "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:pof_loaded_pages_total",
+            "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+            "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+            "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 """``vllm:pof_loaded_pages`` counts what vLLM's external-hit counter leaves out: the pages a request
 resumed after a preemption loads from the pool."""
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TRIAL_FIELDS = {"factor", "offered_rps", "passed", "gave_up", "requests", "failed", "late", "mean_ttft_s",
                 "p90_ttft_s", "preemptions", "tokens_computed", "tokens_recomputed", "spread_mean", "spread_p90",
-                "pool_hit_tokens", "engine_hit_tokens", "backends", "errors", "sessions", "one_off"}
+                "pool_hit_tokens", "engine_hit_tokens", "backends", "errors", "sessions", "one_off", "ttft_parts_s"}
 
 
 def test_quick_capacity_json_has_its_fields(tmp_path: Path) -> None:
@@ -39,8 +39,8 @@ def test_quick_capacity_json_has_its_fields(tmp_path: Path) -> None:
 def check_quick_json(out: dict[str, Any], stderr: str) -> None:
     """What ``--quick --json`` must hold (also run on a saved run's output by hand)."""
     assert out["bench"] == "capacity"
-    for key in ("ratio", "ratio_vs_best", "slo_s", "slo_multiple", "unloaded_p90_ttft_s", "fragmentation", "trace",
-                "cluster", "setups", "goals"):
+    for key in ("ratio", "ratio_vs_best", "ratio_range", "best_other", "slo_s", "slo_multiple",
+                "unloaded_p90_ttft_s", "fragmentation", "trace", "cluster", "setups", "goals"):
         assert key in out, key
     assert set(out["setups"]) == {"static", "pof"}
     assert out["slo_s"] == pytest.approx(out["slo_multiple"] * out["unloaded_p90_ttft_s"], rel=1e-2)
@@ -49,6 +49,9 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
         assert row["trials"] and row["at_reference_load"] is not None, name
         for trial in row["trials"]:
             assert set(trial) >= TRIAL_FIELDS, (name, TRIAL_FIELDS - set(trial))
+        parts = row["at_reference_load"]["ttft_parts_s"]     # vLLM exports the histograms they come from
+        assert parts["engine"] is not None and parts["queue"] is not None and parts["prefill"] is not None, name
+        assert parts["queue"] + parts["prefill"] <= parts["engine"] * 1.05 + 0.01, (name, parts)
     assert out["setups"]["static"]["at_reference_load"]["pool_hit_tokens"] == 0      # no pool: never loads
     assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens", "mix", "seed"} <= set(out["trace"])
     assert out["trace"]["mix"]["long_sessions"] >= 2          # enough for `pof sim validate` to rebuild the trace

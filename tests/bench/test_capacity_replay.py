@@ -147,3 +147,14 @@ def test_a_setup_that_passed_nothing_gives_a_ratio_range_not_infinity() -> None:
     assert out["best_other"] == "round_robin"                   # ties go to the one that failed at more load
     assert out["ratio_vs_best"] == 2.0 and out["ratio_vs_best_range"] == [1.0, 4.0]
     json.dumps(out, allow_nan=False)
+
+
+def test_ttft_parts_split_the_engines_histograms_and_what_lies_outside_them() -> None:
+    from pof_connector.bench.capacity import ttft_parts
+
+    d = {"vllm:time_to_first_token_seconds_sum": 6.0, "vllm:time_to_first_token_seconds_count": 4.0,
+         "vllm:request_queue_time_seconds_sum": 4.0, "vllm:request_queue_time_seconds_count": 4.0,
+         "vllm:request_prefill_time_seconds_sum": 1.2, "vllm:request_prefill_time_seconds_count": 4.0}
+    assert ttft_parts(d, 2.0) == {"queue": 1.0, "prefill": 0.3, "engine": 1.5, "outside": 0.5}
+    none = dict.fromkeys(d, 0.0)
+    assert ttft_parts(none, None) == {"queue": None, "prefill": None, "engine": None, "outside": None}
