@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlencode
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +39,15 @@ PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_tota
 CACHE_CONFIG = "vllm:cache_config_info"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
 _WANTED = (*RUNNING, *WAITING, *KV_USAGE, *PREEMPTIONS, CACHE_CONFIG, SGLANG_CAPACITY)
+LOAD_QUERY = urlencode([("name[]", name) for name in _WANTED])
+"""Restricts a Prometheus page to the series read here: prometheus_client's exposition (vLLM's and
+SGLang's ``/metrics``) renders only the collectors named in ``name[]``. The whole vLLM page is
+~100 KB of histograms its API server renders, and gzips for a client that accepts it (httpx does),
+on every read; a poller reading it twice a second took that CPU from the engine's host. A server
+that ignores the query answers the whole page, which :func:`parse_engine_load` filters anyway."""
+PLAIN = {"accept-encoding": "identity"}
+"""Request headers for a load read: the restricted page is a few hundred bytes, not worth
+compressing on the engine's host (httpx asks for gzip by default)."""
 _T = TypeVar("_T")
 
 
@@ -126,9 +136,41 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
-def read_engine_load(base_url: str, client: httpx.Client) -> EngineLoad | None:
-    """GET ``base_url/metrics``. Raises ``httpx.HTTPError`` when the engine does not answer;
-    ``None`` when it answers without load gauges."""
-    r = client.get(base_url.rstrip("/") + "/metrics")
-    r.raise_for_status()
-    return parse_engine_load(r.text)
+class MetricsPage:
+    """Where one engine's load is read: its ``/metrics`` restricted by :data:`LOAD_QUERY`, falling
+    back to the whole page for a server whose restricted page carries no load gauges (SGLang: its
+    multiprocess collector names no series, so prometheus_client's filter drops everything)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.full_url = base_url.rstrip("/") + "/metrics"
+        self.restricted_url = f"{self.full_url}?{LOAD_QUERY}"
+        self.restricts: bool = True
+        """Whether the restricted page is read first; ``False`` once the whole page gave a load
+        the restricted one did not."""
+
+    def urls(self) -> tuple[str, ...]:
+        """The pages to read in this order until one gives a load."""
+        return (self.restricted_url, self.full_url) if self.restricts else (self.full_url,)
+
+    def load_from(self, url: str, text: str) -> EngineLoad | None:
+        """The load in the page read from ``url`` (one of :meth:`urls`); ``None``: none there, read
+        the next one. Raises ``ValueError`` for text that is not Prometheus'."""
+        load = parse_engine_load(text)
+        if load is not None and url == self.full_url:
+            self.restricts = False          # the engine cannot restrict its page: read it whole from now on
+        return load
+
+
+def read_engine_load(base_url: str | MetricsPage, client: httpx.Client) -> EngineLoad | None:
+    """GET the engine's ``/metrics`` (``base_url``'s, or the :class:`MetricsPage`, which remembers
+    whether the engine restricts its page). Raises ``httpx.HTTPError`` when the engine does not
+    answer; ``None`` when it answers without load gauges."""
+    page = MetricsPage(base_url) if isinstance(base_url, str) else base_url
+    load = None
+    for url in page.urls():
+        r = client.get(url, headers=PLAIN)
+        r.raise_for_status()
+        load = page.load_from(url, r.text)
+        if load is not None:
+            break
+    return load
