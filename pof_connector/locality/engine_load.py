@@ -40,14 +40,13 @@ CACHE_CONFIG = "vllm:cache_config_info"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
 _WANTED = (*RUNNING, *WAITING, *KV_USAGE, *PREEMPTIONS, CACHE_CONFIG, SGLANG_CAPACITY)
 LOAD_QUERY = urlencode([("name[]", name) for name in _WANTED])
-"""Restricts a Prometheus page to the series read here: prometheus_client's exposition (vLLM's and
-SGLang's ``/metrics``) renders only the collectors named in ``name[]``. The whole vLLM page is
-~100 KB of histograms its API server renders, and gzips for a client that accepts it (httpx does),
-on every read; a poller reading it twice a second took that CPU from the engine's host. A server
-that ignores the query answers the whole page, which :func:`parse_engine_load` filters anyway."""
+"""Restricts a Prometheus page to the series read here: prometheus_client's exposition app renders
+only the collectors named in ``name[]``. vLLM's whole page is ~55 KB (histograms per request
+phase) that its API server renders on every read, on the engine's host; a poller reading it twice
+a second per engine took that CPU from the engine (measured: see :class:`MetricsPage`)."""
 PLAIN = {"accept-encoding": "identity"}
-"""Request headers for a load read: the restricted page is a few hundred bytes, not worth
-compressing on the engine's host (httpx asks for gzip by default)."""
+"""Request headers for a load read: a restricted page is ~1.5 KB, not worth compressing on the
+engine's host (httpx asks for gzip by default, and prometheus_client's app honours it)."""
 _T = TypeVar("_T")
 
 
@@ -98,7 +97,7 @@ def parse_engine_load(text: str) -> EngineLoad | None:
     preemptions: float | None = None
     capacity: float | None = None
     block: int | None = None
-    # Only the series read here go to the parser: a vLLM /metrics page is ~100 KB of histograms, and
+    # Only the series read here go to the parser: a vLLM /metrics page is 55-100 KB of histograms, and
     # parsing all of it twice a second per backend cost `pof router` a quarter of a core (measured).
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
     for family in text_string_to_metric_families(wanted):
@@ -137,19 +136,28 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
 
 
 class MetricsPage:
-    """Where one engine's load is read: its ``/metrics`` restricted by :data:`LOAD_QUERY`, falling
-    back to the whole page for a server whose restricted page carries no load gauges (SGLang: its
-    multiprocess collector names no series, so prometheus_client's filter drops everything)."""
+    """Where one engine's load is read: ``/metrics/?`` :data:`LOAD_QUERY` first, else the whole
+    ``/metrics``.
+
+    The trailing slash matters: vLLM (0.32) answers ``GET /metrics`` with
+    prometheus-fastapi-instrumentator's route, which ignores the query and renders everything;
+    ``/metrics/`` reaches the prometheus_client app vLLM mounts beside it (its "307 redirect"
+    workaround), which restricts the page. A server that has no ``/metrics/`` (404), ignores the
+    query, or whose restricted page carries no load gauges (SGLang: its multiprocess collector
+    names no series, so the filter drops everything) is read whole: after the first whole page that
+    gives a load where the restricted one did not, only whole pages are asked for."""
 
     def __init__(self, base_url: str) -> None:
-        self.full_url = base_url.rstrip("/") + "/metrics"
-        self.restricted_url = f"{self.full_url}?{LOAD_QUERY}"
+        base = base_url.rstrip("/")
+        self.full_url = base + "/metrics"
+        self.restricted_url = f"{base}/metrics/?{LOAD_QUERY}"
         self.restricts: bool = True
-        """Whether the restricted page is read first; ``False`` once the whole page gave a load
-        the restricted one did not."""
+        """Whether the restricted page is asked for first; ``False`` once the whole page gave a
+        load the restricted one did not."""
 
     def urls(self) -> tuple[str, ...]:
-        """The pages to read in this order until one gives a load."""
+        """The pages to read in this order until one gives a load (a refused restricted page
+        counts as one without)."""
         return (self.restricted_url, self.full_url) if self.restricts else (self.full_url,)
 
     def load_from(self, url: str, text: str) -> EngineLoad | None:
@@ -169,6 +177,8 @@ def read_engine_load(base_url: str | MetricsPage, client: httpx.Client) -> Engin
     load = None
     for url in page.urls():
         r = client.get(url, headers=PLAIN)
+        if url != page.full_url and r.status_code != 200:
+            continue                        # no restricted page here: the whole one says
         r.raise_for_status()
         load = page.load_from(url, r.text)
         if load is not None:

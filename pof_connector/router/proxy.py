@@ -524,9 +524,11 @@ async def _read_load(b: Backend, page: MetricsPage, client: httpx.AsyncClient, t
         except httpx.TransportError:
             return None
         if r.status_code != 200:
+            if url != page.full_url:
+                continue            # no restricted page here: the whole one says
             return None
         try:
-            # a whole page (an engine that cannot restrict it) is ~100 KB: parsed off the event loop
+            # a whole page (an engine that cannot restrict it) is ~55 KB: parsed off the event loop
             load = page.load_from(url, r.text) if url != page.full_url else \
                 await asyncio.to_thread(page.load_from, url, r.text)
         except ValueError:          # not Prometheus text

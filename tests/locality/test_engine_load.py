@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -12,8 +13,20 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from fastapi import FastAPI, Response
+from fastapi.testclient import TestClient
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_asgi_app,
+    make_wsgi_app,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
+from starlette.routing import Mount
 
 from pof_connector.locality.engine_load import (
     LOAD_QUERY,
@@ -195,6 +208,10 @@ def _vllm_registry() -> CollectorRegistry:
     return r
 
 
+VLLM_LOAD = EngineLoad(running=3, waiting=2, kv_usage=0.5, kv_capacity_tokens=32 * 128, block_tokens=128,
+                       preemptions=7)
+
+
 def test_a_vllm_page_is_read_restricted_to_the_load_series() -> None:
     """The engine renders and sends only the load series (a few hundred bytes, not its histograms),
     and the load read from them is the whole page's."""
@@ -205,16 +222,39 @@ def test_a_vllm_page_is_read_restricted_to_the_load_series() -> None:
         part = httpx.get(page.restricted_url).text
         assert "vllm:latency_0" in whole and "vllm:latency" not in part
         assert len(part) * 20 < len(whole)
-        expected = EngineLoad(running=3, waiting=2, kv_usage=0.5, kv_capacity_tokens=32 * 128, block_tokens=128,
-                              preemptions=7)
-        assert parse_engine_load(whole) == expected
+        assert parse_engine_load(whole) == VLLM_LOAD
         server.queries.clear()
         with httpx.Client(timeout=2) as client:
-            assert read_engine_load(page, client) == expected
-            assert read_engine_load(page, client) == expected
+            assert read_engine_load(page, client) == VLLM_LOAD
+            assert read_engine_load(page, client) == VLLM_LOAD
         assert server.queries == [LOAD_QUERY, LOAD_QUERY] and page.restricts
     finally:
         server.close()
+
+
+def test_vllm_routes_serve_the_restricted_page_under_the_trailing_slash() -> None:
+    """vLLM 0.32's two ``/metrics`` routes (vllm/entrypoints/serve/instrumentator/metrics.py): the
+    instrumentator's ``GET /metrics`` renders the whole registry whatever the query; the
+    prometheus_client app mounted after it answers ``/metrics/...`` and restricts."""
+    registry = _vllm_registry()
+    app = FastAPI()
+    seen: list[str] = []
+
+    @app.get("/metrics")
+    def everything() -> Response:              # what prometheus-fastapi-instrumentator's expose() adds
+        seen.append("instrumentator")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    mount = Mount("/metrics", make_asgi_app(registry=registry))
+    mount.path_regex = re.compile("^/metrics(?P<path>.*)$")
+    app.routes.append(mount)
+    with TestClient(app) as client:
+        assert "vllm:latency_0" in client.get("/metrics?" + LOAD_QUERY).text      # the query is ignored there
+        assert seen == ["instrumentator"]
+        page = MetricsPage(str(client.base_url))
+        assert read_engine_load(page, client) == VLLM_LOAD
+        assert seen == ["instrumentator"] and page.restricts          # the mount answered
+        assert "vllm:latency" not in client.get(page.restricted_url).text
 
 
 class _MultiProcess:
