@@ -46,6 +46,8 @@ COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vl
             "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 """``vllm:pof_loaded_pages`` counts what vLLM's external-hit counter leaves out: the pages a request
 resumed after a preemption loads from the pool."""
+USAGE = ("vllm:kv_cache_usage_perc",)
+QUEUES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 @dataclass(frozen=True)
@@ -156,18 +158,18 @@ class Fleet:
     def counters(self) -> dict[str, float]:
         out = dict.fromkeys(COUNTERS, 0.0)
         for v in self.servers:
-            m = v.metrics()
+            m = v.metrics(COUNTERS)
             for k in COUNTERS:
                 out[k] += m.get(k, 0.0)
         return out
 
     def usage(self) -> list[float]:
         """Each server's ``vllm:kv_cache_usage_perc`` now (0-1)."""
-        return [v.metrics().get("vllm:kv_cache_usage_perc", 0.0) for v in self.servers]
+        return [v.metrics(USAGE).get("vllm:kv_cache_usage_perc", 0.0) for v in self.servers]
 
     def idle(self) -> bool:
         for v in self.servers:
-            m = v.metrics()
+            m = v.metrics(QUEUES)
             if m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0) > 0:
                 return False
         return True

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +113,14 @@ class VllmServer(ServiceProcess):
     def reset_prefix_cache(self) -> None:
         self.post("/reset_prefix_cache")
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples summed over label sets: ``{"vllm:x_total": v, 'vllm:x_total{a="b"}': v}``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+    def metrics(self, names: Sequence[str] = ()) -> dict[str, float]:
+        """Prometheus samples summed over label sets: ``{"vllm:x_total": v, 'vllm:x_total{a="b"}': v}``.
+        ``names``: only these series (sample names, a counter's with ``_total``), which the
+        server renders alone instead of its whole ~55 KB page: a bench sampling while it measures
+        takes that CPU from the engine (``/metrics/``: see
+        :class:`~pof_connector.locality.engine_load.MetricsPage`)."""
+        query = "/?" + urllib.parse.urlencode([("name[]", n) for n in names]) if names else ""
+        with urllib.request.urlopen(self.url + "/metrics" + query, timeout=10) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():

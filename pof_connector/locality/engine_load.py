@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlencode
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +39,15 @@ PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_tota
 CACHE_CONFIG = "vllm:cache_config_info"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
 _WANTED = (*RUNNING, *WAITING, *KV_USAGE, *PREEMPTIONS, CACHE_CONFIG, SGLANG_CAPACITY)
+LOAD_QUERY = urlencode([("name[]", name) for name in _WANTED])
+"""Restricts a Prometheus page to the series read here: prometheus_client's exposition app renders
+only the collectors named in ``name[]``. vLLM's whole page is ~57 KB (histograms per request
+phase) that its API server renders on every read, on the engine's host: 11-13 ms of its CPU per
+read against 1.2-1.4 ms for the restricted page (vLLM 0.32 on CPU, measured). Read twice a second
+per engine by `pof router`, the whole page cost each API server ~2.5 % of a core."""
+PLAIN = {"accept-encoding": "identity"}
+"""Request headers for a load read: a restricted page is ~1.5 KB, not worth compressing on the
+engine's host (httpx asks for gzip by default, and prometheus_client's app honours it)."""
 _T = TypeVar("_T")
 
 
@@ -88,7 +98,7 @@ def parse_engine_load(text: str) -> EngineLoad | None:
     preemptions: float | None = None
     capacity: float | None = None
     block: int | None = None
-    # Only the series read here go to the parser: a vLLM /metrics page is ~100 KB of histograms, and
+    # Only the series read here go to the parser: a vLLM /metrics page is 55-100 KB of histograms, and
     # parsing all of it twice a second per backend cost `pof router` a quarter of a core (measured).
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
     for family in text_string_to_metric_families(wanted):
@@ -126,9 +136,52 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
-def read_engine_load(base_url: str, client: httpx.Client) -> EngineLoad | None:
-    """GET ``base_url/metrics``. Raises ``httpx.HTTPError`` when the engine does not answer;
-    ``None`` when it answers without load gauges."""
-    r = client.get(base_url.rstrip("/") + "/metrics")
-    r.raise_for_status()
-    return parse_engine_load(r.text)
+class MetricsPage:
+    """Where one engine's load is read: ``/metrics/?`` :data:`LOAD_QUERY` first, else the whole
+    ``/metrics``.
+
+    The trailing slash matters: vLLM (0.32) answers ``GET /metrics`` with
+    prometheus-fastapi-instrumentator's route, which ignores the query and renders everything;
+    ``/metrics/`` reaches the prometheus_client app vLLM mounts beside it (its "307 redirect"
+    workaround), which restricts the page. A server that has no ``/metrics/`` (404), ignores the
+    query, or whose restricted page carries no load gauges (SGLang: its multiprocess collector
+    names no series, so the filter drops everything) is read whole: after the first whole page that
+    gives a load where the restricted one did not, only whole pages are asked for."""
+
+    def __init__(self, base_url: str) -> None:
+        base = base_url.rstrip("/")
+        self.full_url = base + "/metrics"
+        self.restricted_url = f"{base}/metrics/?{LOAD_QUERY}"
+        self.restricts: bool = True
+        """Whether the restricted page is asked for first; ``False`` once the whole page gave a
+        load the restricted one did not."""
+
+    def urls(self) -> tuple[str, ...]:
+        """The pages to read in this order until one gives a load (a refused restricted page
+        counts as one without)."""
+        return (self.restricted_url, self.full_url) if self.restricts else (self.full_url,)
+
+    def load_from(self, url: str, text: str) -> EngineLoad | None:
+        """The load in the page read from ``url`` (one of :meth:`urls`); ``None``: none there, read
+        the next one. Raises ``ValueError`` for text that is not Prometheus'."""
+        load = parse_engine_load(text)
+        if load is not None and url == self.full_url:
+            self.restricts = False          # the engine cannot restrict its page: read it whole from now on
+        return load
+
+
+def read_engine_load(base_url: str | MetricsPage, client: httpx.Client) -> EngineLoad | None:
+    """GET the engine's ``/metrics`` (``base_url``'s, or the :class:`MetricsPage`, which remembers
+    whether the engine restricts its page). Raises ``httpx.HTTPError`` when the engine does not
+    answer; ``None`` when it answers without load gauges."""
+    page = MetricsPage(base_url) if isinstance(base_url, str) else base_url
+    load = None
+    for url in page.urls():
+        r = client.get(url, headers=PLAIN)
+        if url != page.full_url and r.status_code != 200:
+            continue                        # no restricted page here: the whole one says
+        r.raise_for_status()
+        load = page.load_from(url, r.text)
+        if load is not None:
+            break
+    return load

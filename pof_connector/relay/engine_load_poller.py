@@ -7,7 +7,7 @@ import threading
 
 import httpx
 
-from pof_connector.locality.engine_load import EngineLoad, read_engine_load
+from pof_connector.locality.engine_load import EngineLoad, MetricsPage, read_engine_load
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +18,7 @@ class EngineLoadPoller:
 
     def __init__(self, engine_url: str, period_s: float, timeout_s: float = 2.0) -> None:
         self.engine_url = engine_url
+        self.page = MetricsPage(engine_url)
         self.period_s = period_s
         self._client = httpx.Client(timeout=timeout_s)
         self._latest: EngineLoad | None = None
@@ -38,7 +39,7 @@ class EngineLoadPoller:
     def read_once(self) -> EngineLoad | None:
         """One reading, also kept as :attr:`latest`."""
         try:
-            load = read_engine_load(self.engine_url, self._client)
+            load = read_engine_load(self.page, self._client)
         except httpx.HTTPError as e:
             if not self._failing:
                 log.warning("pof relay: cannot read the engine's load from %s/metrics (%s); publishing none "

@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.body_limits import BodyLimits
-from pof_connector.locality.engine_load import EngineLoad, parse_engine_load
+from pof_connector.locality.engine_load import PLAIN, EngineLoad, MetricsPage
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
 from pof_connector.router.openai_shapes import document
@@ -498,8 +498,10 @@ async def _load_loop(router: Router, client: httpx.AsyncClient) -> None:
     preemptions) for KV-aware admission."""
     cap = router.config.capacity
     silent: set[str] = set()
+    pages = {b.name: MetricsPage(b.url) for b in router.backends}
     while True:
-        readings = await asyncio.gather(*(_read_load(b, client, cap.metrics_interval_s * 4) for b in router.backends))
+        readings = await asyncio.gather(*(_read_load(b, pages[b.name], client, cap.metrics_interval_s * 4)
+                                          for b in router.backends))
         for b, load in zip(router.backends, readings, strict=True):
             b.record_load(load)
             if (load is None or load.kv_usage is None) and b.name not in silent:
@@ -511,19 +513,29 @@ async def _load_loop(router: Router, client: httpx.AsyncClient) -> None:
         await asyncio.sleep(cap.metrics_interval_s)
 
 
-async def _read_load(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> EngineLoad | None:
+async def _read_load(b: Backend, page: MetricsPage, client: httpx.AsyncClient, timeout_s: float) -> EngineLoad | None:
+    """``b``'s load from ``page`` (only the series the router reads, where the engine can restrict
+    its page); ``None`` when it is out of service, does not answer or exports no load."""
     if not b.healthy:
         return None
-    try:
-        r = await client.get(b.url + "/metrics", timeout=max(timeout_s, 1.0))
-    except httpx.TransportError:
-        return None
-    if r.status_code != 200:
-        return None
-    try:
-        return await asyncio.to_thread(parse_engine_load, r.text)
-    except ValueError:          # not Prometheus text
-        return None
+    for url in page.urls():
+        try:
+            r = await client.get(url, headers=PLAIN, timeout=max(timeout_s, 1.0))
+        except httpx.TransportError:
+            return None
+        if r.status_code != 200:
+            if url != page.full_url:
+                continue            # no restricted page here: the whole one says
+            return None
+        try:
+            # a whole page (an engine that cannot restrict it) is ~55 KB: parsed off the event loop
+            load = page.load_from(url, r.text) if url != page.full_url else \
+                await asyncio.to_thread(page.load_from, url, r.text)
+        except ValueError:          # not Prometheus text
+            return None
+        if load is not None:
+            return load
+    return None
 
 
 async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> None:

@@ -14,11 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.server import RedisServer
+from pof_connector.locality.engine_load import MetricsPage, read_engine_load
 from pof_connector.locality.locator import load_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -101,6 +103,15 @@ def test_requests_land_where_their_prefix_lives(workdir: Path, redis_server: Red
             e = b["engine"]
             assert e is not None and 0.0 <= e["kv_usage"] <= 1.0 and e["preemptions"] == 0, b
             assert e["block_tokens"] == 128 and e["kv_capacity_tokens"] > 0 and e["kv_capacity_tokens"] % 128 == 0
+        # ... from the page restricted to those series, which vLLM renders alone (its whole page is
+        # every histogram, rendered on the engine's host at each read)
+        page = MetricsPage(servers["a"].url)
+        with httpx.Client(timeout=10) as client:
+            load = read_engine_load(page, client)
+            restricted, whole = client.get(page.restricted_url).text, client.get(page.full_url).text
+        assert load is not None and load.block_tokens == 128 and page.restricts, (load, restricted)
+        assert "vllm:num_requests_running" in restricted and "_bucket" not in restricted
+        assert len(restricted) * 10 < len(whole), (len(restricted), len(whole))
         text = "def f(x):\n    return x * 2\n" * 20
         local = load_tokenizer(str(model), special_tokens=True)(text)
         assert local == servers["a"].post("/tokenize", {"model": "m", "prompt": text})["tokens"]

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import httpx
 import pytest
+from fastapi import FastAPI, Response
+from fastapi.testclient import TestClient
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_asgi_app,
+    make_wsgi_app,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from starlette.routing import Mount
 
-from pof_connector.locality.engine_load import EngineLoad, parse_engine_load, read_engine_load
+from pof_connector.locality.engine_load import (
+    LOAD_QUERY,
+    EngineLoad,
+    MetricsPage,
+    parse_engine_load,
+    read_engine_load,
+)
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -101,8 +125,9 @@ class MetricsServer:
 
             def do_GET(self) -> None:
                 time.sleep(me.delay_s)
-                if self.path != "/metrics" or me.text is None:
-                    self.send_error(404 if self.path != "/metrics" else 500)
+                path = urlsplit(self.path).path          # a server that ignores the series query
+                if path != "/metrics" or me.text is None:
+                    self.send_error(404 if path != "/metrics" else 500)
                     return
                 body = me.text.encode()
                 self.send_response(200)
@@ -137,3 +162,141 @@ def test_read_over_http_and_errors(metrics: MetricsServer) -> None:
         metrics.close()
         with pytest.raises(httpx.HTTPError):
             read_engine_load(metrics.url, client)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class PrometheusServer:
+    """A real prometheus_client exposition (what vLLM's and SGLang's ``/metrics`` mount) of
+    ``registry``, recording each request's query string."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queries: list[str] = []
+        app = make_wsgi_app(registry)
+
+        def recorded(environ: dict[str, Any], start: Any) -> Iterable[bytes]:
+            self.queries.append(environ.get("QUERY_STRING", ""))
+            return app(environ, start)
+
+        self.server: WSGIServer = make_server("127.0.0.1", 0, recorded, handler_class=_Quiet)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _vllm_registry() -> CollectorRegistry:
+    """vLLM 0.32's registry (prometheus_client's global one is ``auto_describe=True``): the load
+    series, plus histograms like the per-request ones that make up most of its page."""
+    r = CollectorRegistry(auto_describe=True)
+    labels = ["engine", "model_name"]
+    Gauge("vllm:num_requests_running", "running", labels, registry=r).labels("0", "m").set(3)
+    Gauge("vllm:num_requests_waiting", "waiting", labels, registry=r).labels("0", "m").set(2)
+    Gauge("vllm:kv_cache_usage_perc", "usage", labels, registry=r).labels("0", "m").set(0.5)
+    Counter("vllm:num_preemptions", "preemptions", labels, registry=r).labels("0", "m").inc(7)
+    Gauge("vllm:cache_config_info", "cache", ["block_size", "num_gpu_blocks", "engine"],
+          registry=r).labels("128", "32", "0").set(1)
+    for i in range(20):
+        Histogram(f"vllm:latency_{i}", "a histogram", labels, registry=r,
+                  buckets=[0.01 * 2 ** k for k in range(20)]).labels("0", "m").observe(0.3)
+    return r
+
+
+VLLM_LOAD = EngineLoad(running=3, waiting=2, kv_usage=0.5, kv_capacity_tokens=32 * 128, block_tokens=128,
+                       preemptions=7)
+
+
+def test_a_vllm_page_is_read_restricted_to_the_load_series() -> None:
+    """The engine renders and sends only the load series (a few hundred bytes, not its histograms),
+    and the load read from them is the whole page's."""
+    server = PrometheusServer(_vllm_registry())
+    try:
+        page = MetricsPage(server.url + "/")
+        whole = httpx.get(page.full_url).text
+        part = httpx.get(page.restricted_url).text
+        assert "vllm:latency_0" in whole and "vllm:latency" not in part
+        assert len(part) * 20 < len(whole)
+        assert parse_engine_load(whole) == VLLM_LOAD
+        server.queries.clear()
+        with httpx.Client(timeout=2) as client:
+            assert read_engine_load(page, client) == VLLM_LOAD
+            assert read_engine_load(page, client) == VLLM_LOAD
+        assert server.queries == [LOAD_QUERY, LOAD_QUERY] and page.restricts
+    finally:
+        server.close()
+
+
+def test_vllm_routes_serve_the_restricted_page_under_the_trailing_slash() -> None:
+    """vLLM 0.32's two ``/metrics`` routes (vllm/entrypoints/serve/instrumentator/metrics.py): the
+    instrumentator's ``GET /metrics`` renders the whole registry whatever the query; the
+    prometheus_client app mounted after it answers ``/metrics/...`` and restricts."""
+    registry = _vllm_registry()
+    app = FastAPI()
+    seen: list[str] = []
+
+    @app.get("/metrics")
+    def everything() -> Response:              # what prometheus-fastapi-instrumentator's expose() adds
+        seen.append("instrumentator")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    mount = Mount("/metrics", make_asgi_app(registry=registry))
+    mount.path_regex = re.compile("^/metrics(?P<path>.*)$")
+    app.routes.append(mount)
+    with TestClient(app) as client:
+        assert "vllm:latency_0" in client.get("/metrics?" + LOAD_QUERY).text      # the query is ignored there
+        assert seen == ["instrumentator"]
+        page = MetricsPage(str(client.base_url))
+        assert read_engine_load(page, client) == VLLM_LOAD
+        assert seen == ["instrumentator"] and page.restricts          # the mount answered
+        assert "vllm:latency" not in client.get(page.restricted_url).text
+
+
+class _MultiProcess:
+    """Stands in for prometheus_client's MultiProcessCollector (SGLang's ``/metrics``): a collector
+    that names no series, so a registry without ``support_collectors_without_names`` leaves it out
+    of a restricted page."""
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in (("sglang:num_running_reqs", 2.0), ("sglang:num_queue_reqs", 7.0),
+                            ("sglang:token_usage", 0.25)):
+            g = GaugeMetricFamily(name, name, labels=["tp_rank"])
+            g.add_metric(["0"], value)
+            yield g
+
+
+def test_an_engine_that_cannot_restrict_its_page_is_read_whole() -> None:
+    registry = CollectorRegistry()                 # as SGLang builds it
+    registry.register(_MultiProcess())
+    server = PrometheusServer(registry)
+    try:
+        page = MetricsPage(server.url)
+        assert "sglang" not in httpx.get(page.restricted_url).text      # the filter drops everything
+        server.queries.clear()
+        with httpx.Client(timeout=2) as client:
+            first = read_engine_load(page, client)
+            assert first == EngineLoad(running=2, waiting=7, kv_usage=0.25)
+            assert not page.restricts
+            assert read_engine_load(page, client) == first
+        assert server.queries == [LOAD_QUERY, "", ""]       # one restricted try, then whole pages only
+    finally:
+        server.close()
+
+
+def test_an_engine_without_load_gauges_keeps_being_asked_restricted_first() -> None:
+    """No load in either page (an engine still starting, or no engine): nothing is concluded."""
+    r = CollectorRegistry(auto_describe=True)
+    Gauge("other", "other", registry=r).set(1)
+    server = PrometheusServer(r)
+    try:
+        page = MetricsPage(server.url)
+        with httpx.Client(timeout=2) as client:
+            assert read_engine_load(page, client) is None
+        assert page.restricts and server.queries == [LOAD_QUERY, ""]
+    finally:
+        server.close()
