@@ -52,6 +52,10 @@ class Backend:
         """Its preemption counter grew between the last two readings."""
         self._load_at = 0.0
         self._pending_blocks = 0
+        self.pressure_state: tuple[EngineLoad | None, int, bool, float] = (None, 0, False, 0.0)
+        """(``engine_load``, pending blocks, ``preempting``, when the reading was taken): replaced
+        whole, under the lock, whenever one of them changes, so the router reads all four
+        consistently without taking the lock (it reads every backend's per request)."""
         self._live: set[Ticket] = set()
         self._lock = threading.Lock()
 
@@ -61,6 +65,7 @@ class Backend:
             self.waiting += 1
             self.waiting_tokens += prefill_tokens
             self._pending_blocks += kv_blocks
+            self._publish()
             t = Ticket(self, prefill_tokens, kv_blocks)
             self._live.add(t)
             return t
@@ -78,6 +83,11 @@ class Backend:
             for t in self._live:
                 t.pending = not t.first_token_seen
                 self._pending_blocks += t.kv_blocks if t.pending else 0
+            self._publish()
+
+    def _publish(self) -> None:
+        """Renew :attr:`pressure_state` (with the lock held)."""
+        self.pressure_state = (self.engine_load, self._pending_blocks, self.preempting, self._load_at)
 
     def pressure(self, stale_after_s: float) -> NodePressure:
         """The last reading, if younger than ``stale_after_s``, with the blocks it does not show
@@ -87,10 +97,10 @@ class Backend:
     def pressure_fields(self, stale_after_s: float, now: float | None = None) -> tuple[EngineLoad | None, int, bool]:
         """:meth:`pressure`'s fields as a tuple (what the router reads of every backend per
         request); ``now``: ``time.monotonic()`` read once for all of them (``None``: read it)."""
-        with self._lock:
-            if self.engine_load is None or (time.monotonic() if now is None else now) - self._load_at > stale_after_s:
-                return None, 0, False
-            return self.engine_load, self._pending_blocks, self.preempting
+        load, pending, preempting, at = self.pressure_state
+        if load is None or (time.monotonic() if now is None else now) - at > stale_after_s:
+            return None, 0, False
+        return load, pending, preempting
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:
@@ -112,6 +122,7 @@ class Backend:
             self._live.discard(t)
             if t.pending:
                 self._pending_blocks -= t.kv_blocks
+                self._publish()
 
     def check_passed(self) -> None:
         with self._lock:

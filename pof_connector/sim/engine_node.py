@@ -185,14 +185,21 @@ class EngineNode(NodeView):
         return lo
 
     def _need(self, k: int) -> int:
-        """New blocks the decoding requests take over the next ``k`` steps."""
+        """New blocks the decoding requests take over the next ``k`` steps.
+
+        A request holding ``m * bt + r`` tokens (``0 <= r < bt``) takes ``ceil((r + k) / bt) -
+        (1 if r else 0)`` new blocks in ``k = a * bt + e`` steps: ``a``, plus one when ``e > 0``
+        and ``r`` is 0 or above ``bt - e``. So the sum is ``a`` per request plus the requests whose
+        residue lies in that window of ``e`` residues (``bt - e + 1 .. bt``, mod ``bt``); a
+        request's residue is its offset's residue (``_resid``'s index) plus the node's steps."""
         bt = self.profile.block_tokens
-        s = self.steps
-        total = 0
-        for q, count in enumerate(self._resid):
-            if count:
-                r = (q + s) % bt
-                total += count * (-(-(r + k) // bt) - (1 if r else 0))
+        a, e = divmod(k, bt)
+        total = a * len(self.decoding)
+        if e:
+            lo = (bt - e + 1 - self.steps) % bt        # the offset residue of the window's first residue
+            end = lo + e
+            resid = self._resid
+            total += sum(resid[lo:end]) if end <= bt else sum(resid[lo:]) + sum(resid[:end - bt])
         return total
 
     # -- requests -------------------------------------------------------------------------------
