@@ -87,18 +87,15 @@ class Router:
     def __init__(self, config: RouterConfig, locator: Locates | None) -> None:
         self.config = config
         self.locator = locator
-        self.backends = [Backend(b, config.health.failures_to_remove) for b in config.backends]
         self.cost = CostModel(config.cost)
         self.kv = KvAdmission(config.capacity)
+        self.backends = [Backend(b, config.health.failures_to_remove, self.kv.fit_tokens) for b in config.backends]
         self.sent = SentPrefixes(config.capacity.block_tokens)
         """Prefixes sent to each backend: the cached-token count of a sample the engine did not report."""
         self._rr = itertools.count()
         self._sessions: OrderedDict[tuple[str | None, str], tuple[str, float]] = OrderedDict()
         """(cache salt, session) -> (backend, expiry): a session id is the client's choice, so it is
         only known within its tenant (another tenant sending it is neither routed by it nor told)."""
-        self._fits: dict[str, tuple[tuple[EngineLoad | None, int, bool, float], int | None]] = {}
-        """Backend name -> (its ``pressure_state``, :meth:`KvAdmission.fit_tokens` of it): what a
-        reading allows changes with the reading and the pending blocks, not per request."""
         self._lock = threading.Lock()
         self.index_health = IndexHealth("pof router", log)
         """Whether routing uses the index now: logged per transition, exported in /metrics."""
@@ -160,7 +157,7 @@ class Router:
         self.index_health.ok()
         n_tokens = len(tokens)
         cost, kv, stale = self.cost, self.kv, self.config.capacity.stale_after_s
-        ttft_s, fit_tokens, fits = cost.ttft_s, kv.fit_tokens, self._fits
+        ttft_s, fit_tokens = cost.ttft_s, kv.fit_tokens
         nodes_get = found.nodes.get
         # Every backend is weighed with plain numbers (a cluster of hundreds of backends, and `pof
         # sim` driving this per simulated request); the chosen one's Estimate and Admission objects
@@ -193,16 +190,13 @@ class Router:
                 recompute, fetch_s, bpt, held = t
             ttft = ttft_s(recompute, fetch_s, b.running, b.waiting, b.waiting_tokens)
             # the node is saturated for this request when its need exceeds the most its KV reading
-            # fits (KvAdmission.fit_tokens), kept per backend until the reading or pending change
+            # fits (KvAdmission.fit_tokens), which the backend keeps with its reading
             state = b.pressure_state
             if state[0] is not None and now - state[3] <= stale:
-                f = fits.get(b.name)
-                if f is None or f[0] is not state:
-                    f = fits[b.name] = (state, fit_tokens(state[0], state[1], state[2]))
-                fit = f[1]
+                fit = state[4]
             elif node is not None and node.load is not None:
-                state = (node.load, 0, False, now)     # the relay's reading, published in the index
                 fit = fit_tokens(node.load, 0, False)
+                state = (node.load, 0, False, now, fit)     # the relay's reading, published in the index
             else:
                 fit = None
             if fit is None or need_pos <= fit:
@@ -239,7 +233,7 @@ class Router:
         else:
             route = "lower-cost"
         # the saturated backends in live order
-        names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated))
+        names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated)) if saturated else ()
         return Decision(b, "pof", estimate, n_tokens, route, admission, names,
                         holder_b.name if has_holder else None, estimate.fetch_tokens)
 
