@@ -168,9 +168,11 @@ class Router:
         n_live = len(live)
         start = next(self._rr) % n_live
         order = live[start:] + live[:start] if start else live
-        # id(locality entry) -> (recompute, fetch_s, bytes per token, held): the entries of nodes
-        # holding nothing of the prompt may be one shared object (the simulator's are)
-        terms: dict[int, tuple[int, float, float, int]] = {}
+        # id(locality entry) -> (recompute, fetch_s, bytes per token, held, idle): the entries of
+        # nodes holding nothing of the prompt may be one shared object (the simulator's are);
+        # ``idle``: running requests -> the estimate of a node with nothing waiting, the same for
+        # all such nodes of the entry (most nodes, most of the time)
+        terms: dict[int, tuple[int, float, float, int, dict[int, float]]] = {}
         need_pos = need if need > 0 else 0
         best: tuple[Backend, NodeLocality | None, float, int] | None = None
         best_ttft, best_held = 0.0, 0
@@ -179,6 +181,7 @@ class Router:
         saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, EngineLoad | None, int, bool]] = []
         now = time.monotonic()
         last: object = False                        # no entry is False: the first backend looks its entry up
+        idle: dict[int, float] = {}
         recompute, fetch_s, bpt, held = 0, 0.0, 0.0, 0
         for turn, b in enumerate(order):
             node = nodes_get(b.pool_node)
@@ -186,9 +189,16 @@ class Router:
                 last = node
                 t = terms.get(id(node))
                 if t is None:
-                    t = terms[id(node)] = self._prefix_terms(node, n_tokens)
-                recompute, fetch_s, bpt, held = t
-            ttft = ttft_s(recompute, fetch_s, b.running, b.waiting, b.waiting_tokens)
+                    t = terms[id(node)] = (*self._prefix_terms(node, n_tokens), {})
+                recompute, fetch_s, bpt, held, idle = t
+            waiting, waiting_tokens, running = b.waiting, b.waiting_tokens, b.running
+            known = None if waiting or waiting_tokens else idle.get(running)
+            if known is not None:
+                ttft = known
+            elif waiting or waiting_tokens:
+                ttft = ttft_s(recompute, fetch_s, running, waiting, waiting_tokens)
+            else:
+                ttft = idle[running] = ttft_s(recompute, fetch_s, running, 0, 0)
             # the node is saturated for this request when its need exceeds the most its KV reading
             # fits (KvAdmission.fit_tokens), which the backend keeps with its reading
             state = b.pressure_state
