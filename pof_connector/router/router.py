@@ -180,7 +180,7 @@ class Router:
         holder_held = -1
         saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, EngineLoad | None, int, bool]] = []
         now = time.monotonic()
-        last: object = False                        # no entry is False: the first backend looks its entry up
+        last: object = False                        # matches no entry: the first backend looks its entry up
         idle: dict[int, float] = {}
         recompute, fetch_s, bpt, held = 0, 0.0, 0.0, 0
         for turn, b in enumerate(order):
@@ -192,11 +192,10 @@ class Router:
                     t = terms[id(node)] = (*self._prefix_terms(node, n_tokens), {})
                 recompute, fetch_s, bpt, held, idle = t
             waiting, waiting_tokens, running = b.waiting, b.waiting_tokens, b.running
-            known = None if waiting or waiting_tokens else idle.get(running)
-            if known is not None:
-                ttft = known
-            elif waiting or waiting_tokens:
+            if waiting or waiting_tokens:
                 ttft = ttft_s(recompute, fetch_s, running, waiting, waiting_tokens)
+            elif (known := idle.get(running)) is not None:
+                ttft = known
             else:
                 ttft = idle[running] = ttft_s(recompute, fetch_s, running, 0, 0)
             # the node is saturated for this request when its need exceeds the most its KV reading
