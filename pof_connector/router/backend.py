@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pof_connector.locality.engine_load import EngineLoad
@@ -30,8 +31,15 @@ class Ticket:
     done: bool = False
 
 
+FitTokens = Callable[[EngineLoad | None, int, bool], int | None]
+"""(reading, pending blocks, preempting) -> the most KV tokens a request may need on the node
+without saturating it (:meth:`~pof_connector.router.kv_admission.KvAdmission.fit_tokens`)."""
+
+
 class Backend:
-    def __init__(self, config: BackendConfig, failures_to_remove: int) -> None:
+    def __init__(self, config: BackendConfig, failures_to_remove: int, fit_tokens: FitTokens | None = None) -> None:
+        """``fit_tokens``: the router's KV rule, kept in :attr:`pressure_state` (``None``: no
+        limit, the router does not weigh KV room)."""
         self.config = config
         self.name = config.name
         self.url = config.url
@@ -52,6 +60,14 @@ class Backend:
         """Its preemption counter grew between the last two readings."""
         self._load_at = 0.0
         self._pending_blocks = 0
+        self._fit_tokens = fit_tokens
+        self.pressure_state: tuple[EngineLoad | None, int, bool, float, int | None] = (None, 0, False, 0.0, None)
+        """(``engine_load``, pending blocks, ``preempting``, when the reading was taken, and the
+        most KV tokens a request may need without saturating the node by them: ``fit_tokens``):
+        replaced whole, under the lock, whenever one of them changes, so the router reads them
+        consistently without taking the lock, and weighs the KV room of every backend per
+        request with one comparison (the limit changes with a reading or a request, not per
+        request weighed)."""
         self._live: set[Ticket] = set()
         self._lock = threading.Lock()
 
@@ -61,6 +77,7 @@ class Backend:
             self.waiting += 1
             self.waiting_tokens += prefill_tokens
             self._pending_blocks += kv_blocks
+            self._publish()
             t = Ticket(self, prefill_tokens, kv_blocks)
             self._live.add(t)
             return t
@@ -78,6 +95,13 @@ class Backend:
             for t in self._live:
                 t.pending = not t.first_token_seen
                 self._pending_blocks += t.kv_blocks if t.pending else 0
+            self._publish()
+
+    def _publish(self) -> None:
+        """Renew :attr:`pressure_state` (with the lock held)."""
+        load, pending, preempting = self.engine_load, self._pending_blocks, self.preempting
+        fit = self._fit_tokens(load, pending, preempting) if self._fit_tokens is not None else None
+        self.pressure_state = (load, pending, preempting, self._load_at, fit)
 
     def pressure(self, stale_after_s: float) -> NodePressure:
         """The last reading, if younger than ``stale_after_s``, with the blocks it does not show
@@ -87,10 +111,10 @@ class Backend:
     def pressure_fields(self, stale_after_s: float, now: float | None = None) -> tuple[EngineLoad | None, int, bool]:
         """:meth:`pressure`'s fields as a tuple (what the router reads of every backend per
         request); ``now``: ``time.monotonic()`` read once for all of them (``None``: read it)."""
-        with self._lock:
-            if self.engine_load is None or (time.monotonic() if now is None else now) - self._load_at > stale_after_s:
-                return None, 0, False
-            return self.engine_load, self._pending_blocks, self.preempting
+        load, pending, preempting, at, _ = self.pressure_state
+        if load is None or (time.monotonic() if now is None else now) - at > stale_after_s:
+            return None, 0, False
+        return load, pending, preempting
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:
@@ -112,6 +136,7 @@ class Backend:
             self._live.discard(t)
             if t.pending:
                 self._pending_blocks -= t.kv_blocks
+                self._publish()
 
     def check_passed(self) -> None:
         with self._lock:

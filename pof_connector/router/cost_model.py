@@ -32,6 +32,7 @@ collinear -- grow by 1/FORGET per sample and the next odd sample swings them to 
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -105,6 +106,7 @@ class CostModel:
         # Start values may be off by an order of magnitude: a wide prior learns within ~10 requests.
         self._p = np.diag(np.maximum(self._theta, 1e-2) ** 2) * 100.0
         self._p_trace = float(np.trace(self._p))
+        self._learn = config.learn
         self._lock = threading.Lock()
         self.observed = 0
         """Samples learnt from."""
@@ -153,9 +155,11 @@ class CostModel:
         load, without building an :class:`Estimate`: the router weighs every backend per request
         with it (nodes sharing a locality share their prefix terms) and builds the estimate of
         the chosen one only."""
-        c = self._coef                     # _dot(_features(...)) written out: one call, not three
-        return (c[0] * (waiting + 1.0) + c[1] * ((waiting_tokens + recompute) * TOKEN_SCALE)
-                + c[2] * float(max(running - waiting, 0)) + c[3] * fetch_s)
+        # _dot(_features(...)) written out: one call, not three, and no max() / float() calls (a
+        # float times a whole number is the float times float(number): the same product)
+        c0, c1, c2, c3 = self._coef
+        return (c0 * (waiting + 1.0) + c1 * ((waiting_tokens + recompute) * TOKEN_SCALE)
+                + c2 * (running - waiting if running > waiting else 0) + c3 * fetch_s)
 
     def _dot(self, x: tuple[float, float, float, float]) -> float:
         c = self._coef
@@ -165,16 +169,19 @@ class CostModel:
         """Learn from a request whose first token came ``ttft_s`` after it was sent;
         ``cached_tokens``: the prompt tokens the engine reported it did not compute (``None``:
         it did not say, the estimate's own view stands)."""
-        if not self.config.learn or not np.isfinite(ttft_s) or ttft_s < 0:
+        if not self._learn or not math.isfinite(ttft_s) or ttft_s < 0:
             return
         x = np.array(est.corrected(cached_tokens) if cached_tokens is not None else est.features)
+        # the ufuncs and methods np.clip / np.outer / np.trace call, without their wrappers' cost
+        # (every routed request is a sample; `pof sim` observes one per simulated request)
         with self._lock:
             px = self._p @ x
             gain = px / (FORGET + x @ px)
-            self._theta = np.clip(self._theta + gain * (ttft_s - x @ self._theta), self._low, self._high)
-            self._coef = tuple(float(v) for v in self._theta)
-            p = (self._p - np.outer(gain, px)) / FORGET
-            trace = float(np.trace(p))
+            self._theta = np.minimum(np.maximum(self._theta + gain * (ttft_s - x @ self._theta), self._low),
+                                     self._high)
+            self._coef = tuple(self._theta.tolist())
+            p = (self._p - gain[:, None] * px[None, :]) / FORGET
+            trace = float(p.trace())
             self._p = p * (self._p_trace / trace) if trace > self._p_trace else p
             self.observed += 1
 

@@ -77,6 +77,26 @@ class KvAdmission:
         return Admission(*self.verdict(node.load, node.pending_blocks, node.preempting, need_tokens,
                                        s_per_token, overhead_s))
 
+    def fit_tokens(self, load: EngineLoad | None, pending_blocks: int, preempting: bool) -> int | None:
+        """The most KV tokens (prompt + max_tokens) a request may need and still find the node not
+        saturated: ``verdict(...)`` calls it saturated exactly when ``max(need_tokens, 0) > fit``;
+        -1: saturated for any request; ``None``: for none (no reading, no capacity known and no
+        pressure). It depends on the reading and this router's pending blocks only, not on the
+        request: the router keeps it per backend until those change and weighs every backend of
+        a request with one comparison. (``ceil(n / bt) > free`` is ``n > free * bt`` for whole
+        ``free >= 0``, and always true for ``free < 0``.)"""
+        if not self._enabled or load is None or load.kv_usage is None:
+            return None
+        usage = load.kv_usage
+        usage = 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage
+        if usage >= self._watermark and (load.waiting > 0 or preempting):
+            return -1
+        if not load.kv_capacity_tokens:
+            return None
+        bt = load.block_tokens if load.block_tokens else self._block_tokens
+        free = math.floor((1.0 - usage) * load.kv_capacity_tokens / bt) - pending_blocks
+        return free * bt if free >= 0 else -1
+
     def verdict(self, load: EngineLoad | None, pending_blocks: int, preempting: bool, need_tokens: int,
                 s_per_token: float, overhead_s: float) -> tuple[int, int | None, bool, str, float]:
         """:meth:`assess`'s fields as a tuple, from a :class:`NodePressure`'s (the router weighs

@@ -87,9 +87,9 @@ class Router:
     def __init__(self, config: RouterConfig, locator: Locates | None) -> None:
         self.config = config
         self.locator = locator
-        self.backends = [Backend(b, config.health.failures_to_remove) for b in config.backends]
         self.cost = CostModel(config.cost)
         self.kv = KvAdmission(config.capacity)
+        self.backends = [Backend(b, config.health.failures_to_remove, self.kv.fit_tokens) for b in config.backends]
         self.sent = SentPrefixes(config.capacity.block_tokens)
         """Prefixes sent to each backend: the cached-token count of a sample the engine did not report."""
         self._rr = itertools.count()
@@ -108,7 +108,7 @@ class Router:
                max_tokens: int | None = None) -> Decision:
         """The backend for a prompt of ``tokens`` (``None``: unknown tokens) that generates up to
         ``max_tokens`` (``None``: the request did not say). Raises :class:`NoBackend`."""
-        live = [b for b in self.healthy() if b.name not in exclude]
+        live = [b for b in self.healthy() if b.name not in exclude] if exclude else self.healthy()
         if not live:
             raise NoBackend("no healthy backend: " + ", ".join(f"{b.name} ({b.url})" for b in self.backends))
         n_tokens = len(tokens) if tokens is not None else 0
@@ -157,67 +157,93 @@ class Router:
         self.index_health.ok()
         n_tokens = len(tokens)
         cost, kv, stale = self.cost, self.kv, self.config.capacity.stale_after_s
-        s_per_token, overhead_s = cost.s_per_token, cost.overhead_s
-        offset = next(self._rr)
+        ttft_s, fit_tokens = cost.ttft_s, kv.fit_tokens
+        nodes_get = found.nodes.get
         # Every backend is weighed with plain numbers (a cluster of hundreds of backends, and `pof
         # sim` driving this per simulated request); the chosen one's Estimate and Admission objects
         # are built once it is known. Keys: equal estimates (e.g. nodes loading the same shared
         # region) go to the node holding the prefix, then round the backends (an idle cluster and a
-        # new prefix), not always to the first; the turn makes every key distinct.
-        weighed: list[tuple[Backend, NodeLocality | None, float, bool, int]] = []
-        # id(locality entry) -> (recompute, fetch_s, bytes per token, held): the entries of nodes
-        # holding nothing of the prompt may be one shared object (the simulator's are)
-        terms: dict[int, tuple[int, float, float, int]] = {}
-        best_roomy: tuple[tuple[float, int, int], int] | None = None
-        best_any: tuple[tuple[float, int, int], int] | None = None
-        holder_key: tuple[int, int] | None = None
-        holder_i = 0
+        # new prefix), not always to the first: the backends are visited in their turn order (the
+        # turn of live[i] is (i - offset) mod n), so an earlier one keeps a tie.
         n_live = len(live)
+        start = next(self._rr) % n_live
+        order = live[start:] + live[:start] if start else live
+        # id(locality entry) -> (recompute, fetch_s, bytes per token, held, idle): the entries of
+        # nodes holding nothing of the prompt may be one shared object (the simulator's are);
+        # ``idle``: running requests -> the estimate of a node with nothing waiting, the same for
+        # all such nodes of the entry (most nodes, most of the time)
+        terms: dict[int, tuple[int, float, float, int, dict[int, float]]] = {}
+        need_pos = need if need > 0 else 0
+        best: tuple[Backend, NodeLocality | None, float, int] | None = None
+        best_ttft, best_held = 0.0, 0
+        holder: tuple[Backend, int] | None = None
+        holder_held = -1
+        saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, EngineLoad | None, int, bool]] = []
         now = time.monotonic()
-        for i, b in enumerate(live):
-            node = found.nodes.get(b.pool_node)
-            t = terms.get(id(node))
-            if t is None:
-                t = terms[id(node)] = self._prefix_terms(node, n_tokens)
-            recompute, fetch_s, bpt, held = t
-            ttft = cost.ttft_s(recompute, fetch_s, b.running, b.waiting, b.waiting_tokens)
-            load, pending, preempting = b.pressure_fields(stale, now)
-            if load is None and node is not None and node.load is not None:
-                load = node.load                    # the relay's reading, published in the index
-            _, _, saturated, _, adm_cost = kv.verdict(load, pending, preempting, need, s_per_token, overhead_s)
-            turn = (i - offset) % n_live
-            weighed.append((b, node, bpt, saturated, held))
-            if not saturated:
-                key = (ttft, -held, turn)
-                if best_roomy is None or key < best_roomy[0]:
-                    best_roomy = (key, i)
-            elif best_roomy is None:
-                key = (ttft + adm_cost, -held, turn)
-                if best_any is None or key < best_any[0]:
-                    best_any = (key, i)
-            if holder_key is None or (held, -turn) > holder_key:
-                holder_key, holder_i = (held, -turn), i
-        chosen = best_roomy or best_any
-        assert chosen is not None
-        b, node, bpt, _, best_held = weighed[chosen[1]]
+        last: object = False                        # matches no entry: the first backend looks its entry up
+        idle: dict[int, float] = {}
+        recompute, fetch_s, bpt, held = 0, 0.0, 0.0, 0
+        for turn, b in enumerate(order):
+            node = nodes_get(b.pool_node)
+            if node is not last:                   # most often the previous backend's entry
+                last = node
+                t = terms.get(id(node))
+                if t is None:
+                    t = terms[id(node)] = (*self._prefix_terms(node, n_tokens), {})
+                recompute, fetch_s, bpt, held, idle = t
+            waiting, waiting_tokens, running = b.waiting, b.waiting_tokens, b.running
+            if waiting or waiting_tokens:
+                ttft = ttft_s(recompute, fetch_s, running, waiting, waiting_tokens)
+            elif (known := idle.get(running)) is not None:
+                ttft = known
+            else:
+                ttft = idle[running] = ttft_s(recompute, fetch_s, running, 0, 0)
+            # the node is saturated for this request when its need exceeds the most its KV reading
+            # fits (KvAdmission.fit_tokens), which the backend keeps with its reading
+            state = b.pressure_state
+            if state[0] is not None and now - state[3] <= stale:
+                fit = state[4]
+            elif node is not None and node.load is not None:
+                fit = fit_tokens(node.load, 0, False)
+                state = (node.load, 0, False, now, fit)     # the relay's reading, published in the index
+            else:
+                fit = None
+            if fit is None or need_pos <= fit:
+                if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
+                    best, best_ttft, best_held = (b, node, bpt, held), ttft, held
+            else:
+                saturated.append((turn, b, node, bpt, held, ttft, state[0], state[1], state[2]))
+            if held > holder_held:
+                holder, holder_held = (b, turn), held
+        assert holder is not None
+        roomy = best is not None
+        if best is None:                           # all saturated: the least estimate plus admission cost
+            s_per_token, overhead_s = cost.s_per_token, cost.overhead_s
+            for _, b, node, bpt, held, ttft, load, pending, preempting in saturated:
+                ttft += kv.verdict(load, pending, preempting, need, s_per_token, overhead_s)[4]
+                if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
+                    best, best_ttft, best_held = (b, node, bpt, held), ttft, held
+        assert best is not None
+        b, node, bpt, _ = best
         estimate = cost.estimate(Candidate(
             b.name, n_tokens, node.engine_tokens if node else 0, node.usable if node else {}, bpt,
             b.running, b.waiting, b.waiting_tokens))
         admission = self._assess(b, need, node.load if node else None)
-        holder_b, _, _, holder_saturated, holder_held = weighed[holder_i]
+        holder_b, holder_turn = holder
         has_holder = holder_held > 0
-        if best_roomy is None:
+        if not roomy:
             route = "all-saturated"
         elif not has_holder:
             route = "no-prefix"
-        elif holder_i == chosen[1] or best_held >= holder_held:
+        elif holder_b is b or best_held >= holder_held:
             route = "prefix-holder"
-        elif holder_saturated:
+        elif any(s[0] == holder_turn for s in saturated):
             route = "holder-saturated:pool" if estimate.fetch_tokens > 0 else "holder-saturated:recompute"
         else:
             route = "lower-cost"
-        return Decision(b, "pof", estimate, n_tokens, route, admission,
-                        tuple(w[0].name for w in weighed if w[3]),
+        # the saturated backends in live order
+        names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated)) if saturated else ()
+        return Decision(b, "pof", estimate, n_tokens, route, admission, names,
                         holder_b.name if has_holder else None, estimate.fetch_tokens)
 
     def _prefix_terms(self, node: NodeLocality | None, n_tokens: int) -> tuple[int, float, float, int]:

@@ -128,9 +128,13 @@ class EngineNode(NodeView):
 
     def _boundary(self, now: float) -> None:
         """Schedule the next iteration (or decode segment) from ``now``."""
-        while self.decoding and self._need(1) > self.total - self.used:
+        step_blocks = 0                        # blocks the running requests' next step takes
+        while self.decoding:
+            step_blocks = self._need(1)
+            if step_blocks <= self.total - self.used:
+                break
             self._preempt(next(reversed(self.decoding)))
-        step_blocks = self._need(1) if self.decoding else 0
+            step_blocks = 0
         admitted = self._admit(now, step_blocks)
         b = len(self.decoding)
         context = self._offsets + b * self.steps
@@ -138,8 +142,8 @@ class EngineNode(NodeView):
             self.used += step_blocks
             self._start(now, 1, self.profile.decode_s(b, context) + admitted, 0.0)
         elif b:
-            k = self._steps_that_fit()
-            self.used += self._need(k)
+            k, blocks = self._steps_that_fit(step_blocks)
+            self.used += blocks
             self.cache.shrink(self.total - self.used)
             self._start(now, k, self.profile.decode_s(b, context), self.profile.decode_s_per_ctx_token * b)
 
@@ -166,33 +170,44 @@ class EngineNode(NodeView):
             self.used -= self._need(self._k) - self._need(j)
             self._start(self._t0, j, self._a, self._b)
 
-    def _steps_that_fit(self) -> int:
+    def _steps_that_fit(self, one_step: int) -> tuple[int, int]:
+        """Decode steps to run as one segment (up to the next finish, while their blocks fit) and
+        the blocks they take; ``one_step``: the blocks of one step (which fit)."""
         kmax = MAX_SEGMENT_STEPS
         while self._finish and self.decoding.get(self._finish[0][2]) != self._finish[0][0]:
             heapq.heappop(self._finish)        # preempted since
         if self._finish:
             kmax = min(kmax, max(self._finish[0][0] - self.steps, 1))
         free = self.total - self.used
-        if self._need(kmax) <= free:
-            return kmax
-        lo, hi = 1, kmax                       # need(lo) fits (the caller made room), need(hi) does not
+        need = self._need(kmax)
+        if need <= free:
+            return kmax, need
+        lo, lo_need, hi = 1, one_step, kmax    # need(lo) fits (the caller made room), need(hi) does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self._need(mid) <= free:
-                lo = mid
+            need = self._need(mid)
+            if need <= free:
+                lo, lo_need = mid, need
             else:
                 hi = mid
-        return lo
+        return lo, lo_need
 
     def _need(self, k: int) -> int:
-        """New blocks the decoding requests take over the next ``k`` steps."""
+        """New blocks the decoding requests take over the next ``k`` steps.
+
+        A request holding ``m * bt + r`` tokens (``0 <= r < bt``) takes ``ceil((r + k) / bt) -
+        (1 if r else 0)`` new blocks in ``k = a * bt + e`` steps: ``a``, plus one when ``e > 0``
+        and ``r`` is 0 or above ``bt - e``. So the sum is ``a`` per request plus the requests whose
+        residue lies in that window of ``e`` residues (``bt - e + 1 .. bt``, mod ``bt``); a
+        request's residue is its offset's residue (``_resid``'s index) plus the node's steps."""
         bt = self.profile.block_tokens
-        s = self.steps
-        total = 0
-        for q, count in enumerate(self._resid):
-            if count:
-                r = (q + s) % bt
-                total += count * (-(-(r + k) // bt) - (1 if r else 0))
+        a, e = divmod(k, bt)
+        total = a * len(self.decoding)
+        if e:
+            lo = (bt - e + 1 - self.steps) % bt        # the offset residue of the window's first residue
+            end = lo + e
+            resid = self._resid
+            total += sum(resid[lo:end]) if end <= bt else sum(resid[lo:]) + sum(resid[:end - bt])
         return total
 
     # -- requests -------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ class SimLocator:
         page = profile.block_tokens
         self.readings: list[EngineLoad] = []
         """The nodes' last metrics readings (what a relay would publish beside the index)."""
+        self._nothing: dict[int, NodeLocality] = {}
+        """Tokens the pool can load over the remote tier -> the entry of a node holding nothing."""
         self._info = [NodeInfo(n.name, meta={"page_bytes": str(profile.kv_bytes_per_token * page), "model": MODEL})
                       for n in nodes]
 
@@ -41,12 +43,7 @@ class SimLocator:
         page = self.profile.block_tokens
         local = self.profile.local_tier.name
         remote = self.profile.remote_tier.name
-        stored = self._stored(job)
-        own_of: dict[int, int] = {}
-        for held_by in stored.values():
-            for node, n in held_by.items():
-                if n > own_of.get(node, 0):
-                    own_of[node] = n
+        own_of = self._stored(job)
         far = max(own_of.values(), default=0)
         # Nodes holding the same of the prompt (own pool, engine cache; most often nothing, or a
         # tenant's system prompt cached everywhere) share one entry: the router reads of an entry
@@ -56,35 +53,53 @@ class SimLocator:
         if self.cached is None:
             maybe: Iterable[int] = range(len(self.nodes))
         else:
-            maybe = self.cached.get(job.session_key, set()) | self.cached.get(job.system_key, set())
+            by_session, by_system = self.cached.get(job.session_key), self.cached.get(job.system_key)
+            maybe = by_session | by_system if by_session and by_system else by_session or by_system or ()
         engine_of = {i: e for i in maybe if (e := self.nodes[i].cached_prefix(job))}
-        nothing = NodeLocality("*", page, {}, 0, {remote: far} if far else {}, 0, None, self._info[0])
+        nothing = self._nothing.get(far)
+        if nothing is None:                    # the router only reads entries: one per ``far`` serves
+            nothing = self._nothing[far] = NodeLocality("*", page, {}, 0, {remote: far} if far else {}, 0, None,
+                                                        self._info[0])
         out: dict[str, NodeLocality] = dict.fromkeys(self._names, nothing)
-        shared: dict[tuple[int, int], NodeLocality] = {(0, 0): nothing}
-        for i in own_of.keys() | engine_of.keys():
-            own, engine = own_of.get(i, 0), engine_of.get(i, 0)
+        names = self._names
+
+        def entry_of(own: int, engine: int) -> NodeLocality:
+            if own:
+                held, usable = {local: own}, ({local: own} if own >= far else {remote: far})
+            else:
+                held, usable = {}, ({remote: far} if far else {})
+            return NodeLocality("*", page, held, engine, usable, own, None, self._info[0])
+        by_own: dict[int, NodeLocality] = {}   # nodes whose engine caches none of it, by what their pool has
+        for i, own in own_of.items():
+            if engine_of and i in engine_of:
+                continue
+            entry = by_own.get(own)
+            if entry is None:
+                entry = by_own[own] = entry_of(own, 0)
+            out[names[i]] = entry
+        shared: dict[tuple[int, int], NodeLocality] = {}
+        for i, engine in engine_of.items():
+            own = own_of.get(i, 0)
             entry = shared.get((own, engine))
             if entry is None:
-                if own:
-                    held, usable = {local: own}, ({local: own} if own >= far else {remote: far})
-                else:
-                    held, usable = {}, ({remote: far} if far else {})
-                entry = shared[(own, engine)] = NodeLocality("*", page, held, engine, usable, own, None,
-                                                             self._info[0])
-            out[self._names[i]] = entry
+                entry = shared[(own, engine)] = entry_of(own, engine)
+            out[names[i]] = entry
         return Locality(MODEL, job.prompt_tokens, page, out)
 
-    def _stored(self, job: Job) -> dict[str, dict[int, int]]:
-        """Per prefix key of ``job``'s prompt, the leading tokens of it each node's pool stores
-        (capped at what the prompt shares with it, whole pages)."""
+    def _stored(self, job: Job) -> dict[int, int]:
+        """Per node whose pool stores some of ``job``'s prompt, the most leading tokens of it stored
+        under one of its prefix keys (capped at what the prompt shares with it, whole pages)."""
         if self.pool is None:
             return {}
         cap = job.prompt_tokens - 1
         page = self.profile.block_tokens
-        out: dict[str, dict[int, int]] = {}
+        own_of: dict[int, int] = {}
         for key, limit in ((job.session_key, job.history_tokens), (job.system_key, job.request.system_tokens)):
             where = self.pool.holders(key)
             if where:
                 lim = min(limit, cap)
-                out[key] = {node: min(n, lim) // page * page for node, n in where.items()}
-        return out
+                for node, n in where.items():
+                    n = (n if n < lim else lim) // page * page
+                    if n > own_of.get(node, 0):
+                        own_of[node] = n
+        return own_of

@@ -1,8 +1,9 @@
 """The event loop: requests arrive (the trace's times scaled by the rate factor), the policy places
 them, the nodes run; KV usage is sampled across nodes for the fragmentation spread.
 
-Events live in one heap of ``(time, seq, kind, a, b)``; a node's wake-up carries its version, so a
-segment cut short by an arrival leaves a stale event that the node ignores.
+Events live in one heap of ``(time, seq, kind, a, b)``, arrivals in a list sorted by time, taken
+before a heap event of the same time; a node's wake-up carries its version, so a segment cut short
+by an arrival leaves a stale event that the node ignores.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pof_connector.sim.sim_config import SimConfig
 from pof_connector.sim.trial_result import TrialResult
 from pof_connector.sim.workload import SimRequest
 
-ARRIVE, WAKE, SAMPLE, TICK = 0, 1, 2, 3
+WAKE, SAMPLE, TICK = 1, 2, 3
 
 
 class _Stop(Exception):
@@ -95,8 +96,11 @@ class Simulator(NodeEvents):
         self._late_limit = int(cfg.late_share * len(jobs))
         self.policy.bind(self._views, self.pool, self.cached)
         span = max((j.arrival for j in jobs), default=0.0)
-        for j in jobs:
-            self._push(j.arrival, ARRIVE, j.id)
+        # Arrivals are not in the heap (it would hold every request): they are taken in (time, job)
+        # order, before any heap event of the same time, the order their heap entries had (pushed
+        # first, so with the lowest sequence numbers).
+        arrivals = sorted(jobs, key=lambda j: (j.arrival, j.id))
+        self._seq = len(jobs)
         step = span / cfg.samples if span > 0 else 0.0
         if step > 0:
             for k in range(cfg.samples + 1):
@@ -108,16 +112,24 @@ class Simulator(NodeEvents):
         events = 0
         self._arrived = 0
         aborted = False
+        heap, pop, nodes = self._heap, heapq.heappop, self.nodes
+        n_arrivals, k = len(arrivals), 0
         try:
-            while self._heap:
-                at, _, kind, a, b = heapq.heappop(self._heap)
+            while k < n_arrivals or heap:
+                if k < n_arrivals and (not heap or arrivals[k].arrival <= heap[0][0]):
+                    job = arrivals[k]
+                    k += 1
+                    if job.arrival > horizon:
+                        break
+                    events += 1
+                    self._arrive(job, job.arrival)
+                    continue
+                at, _, kind, a, b = pop(heap)
                 if at > horizon:
                     break
                 events += 1
                 if kind == WAKE:
-                    self.nodes[a].wake(at, b)
-                elif kind == ARRIVE:
-                    self._arrive(jobs[a], at)
+                    nodes[a].wake(at, b)
                 elif kind == TICK:
                     self.policy.tick(at)
                 else:

@@ -111,3 +111,24 @@ def test_weighing_matches_the_per_backend_objects() -> None:
             d.backend.waiting_tokens), "ttft_s and estimate() disagree"
         assert set(d.saturated) <= {b.name for b in router.backends}
         assert cand_node is None or d.prompt_tokens == prompt
+
+
+def test_fit_tokens_says_saturated_exactly_when_verdict_does() -> None:
+    """The router weighs a backend by ``need > fit_tokens(reading)``; verdict() is the rule."""
+    from pof_connector.router.kv_admission import KvAdmission
+    from pof_connector.router.router_config import CapacityConfig
+
+    rnd = random.Random(11)
+    for enabled in (True, False):
+        kv = KvAdmission(CapacityConfig(enabled=enabled, block_tokens=16, high_watermark=rnd.choice([0.9, 0.5])))
+        for _ in range(3000):
+            load = rnd.choice([None, EngineLoad(
+                running=rnd.randint(0, 5), waiting=rnd.randint(0, 2),
+                kv_usage=rnd.choice([None, 0.0, 1.0, 1.2, -0.1, 0.9, 0.5, rnd.random()]),
+                kv_capacity_tokens=rnd.choice([None, 0, 1000, 4096, rnd.randint(1, 100000)]),
+                block_tokens=rnd.choice([None, 0, 16, 32, 128]), preemptions=0)])
+            pending, preempting = rnd.randint(0, 300), rnd.random() < 0.3
+            fit = kv.fit_tokens(load, pending, preempting)
+            for need in (-5, 0, 1, 15, 16, 17, rnd.randint(0, 200000)):
+                saturated = kv.verdict(load, pending, preempting, need, 1e-4, 0.01)[2]
+                assert saturated == (fit is not None and max(need, 0) > fit), (load, pending, preempting, need, fit)

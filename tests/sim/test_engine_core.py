@@ -4,12 +4,16 @@ a remote tier of 0.5 GB/s (2 ms per token), no latencies."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from pof_connector.config import ConfigError
-from pof_connector.sim.base import NodeView, Policy
+from pof_connector.sim.base import NodeEvents, NodeView, Policy
+from pof_connector.sim.counters import Counters
+from pof_connector.sim.engine_node import EngineNode
 from pof_connector.sim.job import Job
 from pof_connector.sim.profile import Profile, load_profile, profile_from_mapping
 from pof_connector.sim.sim_config import SimConfig
@@ -148,3 +152,30 @@ def test_profiles_load_and_bad_keys_are_named() -> None:
         profile_from_mapping({**TOY, "local_tier": {**TOY["local_tier"], "speed": 1}}, "x", "x")
     with pytest.raises(ConfigError, match="no shipped profile"):
         load_profile("nope")
+
+
+class _NoEvents(NodeEvents):
+    def wake(self, node: int, at: float, version: int) -> None: ...
+
+    def first_token(self, job: Job, at: float) -> None: ...
+
+    def finished(self, job: Job, at: float) -> None: ...
+
+
+def test_new_blocks_per_residue_window_equal_the_per_request_sum() -> None:
+    """EngineNode._need (a window sum over the residues of the decoding requests' lengths) against
+    each request's ``ceil((len + k) / bt) - ceil(len / bt)`` counted one by one."""
+    rnd = random.Random(3)
+    for bt in (1, 2, 16, 128):
+        profile = replace(load_profile("h200"), block_tokens=bt)
+        for _ in range(200):
+            node = EngineNode(0, profile, _NoEvents(), Counters())
+            node.steps = rnd.randint(0, 5000)
+            lengths = [rnd.randint(1, 9000) for _ in range(rnd.randint(0, 30))]
+            for n in lengths:
+                offset = n - node.steps
+                node._resid[offset % bt] += 1
+                node.decoding[object()] = 0  # type: ignore[index]
+            for k in (0, 1, bt - 1, bt, bt + 1, rnd.randint(0, 4 * bt + 3), 256):
+                want = sum(-(-(n + k) // bt) - -(-n // bt) for n in lengths)
+                assert node._need(k) == want, (bt, k, node.steps, lengths)
