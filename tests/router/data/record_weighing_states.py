@@ -32,6 +32,7 @@ from pof_connector.locality.locator import Locality, NodeLocality
 from pof_connector.router.cost_model import Candidate
 from pof_connector.router.router import Decision, Router
 from pof_connector.router.router_config import RouterConfig
+from tests.router.test_weighing_recorded import decision_json  # one JSON shape for recording and replaying
 
 PER_ROUTE = 8
 """Sim states kept per route and source."""
@@ -66,16 +67,6 @@ def state_of(router: Router, mapping: dict[str, Any], found: Locality, n_tokens:
                      "usable": e.usable, "near_tokens": e.near_tokens, "load": load_json(e.load),
                      "page_bytes": e.info.meta.get("page_bytes") if e.info else None} for e in entries],
     }
-
-
-def decision_json(d: Decision) -> dict[str, Any]:
-    est, adm = d.estimate, d.admission
-    return {"backend": d.backend.name, "reason": d.reason, "route": d.route, "saturated": list(d.saturated),
-            "holder": d.holder, "pool_tokens": d.pool_tokens, "prompt_tokens": d.prompt_tokens,
-            "estimate": None if est is None else [est.ttft_s, est.recompute_tokens, est.fetch_tokens, est.fetch_s,
-                                                  list(est.features)],
-            "admission": None if adm is None else [adm.need_blocks, adm.free_blocks, adm.saturated, adm.why,
-                                                   adm.cost_s]}
 
 
 def record_sim(out: list[dict[str, Any]], profile_name: str, mix: str, nodes: int, factor: float, seed: int,
