@@ -108,7 +108,7 @@ class SetupRun:
         after = self.fleet.counters()
         row = trial.figures(self.slo_s)
         row.update(sampler.figures())
-        row.update(self._work(trial, before, after))
+        row.update(self._work(trial, before, after, row["mean_ttft_s"]))
         row["backends"] = _shares(trial)
         self.trials.append(row)
         verdict = "meets" if row["passed"] else "misses"
@@ -120,7 +120,10 @@ class SetupRun:
                       f"{_parts_text(row['ttft_parts_s'])} -> {verdict} the SLO")
         return bool(row["passed"])
 
-    def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float],
+              mean_ttft_s: float | None) -> dict[str, Any]:
+        """What the engines did in ``trial`` (their counters ``before`` and ``after`` it);
+        ``mean_ttft_s``: the trial's mean TTFT as the client saw it (``None``: no first token)."""
         d = {k: after[k] - before[k] for k in after}
         computed = d["vllm:iteration_tokens_total_sum"]
         sent = [o for o in trial.outcomes if not o.error.startswith("not sent")]
@@ -130,8 +133,7 @@ class SetupRun:
                 "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
                 "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"]),
                 "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"]),
-                "ttft_parts_s": ttft_parts(d, statistics.fmean(o.ttft_s for o in sent if o.ttft_s is not None)
-                                           if any(o.ttft_s is not None for o in sent) else None)}
+                "ttft_parts_s": ttft_parts(d, mean_ttft_s)}
 
     def _quiesce(self, timeout_s: float = 120.0) -> None:
         """Until no request runs or waits (streams closed by a give-up are aborted a moment later),
