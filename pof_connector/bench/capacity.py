@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 import statistics
 import sys
@@ -60,6 +61,33 @@ MAX_FACTOR, MIN_FACTOR = 16.0, 1 / 16
 
 def _vocab(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+ERROR_LINE = re.compile(r"(\b\w+(?:Error|Exception): .*)")
+"""An error's name and message on a log line (after the engine's log prefix)."""
+
+
+def start_fleet(setup: str, model: Path, workdir: Path, spec: FleetSpec, progress: Progress,
+                attempts: int = 2) -> Fleet:
+    """``setup``'s processes, started afresh (new ports, new logs) when one failed to start: a
+    start is not what the bench measures, and two engines starting side by side can race for a
+    port. The last failure is raised with its cause."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return Fleet(setup, model, workdir / f"start-{attempt}", spec).start()
+        except (RuntimeError, TimeoutError) as e:
+            if attempt == attempts:
+                raise
+            progress(f"{setup}: start {attempt} failed ({failure_cause(str(e))}); starting again")
+    raise AssertionError("unreachable")
+
+
+def failure_cause(message: str) -> str:
+    """The first line of a failed start's message that names an error: the root cause, which
+    :meth:`~.service_process.ServiceProcess.tail` puts before the launcher's own traceback; else
+    the message's first line."""
+    named = ERROR_LINE.search(message)
+    return (named.group(1) if named else message.split("\n", 1)[0]).strip()[:300]
 
 
 def prompt_sizes(trace: list[TraceRequest]) -> list[int]:
@@ -233,7 +261,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     longest = int(info["max_context_tokens"])
     max_len = -(-(longest + 64) // BLOCK) * BLOCK
     kv = kv_tokens or 2 * longest          # one server holds two of the longest sessions
-    blocks = max(-(-kv // BLOCK), max_len // BLOCK)
+    # vLLM keeps one block aside (its null block): a server of max_len // BLOCK blocks refuses to start
+    blocks = max(-(-kv // BLOCK), max_len // BLOCK + 1)
     spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8)
     trials = max_trials or (2 if quick else 6)
     progress(f"trace: {info['requests']} requests, {info['sessions']} sessions ({info['multi_turn_sessions']} "
@@ -251,7 +280,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                 progress(f"{name}: skipped ({skipped[name]})")
                 continue
             progress(f"{name}: starting {servers} vLLM servers ...")
-            fleet = Fleet(name, model_dir, workdir / name, spec).start()
+            fleet = start_fleet(name, model_dir, workdir / name, spec, progress)
             try:
                 if not slo_s:
                     sample = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)

@@ -184,7 +184,9 @@ class Replay:
             o = Outcome(r.session, k, len(prompt), len(prompt), r.max_tokens)
             out.append(o)
             if k == 0 or out[-2].ttft_s is not None:
-                time.sleep(max(0.0, t0 + r.at / factor - time.perf_counter()))
+                # Woken by a give-up: a trial that gave up ends then, not at its last arrival, so
+                # its wall time and KV-use samples hold no idle tail.
+                self._give_up.wait(max(0.0, t0 + r.at / factor - time.perf_counter()))
             if self._give_up.is_set() or (k > 0 and out[-2].ttft_s is None):
                 why = "the trial gave up" if self._give_up.is_set() else "an earlier turn failed"
                 o.error = f"not sent: {why}"

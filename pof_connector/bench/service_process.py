@@ -42,7 +42,19 @@ class ServiceProcess:
         raise TimeoutError(f"{self.log.name}: {url} did not answer in {timeout_s}s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+        """The log's last ``n`` lines, after its first traceback when that lies further up: an engine
+        that fails to start prints the root cause in a child process, then a long traceback of its
+        parent that only says "see root cause above"."""
+        if not self.log.exists():
+            return ""
+        lines = self.log.read_text(errors="replace").splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+        if first is None or first >= len(lines) - n:
+            return "\n".join(lines[-n:])
+        cause = lines[max(0, first - 3):first + n]
+        if first + n >= len(lines) - n:
+            return "\n".join(lines[max(0, first - 3):])
+        return "\n".join([*cause, f"[... {len(lines) - n - first - n} lines ...]", *lines[-n:]])
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

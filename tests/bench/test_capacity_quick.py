@@ -30,7 +30,7 @@ def test_quick_capacity_json_has_its_fields(tmp_path: Path) -> None:
     except ImportError:
         plot = None  # type: ignore[assignment]
     done = subprocess.run(args, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-12000:]
     check_quick_json(json.loads(done.stdout), done.stderr)
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

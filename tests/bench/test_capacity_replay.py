@@ -72,12 +72,14 @@ def test_a_session_turn_carries_the_earlier_turn_and_answer() -> None:
 
 def test_an_overloaded_trial_gives_up_and_fails() -> None:
     seen: list[list[int]] = []
-    many = [TraceRequest(i * 0.1, f"s{i}", "t", 40, 10, 2) for i in range(30)]
+    many = [TraceRequest(i * 0.2, f"s{i}", "t", 40, 10, 2) for i in range(30)]
     with serve(fake_vllm(seen, 0.5)) as url:
         replay = Replay(many, lambda r, k: (url, {}), vocab=500, variant=0, block=BLOCK, slo_s=0.1, timeout_s=10)
         trial = replay.run(factor=1.0)
     figures: dict[str, Any] = trial.figures(0.1)
     assert trial.gave_up and not figures["passed"]
+    # it ends when it gives up (about 1 s in), not at the last arrival (5.8 s): no idle tail
+    assert trial.wall_s < 4.0, trial.wall_s
     assert figures["requests"] == 30 and figures["failed"] > 10        # not sent once it gave up
     assert figures["errors"].get("not sent: the trial gave up", 0) > 10
     assert figures["one_off"]["requests"] == 30 and figures["one_off"]["p90_ttft_s"] is None   # unsent: late
