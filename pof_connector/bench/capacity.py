@@ -145,7 +145,7 @@ class SetupRun:
                       f"{row['p90_ttft_s']} s, {row['late']} late, {row['failed']} failed"
                       f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
                       f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']}, mean TTFT parts "
-                      f"{_parts_text(row['ttft_parts_s'])} -> {verdict} the SLO")
+                      f"{_parts_text(row['ttft_parts_s'])}{_router_text(row)} -> {verdict} the SLO")
         return bool(row["passed"])
 
     def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float],
@@ -161,7 +161,8 @@ class SetupRun:
                 "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
                 "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"]),
                 "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"]),
-                "ttft_parts_s": ttft_parts(d, mean_ttft_s)}
+                "ttft_parts_s": ttft_parts(d, mean_ttft_s),
+                "engine_first_tokens": {k.split(":")[0]: int(v) for k, v in d.items() if k.endswith(":first_tokens")}}
 
     def _quiesce(self, timeout_s: float = 120.0) -> None:
         """Until no request runs or waits (streams closed by a give-up are aborted a moment later),
@@ -176,6 +177,12 @@ class SetupRun:
     def search(self, max_trials: int) -> float:
         """The highest passing factor found within ``max_trials`` trials (0: none passed)."""
         return bounded_search(self.trial, max_trials)
+
+
+def _router_text(row: dict[str, Any]) -> str:
+    """The pof router's own mean time before sending on, part of ``outside`` ('' without one)."""
+    spent = row.get("router_decision_mean_s")
+    return "" if spent is None else f" (of it pof router before sending {spent})"
 
 
 def _parts_text(parts: dict[str, float | None]) -> str:

@@ -156,11 +156,14 @@ class Fleet:
         return round_robin
 
     def counters(self) -> dict[str, float]:
+        """:data:`COUNTERS` summed over the servers, and each server's count of requests that got a
+        first token as ``"<name>:first_tokens"`` (where a router sent them: vllm-router says not)."""
         out = dict.fromkeys(COUNTERS, 0.0)
-        for v in self.servers:
+        for name, v in zip(self.names(), self.servers, strict=True):
             m = v.metrics(COUNTERS)
             for k in COUNTERS:
                 out[k] += m.get(k, 0.0)
+            out[f"{name}:first_tokens"] = m.get("vllm:time_to_first_token_seconds_count", 0.0)
         return out
 
     def usage(self) -> list[float]:

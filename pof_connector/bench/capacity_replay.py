@@ -47,6 +47,9 @@ class Outcome:
     ttft_s: float | None = None
     error: str = ""
     backend: str = ""
+    router_s: float | None = None
+    """What ``pof router`` says it spent before sending the request on (``x-pof-router-overhead``:
+    reading, tokenizing, choosing); ``None``: no such header (no pof router on the way)."""
 
 
 class FirstTouch:
@@ -109,7 +112,14 @@ class Trial:
                 "failed": self.failed, "late": sum(1 for t in ttfts if t > slo_s),
                 "mean_ttft_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
                 "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1),
+                "router_decision_mean_s": self.router_decision_mean(),
                 "errors": self.errors(), **self.by_kind()}
+
+    def router_decision_mean(self) -> float | None:
+        """Mean of the router's own time before sending on (:attr:`Outcome.router_s`); ``None``:
+        no request went through a pof router."""
+        spent = [o.router_s for o in self.outcomes if o.router_s is not None]
+        return round(statistics.fmean(spent), 4) if spent else None
 
     def by_kind(self) -> dict[str, dict[str, float | int | None]]:
         """p50 / p90 TTFT of the turns of multi-turn sessions (``sessions``) and of one-off requests
@@ -133,6 +143,14 @@ class Trial:
                 why = o.error.split(":")[0] if not o.error.startswith(("not sent", "closed")) else o.error
                 out[why] = out.get(why, 0) + 1
         return out
+
+
+def _seconds(header: str | None) -> float | None:
+    """A header's value in seconds; ``None`` when absent or not a number."""
+    try:
+        return float(header) if header is not None else None
+    except ValueError:
+        return None
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -215,6 +233,7 @@ class Replay:
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 o.backend = r.headers.get("x-pof-backend", "") or url
+                o.router_s = _seconds(r.headers.get("x-pof-router-overhead"))
                 for raw in r:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TRIAL_FIELDS = {"factor", "offered_rps", "passed", "gave_up", "requests", "failed", "late", "mean_ttft_s",
                 "p90_ttft_s", "preemptions", "tokens_computed", "tokens_recomputed", "spread_mean", "spread_p90",
-                "pool_hit_tokens", "engine_hit_tokens", "backends", "errors", "sessions", "one_off", "ttft_parts_s"}
+                "pool_hit_tokens", "engine_hit_tokens", "backends", "errors", "sessions", "one_off", "ttft_parts_s",
+                "router_decision_mean_s", "engine_first_tokens"}
 
 
 def test_quick_capacity_json_has_its_fields(tmp_path: Path) -> None:
@@ -53,6 +54,14 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
         assert parts["engine"] is not None and parts["queue"] is not None and parts["prefill"] is not None, name
         assert parts["queue"] + parts["prefill"] <= parts["engine"] * 1.05 + 0.01, (name, parts)
     assert out["setups"]["static"]["at_reference_load"]["pool_hit_tokens"] == 0      # no pool: never loads
+    # the pof router's own time before sending on comes back in a header; static has no router
+    pof_ref, static_ref = out["setups"]["pof"]["at_reference_load"], out["setups"]["static"]["at_reference_load"]
+    assert static_ref["router_decision_mean_s"] is None
+    for ref in (pof_ref, static_ref):    # the engines' own count of who served what, one entry per server
+        assert set(ref["engine_first_tokens"]) == {"n0", "n1"}, ref
+        assert sum(ref["engine_first_tokens"].values()) >= ref["requests"] - ref["failed"], ref
+    assert pof_ref["router_decision_mean_s"] is not None and pof_ref["router_decision_mean_s"] >= 0
+    assert pof_ref["router_decision_mean_s"] <= (pof_ref["mean_ttft_s"] or float("inf")), pof_ref
     assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens", "mix", "seed"} <= set(out["trace"])
     assert out["trace"]["mix"]["long_sessions"] >= 2          # enough for `pof sim validate` to rebuild the trace
     assert "pof_spread_mean" in out["fragmentation"] and "static_spread_mean" in out["fragmentation"]

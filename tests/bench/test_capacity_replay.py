@@ -21,9 +21,10 @@ from tests.http_server import serve
 BLOCK = 16
 
 
-def fake_vllm(seen: list[list[int]], delay_s: float) -> FastAPI:
+def fake_vllm(seen: list[list[int]], delay_s: float, headers: dict[str, str] | None = None) -> FastAPI:
     """Streams ``max_tokens`` token ids (the prompt's length mod 97, then +1...) as vLLM does with
-    ``return_token_ids``, after ``delay_s``; records every prompt."""
+    ``return_token_ids``, after ``delay_s``, with ``headers`` (as a router adds them); records every
+    prompt."""
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -38,14 +39,16 @@ def fake_vllm(seen: list[list[int]], delay_s: float) -> FastAPI:
                 yield "data: " + json.dumps({"choices": [{"text": "x", "token_ids": ids}]}) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(chunks(), media_type="text/event-stream")
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
 
     return app
 
 
 def trace() -> list[TraceRequest]:
-    return [TraceRequest(0.0, "s", "t", 40, 10, 5), TraceRequest(0.05, "other", "t", 40, 7, 3),
-            TraceRequest(0.1, "s", "t", 40, 20, 5)]
+    """Half a second apart: each request's answer is back before the next is sent, on a busy machine too
+    (what the first-touch figures below count on)."""
+    return [TraceRequest(0.0, "s", "t", 40, 10, 5), TraceRequest(0.5, "other", "t", 40, 7, 3),
+            TraceRequest(1.0, "s", "t", 40, 20, 5)]
 
 
 def test_a_session_turn_carries_the_earlier_turn_and_answer() -> None:
@@ -68,6 +71,16 @@ def test_a_session_turn_carries_the_earlier_turn_and_answer() -> None:
     kinds = trial.figures(5.0)
     assert kinds["sessions"]["requests"] == 2 and kinds["one_off"]["requests"] == 1
     assert kinds["one_off"]["p90_ttft_s"] == round(by[("other", 0)].ttft_s or 0.0, 4)
+    assert kinds["router_decision_mean_s"] is None          # no pof router on the way
+
+
+def test_the_routers_own_time_is_averaged_from_its_header() -> None:
+    seen: list[list[int]] = []
+    with serve(fake_vllm(seen, 0.0, {"x-pof-router-overhead": "0.004000", "x-pof-backend": "n1"})) as url:
+        replay = Replay(trace(), lambda r, k: (url, {}), vocab=500, variant=1, block=BLOCK, slo_s=5.0, timeout_s=10)
+        trial = replay.run(factor=1.0)
+    assert [o.router_s for o in trial.outcomes] == [0.004] * 3 and {o.backend for o in trial.outcomes} == {"n1"}
+    assert trial.figures(5.0)["router_decision_mean_s"] == 0.004
 
 
 def test_an_overloaded_trial_gives_up_and_fails() -> None:
@@ -103,7 +116,8 @@ class FakeFleet:
         tokens = float(sum(len(p) for p in self.seen))
         return {"vllm:num_preemptions_total": 0.0, "vllm:iteration_tokens_total_sum": tokens,
                 "vllm:prefix_cache_hits_total": 0.0, "vllm:external_prefix_cache_hits_total": 0.0,
-                "vllm:prompt_tokens_total": tokens, "vllm:pof_loaded_pages_total": 0.0}
+                "vllm:prompt_tokens_total": tokens, "vllm:pof_loaded_pages_total": 0.0,
+                "n0:first_tokens": float(len(self.seen))}
 
     def usage(self) -> list[float]:
         return [0.7, 0.2]
@@ -128,6 +142,7 @@ def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
     assert best == 4.0 and [t["factor"] for t in run.trials] == [1.0, 2.0, 4.0]      # doubling while it passes
     assert all(t["passed"] and t["tokens_computed"] > 0 for t in run.trials)
     assert run.trials[0]["spread_mean"] == 0.5 and len(lines) == 3
+    assert [t["engine_first_tokens"] for t in run.trials] == [{"n0": 20}] * 3     # per server, per trial
     rows = {"static": {"goodput_rps": 1.0, "at_reference_load": run.trials[0], "trials": run.trials},
             "pof": {"goodput_rps": 2.5, "at_reference_load": {**run.trials[0], "spread_mean": 0.2}, "trials": []}}
     out = _report(rows, {}, {"requests": 20}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None, Path("m"))
