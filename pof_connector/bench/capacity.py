@@ -57,6 +57,9 @@ SLO_MULTIPLE = 4.0
 """The SLO is this many times the unloaded p90 TTFT."""
 BLOCK = 128
 MAX_FACTOR, MIN_FACTOR = 16.0, 1 / 16
+ROUTER_NICE = -10
+"""The routers' default niceness in this bench: a router that a deployment runs on a host of its own
+is not made to wait behind the engines that share this host's cores (``--router-nice``)."""
 
 
 def _vocab(model: Path) -> int:
@@ -251,7 +254,8 @@ def router_latency(fleet: Fleet, vocab: int, n: int = 5) -> float | None:
 
 
 def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model: str | None, setups: list[str],
-        kv_tokens: int | None, max_trials: int | None, plot: Path | None, progress: Progress) -> dict[str, Any]:
+        kv_tokens: int | None, max_trials: int | None, plot: Path | None, progress: Progress,
+        router_nice: int = ROUTER_NICE) -> dict[str, Any]:
     if servers not in (2, 3):
         raise BenchError(f"--servers must be 2 or 3, got {servers}")
     bad = [s for s in setups if s not in SETUPS]
@@ -270,7 +274,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     kv = kv_tokens or 2 * longest          # one server holds two of the longest sessions
     # vLLM keeps one block aside (its null block): a server of max_len // BLOCK blocks refuses to start
     blocks = max(-(-kv // BLOCK), max_len // BLOCK + 1)
-    spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8)
+    spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8,
+                     router_nice=router_nice)
     trials = max_trials or (2 if quick else 6)
     progress(f"trace: {info['requests']} requests, {info['sessions']} sessions ({info['multi_turn_sessions']} "
              f"multi-turn, longest context {longest} tokens), {info['tenants']} tenants over {info['span_s']} s; "
@@ -295,6 +300,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                     slo_s = SLO_MULTIPLE * unloaded
                     progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
                 added = router_latency(fleet, vocab)
+                nice = fleet.router.niceness() if fleet.router is not None else None
                 setup = SetupRun(fleet, trace, vocab, slo_s, progress)
                 best = setup.search(trials)
             finally:
@@ -305,7 +311,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             failed = [t["factor"] for t in setup.trials if not t["passed"]]
             results[name] = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
                              "failed_at_rps": round(min(failed) * base_rps, 4) if failed else None,
-                             "router_added_latency_s": added, "at_goodput": at_best, "at_reference_load": at_one,
+                             "router_added_latency_s": added, "router_nice": nice,
+                             "at_goodput": at_best, "at_reference_load": at_one,
                              "trials": sorted(setup.trials, key=lambda t: t["factor"])}
             progress(f"{name}: goodput {results[name]['goodput_rps']} req/s (x{best:.3g})")
     finally:
@@ -359,7 +366,7 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                   "seed": seed},
         "cluster": {"servers": spec.servers, "kv_tokens_per_server": spec.kv_blocks * spec.block,
                     "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
-                    "dtype": spec.dtype, "model": str(model)},
+                    "dtype": spec.dtype, "model": str(model), "router_nice": spec.router_nice},
         "note": f"goodput = highest offered load (trace arrival rate x factor, bounded search) with p90 TTFT <= SLO "
                 "and no failed request (0: none of the loads tried passed; failed_at_rps: the lowest that failed, "
                 "so goodput lies below it); ratio = pof / static goodput (null when static's is 0), ratio_range: "

@@ -24,7 +24,8 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
     setups = args.setups or (["static", "pof"] if args.quick else list(bench_capacity.SETUPS))
     result = bench_capacity.run(servers=args.servers, quick=args.quick, trace_file=args.trace, seed=args.seed,
                                 model=args.model, setups=setups, kv_tokens=args.kv_tokens,
-                                max_trials=args.max_trials, plot=args.plot, progress=progress)
+                                max_trials=args.max_trials, plot=args.plot, progress=progress,
+                                router_nice=args.router_nice)
     if args.json:
         print_json(result)
         return 0
@@ -74,4 +75,8 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="KV cache tokens per server (default: twice the trace's longest session context)")
     p.add_argument("--max-trials", type=int, default=None, help="trials per set-up (default 6; --quick 2)")
     p.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
+    p.add_argument("--router-nice", type=int, default=bench_capacity.ROUTER_NICE, metavar="N",
+                   help="niceness of the routers (pof router and vllm-router alike; default "
+                        f"{bench_capacity.ROUTER_NICE}: in a deployment a router has a host of its own, here it "
+                        "shares the engines' cores; lowering it needs root, else it stays at 0)")
     p.set_defaults(handler=cmd_bench_capacity)

@@ -58,6 +58,10 @@ class FleetSpec:
     max_model_len: int
     max_num_seqs: int
     dtype: str = "float32"
+    router_nice: int | None = None
+    """The routers' niceness (pof router and vllm-router alike; ``None``: this process's). Negative:
+    a router that in a deployment has a host of its own is served before the engines that share
+    this one's cores."""
 
 
 def pof_router(workdir: Path, index_url: str, model: Path, backends: list[tuple[str, str]]) -> RouterProcess:
@@ -129,9 +133,10 @@ class Fleet:
                 # as `pof bench router` configures its relays: the shared pool, no writer partition
                 relay_pool = {**pool, "runtime_dir": node_pools[i]["runtime_dir"]}
                 self.relays.append(start_relay(self.workdir, name, relay_pool, events[i]))
-            self.router = pof_router(self.workdir, self.redis.url, self.model, backends).start()
+            self.router = pof_router(self.workdir, self.redis.url, self.model, backends).start(nice=s.router_nice)
         elif self.setup == "cache_aware":
-            self.router = RouterProcess.vllm_router(self.workdir, [u for _, u in backends], "cache_aware").start()
+            self.router = RouterProcess.vllm_router(self.workdir, [u for _, u in backends],
+                                                    "cache_aware").start(nice=s.router_nice)
 
     def route(self, trace: list[TraceRequest]) -> Route:
         """Where each request of ``trace`` goes."""

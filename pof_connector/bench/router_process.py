@@ -45,7 +45,8 @@ class RouterProcess(ServiceProcess):
                 "--prometheus-port", str(free_port()), *(extra or [])]
         return cls(args, port, workdir / f"{name}.log")
 
-    def start(self, timeout_s: float = 60) -> RouterProcess:
-        self.launch(self.args)
+    def start(self, timeout_s: float = 60, *, nice: int | None = None) -> RouterProcess:
+        """``nice``: the router's niceness (``None``: this process's; see :meth:`ServiceProcess.launch`)."""
+        self.launch(self.args, nice=nice)
         self.wait_healthy(self.url + "/health", timeout_s, interval_s=0.2)
         return self

@@ -17,8 +17,14 @@ class ServiceProcess:
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def launch(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-        """Start ``args`` with ``env`` added to this process's environment."""
+    def launch(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
+               nice: int | None = None) -> None:
+        """Start ``args`` with ``env`` added to this process's environment, at niceness ``nice``
+        (``None``: this process's). Set through coreutils ``nice`` before the program runs, so every
+        thread it starts has it too; where lowering it is not allowed, the process runs at this
+        one's (:meth:`niceness` says which)."""
+        if nice is not None and (adjust := nice - os.getpriority(os.PRIO_PROCESS, 0)) != 0:  # `nice -n` is relative
+            args = ["nice", "-n", str(adjust), *args]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
@@ -55,6 +61,15 @@ class ServiceProcess:
         if first + n >= len(lines) - n:
             return "\n".join(lines[max(0, first - 3):])
         return "\n".join([*cause, f"[... {len(lines) - n - first - n} lines ...]", *lines[-n:]])
+
+    def niceness(self) -> int | None:
+        """The running process's niceness; ``None`` when it is not running."""
+        if self.proc is None:
+            return None
+        try:
+            return os.getpriority(os.PRIO_PROCESS, self.proc.pid)
+        except ProcessLookupError:
+            return None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

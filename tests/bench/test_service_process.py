@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,21 @@ def test_a_service_that_exits_at_start_raises_with_its_root_cause(tmp_path: Path
     service.launch([sys.executable, "-c", code, "root cause here"])
     with pytest.raises(RuntimeError, match="root cause here"):
         service.wait_healthy("http://127.0.0.1:9/health", timeout_s=30, interval_s=0.05)
+
+
+def test_a_service_runs_at_the_niceness_asked_for_threads_included(tmp_path: Path) -> None:
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)     # raising it needs no privilege
+    code = ("import os, threading, time\n"
+            "t = threading.Thread(target=lambda: print('thread', os.getpriority(os.PRIO_PROCESS, 0), flush=True))\n"
+            "t.start(); t.join(); time.sleep(30)")
+    service = ServiceProcess(tmp_path / "nice.log")
+    service.launch([sys.executable, "-c", code], nice=target)
+    try:
+        deadline = time.monotonic() + 20
+        while "thread" not in service.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.niceness() == target
+        assert f"thread {target}" in service.log.read_text()
+    finally:
+        service.stop(grace_s=5)
+    assert service.niceness() is None
