@@ -36,7 +36,6 @@ PER_SEQ = (0.0, 0.05, 0.15, 0.4)
 """Cost per running request in a step, tried as a share of the fixed step cost."""
 LATENCY_SHARES = (0.0, 0.15, 0.3, 0.5)
 """Shares of the unloaded p90 TTFT tried as the API server's latency per request (no engine time)."""
-"""Cost per running request in a step, tried as a share of the fixed step cost."""
 PASS_FAIL_WEIGHT = 4.0
 """A replayed trial that passes where the bench's failed (or the reverse) costs this much."""
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
