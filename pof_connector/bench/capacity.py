@@ -301,6 +301,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                     progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
                 added = router_latency(fleet, vocab)
                 nice = fleet.router.niceness() if fleet.router is not None else None
+                index_nice = fleet.index_niceness()
                 setup = SetupRun(fleet, trace, vocab, slo_s, progress)
                 best = setup.search(trials)
             finally:
@@ -311,7 +312,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             failed = [t["factor"] for t in setup.trials if not t["passed"]]
             results[name] = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
                              "failed_at_rps": round(min(failed) * base_rps, 4) if failed else None,
-                             "router_added_latency_s": added, "router_nice": nice,
+                             "router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
                              "at_goodput": at_best, "at_reference_load": at_one,
                              "trials": sorted(setup.trials, key=lambda t: t["factor"])}
             progress(f"{name}: goodput {results[name]['goodput_rps']} req/s (x{best:.3g})")

@@ -18,8 +18,10 @@ cache bounded with ``--num-gpu-blocks-override``, so memory runs out before comp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
+import os
 import shutil
 import statistics
 import tempfile
@@ -59,9 +61,9 @@ class FleetSpec:
     max_num_seqs: int
     dtype: str = "float32"
     router_nice: int | None = None
-    """The routers' niceness (pof router and vllm-router alike; ``None``: this process's). Negative:
-    a router that in a deployment has a host of its own is served before the engines that share
-    this one's cores."""
+    """The niceness of the routing tier: the routers (pof router and vllm-router alike) and pof's
+    index server (``None``: this process's). Negative: what a deployment runs on hosts of its own
+    is served before the engines that share this one's cores."""
 
 
 def pof_router(workdir: Path, index_url: str, model: Path, backends: list[tuple[str, str]]) -> RouterProcess:
@@ -108,6 +110,11 @@ class Fleet:
         pool: dict[str, Any]
         if pooled:
             self.redis = RedisServer(self.workdir / "redis").start()
+            if s.router_nice is not None and self.redis.pid is not None:
+                # The index, like the router, has a host of its own in a deployment. Its serving
+                # thread is the main one (later threads do background work only).
+                with contextlib.suppress(PermissionError):
+                    os.setpriority(os.PRIO_PROCESS, self.redis.pid, s.router_nice)
             self._shm = Path(tempfile.mkdtemp(prefix="pof-capacity-", dir="/dev/shm"))
             pool = {"index_url": self.redis.url,
                     "tiers": {"cxl": {"path": str(self._shm / "cxl.region"), "size": "1GiB", "partitions": s.servers}}}
@@ -159,6 +166,15 @@ class Fleet:
             with self._lock:
                 return urls[next(self._rr) % len(urls)], {}
         return round_robin
+
+    def index_niceness(self) -> int | None:
+        """The index server's niceness; ``None``: this set-up runs none."""
+        if self.redis is None or self.redis.pid is None:
+            return None
+        try:
+            return os.getpriority(os.PRIO_PROCESS, self.redis.pid)
+        except ProcessLookupError:
+            return None
 
     def counters(self) -> dict[str, float]:
         """:data:`COUNTERS` summed over the servers, and each server's count of requests that got a

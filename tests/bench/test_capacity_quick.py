@@ -58,7 +58,9 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
     pof_ref, static_ref = out["setups"]["pof"]["at_reference_load"], out["setups"]["static"]["at_reference_load"]
     # the router runs ahead of the engines (root may lower a niceness; others keep their own)
     assert out["cluster"]["router_nice"] == -10 and out["setups"]["static"]["router_nice"] is None
-    assert out["setups"]["pof"]["router_nice"] == (-10 if os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0))
+    ahead = -10 if os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0)
+    assert out["setups"]["pof"]["router_nice"] == ahead and out["setups"]["pof"]["index_nice"] == ahead
+    assert out["setups"]["static"]["index_nice"] is None
     assert static_ref["router_decision_mean_s"] is None
     for ref in (pof_ref, static_ref):    # the engines' own count of who served what, one entry per server
         assert set(ref["engine_first_tokens"]) == {"n0", "n1"}, ref
