@@ -36,7 +36,7 @@ from pof_connector.bench.capacity_trace import TraceRequest
 from pof_connector.bench.chaos import UNPINNED
 from pof_connector.bench.router import kv_events_args, start_relay
 from pof_connector.bench.router_process import RouterProcess
-from pof_connector.bench.service_process import ServiceProcess
+from pof_connector.bench.service_process import ServiceProcess, niceness_of
 from pof_connector.bench.vllm_server import VllmServer, connector_config, free_port
 from pof_connector.index.server import RedisServer
 
@@ -169,12 +169,7 @@ class Fleet:
 
     def index_niceness(self) -> int | None:
         """The index server's niceness; ``None``: this set-up runs none."""
-        if self.redis is None or self.redis.pid is None:
-            return None
-        try:
-            return os.getpriority(os.PRIO_PROCESS, self.redis.pid)
-        except ProcessLookupError:
-            return None
+        return niceness_of(self.redis.pid if self.redis is not None else None)
 
     def counters(self) -> dict[str, float]:
         """:data:`COUNTERS` summed over the servers, and each server's count of requests that got a

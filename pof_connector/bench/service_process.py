@@ -57,19 +57,14 @@ class ServiceProcess:
         first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
         if first is None or first >= len(lines) - n:
             return "\n".join(lines[-n:])
-        cause = lines[max(0, first - 3):first + n]
-        if first + n >= len(lines) - n:
-            return "\n".join(lines[max(0, first - 3):])
-        return "\n".join([*cause, f"[... {len(lines) - n - first - n} lines ...]", *lines[-n:]])
+        start, skipped = max(0, first - 3), len(lines) - n - (first + n)
+        if skipped <= 0:
+            return "\n".join(lines[start:])
+        return "\n".join([*lines[start:first + n], f"[... {skipped} lines ...]", *lines[-n:]])
 
     def niceness(self) -> int | None:
         """The running process's niceness; ``None`` when it is not running."""
-        if self.proc is None:
-            return None
-        try:
-            return os.getpriority(os.PRIO_PROCESS, self.proc.pid)
-        except ProcessLookupError:
-            return None
+        return niceness_of(self.proc.pid if self.proc is not None else None)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -102,3 +97,13 @@ class ServiceProcess:
         except ProcessLookupError:
             pass
         return proc.returncode
+
+
+def niceness_of(pid: int | None) -> int | None:
+    """Process ``pid``'s niceness (its main thread's); ``None`` when there is no such process."""
+    if pid is None:
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except ProcessLookupError:
+        return None

@@ -54,17 +54,17 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
         assert parts["engine"] is not None and parts["queue"] is not None and parts["prefill"] is not None, name
         assert parts["queue"] + parts["prefill"] <= parts["engine"] * 1.05 + 0.01, (name, parts)
     assert out["setups"]["static"]["at_reference_load"]["pool_hit_tokens"] == 0      # no pool: never loads
-    # the pof router's own time before sending on comes back in a header; static has no router
-    pof_ref, static_ref = out["setups"]["pof"]["at_reference_load"], out["setups"]["static"]["at_reference_load"]
     # the router runs ahead of the engines (root may lower a niceness; others keep their own)
     assert out["cluster"]["router_nice"] == -10 and out["setups"]["static"]["router_nice"] is None
     ahead = -10 if os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0)
     assert out["setups"]["pof"]["router_nice"] == ahead and out["setups"]["pof"]["index_nice"] == ahead
     assert out["setups"]["static"]["index_nice"] is None
-    assert static_ref["router_decision_mean_s"] is None
+    pof_ref, static_ref = out["setups"]["pof"]["at_reference_load"], out["setups"]["static"]["at_reference_load"]
     for ref in (pof_ref, static_ref):    # the engines' own count of who served what, one entry per server
         assert set(ref["engine_first_tokens"]) == {"n0", "n1"}, ref
         assert sum(ref["engine_first_tokens"].values()) >= ref["requests"] - ref["failed"], ref
+    # the pof router's own time before sending on comes back in a header; static has no router
+    assert static_ref["router_decision_mean_s"] is None
     assert pof_ref["router_decision_mean_s"] is not None and pof_ref["router_decision_mean_s"] >= 0
     assert pof_ref["router_decision_mean_s"] <= (pof_ref["mean_ttft_s"] or float("inf")), pof_ref
     assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens", "mix", "seed"} <= set(out["trace"])
