@@ -51,6 +51,7 @@ from pof_connector.bench.capacity_trace import (
     summary,
     tokens_for,
 )
+from pof_connector.bench.make_model import PRESETS
 from pof_connector.bench.vllm_server import build_model, stream_completion
 
 SLO_MULTIPLE = 4.0
@@ -64,6 +65,29 @@ is not made to wait behind the engines that share this host's cores (``--router-
 
 def _vocab(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def model_dir(spec: str | None) -> Path:
+    """``--model``: a model directory, or the name of a local preset, built when missing (default
+    ``tiny``). Raises :class:`BenchError` when it is neither."""
+    if spec is None or (spec in PRESETS and not Path(spec).is_dir()):
+        return build_model(spec or "tiny")
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise BenchError(f"--model: {spec!r} is neither a model directory (with a config.json) nor a local "
+                         f"preset ({', '.join(sorted(PRESETS))})")
+    return path
+
+
+def check_context(model: Path, spec_name: str | None, max_len: int, longest: int) -> None:
+    """Refuse a model whose position range is shorter than the trace's longest context (vLLM would
+    refuse to start each server, after minutes)."""
+    positions = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    if isinstance(positions, int) and positions < max_len:
+        fits = sorted(n for n, p in PRESETS.items() if p.max_position_embeddings >= max_len)
+        hint = f"; local presets long enough: {', '.join(fits)}" if fits else ""
+        raise BenchError(f"--model {spec_name or 'tiny'}: the model holds {positions} positions, the trace's longest "
+                         f"context needs {max_len} ({longest} tokens and an answer){hint} (--model NAME)")
 
 
 ERROR_LINE = re.compile(r"(\b\w+(?:Error|Exception): .*)")
@@ -104,14 +128,14 @@ def prompt_sizes(trace: list[TraceRequest]) -> list[int]:
     return out
 
 
-def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int, samples: int) -> list[float]:
-    """TTFTs of cold prompts of the trace's sizes (evenly spread quantiles), one at a time."""
+def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int, samples: int) -> list[tuple[int, float]]:
+    """(prompt tokens, TTFT) of cold prompts of the trace's sizes (evenly spread quantiles), one at a time."""
     sizes = sorted(prompt_sizes(trace))
     picks = [sizes[min(len(sizes) - 1, round(q * (len(sizes) - 1) / max(samples - 1, 1)))] for q in range(samples)]
     out = []
     for i, n in enumerate(picks):
         ttft, _ = stream_completion(url, tokens_for("unloaded", str(i), n, vocab, variant=-1), max_tokens=2)
-        out.append(ttft)
+        out.append((n, ttft))
     return out
 
 
@@ -267,10 +291,11 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     info = summary(trace)
     if trace_file is None:
         info["mix"] = dataclasses.asdict(mix)       # what `pof sim validate` rebuilds the trace from
-    model_dir = Path(model) if model else build_model("tiny")
-    vocab = _vocab(model_dir)
+    model_path = model_dir(model)
+    vocab = _vocab(model_path)
     longest = int(info["max_context_tokens"])
     max_len = -(-(longest + 64) // BLOCK) * BLOCK
+    check_context(model_path, model, max_len, longest)
     kv = kv_tokens or 2 * longest          # one server holds two of the longest sessions
     # vLLM keeps one block aside (its null block): a server of max_len // BLOCK blocks refuses to start
     blocks = max(-(-kv // BLOCK), max_len // BLOCK + 1)
@@ -283,6 +308,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     workdir = Path(tempfile.mkdtemp(prefix="pof-bench-capacity-", dir="/tmp"))
     results: dict[str, dict[str, Any]] = {}
     slo_s = unloaded = 0.0
+    samples: list[tuple[int, float]] = []
     skipped: dict[str, str] = {}
     try:
         for name in setups:
@@ -292,11 +318,11 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                 progress(f"{name}: skipped ({skipped[name]})")
                 continue
             progress(f"{name}: starting {servers} vLLM servers ...")
-            fleet = start_fleet(name, model_dir, workdir / name, spec, progress)
+            fleet = start_fleet(name, model_path, workdir / name, spec, progress)
             try:
                 if not slo_s:
-                    sample = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
-                    unloaded = nearest_rank(sorted(sample), 0.9)
+                    samples = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
+                    unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
                     slo_s = SLO_MULTIPLE * unloaded
                     progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
                 added = router_latency(fleet, vocab)
@@ -318,7 +344,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             progress(f"{name}: goodput {results[name]['goodput_rps']} req/s (x{best:.3g})")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_dir)
+    out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_path)
+    out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     if plot is not None:
         draw(results, slo_s, plot)
         out["plot"] = str(plot)
@@ -373,7 +400,8 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                 "so goodput lies below it); ratio = pof / static goodput (null when static's is 0), ratio_range: "
                 "[pof goodput / static failed_at, pof failed_at / static goodput], what the search's resolution "
                 f"allows; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
-                "(cold, one at a time); ratio_vs_best = pof / the best other set-up's goodput (best_other); "
+                "(cold, one at a time; unloaded_samples: [prompt tokens, TTFT s] of each); "
+                "ratio_vs_best = pof / the best other set-up's goodput (best_other); "
                 "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
                 "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "
                 "them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "

@@ -74,7 +74,9 @@ def add_capacity_parser(bsub: Any) -> None:
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV cache tokens per server (default: twice the trace's longest session context)")
     p.add_argument("--max-trials", type=int, default=None, help="trials per set-up (default 6; --quick 2)")
-    p.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
+    p.add_argument("--model", metavar="DIR|PRESET",
+                   help="model directory, or a local preset built on first use: tiny (the default; 4,096 "
+                        "positions), tiny-long (the same weights, 32,768 positions: long-context traces), bench")
     p.add_argument("--router-nice", type=int, default=bench_capacity.ROUTER_NICE, metavar="N",
                    help="niceness of the routers (pof router and vllm-router alike; default "
                         f"{bench_capacity.ROUTER_NICE}: in a deployment a router has a host of its own, here it "

@@ -169,6 +169,15 @@ class Mix:
                    short_max_tokens=self.short_max_tokens)
 
 
+LONG_CONTEXT = Mix(span_s=120.0, long_sessions=6, long_turns=5, long_system_tokens=2048, long_turn_tokens=3584,
+                   long_max_tokens=128, long_think_s=8.0, tenants=4, short_rate=0.5, short_system_tokens=1024,
+                   short_turn_tokens=192, short_max_tokens=16)
+"""``docs/traces/long-context.jsonl`` (:func:`fragmenting_trace` of seed 1): six sessions of five
+turns growing to 17K tokens (a 2K system prompt, 1.8K-3.6K new tokens a turn, 128-token answers,
+8 s to think), beside short requests of four tenants sharing 1K-token system prompts. Run it with
+a model of 32K positions (``--model tiny-long``)."""
+
+
 def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:
     """The seeded default: long sessions starting in two uneven bursts (most of them early, so a
     placement fixed by the first turn piles them up), short tenant requests arriving Poisson."""

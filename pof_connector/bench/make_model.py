@@ -1,6 +1,6 @@
 """Build a small Llama model for real-engine tests, with no hub access.
 
-    python ci/make_model.py --preset tiny|bench --out DIR
+    python ci/make_model.py --preset tiny|tiny-long|bench --out DIR
 
 Run it with the vLLM venv's python (ci/vllm_venv.sh prints it). It trains a byte-level BPE
 tokenizer with `tokenizers` on the Python stdlib sources (sorted paths, a fixed byte budget),
@@ -61,6 +61,9 @@ class Preset:
 # bf16 for both: vLLM's dtype "auto" downcasts float32 checkpoints to bf16 anyway.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(128, 256, 2, 4, 2, 4096, 2000, "bfloat16", 2 << 20, 1234),
+    # tiny's weights (same shapes and seed) with a 32K-token context, for long-context sessions
+    # (`pof bench capacity --trace docs/traces/long-context.jsonl`).
+    "tiny-long": Preset(128, 256, 2, 4, 2, 32768, 2000, "bfloat16", 2 << 20, 1234),
     "bench": Preset(1024, 2816, 8, 16, 4, 16384, 8000, "bfloat16", 8 << 20, 4321),
 }
 

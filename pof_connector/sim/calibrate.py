@@ -3,9 +3,10 @@
 
 What the bench states is taken as is: KV blocks per server (``cluster.kv_tokens_per_server /
 block``), the block size, ``max_num_seqs``; the KV bytes per token come from the model's
-``config.json`` (layers x KV heads x head dim x 2 x dtype bytes) when it is readable. The three
-costs that matter at this scale are fitted: a prefill cost per token, a fixed cost per engine step
-and a cost per running request in a step. The fit keeps the unloaded p90 TTFT the bench measured
+``config.json`` (layers x KV heads x head dim x 2 x dtype bytes) when it is readable. The costs
+that matter at this scale are fitted: a prefill cost per token (and, when the bench recorded cold
+TTFTs of several prompt sizes, the part of it that grows with the context: attention), a fixed
+cost per engine step and a cost per running request in a step. The fit keeps the unloaded p90 TTFT the bench measured
 (the SLO's base: ``decode_step_s + prefill_s_per_token x p90 prompt = unloaded p90``) and picks,
 on a grid, the split between the API server's latency per request (no engine time), the fixed step cost and
 the per-token cost, and the per-request step cost, whose replay of the
@@ -36,6 +37,10 @@ PER_SEQ = (0.0, 0.05, 0.15, 0.4)
 """Cost per running request in a step, tried as a share of the fixed step cost."""
 LATENCY_SHARES = (0.0, 0.15, 0.3, 0.5)
 """Shares of the unloaded p90 TTFT tried as the API server's latency per request (no engine time)."""
+CTX_SHARES = (0.0, 0.25, 0.5, 0.75, 0.9)
+"""Shares of the p90 prompt's cold prefill tried as attention's cost that grows with the context
+(``prefill_s_per_token_ctx``), when the bench recorded its cold samples of several prompt sizes,
+which say how TTFT grows with the prompt; without them the cost per token is taken as flat."""
 PASS_FAIL_WEIGHT = 4.0
 """A replayed trial that passes where the bench's failed (or the reverse) costs this much."""
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
@@ -103,7 +108,10 @@ def _log_err(sim: float | None, measured: float | None) -> float:
 
 
 def score(run: BenchRun, profile: Profile, setups: tuple[str, ...]) -> float:
-    """How far the replay of ``setups``' measured trials is from them (see :data:`PASS_FAIL_WEIGHT`)."""
+    """How far the replay of ``setups``' measured trials is from them (see :data:`PASS_FAIL_WEIGHT`),
+    plus how far the cold TTFT of each of the bench's unloaded samples is from what it measured."""
+    cold = sum(_log_err(profile.request_latency_s + profile.decode_step_s + profile.prefill_s(n, 0), ttft)
+               for n, ttft in run.unloaded_samples) / max(len(run.unloaded_samples), 1)
     total, n = 0.0, 0
     for name in setups:
         for t in run.setups[name].get("trials") or []:
@@ -112,7 +120,7 @@ def score(run: BenchRun, profile: Profile, setups: tuple[str, ...]) -> float:
             total += _log_err(r.mean_ttft_s, t.get("mean_ttft_s")) + _log_err(p90, t.get("p90_ttft_s"))
             total += PASS_FAIL_WEIGHT * (bool(r.passed) != bool(t.get("passed")))
             n += 1
-    return total / max(n, 1)
+    return cold + total / max(n, 1)
 
 
 def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[str, ...] = ("static",),
@@ -130,16 +138,22 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
             if lat + share >= 0.9:
                 continue
             step = share * unloaded
-            for per_seq in PER_SEQ:
-                p = replace(base, decode_step_s=step, decode_s_per_seq=per_seq * step,
-                            request_latency_s=lat * unloaded, prefill_s_per_token=(unloaded * (1 - lat) - step) / n90)
-                err = score(run, p, fit_setups)
-                if best is None or err < best[0]:
-                    best = (err, p)
+            cold = unloaded * (1 - lat) - step          # the p90 prompt's cold prefill
+            for ctx in CTX_SHARES if run.unloaded_samples else (0.0,):
+                for per_seq in PER_SEQ:
+                    # n90 x (per_token + per_token_ctx x n90 / 2) = cold, ctx of it growing with the context
+                    p = replace(base, decode_step_s=step, decode_s_per_seq=per_seq * step,
+                                request_latency_s=lat * unloaded, prefill_s_per_token=(1 - ctx) * cold / n90,
+                                prefill_s_per_token_ctx=2 * ctx * cold / (n90 * n90))
+                    err = score(run, p, fit_setups)
+                    if best is None or err < best[0]:
+                        best = (err, p)
     assert best is not None
-    notes.append(f"request_latency_s, decode_step_s, decode_s_per_seq, prefill_s_per_token: fitted (grid) to the "
-                 f"unloaded p90 TTFT "
-                 f"{unloaded} s at the p90 prompt of {n90} tokens and to the trials of {', '.join(fit_setups)}")
+    ctx_note = (f", prefill_s_per_token_ctx (and the bench's {len(run.unloaded_samples)} cold samples)"
+                if run.unloaded_samples else "")
+    notes.append(f"request_latency_s, decode_step_s, decode_s_per_seq, prefill_s_per_token{ctx_note}: fitted (grid) "
+                 f"to the unloaded p90 TTFT {unloaded} s at the p90 prompt of {n90} tokens and to the trials of "
+                 f"{', '.join(fit_setups)}")
     return Fit(best[1], best[0], fit_setups, (run.source,) + (("pof bench vllm",) if vllm else ()), tuple(notes))
 
 
@@ -151,7 +165,8 @@ def profile_mapping(p: Profile) -> dict[str, Any]:
         return out
     return {"kv_blocks": p.kv_blocks, "block_tokens": p.block_tokens, "kv_bytes_per_token": p.kv_bytes_per_token,
             "max_running": p.max_running, "max_batched_tokens": p.max_batched_tokens,
-            "prefill_s_per_token": float(f"{p.prefill_s_per_token:.4g}"), "prefill_s_per_token_ctx": 0.0,
+            "prefill_s_per_token": float(f"{p.prefill_s_per_token:.4g}"),
+            "prefill_s_per_token_ctx": float(f"{p.prefill_s_per_token_ctx:.4g}"),
             "decode_step_s": float(f"{p.decode_step_s:.4g}"), "decode_s_per_seq": float(f"{p.decode_s_per_seq:.4g}"),
             "decode_s_per_ctx_token": 0.0, "local_tier": tier(p.local_tier), "remote_tier": tier(p.remote_tier),
             "request_latency_s": float(f"{p.request_latency_s:.4g}"), "slo_multiple": p.slo_multiple}

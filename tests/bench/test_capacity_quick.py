@@ -45,6 +45,11 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
         assert key in out, key
     assert set(out["setups"]) == {"static", "pof"}
     assert out["slo_s"] == pytest.approx(out["slo_multiple"] * out["unloaded_p90_ttft_s"], rel=1e-2)
+    # the cold samples the SLO came from, for `pof sim calibrate`: its p90 is theirs
+    samples = out["unloaded_samples"]
+    assert len(samples) == 6 and all(n > 0 and t > 0 for n, t in samples), samples
+    assert sorted(n for n, _ in samples) == [n for n, _ in samples]                 # quantiles, in order
+    assert out["unloaded_p90_ttft_s"] in [t for _, t in samples]
     for name, row in out["setups"].items():
         assert {"goodput_rps", "goodput_factor", "at_goodput", "at_reference_load", "trials"} <= set(row), name
         assert row["trials"] and row["at_reference_load"] is not None, name

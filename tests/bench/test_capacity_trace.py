@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pof_connector.bench.capacity_trace import (
+    LONG_CONTEXT,
     Mix,
     TraceError,
     TraceRequest,
@@ -95,3 +96,10 @@ def test_the_default_trace_fragments_and_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     write_trace(trace, path)
     assert read_trace(path) == trace
+
+
+def test_the_shipped_long_context_trace_is_its_mix_and_seed() -> None:
+    shipped = read_trace(Path(__file__).parents[2] / "docs" / "traces" / "long-context.jsonl")
+    assert shipped == fragmenting_trace(1, LONG_CONTEXT)
+    s = summary(shipped)
+    assert s["multi_turn_sessions"] == 6 and 16_000 < s["max_context_tokens"] < 32_768 - 128

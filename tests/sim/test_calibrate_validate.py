@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from pof_connector.bench.capacity import bounded_search
+from pof_connector.bench import nearest_rank
+from pof_connector.bench.capacity import bounded_search, prompt_sizes
 from pof_connector.bench.capacity_trace import Mix, fragmenting_trace, summary, write_trace
 from pof_connector.cli import main
 from pof_connector.config import ConfigError
 from pof_connector.sim.bench_run import load_bench
 from pof_connector.sim.calibrate import fit
-from pof_connector.sim.profile import load_profile
+from pof_connector.sim.profile import Profile, load_profile
 from pof_connector.sim.sim_run import unloaded_ttft
 
 BENCH = Path(__file__).parent / "data" / "capbench-quick.json"
@@ -132,3 +133,31 @@ def test_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["plot"] == str(load) and load.read_bytes()[:8] == PNG
+
+
+def test_calibrate_fits_attentions_growth_from_the_benchs_cold_samples(tmp_path: Path) -> None:
+    run = load_bench(BENCH)
+    flat = fit(run).profile
+    assert run.unloaded_samples == () and flat.prefill_s_per_token_ctx == 0.0      # an older run: a flat cost
+    # Cold TTFTs that grow with the square of the prompt (attention over a long context), the p90
+    # prompt's being the run's unloaded p90, as the bench's own samples would be.
+    n90 = int(nearest_rank(sorted(prompt_sizes(run.trace)), 0.9))
+    sizes = [n90 // 8, n90 // 4, n90 // 2, n90]
+    cold = [0.02 + (run.unloaded_p90_s - 0.02) * (n / n90) ** 2 for n in sizes]
+    raw = json.loads(BENCH.read_text())
+    raw["unloaded_samples"] = [[n, t] for n, t in zip(sizes, cold, strict=True)]
+    (tmp_path / "quad.json").write_text(json.dumps(raw))
+    quad = load_bench(tmp_path / "quad.json")
+    p = fit(quad).profile
+    assert p.prefill_s_per_token_ctx > 0
+    assert unloaded_ttft(p, quad.trace) == pytest.approx(run.unloaded_p90_s, rel=1e-6)
+
+    def error(profile: Profile) -> float:
+        return sum(math.log((profile.request_latency_s + profile.decode_step_s + profile.prefill_s(n, 0)) / t) ** 2
+                   for n, t in zip(sizes, cold, strict=True))
+    assert error(p) < 0.5 * error(flat)           # the growth is fitted, not only the p90 point
+
+    raw["unloaded_samples"] = [[512, "fast"]]
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="unloaded_samples"):
+        load_bench(tmp_path / "bad.json")
