@@ -3,7 +3,8 @@ without the pool, on real vLLM CPU servers (issue 14).
 
 The workload is a trace (:mod:`.capacity_trace`: ``--trace FILE`` or the seeded fragmenting mix),
 replayed open-loop (:mod:`.capacity_replay`) through each set-up (:mod:`.capacity_fleet`:
-``static``, ``round_robin``, ``cache_aware``, ``pof``), each on freshly started servers.
+``static``, ``round_robin``, ``cache_aware``, ``cache_aware_offload``, ``pof``), each on freshly started
+servers.
 
 - **SLO**: ``SLO_MULTIPLE`` x the unloaded TTFT, measured at the start of the run: the p90 TTFT of
   a sample of the trace's prompt sizes, sent one at a time, cold, to an idle server.
@@ -21,7 +22,7 @@ replayed open-loop (:mod:`.capacity_replay`) through each set-up (:mod:`.capacit
   servers).
 
 ``ratio`` = pof goodput / static goodput; ``ratio_vs_best`` = pof goodput / the best other set-up.
-Needs vLLM (and vllm-router for ``cache_aware``) in this Python.
+Needs vLLM (and vllm-router for the ``cache_aware`` set-ups) in this Python.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.bench import BenchError, Progress, nearest_rank
-from pof_connector.bench.capacity_fleet import SETUPS, Fleet, FleetSpec, UsageSampler
+from pof_connector.bench.capacity_fleet import SETUPS, VLLM_ROUTER_SETUPS, Fleet, FleetSpec, UsageSampler
 from pof_connector.bench.capacity_replay import Replay, Trial
 from pof_connector.bench.capacity_trace import (
     Mix,
@@ -311,14 +312,15 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     samples: list[tuple[int, float]] = []
     skipped: dict[str, str] = {}
     try:
-        for name in setups:
-            if name == "cache_aware" and shutil.which("vllm-router") is None \
+        for k, name in enumerate(setups):
+            if name in VLLM_ROUTER_SETUPS and shutil.which("vllm-router") is None \
                     and not (Path(sys.executable).parent / "vllm-router").exists():
                 skipped[name] = "vllm-router is not installed"
                 progress(f"{name}: skipped ({skipped[name]})")
                 continue
             progress(f"{name}: starting {servers} vLLM servers ...")
-            fleet = start_fleet(name, model_path, workdir / name, spec, progress)
+            # a number, not the name: vLLM's and the index's unix sockets live below it (107 bytes at most)
+            fleet = start_fleet(name, model_path, workdir / str(k), spec, progress)
             try:
                 if not slo_s:
                     samples = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)

@@ -57,9 +57,10 @@ def add_capacity_parser(bsub: Any) -> None:
                         description="Replays a fragmenting multi-tenant trace (long multi-turn sessions, short "
                                     "requests of tenants sharing system prompts, open loop) on 2 or 3 real vLLM "
                                     "CPU servers whose KV memory is bounded, through static (hash affinity), "
-                                    "round_robin, vllm-router cache_aware and pof router + pool, each on freshly "
-                                    "started servers; searches each set-up's goodput (highest load with p90 TTFT "
-                                    "within the SLO and no failure). Needs vLLM (and vllm-router for cache_aware).")
+                                    "round_robin, vllm-router cache_aware (without and with a per-server CPU "
+                                    "offload tier) and pof router + pool, each on freshly started servers; "
+                                    "searches each set-up's goodput (highest load with p90 TTFT within the SLO "
+                                    "and no failure). Needs vLLM (and vllm-router for the cache_aware set-ups).")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help='replay a JSONL trace: one {"at", "session", "tenant", "system_tokens", "turn_tokens", '

@@ -6,14 +6,20 @@ Set-ups (:data:`SETUPS`):
   the whole run — the fixed, affinity-based allocation of a cluster without a pool;
 - ``round_robin``: requests go round the servers;
 - ``cache_aware``: the stock ``vllm-router --policy cache_aware``;
+- ``cache_aware_offload``: the same router in front of servers that each offload KV to a CPU
+  memory tier of their own and load it back (pof's connector with a private DRAM tier and a
+  private index: what a per-node offload such as vLLM's CPU offloading or LMCache's local CPU
+  backend gives), so a conversation that returns to its server finds its context even after the
+  engine evicted it, but no server reads another's;
 - ``pof``: `pof router` (configured in :func:`pof_router`, the one place this bench depends on
   it) in front of servers whose pools share one CXL region and one index, sessions free to move,
   a `pof relay` per server reporting its engine's prefix cache.
 
-The first three run servers whose connector only stores (``kv_role: kv_producer``, private
-pools): the same engine code as the pooled servers, never a load (as ``pof bench router`` does
-for fairness). Every server runs unpinned with one OpenMP thread (as the chaos bench does), its KV
-cache bounded with ``--num-gpu-blocks-override``, so memory runs out before compute does.
+``static``, ``round_robin`` and ``cache_aware`` run servers whose connector only stores
+(``kv_role: kv_producer``, private pools): the same engine code as the pooled servers, never a
+load (as ``pof bench router`` does for fairness). Every server runs unpinned with one OpenMP
+thread (as the chaos bench does), its KV cache bounded with ``--num-gpu-blocks-override``, so
+memory runs out before compute does.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from pof_connector.bench.service_process import ServiceProcess, niceness_of
 from pof_connector.bench.vllm_server import VllmServer, connector_config, free_port
 from pof_connector.index.server import RedisServer
 
-SETUPS = ("static", "round_robin", "cache_aware", "pof")
+SETUPS = ("static", "round_robin", "cache_aware", "cache_aware_offload", "pof")
+VLLM_ROUTER_SETUPS = ("cache_aware", "cache_aware_offload")
 COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vllm:prefix_cache_hits_total",
             "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:pof_loaded_pages_total",
             "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
@@ -106,6 +113,7 @@ class Fleet:
         common = ["--block-size", str(s.block), "--num-gpu-blocks-override", str(s.kv_blocks), "--max-num-seqs",
                   str(s.max_num_seqs), "--dtype", s.dtype]
         pooled = self.setup == "pof"
+        offload = self.setup == "cache_aware_offload"      # a private tier per server, loaded back
         events: list[str] = []
         pool: dict[str, Any]
         if pooled:
@@ -120,14 +128,16 @@ class Fleet:
                     "tiers": {"cxl": {"path": str(self._shm / "cxl.region"), "size": "1GiB", "partitions": s.servers}}}
             events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(s.servers)]
         else:
-            pool = {"index_url": "local", "tiers": {"cpu_dram": {"size": "256MiB"}}}
+            # private: an embedded index in each server's own runtime_dir
+            pool = {"index_url": "embedded" if offload else "local", "tiers": {"cpu_dram": {"size": "256MiB"}}}
         node_pools: list[dict[str, Any]] = []
         for i, name in enumerate(self.names()):
             node_pool = {**pool, "runtime_dir": str(self.workdir / f"rt-{name}")}
             if pooled:
                 node_pool["tiers"] = {"cxl": {**pool["tiers"]["cxl"], "partition": i}}
             node_pools.append(node_pool)
-            kv = connector_config({"node_id": name, **node_pool}, role="kv_both" if pooled else "kv_producer")
+            role = "kv_both" if pooled or offload else "kv_producer"
+            kv = connector_config({"node_id": name, **node_pool}, role=role)
             extra = [*common, *(kv_events_args(events[i]) if pooled else [])]
             self.servers.append(VllmServer(self.model, self.workdir / name, kv_transfer=kv,
                                            max_model_len=s.max_model_len, extra_args=extra, env=UNPINNED))
@@ -141,7 +151,7 @@ class Fleet:
                 relay_pool = {**pool, "runtime_dir": node_pools[i]["runtime_dir"]}
                 self.relays.append(start_relay(self.workdir, name, relay_pool, events[i]))
             self.router = pof_router(self.workdir, self.redis.url, self.model, backends).start(nice=s.router_nice)
-        elif self.setup == "cache_aware":
+        elif self.setup in VLLM_ROUTER_SETUPS:
             self.router = RouterProcess.vllm_router(self.workdir, [u for _, u in backends],
                                                     "cache_aware").start(nice=s.router_nice)
 

@@ -132,18 +132,21 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
     base, notes = base_profile(run, vllm, name)
     unloaded = run.unloaded_p90_s
     n90 = max(int(nearest_rank(sorted(prompt_sizes(run.trace)), 0.9)), 1)
+    # The API latency and the step are shares of the shortest cold TTFT the bench measured (with
+    # long prompts the p90 one is nearly all prefill, and a share of it would be a step of seconds).
+    fast = min((t for _, t in run.unloaded_samples), default=unloaded)
     best: tuple[float, Profile] | None = None
     for lat in LATENCY_SHARES:
         for share in FIXED_SHARES:
             if lat + share >= 0.9:
                 continue
-            step = share * unloaded
-            cold = unloaded * (1 - lat) - step          # the p90 prompt's cold prefill
+            step = share * fast
+            cold = unloaded - lat * fast - step          # the p90 prompt's cold prefill
             for ctx in CTX_SHARES if run.unloaded_samples else (0.0,):
                 for per_seq in PER_SEQ:
                     # n90 x (per_token + per_token_ctx x n90 / 2) = cold, ctx of it growing with the context
                     p = replace(base, decode_step_s=step, decode_s_per_seq=per_seq * step,
-                                request_latency_s=lat * unloaded, prefill_s_per_token=(1 - ctx) * cold / n90,
+                                request_latency_s=lat * fast, prefill_s_per_token=(1 - ctx) * cold / n90,
                                 prefill_s_per_token_ctx=2 * ctx * cold / (n90 * n90))
                     err = score(run, p, fit_setups)
                     if best is None or err < best[0]:
