@@ -23,7 +23,7 @@ import json
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,12 @@ LONG_CONTEXT = Mix(span_s=120.0, long_sessions=6, long_turns=5, long_system_toke
 turns growing to 17K tokens (a 2K system prompt, 1.8K-3.6K new tokens a turn, 128-token answers,
 8 s to think), beside short requests of four tenants sharing 1K-token system prompts. Run it with
 a model of 32K positions (``--model tiny-long``)."""
+
+
+LONG_CONTEXT_12 = replace(LONG_CONTEXT, long_sessions=12)
+"""``docs/traces/long-context-12.jsonl`` (seed 1): :data:`LONG_CONTEXT` with twelve conversations
+(contexts up to 18K tokens): more than two servers run at once, so a conversation waits behind
+others on its server unless it moves."""
 
 
 def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:

@@ -10,6 +10,7 @@ import pytest
 
 from pof_connector.bench.capacity_trace import (
     LONG_CONTEXT,
+    LONG_CONTEXT_12,
     Mix,
     TraceError,
     TraceRequest,
@@ -98,8 +99,10 @@ def test_the_default_trace_fragments_and_round_trips(tmp_path: Path) -> None:
     assert read_trace(path) == trace
 
 
-def test_the_shipped_long_context_trace_is_its_mix_and_seed() -> None:
-    shipped = read_trace(Path(__file__).parents[2] / "docs" / "traces" / "long-context.jsonl")
-    assert shipped == fragmenting_trace(1, LONG_CONTEXT)
+@pytest.mark.parametrize(("name", "mix", "conversations"), [("long-context", LONG_CONTEXT, 6),
+                                                             ("long-context-12", LONG_CONTEXT_12, 12)])
+def test_the_shipped_long_context_traces_are_their_mix_and_seed(name: str, mix: Mix, conversations: int) -> None:
+    shipped = read_trace(Path(__file__).parents[2] / "docs" / "traces" / f"{name}.jsonl")
+    assert shipped == fragmenting_trace(1, mix)
     s = summary(shipped)
-    assert s["multi_turn_sessions"] == 6 and 16_000 < s["max_context_tokens"] < 32_768 - 128
+    assert s["multi_turn_sessions"] == conversations and 16_000 < s["max_context_tokens"] < 32_768 - 128
