@@ -128,7 +128,7 @@ class Fleet:
                     "tiers": {"cxl": {"path": str(self._shm / "cxl.region"), "size": "1GiB", "partitions": s.servers}}}
             events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(s.servers)]
         else:
-            # private: an embedded index in each server's own runtime_dir
+            # offload: an embedded index in each server's own runtime_dir, as private as its tier
             pool = {"index_url": "embedded" if offload else "local", "tiers": {"cpu_dram": {"size": "256MiB"}}}
         node_pools: list[dict[str, Any]] = []
         for i, name in enumerate(self.names()):

@@ -32,11 +32,13 @@ from pof_connector.sim.bench_run import BenchRun, replay_trial
 from pof_connector.sim.profile import Profile, TierProfile, load_profile
 
 FIXED_SHARES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
-"""Shares of the unloaded p90 TTFT tried as the fixed step cost (the rest is prefill per token)."""
+"""Shares of the shortest cold TTFT the bench sampled (the unloaded p90 TTFT for a run that recorded
+no samples) tried as the fixed step cost (the rest of the p90 prompt's TTFT is prefill)."""
 PER_SEQ = (0.0, 0.05, 0.15, 0.4)
 """Cost per running request in a step, tried as a share of the fixed step cost."""
 LATENCY_SHARES = (0.0, 0.15, 0.3, 0.5)
-"""Shares of the unloaded p90 TTFT tried as the API server's latency per request (no engine time)."""
+"""Shares of the same base (see :data:`FIXED_SHARES`) tried as the API server's latency per request
+(no engine time)."""
 CTX_SHARES = (0.0, 0.25, 0.5, 0.75, 0.9)
 """Shares of the p90 prompt's cold prefill tried as attention's cost that grows with the context
 (``prefill_s_per_token_ctx``), when the bench recorded its cold samples of several prompt sizes,
@@ -110,8 +112,8 @@ def _log_err(sim: float | None, measured: float | None) -> float:
 def score(run: BenchRun, profile: Profile, setups: tuple[str, ...]) -> float:
     """How far the replay of ``setups``' measured trials is from them (see :data:`PASS_FAIL_WEIGHT`),
     plus how far the cold TTFT of each of the bench's unloaded samples is from what it measured."""
-    cold = sum(_log_err(profile.request_latency_s + profile.decode_step_s + profile.prefill_s(n, 0), ttft)
-               for n, ttft in run.unloaded_samples) / max(len(run.unloaded_samples), 1)
+    cold = sum(_log_err(profile.cold_ttft_s(n), ttft) for n, ttft in run.unloaded_samples) \
+        / max(len(run.unloaded_samples), 1)
     total, n = 0.0, 0
     for name in setups:
         for t in run.setups[name].get("trials") or []:

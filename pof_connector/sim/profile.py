@@ -76,6 +76,11 @@ class Profile:
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
+    def cold_ttft_s(self, prompt_tokens: int) -> float:
+        """TTFT of a prompt sent alone to an idle node with nothing cached (how the bench measures
+        the SLO's base): the API latency, one step and the prefill of the whole prompt."""
+        return self.request_latency_s + self.decode_step_s + self.prefill_s(prompt_tokens, 0)
+
     def prefill_s(self, new_tokens: int, context: int) -> float:
         return new_tokens * (self.prefill_s_per_token + self.prefill_s_per_token_ctx * (context + new_tokens / 2))
 

@@ -26,7 +26,7 @@ def unloaded_ttft(profile: Profile, requests: list[SimRequest]) -> float:
     for r in requests:
         prompt = history.get(r.session, r.system_tokens) + r.turn_tokens
         history[r.session] = prompt + r.max_tokens
-        ttfts.append(profile.request_latency_s + profile.decode_step_s + profile.prefill_s(prompt, 0))
+        ttfts.append(profile.cold_ttft_s(prompt))
     ttfts.sort()
     return nearest_rank(ttfts, 0.9)
 
