@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,12 @@ from pof_connector.bench.vllm_server import build_model, stream_completion
 
 SLO_MULTIPLE = 4.0
 """The SLO is this many times the unloaded p90 TTFT."""
+DECODE_STEPS = 16
+"""Tokens each unloaded sample decodes after its first: their pace is the engine's step time at that context."""
+BATCH_STEPS = 32
+"""Tokens each request of a decode-batch sample decodes."""
+BATCH_PROMPT = 32
+"""Prompt tokens of each request of a decode-batch sample (short: its prefill barely delays the others)."""
 BLOCK = 128
 MAX_FACTOR, MIN_FACTOR = 16.0, 1 / 16
 ROUTER_NICE = -10
@@ -129,14 +136,44 @@ def prompt_sizes(trace: list[TraceRequest]) -> list[int]:
     return out
 
 
-def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int, samples: int) -> list[tuple[int, float]]:
-    """(prompt tokens, TTFT) of cold prompts of the trace's sizes (evenly spread quantiles), one at a time."""
+def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int,
+                  samples: int) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
+    """(prompt tokens, TTFT) of cold prompts of the trace's sizes (evenly spread quantiles), one at a
+    time; and for each, (1, prompt tokens, seconds per decode step) from the pace of the
+    :data:`DECODE_STEPS` tokens it decodes after its first."""
     sizes = sorted(prompt_sizes(trace))
     picks = [sizes[min(len(sizes) - 1, round(q * (len(sizes) - 1) / max(samples - 1, 1)))] for q in range(samples)]
-    out = []
+    out, steps = [], []
     for i, n in enumerate(picks):
-        ttft, _ = stream_completion(url, tokens_for("unloaded", str(i), n, vocab, variant=-1), max_tokens=2)
+        times: list[float] = []
+        ttft, _ = stream_completion(url, tokens_for("unloaded", str(i), n, vocab, variant=-1),
+                                    max_tokens=DECODE_STEPS + 1, chunk_times=times)
         out.append((n, ttft))
+        if len(times) > 1:
+            steps.append((1, n, (times[-1] - times[0]) / (len(times) - 1)))
+    return out, steps
+
+
+def batch_decode_steps(url: str, vocab: int, batches: list[int]) -> list[tuple[int, int, float]]:
+    """(batch, prompt tokens, seconds per decode step) of ``batch`` short requests decoding
+    together: each decodes :data:`BATCH_STEPS` tokens; the step time is the mean pace of their
+    middle halves, when all of them are decoding (the first and last quarters overlap the others'
+    prefills and ends)."""
+    out = []
+    for b in batches:
+        paces: list[float] = []
+
+        def one(i: int, b: int = b, paces: list[float] = paces) -> None:
+            times: list[float] = []
+            stream_completion(url, tokens_for("batch", f"{b}/{i}", BATCH_PROMPT, vocab, variant=-1),
+                              max_tokens=BATCH_STEPS + 1, chunk_times=times)
+            q = len(times) // 4
+            if len(times) - 2 * q > 1:
+                paces.append((times[-q - 1] - times[q]) / (len(times) - 2 * q - 1))
+        with ThreadPoolExecutor(b) as ex:
+            list(ex.map(one, range(b)))
+        if paces:
+            out.append((b, BATCH_PROMPT, statistics.fmean(paces)))
     return out
 
 
@@ -310,6 +347,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     results: dict[str, dict[str, Any]] = {}
     slo_s = unloaded = 0.0
     samples: list[tuple[int, float]] = []
+    steps: list[tuple[int, int, float]] = []
     skipped: dict[str, str] = {}
     try:
         for k, name in enumerate(setups):
@@ -323,7 +361,9 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             fleet = start_fleet(name, model_path, workdir / str(k), spec, progress)
             try:
                 if not slo_s:
-                    samples = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
+                    samples, steps = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
+                    steps += batch_decode_steps(fleet.servers[0].url, vocab,
+                                                sorted({max(spec.max_num_seqs // 2, 1), spec.max_num_seqs}))
                     unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
                     slo_s = SLO_MULTIPLE * unloaded
                     progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
@@ -348,6 +388,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         shutil.rmtree(workdir, ignore_errors=True)
     out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_path)
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
+    out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
     if plot is not None:
         draw(results, slo_s, plot)
         out["plot"] = str(plot)
@@ -402,7 +443,8 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                 "so goodput lies below it); ratio = pof / static goodput (null when static's is 0), ratio_range: "
                 "[pof goodput / static failed_at, pof failed_at / static goodput], what the search's resolution "
                 f"allows; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
-                "(cold, one at a time; unloaded_samples: [prompt tokens, TTFT s] of each); "
+                "(cold, one at a time; unloaded_samples: [prompt tokens, TTFT s] of each; decode_samples: "
+                "[batch, prompt tokens, s per decode step] of each alone, then of short requests decoding together); "
                 "ratio_vs_best = pof / the best other set-up's goodput (best_other); "
                 "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
                 "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "

@@ -147,9 +147,10 @@ class VllmServer(ServiceProcess):
 
 
 def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
-                      cache_salt: str | None = None) -> tuple[float, str]:
+                      cache_salt: str | None = None, chunk_times: list[float] | None = None) -> tuple[float, str]:
     """Stream a greedy completion from an OpenAI server (or a router) at ``url``; returns (seconds
-    to the first streamed token, the text)."""
+    to the first streamed token, the text). ``chunk_times``: gets the seconds from the request to
+    each streamed chunk (one token each, as vLLM streams)."""
     body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "stream": True, "ignore_eos": True}
     if cache_salt is not None:
@@ -166,6 +167,8 @@ def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
             piece = json.loads(line[6:])["choices"][0].get("text", "")
             if not ttft:
                 ttft = time.perf_counter() - t0
+            if chunk_times is not None:
+                chunk_times.append(time.perf_counter() - t0)
             text.append(piece)
     return ttft, "".join(text)
 

@@ -40,6 +40,9 @@ class BenchRun:
     """Set-up name -> its goodput_rps, goodput_factor, at_goodput, trials (as the bench wrote them)."""
     unloaded_samples: tuple[tuple[int, float], ...] = ()
     """(prompt tokens, TTFT s) of the cold prompts the SLO was measured with (empty: an older run)."""
+    decode_samples: tuple[tuple[int, int, float], ...] = ()
+    """(batch, prompt tokens, seconds per decode step) the bench measured on an idle server (empty:
+    an older run)."""
 
     @property
     def servers(self) -> int:
@@ -106,7 +109,7 @@ def load_bench(path: Path) -> BenchRun:
         raise ConfigError(f"{where}: setups: no set-up was run")
     return BenchRun(where, bench_trace(_get(raw, "trace", where), where), float(_get(raw, "slo_s", where)),
                     float(_get(raw, "unloaded_p90_ttft_s", where)), dict(_get(raw, "cluster", where)), dict(setups),
-                    _samples(raw.get("unloaded_samples", []), where))
+                    _samples(raw.get("unloaded_samples", []), where), _steps(raw.get("decode_samples", []), where))
 
 
 def _samples(raw: Any, where: str) -> tuple[tuple[int, float], ...]:
@@ -116,6 +119,15 @@ def _samples(raw: Any, where: str) -> tuple[tuple[int, float], ...]:
     if not ok:
         raise ConfigError(f"{where}: unloaded_samples: a list of [prompt tokens, TTFT s] pairs is required")
     return tuple((int(n), float(t)) for n, t in raw)
+
+
+def _steps(raw: Any, where: str) -> tuple[tuple[int, int, float], ...]:
+    ok = isinstance(raw, list) and all(
+        isinstance(p, list) and len(p) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
+        and p[0] >= 1 and p[1] >= 0 and p[2] > 0 for p in raw)
+    if not ok:
+        raise ConfigError(f"{where}: decode_samples: a list of [batch, prompt tokens, s per step] triples is required")
+    return tuple((int(b), int(n), float(t)) for b, n, t in raw)
 
 
 def replay_trial(run: BenchRun, profile: Profile, policy: str, factor: float, *, give_up: bool) -> TrialResult:

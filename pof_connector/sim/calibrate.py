@@ -3,16 +3,22 @@
 
 What the bench states is taken as is: KV blocks per server (``cluster.kv_tokens_per_server /
 block``), the block size, ``max_num_seqs``; the KV bytes per token come from the model's
-``config.json`` (layers x KV heads x head dim x 2 x dtype bytes) when it is readable. The costs
-that matter at this scale are fitted: a prefill cost per token (and, when the bench recorded cold
-TTFTs of several prompt sizes, the part of it that grows with the context: attention), a fixed
-cost per engine step and a cost per running request in a step. The fit keeps the unloaded p90 TTFT the bench measured
-(the SLO's base: ``decode_step_s + prefill_s_per_token x p90 prompt = unloaded p90``) and picks,
-on a grid, the split between the API server's latency per request (no engine time), the fixed step cost and
-the per-token cost, and the per-request step cost, whose replay of the
-``fit_setups``' trials (by default the physical baseline, ``static``, alone: the other set-ups are
-left for ``pof sim validate`` to predict) comes closest to the measured mean and p90 TTFT and to
-the measured pass / fail of each trial.
+``config.json`` (layers x KV heads x head dim x 2 x dtype bytes) when it is readable.
+
+The engine's costs are measured when the bench recorded them (``decode_samples``: the pace of
+decode steps alone at each cold sample's context and of short requests decoding together;
+``unloaded_samples``: cold TTFTs of the trace's prompt sizes): the step costs (fixed, per running
+request, per token of context they attend to) are a least-squares fit to the step times, and the
+API server's latency and the prefill costs (per token, and the part that grows with the context:
+attention) a fit to the cold TTFTs less one step. No trial of any set-up is used then: ``pof sim
+validate`` predicts them all, and the fit's error on ``fit_setups`` is only reported.
+
+An older run, without decode samples, gets the costs by a grid search instead: it keeps the
+unloaded p90 TTFT the bench measured (the SLO's base: ``decode_step_s + prefill_s_per_token x p90
+prompt = unloaded p90``) and picks the split between the API server's latency per request, the
+fixed step cost and the per-token cost, and the per-request step cost, whose replay of the
+``fit_setups``' trials (by default the physical baseline, ``static``, alone) comes closest to the
+measured mean and p90 TTFT and to the measured pass / fail of each trial.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from pof_connector.bench import nearest_rank
-from pof_connector.bench.capacity import prompt_sizes
+from pof_connector.bench.capacity import BATCH_STEPS, DECODE_STEPS, prompt_sizes
 from pof_connector.config import ConfigError
 from pof_connector.sim.bench_run import BenchRun, replay_trial
 from pof_connector.sim.profile import Profile, TierProfile, load_profile
@@ -125,6 +132,44 @@ def score(run: BenchRun, profile: Profile, setups: tuple[str, ...]) -> float:
     return cold + total / max(n, 1)
 
 
+def nonnegative_lstsq(rows: list[list[float]], target: list[float]) -> list[float]:
+    """Least squares of ``rows @ x = target`` with every ``x >= 0``: the closest of the fits over the
+    subsets of the terms (a term left out is 0) whose coefficients all come out non-negative."""
+    a, y = np.asarray(rows, float), np.asarray(target, float)
+    k = a.shape[1]
+    best: tuple[float, list[float]] = (math.inf, [0.0] * k)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        sol = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+        if (sol < 0).any():
+            continue
+        x = [0.0] * k
+        for j, v in zip(cols, sol, strict=True):
+            x[j] = float(v)
+        err = float(((a @ np.asarray(x) - y) ** 2).sum())
+        if err < best[0]:
+            best = (err, x)
+    return best[1]
+
+
+def measured_costs(run: BenchRun, base: Profile) -> Profile | None:
+    """``base`` with the step and prefill costs fitted to the bench's own samples (``None``: the run
+    recorded no decode samples). Each sample weighs by its inverse, so short and long ones count
+    alike (relative error)."""
+    if not run.decode_samples or len(run.unloaded_samples) < 3:
+        return None
+    # a step of B requests, each holding about n + half the steps it timed: fixed + B x per_seq + context x per_ctx
+    steps = [(b, n + (DECODE_STEPS if b == 1 else BATCH_STEPS) / 2, t) for b, n, t in run.decode_samples]
+    d0, per_seq, per_ctx = nonnegative_lstsq([[1 / t, b / t, b * c / t] for b, c, t in steps], [1.0] * len(steps))
+    # a cold TTFT: API latency + one iteration (the fixed step) + the prefill of n tokens
+    cold = [(n, t - d0) for n, t in run.unloaded_samples if t > d0]
+    lat, per_token, per_token_ctx = nonnegative_lstsq([[1 / r, n / r, n * n / 2 / r] for n, r in cold],
+                                                      [1.0] * len(cold))
+    return replace(base, decode_step_s=d0, decode_s_per_seq=per_seq, decode_s_per_ctx_token=per_ctx,
+                   request_latency_s=lat, prefill_s_per_token=max(per_token, 1e-9),
+                   prefill_s_per_token_ctx=per_token_ctx)
+
+
 def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[str, ...] = ("static",),
         name: str = "calibrated") -> Fit:
     missing = [s for s in fit_setups if s not in run.setups]
@@ -132,6 +177,14 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
         raise ConfigError(f"--fit-setups: {missing[0]!r} is not in the bench run (it ran "
                           f"{', '.join(run.setups)})")
     base, notes = base_profile(run, vllm, name)
+    measured = measured_costs(run, base)
+    sources = (run.source,) + (("pof bench vllm",) if vllm else ())
+    if measured is not None:
+        notes.append(f"decode_step_s, decode_s_per_seq, decode_s_per_ctx_token: least squares on the bench's "
+                     f"{len(run.decode_samples)} decode samples (step times alone and in batches); request_latency_s, "
+                     f"prefill_s_per_token, prefill_s_per_token_ctx: least squares on its {len(run.unloaded_samples)} "
+                     f"cold TTFTs less one step; error: the replay of {', '.join(fit_setups)}'s trials (not fitted)")
+        return Fit(measured, score(run, measured, fit_setups), fit_setups, sources, tuple(notes))
     unloaded = run.unloaded_p90_s
     n90 = max(int(nearest_rank(sorted(prompt_sizes(run.trace)), 0.9)), 1)
     # The API latency and the step are shares of the shortest cold TTFT the bench measured (with
@@ -159,7 +212,7 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
     notes.append(f"request_latency_s, decode_step_s, decode_s_per_seq, prefill_s_per_token{ctx_note}: fitted (grid) "
                  f"to the unloaded p90 TTFT {unloaded} s at the p90 prompt of {n90} tokens and to the trials of "
                  f"{', '.join(fit_setups)}")
-    return Fit(best[1], best[0], fit_setups, (run.source,) + (("pof bench vllm",) if vllm else ()), tuple(notes))
+    return Fit(best[1], best[0], fit_setups, sources, tuple(notes))
 
 
 def profile_mapping(p: Profile) -> dict[str, Any]:
@@ -173,7 +226,8 @@ def profile_mapping(p: Profile) -> dict[str, Any]:
             "prefill_s_per_token": float(f"{p.prefill_s_per_token:.4g}"),
             "prefill_s_per_token_ctx": float(f"{p.prefill_s_per_token_ctx:.4g}"),
             "decode_step_s": float(f"{p.decode_step_s:.4g}"), "decode_s_per_seq": float(f"{p.decode_s_per_seq:.4g}"),
-            "decode_s_per_ctx_token": 0.0, "local_tier": tier(p.local_tier), "remote_tier": tier(p.remote_tier),
+            "decode_s_per_ctx_token": float(f"{p.decode_s_per_ctx_token:.4g}"),
+            "local_tier": tier(p.local_tier), "remote_tier": tier(p.remote_tier),
             "request_latency_s": float(f"{p.request_latency_s:.4g}"), "slo_multiple": p.slo_multiple}
 
 

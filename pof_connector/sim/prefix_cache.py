@@ -1,5 +1,6 @@
 """An engine's prefix cache as vLLM keeps it: blocks of finished (or running) requests stay cached
-while free, and are evicted least-recently-used when an allocation needs them.
+while free, and are evicted least-recently-used when an allocation needs them, the tail of a
+prefix first (vLLM frees a request's blocks in reverse order, so its leading blocks outlive them).
 
 Entries are whole prefixes by key (``t:<tenant>``: a system prompt, ``s:<session>``: a session's
 context so far), block-aligned as the engine caches full blocks only. An entry a running request
@@ -62,15 +63,22 @@ class PrefixCache:
             self.free_blocks += e[0] // self.block_tokens
 
     def shrink(self, room_blocks: int) -> None:
-        """Evict least-recently-used unpinned entries until they fit in ``room_blocks``."""
+        """Evict least-recently-used unpinned entries until they fit in ``room_blocks``; the last
+        one evicted loses only the tail blocks it must give up."""
         if self.free_blocks <= room_blocks:
             return
         victims = []
         free = self.free_blocks
         for key, e in self._entries.items():      # oldest first; stop once enough is found
             if e[1] == 0:
+                blocks = e[0] // self.block_tokens
+                over = free - room_blocks
+                if blocks > over:
+                    e[0] -= over * self.block_tokens
+                    free -= over
+                    break
                 victims.append(key)
-                free -= e[0] // self.block_tokens
+                free -= blocks
                 if free <= room_blocks:
                     break
         for key in victims:

@@ -1,7 +1,11 @@
 """The event loop: requests arrive (the trace's times scaled by the rate factor), the policy places
 them, the nodes run; KV usage is sampled across nodes for the fragmentation spread.
 
-Events live in one heap of ``(time, seq, kind, a, b)``, arrivals in a list sorted by time, taken
+A session's turns go one after another, as ``pof bench capacity`` sends them: turn k arrives at its
+scaled time or when turn k-1 finished, whichever is later (its prompt holds turn k-1's answer), and
+its TTFT counts from then; after a turn that failed, the session's later turns are never sent.
+
+Events live in one heap of ``(time, seq, kind, a, b)``, first turns in a list sorted by time, taken
 before a heap event of the same time; a node's wake-up carries its version, so a segment cut short
 by an arrival leaves a stale event that the node ignores.
 """
@@ -23,7 +27,7 @@ from pof_connector.sim.sim_config import SimConfig
 from pof_connector.sim.trial_result import TrialResult
 from pof_connector.sim.workload import SimRequest
 
-WAKE, SAMPLE, TICK = 1, 2, 3
+WAKE, SAMPLE, TICK, ARRIVE = 1, 2, 3, 4
 
 
 class _Stop(Exception):
@@ -49,6 +53,9 @@ class Simulator(NodeEvents):
         self._arrived = 0
         self._session_known: dict[str, int] = {}
         self._tenants: set[str] = set()
+        self._jobs: list[Job] = []
+        self._next_turn: dict[int, Job] = {}
+        """Job id -> the next turn of its session, sent once it finished."""
         self._usage: list[tuple[float, float, float]] = []
         """Per sample: (max - min usage, free share of the fullest node, of the emptiest)."""
 
@@ -66,6 +73,10 @@ class Simulator(NodeEvents):
 
     def finished(self, job: Job, at: float) -> None:
         self.policy.finished(job, at)
+        after = self._next_turn.pop(job.id, None)
+        if after is not None and not job.failed:
+            after.arrival = max(after.arrival, at)
+            self._push(after.arrival, ARRIVE, after.id)
         if job.failed:
             if self.config.slo_s is not None and self.config.give_up:
                 raise _Stop
@@ -91,15 +102,23 @@ class Simulator(NodeEvents):
 
     def run(self, requests: list[SimRequest]) -> TrialResult:
         started = time.perf_counter()
-        jobs = self.jobs(requests)
+        jobs = self._jobs = self.jobs(requests)
         cfg = self.config
         self._late_limit = int(cfg.late_share * len(jobs))
         self.policy.bind(self._views, self.pool, self.cached)
         span = max((j.arrival for j in jobs), default=0.0)
-        # Arrivals are not in the heap (it would hold every request): they are taken in (time, job)
-        # order, before any heap event of the same time, the order their heap entries had (pushed
-        # first, so with the lowest sequence numbers).
-        arrivals = sorted(jobs, key=lambda j: (j.arrival, j.id))
+        last: dict[str, Job] = {}
+        for job in jobs:
+            before = last.get(job.request.session)
+            if before is not None:
+                self._next_turn[before.id] = job
+            last[job.request.session] = job
+        later = {j.id for j in self._next_turn.values()}
+        # First turns are not in the heap (it would hold every request): they are taken in (time,
+        # job) order, before any heap event of the same time, the order their heap entries had
+        # (pushed first, so with the lowest sequence numbers). Later turns are pushed when the turn
+        # before them finishes.
+        arrivals = sorted((j for j in jobs if j.id not in later), key=lambda j: (j.arrival, j.id))
         self._seq = len(jobs)
         step = span / cfg.samples if span > 0 else 0.0
         if step > 0:
@@ -130,6 +149,8 @@ class Simulator(NodeEvents):
                 events += 1
                 if kind == WAKE:
                     nodes[a].wake(at, b)
+                elif kind == ARRIVE:
+                    self._arrive(jobs[a], at)
                 elif kind == TICK:
                     self.policy.tick(at)
                 else:

@@ -50,6 +50,11 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
     assert len(samples) == 6 and all(n > 0 and t > 0 for n, t in samples), samples
     assert sorted(n for n, _ in samples) == [n for n, _ in samples]                 # quantiles, in order
     assert out["unloaded_p90_ttft_s"] in [t for _, t in samples]
+    # the step times `pof sim calibrate` takes the decode cost from: each cold sample's pace alone
+    # (batch 1 at its prompt size), then short requests decoding 4 and 8 at once
+    steps = out["decode_samples"]
+    assert [(b, n) for b, n, _ in steps] == [(1, n) for n, _ in samples] + [(4, 32), (8, 32)], steps
+    assert all(t > 0 for _, _, t in steps), steps
     for name, row in out["setups"].items():
         assert {"goodput_rps", "goodput_factor", "at_goodput", "at_reference_load", "trials"} <= set(row), name
         assert row["trials"] and row["at_reference_load"] is not None, name

@@ -160,3 +160,29 @@ def test_calibrate_fits_attentions_growth_from_the_benchs_cold_samples(tmp_path:
     (tmp_path / "bad.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="unloaded_samples"):
         load_bench(tmp_path / "bad.json")
+
+
+def test_calibrate_measures_the_costs_when_the_bench_timed_decode_steps(tmp_path: Path) -> None:
+    # samples made from known costs, as the bench records them: the fit must give the costs back
+    want = {"decode_step_s": 0.02, "decode_s_per_seq": 0.004, "decode_s_per_ctx_token": 2e-7,
+            "request_latency_s": 0.03, "prefill_s_per_token": 4e-5, "prefill_s_per_token_ctx": 7e-8}
+
+    def step(b: int, n: int, steps: int) -> float:
+        per_ctx = want["decode_s_per_ctx_token"]
+        return want["decode_step_s"] + b * want["decode_s_per_seq"] + b * (n + steps / 2) * per_ctx
+    sizes = [1000, 1200, 4000, 9000, 16000]
+    raw = json.loads(BENCH.read_text())
+    raw["unloaded_samples"] = [[n, want["request_latency_s"] + want["decode_step_s"]
+                                + n * (want["prefill_s_per_token"] + want["prefill_s_per_token_ctx"] * n / 2)]
+                               for n in sizes]
+    raw["decode_samples"] = [[1, n, step(1, n, 16)] for n in sizes] + [[b, 32, step(b, 32, 32)] for b in (4, 8)]
+    (tmp_path / "timed.json").write_text(json.dumps(raw))
+    f = fit(load_bench(tmp_path / "timed.json"))
+    for key, value in want.items():
+        assert getattr(f.profile, key) == pytest.approx(value, rel=1e-3), key
+    assert "decode samples" in " ".join(f.notes) and f.fitted_on == ("static",)
+
+    raw["decode_samples"] = [[0, 32, 0.1]]                                  # a batch of none
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="decode_samples"):
+        load_bench(tmp_path / "bad.json")

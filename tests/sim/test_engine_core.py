@@ -15,6 +15,7 @@ from pof_connector.sim.base import NodeEvents, NodeView, Policy
 from pof_connector.sim.counters import Counters
 from pof_connector.sim.engine_node import EngineNode
 from pof_connector.sim.job import Job
+from pof_connector.sim.prefix_cache import PrefixCache
 from pof_connector.sim.profile import Profile, load_profile, profile_from_mapping
 from pof_connector.sim.sim_config import SimConfig
 from pof_connector.sim.simulator import Simulator
@@ -87,7 +88,8 @@ def test_a_request_larger_than_the_node_fails() -> None:
 def preempting() -> list[SimRequest]:
     # 6 blocks; A and B (7-token prompts, 10 tokens out) take 2 each, then a block each at their
     # 9th token (6 used); at the 13th neither block is free: B, the newest, is preempted with 12
-    # tokens (11 with KV), and resumes when A ends at 0.24 + 9 x 0.1 = 1.14
+    # tokens (11 with KV, its 2 full blocks stay cached), and resumes when A ends at 0.24 + 9 x 0.1
+    # = 1.14; A's 5th block (its 17th token) evicts the tail one of them, B's first 4 tokens stay
     return [req(0.0, "a", 7, 10), req(0.0, "b", 7, 10, tenant="u")]
 
 
@@ -96,17 +98,18 @@ def test_preemption_of_the_newest_recomputes_without_the_pool() -> None:
     assert a.first_token_at == b.first_token_at == pytest.approx(0.1 + 14 * 0.01)
     assert (a.preemptions, b.preemptions, sim.counters.preemptions) == (0, 1, 1)
     assert a.done_at == pytest.approx(1.14)
-    assert b.done_at == pytest.approx(1.14 + 0.1 + 12 * 0.01 + 4 * 0.1)     # re-prefill 12, 4 more steps
-    assert sim.counters.recomputed_tokens == 11
+    assert b.done_at == pytest.approx(1.14 + 0.1 + 8 * 0.01 + 4 * 0.1)     # re-prefill 8, 4 more steps
+    assert sim.counters.recomputed_tokens == 7
 
 
 def test_preemption_with_the_pool_loads_what_was_stored() -> None:
     (_, b), sim = run(toy(kv_blocks=6), preempting(), [0, 0], pool=True)
     assert b.preemptions == 1
-    # 11 tokens with KV, stored block-aligned: 8 loaded over the local tier (1 ms each), 4 computed
-    assert b.done_at == pytest.approx(1.14 + 0.1 + 4 * 0.01 + 8 * 0.001 + 4 * 0.1)
-    assert sim.counters.recomputed_tokens == 3 and sim.counters.loaded_tokens == 8
-    assert sim.pool is not None and sim.pool.loaded_bytes["cpu_dram"] == 8_000_000
+    # 11 tokens with KV, stored block-aligned: 4 still in the engine's cache, the next 4 loaded
+    # over the local tier (1 ms each), 4 computed
+    assert b.done_at == pytest.approx(1.14 + 0.1 + 4 * 0.01 + 4 * 0.001 + 4 * 0.1)
+    assert sim.counters.recomputed_tokens == 3 and sim.counters.loaded_tokens == 4
+    assert sim.pool is not None and sim.pool.loaded_bytes["cpu_dram"] == 4_000_000
 
 
 def session(second_at: float = 1.0) -> list[SimRequest]:
@@ -134,6 +137,34 @@ def test_session_moving_with_the_pool_loads_its_kv() -> None:
     assert two.ttft < 0.1 + 16 * 0.01                              # cheaper than recomputing
     assert sim.counters.recomputed_tokens == 3
     assert sim.pool is not None and sim.pool.loaded_bytes["remote"] == 8_000_000
+
+
+def test_a_turn_due_before_the_last_one_ended_is_sent_when_it_ends() -> None:
+    # as the bench sends a session: turn 2's prompt holds turn 1's answer. Turn 1 has its first
+    # token at 0.1 + 8 x 0.01 = 0.18 and its last at 0.48; turn 2, due at 0.0, goes then and finds
+    # turn 1's 8 whole-block tokens in the engine cache
+    (one, two), _ = run(toy(), session(second_at=0.0), [0, 0])
+    assert one.done_at == pytest.approx(0.48)
+    assert two.arrival == pytest.approx(0.48)
+    assert two.ttft == pytest.approx(0.1 + 8 * 0.01)
+
+
+def test_after_a_failed_turn_the_sessions_later_turns_are_not_sent() -> None:
+    sim = Simulator(toy(), Placed([0, 0]), SimConfig(nodes=1))
+    result = sim.run([req(0.0, "s", 40, 2), req(1.0, "s", 4, 2)])   # 41 tokens never fit in 10 blocks
+    assert result.failed == 2 and sim.counters.failed == 1 and result.arrived == 1
+
+
+def test_eviction_takes_the_tail_of_the_least_recently_used_prefix() -> None:
+    cache = PrefixCache(4)
+    cache.pin("old", 16)
+    cache.pin("new", 8)
+    cache.unpin("old", 16)
+    cache.unpin("new", 8)
+    cache.shrink(4)                                 # 6 free blocks cached, room for 4
+    assert (cache.peek("old"), cache.peek("new"), cache.free_blocks) == (8, 8, 4)
+    cache.shrink(1)
+    assert (cache.peek("old"), cache.peek("new"), cache.free_blocks) == (0, 4, 1)
 
 
 def test_an_arrival_cuts_a_decode_segment_at_the_step_in_progress() -> None:

@@ -38,16 +38,18 @@ def test_round_robin_cycles() -> None:
     assert [p.choose(job(i, f"s{i}", 0, 4), views, 0.0) for i in range(4)] == [0, 1, 2, 0]
 
 
-def test_cache_aware_goes_to_the_prefix_holder_unless_the_load_is_imbalanced() -> None:
+def test_cache_aware_goes_where_it_sent_the_prefix_unless_the_load_is_imbalanced() -> None:
     p = CacheAware()
     sim = Simulator(toy(), p, SimConfig(nodes=3))
     views = list(sim.nodes)
-    cached(sim, 2, "s:conv", 16)
-    sim.nodes[2].waiting.append(job(9, "other", 0, 1))                 # node 2 is not the least loaded
-    assert p.choose(job(0, "conv", 16, 4), views, 0.0) == 2            # 16 of 20 tokens cached there
-    assert p.choose(job(1, "conv", 40, 4), views, 0.0) != 2            # 16 of 44: under the threshold
-    sim.nodes[2].waiting.extend(job(10 + i, f"q{i}", 0, 1) for i in range(40))
-    assert p.choose(job(2, "conv", 16, 4), views, 0.0) in (0, 1)       # 40 queued there: least loaded
+    home = p.choose(job(0, "conv", 0, 16), views, 0.0)                # nothing sent yet: the least loaded
+    sim.nodes[home].waiting.append(job(9, "other", 0, 1))              # home is not the least loaded now
+    # the router's tree holds the 16 prompt tokens it sent home (not the answer; no engine cache asked)
+    assert p.matched(job(1, "conv", 18, 4), home) == 16
+    assert p.choose(job(1, "conv", 18, 4), views, 0.0) == home        # 16 of 22 tokens
+    assert p.choose(job(2, "conv", 40, 4), views, 0.0) != home        # 16 of 44: under the threshold
+    sim.nodes[home].waiting.extend(job(10 + i, f"q{i}", 0, 1) for i in range(40))
+    assert p.choose(job(3, "conv", 18, 4), views, 0.0) != home        # 41 queued there: least loaded
 
 
 def pof_cluster() -> tuple[PofPolicy, Simulator]:
