@@ -154,6 +154,20 @@ def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int,
     return out, steps
 
 
+def host_sharing(urls: list[str], vocab: int, prompt_tokens: int, pairs: int = 2) -> list[tuple[int, float, float]]:
+    """(prompt tokens, mean TTFT of a cold prompt on the first server alone, mean TTFT of one on
+    every server at once), ``pairs`` times each: how much the servers, sharing this host's cores,
+    slow each other (``pof sim calibrate``'s ``host_slowdown``)."""
+    def cold(tag: str, url: str) -> float:
+        return stream_completion(url, tokens_for("host", tag, prompt_tokens, vocab, variant=-1), max_tokens=1)[0]
+    alone = [cold(f"alone/{k}", urls[0]) for k in range(pairs)]
+    together: list[float] = []
+    with ThreadPoolExecutor(len(urls)) as ex:
+        for k in range(pairs):
+            together += ex.map(lambda i, k=k: cold(f"both/{k}/{i}", urls[i]), range(len(urls)))
+    return [(prompt_tokens, statistics.fmean(alone), statistics.fmean(together))]
+
+
 def batch_decode_steps(url: str, vocab: int, batches: list[int]) -> list[tuple[int, int, float]]:
     """(batch, prompt tokens, seconds per decode step) of ``batch`` short requests decoding
     together: each decodes :data:`BATCH_STEPS` tokens; the step time is the mean pace of their
@@ -348,6 +362,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     slo_s = unloaded = 0.0
     samples: list[tuple[int, float]] = []
     steps: list[tuple[int, int, float]] = []
+    host: list[tuple[int, float, float]] = []
     skipped: dict[str, str] = {}
     try:
         for k, name in enumerate(setups):
@@ -364,6 +379,9 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                     samples, steps = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
                     steps += batch_decode_steps(fleet.servers[0].url, vocab,
                                                 sorted({max(spec.max_num_seqs // 2, 1), spec.max_num_seqs}))
+                    if len(fleet.servers) > 1:
+                        host = host_sharing([v.url for v in fleet.servers], vocab, int(nearest_rank(
+                            sorted(n for n, _ in samples), 0.9)))
                     unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
                     slo_s = SLO_MULTIPLE * unloaded
                     progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
@@ -389,6 +407,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_path)
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
+    out["host_samples"] = [[n, round(a, 4), round(t, 4)] for n, a, t in host]
     if plot is not None:
         draw(results, slo_s, plot)
         out["plot"] = str(plot)
@@ -444,7 +463,8 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                 "[pof goodput / static failed_at, pof failed_at / static goodput], what the search's resolution "
                 f"allows; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
                 "(cold, one at a time; unloaded_samples: [prompt tokens, TTFT s] of each; decode_samples: "
-                "[batch, prompt tokens, s per decode step] of each alone, then of short requests decoding together); "
+                "[batch, prompt tokens, s per decode step] of each alone, then of short requests decoding together; "
+                "host_samples: [prompt tokens, cold TTFT on one server alone, on every server at once]); "
                 "ratio_vs_best = pof / the best other set-up's goodput (best_other); "
                 "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
                 "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "

@@ -60,6 +60,11 @@ class Policy(ABC):
 class NodeEvents(ABC):
     """What an engine node tells the simulator."""
 
+    def busy_others(self, node: int) -> int:
+        """Nodes other than ``node`` running an iteration now (what slows a node whose host they
+        share, :attr:`Profile.host_slowdown`)."""
+        return 0
+
     @abstractmethod
     def wake(self, node: int, at: float, version: int) -> None:
         """Call the node's ``wake(at, version)`` at simulated time ``at``."""

@@ -43,6 +43,8 @@ class BenchRun:
     decode_samples: tuple[tuple[int, int, float], ...] = ()
     """(batch, prompt tokens, seconds per decode step) the bench measured on an idle server (empty:
     an older run)."""
+    host_samples: tuple[tuple[int, float, float], ...] = ()
+    """(prompt tokens, cold TTFT on one server alone, on every server at once) (empty: an older run)."""
 
     @property
     def servers(self) -> int:
@@ -109,7 +111,8 @@ def load_bench(path: Path) -> BenchRun:
         raise ConfigError(f"{where}: setups: no set-up was run")
     return BenchRun(where, bench_trace(_get(raw, "trace", where), where), float(_get(raw, "slo_s", where)),
                     float(_get(raw, "unloaded_p90_ttft_s", where)), dict(_get(raw, "cluster", where)), dict(setups),
-                    _samples(raw.get("unloaded_samples", []), where), _steps(raw.get("decode_samples", []), where))
+                    _samples(raw.get("unloaded_samples", []), where), _steps(raw.get("decode_samples", []), where),
+                    _host(raw.get("host_samples", []), where))
 
 
 def _samples(raw: Any, where: str) -> tuple[tuple[int, float], ...]:
@@ -128,6 +131,16 @@ def _steps(raw: Any, where: str) -> tuple[tuple[int, int, float], ...]:
     if not ok:
         raise ConfigError(f"{where}: decode_samples: a list of [batch, prompt tokens, s per step] triples is required")
     return tuple((int(b), int(n), float(t)) for b, n, t in raw)
+
+
+def _host(raw: Any, where: str) -> tuple[tuple[int, float, float], ...]:
+    ok = isinstance(raw, list) and all(
+        isinstance(p, list) and len(p) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
+        and p[0] > 0 and p[1] > 0 and p[2] > 0 for p in raw)
+    if not ok:
+        raise ConfigError(f"{where}: host_samples: a list of [prompt tokens, TTFT alone s, TTFT together s] "
+                          "triples is required")
+    return tuple((int(n), float(a), float(t)) for n, a, t in raw)
 
 
 def replay_trial(run: BenchRun, profile: Profile, policy: str, factor: float, *, give_up: bool) -> TrialResult:

@@ -165,9 +165,13 @@ def measured_costs(run: BenchRun, base: Profile) -> Profile | None:
     cold = [(n, t - d0) for n, t in run.unloaded_samples if t > d0]
     lat, per_token, per_token_ctx = nonnegative_lstsq([[1 / r, n / r, n * n / 2 / r] for n, r in cold],
                                                       [1.0] * len(cold))
+    # the servers share the bench host's cores: a cold prompt on each at once is this much slower
+    # than alone, with all the others busy
+    others = max(run.servers - 1, 1)
+    host = [max(together / alone - 1.0, 0.0) / others for _, alone, together in run.host_samples]
     return replace(base, decode_step_s=d0, decode_s_per_seq=per_seq, decode_s_per_ctx_token=per_ctx,
                    request_latency_s=lat, prefill_s_per_token=max(per_token, 1e-9),
-                   prefill_s_per_token_ctx=per_token_ctx)
+                   prefill_s_per_token_ctx=per_token_ctx, host_slowdown=sum(host) / len(host) if host else 0.0)
 
 
 def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[str, ...] = ("static",),
@@ -183,7 +187,9 @@ def fit(run: BenchRun, vllm: dict[str, Any] | None = None, *, fit_setups: tuple[
         notes.append(f"decode_step_s, decode_s_per_seq, decode_s_per_ctx_token: least squares on the bench's "
                      f"{len(run.decode_samples)} decode samples (step times alone and in batches); request_latency_s, "
                      f"prefill_s_per_token, prefill_s_per_token_ctx: least squares on its {len(run.unloaded_samples)} "
-                     f"cold TTFTs less one step; error: the replay of {', '.join(fit_setups)}'s trials (not fitted)")
+                     f"cold TTFTs less one step; host_slowdown: its {len(run.host_samples)} cold TTFTs on every "
+                     "server at once against alone (0 without them); error: the replay of "
+                     f"{', '.join(fit_setups)}'s trials (not fitted)")
         return Fit(measured, score(run, measured, fit_setups), fit_setups, sources, tuple(notes))
     unloaded = run.unloaded_p90_s
     n90 = max(int(nearest_rank(sorted(prompt_sizes(run.trace)), 0.9)), 1)
@@ -228,7 +234,8 @@ def profile_mapping(p: Profile) -> dict[str, Any]:
             "decode_step_s": float(f"{p.decode_step_s:.4g}"), "decode_s_per_seq": float(f"{p.decode_s_per_seq:.4g}"),
             "decode_s_per_ctx_token": float(f"{p.decode_s_per_ctx_token:.4g}"),
             "local_tier": tier(p.local_tier), "remote_tier": tier(p.remote_tier),
-            "request_latency_s": float(f"{p.request_latency_s:.4g}"), "slo_multiple": p.slo_multiple}
+            "request_latency_s": float(f"{p.request_latency_s:.4g}"), "host_slowdown": float(f"{p.host_slowdown:.4g}"),
+            "slo_multiple": p.slo_multiple}
 
 
 def profile_yaml(f: Fit) -> str:

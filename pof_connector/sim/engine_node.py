@@ -89,6 +89,11 @@ class EngineNode(NodeView):
                           block_tokens=self.profile.block_tokens, preemptions=self.preemptions)
 
     @property
+    def busy(self) -> bool:
+        """An iteration or decode segment is under way."""
+        return self._busy
+
+    @property
     def usage(self) -> float:
         return self.used / self.total
 
@@ -138,14 +143,18 @@ class EngineNode(NodeView):
         admitted = self._admit(now, step_blocks)
         b = len(self.decoding)
         context = self._offsets + b * self.steps
+        # nodes that share a host's cores slow each other (1: every node a host of its own)
+        share = self.profile.host_slowdown
+        slow = 1.0 + share * self.events.busy_others(self.index) if share and (b or admitted is not None) else 1.0
         if admitted is not None:
             self.used += step_blocks
-            self._start(now, 1, self.profile.decode_s(b, context) + admitted, 0.0)
+            self._start(now, 1, slow * (self.profile.decode_s(b, context) + admitted), 0.0)
         elif b:
             k, blocks = self._steps_that_fit(step_blocks)
             self.used += blocks
             self.cache.shrink(self.total - self.used)
-            self._start(now, k, self.profile.decode_s(b, context), self.profile.decode_s_per_ctx_token * b)
+            self._start(now, k, slow * self.profile.decode_s(b, context),
+                        slow * self.profile.decode_s_per_ctx_token * b)
 
     def _start(self, now: float, k: int, a: float, b: float) -> None:
         self._busy = True

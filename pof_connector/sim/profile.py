@@ -62,6 +62,10 @@ class Profile:
     """Added to every TTFT without occupying the engine: the API server's own work per request
     (HTTP, tokenising, detokenising the first token), which a CPU host's bench shows and a GPU
     node's costs leave out (0)."""
+    host_slowdown: float = 0.0
+    """Nodes share one host's cores (a bench of CPU servers on one machine): an iteration takes
+    ``1 + host_slowdown x`` the other nodes running one when it starts, this much longer (0: every
+    node a host of its own, as in a GPU cluster)."""
     slo_multiple: float = 4.0
     """The TTFT SLO is this many times the unloaded p90 TTFT of the workload (as ``pof bench capacity``)."""
 
@@ -93,7 +97,7 @@ class Profile:
 
 _NUMBERS = {f.name for f in fields(Profile)} - {"name", "local_tier", "remote_tier"}
 _INTS = {"kv_blocks", "block_tokens", "kv_bytes_per_token", "max_running", "max_batched_tokens"}
-_OPTIONAL = {"slo_multiple", "request_latency_s"}
+_OPTIONAL = {"slo_multiple", "request_latency_s", "host_slowdown"}
 
 
 def _number(raw: dict[str, Any], key: str, where: str, *, integer: bool, positive: bool) -> float:

@@ -60,6 +60,9 @@ class Simulator(NodeEvents):
         """Per sample: (max - min usage, free share of the fullest node, of the emptiest)."""
 
     # -- NodeEvents -----------------------------------------------------------------------------
+    def busy_others(self, node: int) -> int:
+        return sum(1 for n in self.nodes if n.busy) - self.nodes[node].busy
+
     def wake(self, node: int, at: float, version: int) -> None:
         self._push(at, WAKE, node, version)
 

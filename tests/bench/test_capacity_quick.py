@@ -55,6 +55,9 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
     steps = out["decode_samples"]
     assert [(b, n) for b, n, _ in steps] == [(1, n) for n, _ in samples] + [(4, 32), (8, 32)], steps
     assert all(t > 0 for _, _, t in steps), steps
+    # the servers share this host's cores: a p90-size cold prompt alone, then on both at once
+    (host,) = out["host_samples"]
+    assert host[0] in [n for n, _ in samples] and host[1] > 0 and host[2] > 0, host
     for name, row in out["setups"].items():
         assert {"goodput_rps", "goodput_factor", "at_goodput", "at_reference_load", "trials"} <= set(row), name
         assert row["trials"] and row["at_reference_load"] is not None, name

@@ -176,9 +176,10 @@ def test_calibrate_measures_the_costs_when_the_bench_timed_decode_steps(tmp_path
                                 + n * (want["prefill_s_per_token"] + want["prefill_s_per_token_ctx"] * n / 2)]
                                for n in sizes]
     raw["decode_samples"] = [[1, n, step(1, n, 16)] for n in sizes] + [[b, 32, step(b, 32, 32)] for b in (4, 8)]
+    raw["host_samples"] = [[9000, 2.0, 2.8]]                 # both servers at once: 1.4x as long
     (tmp_path / "timed.json").write_text(json.dumps(raw))
     f = fit(load_bench(tmp_path / "timed.json"))
-    for key, value in want.items():
+    for key, value in {**want, "host_slowdown": 0.4}.items():
         assert getattr(f.profile, key) == pytest.approx(value, rel=1e-3), key
     assert "decode samples" in " ".join(f.notes) and f.fitted_on == ("static",)
 

@@ -155,6 +155,15 @@ def test_after_a_failed_turn_the_sessions_later_turns_are_not_sent() -> None:
     assert result.failed == 2 and sim.counters.failed == 1 and result.arrived == 1
 
 
+def test_nodes_sharing_a_host_slow_each_other() -> None:
+    # each node prefills 10 tokens (0.1 + 0.1 s alone); with the other busy, 1.5x as long
+    (a, b), _ = run(toy(host_slowdown=0.5), [req(0.0, "a", 10, 1), req(0.0, "b", 10, 1, tenant="u")], [0, 1],
+                    nodes=2)
+    assert a.first_token_at == b.first_token_at == pytest.approx(1.5 * 0.2)
+    (alone,), _ = run(toy(host_slowdown=0.5), [req(0.0, "a", 10, 1)], [0], nodes=2)
+    assert alone.first_token_at == pytest.approx(0.2)
+
+
 def test_eviction_takes_the_tail_of_the_least_recently_used_prefix() -> None:
     cache = PrefixCache(4)
     cache.pin("old", 16)
