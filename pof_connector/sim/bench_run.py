@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -111,36 +112,28 @@ def load_bench(path: Path) -> BenchRun:
         raise ConfigError(f"{where}: setups: no set-up was run")
     return BenchRun(where, bench_trace(_get(raw, "trace", where), where), float(_get(raw, "slo_s", where)),
                     float(_get(raw, "unloaded_p90_ttft_s", where)), dict(_get(raw, "cluster", where)), dict(setups),
-                    _samples(raw.get("unloaded_samples", []), where), _steps(raw.get("decode_samples", []), where),
-                    _host(raw.get("host_samples", []), where))
+                    tuple((int(n), float(t)) for n, t in _rows(
+                        raw, "unloaded_samples", where, "[prompt tokens, TTFT s] pairs", 2,
+                        lambda r: r[0] > 0 and r[1] > 0)),
+                    tuple((int(b), int(n), float(t)) for b, n, t in _rows(
+                        raw, "decode_samples", where, "[batch, prompt tokens, s per step] triples", 3,
+                        lambda r: r[0] >= 1 and r[1] >= 0 and r[2] > 0)),
+                    tuple((int(n), float(a), float(t)) for n, a, t in _rows(
+                        raw, "host_samples", where, "[prompt tokens, TTFT alone s, TTFT together s] triples", 3,
+                        lambda r: r[0] > 0 and r[1] > 0 and r[2] > 0)))
 
 
-def _samples(raw: Any, where: str) -> tuple[tuple[int, float], ...]:
-    ok = isinstance(raw, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
-        and p[0] > 0 and p[1] > 0 for p in raw)
+def _rows(raw: dict[str, Any], key: str, where: str, what: str, width: int,
+          valid: Callable[[list[float]], bool]) -> list[list[float]]:
+    """``raw[key]`` (absent: an older run, no rows): a list of ``width`` numbers each, every row
+    ``valid``; else a ConfigError naming the key and ``what`` is required."""
+    rows: Any = raw.get(key, [])
+    ok = isinstance(rows, list) and all(
+        isinstance(r, list) and len(r) == width
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r) and valid(r) for r in rows)
     if not ok:
-        raise ConfigError(f"{where}: unloaded_samples: a list of [prompt tokens, TTFT s] pairs is required")
-    return tuple((int(n), float(t)) for n, t in raw)
-
-
-def _steps(raw: Any, where: str) -> tuple[tuple[int, int, float], ...]:
-    ok = isinstance(raw, list) and all(
-        isinstance(p, list) and len(p) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
-        and p[0] >= 1 and p[1] >= 0 and p[2] > 0 for p in raw)
-    if not ok:
-        raise ConfigError(f"{where}: decode_samples: a list of [batch, prompt tokens, s per step] triples is required")
-    return tuple((int(b), int(n), float(t)) for b, n, t in raw)
-
-
-def _host(raw: Any, where: str) -> tuple[tuple[int, float, float], ...]:
-    ok = isinstance(raw, list) and all(
-        isinstance(p, list) and len(p) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
-        and p[0] > 0 and p[1] > 0 and p[2] > 0 for p in raw)
-    if not ok:
-        raise ConfigError(f"{where}: host_samples: a list of [prompt tokens, TTFT alone s, TTFT together s] "
-                          "triples is required")
-    return tuple((int(n), float(a), float(t)) for n, a, t in raw)
+        raise ConfigError(f"{where}: {key}: a list of {what} is required")
+    return [[float(v) for v in r] for r in rows]
 
 
 def replay_trial(run: BenchRun, profile: Profile, policy: str, factor: float, *, give_up: bool) -> TrialResult:

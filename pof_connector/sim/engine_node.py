@@ -145,7 +145,7 @@ class EngineNode(NodeView):
         context = self._offsets + b * self.steps
         # nodes that share a host's cores slow each other (1: every node a host of its own)
         share = self.profile.host_slowdown
-        slow = 1.0 + share * self.events.busy_others(self.index) if share and (b or admitted is not None) else 1.0
+        slow = 1.0 + share * self.events.busy_others(self.index) if share else 1.0
         if admitted is not None:
             self.used += step_blocks
             self._start(now, 1, slow * (self.profile.decode_s(b, context) + admitted), 0.0)
