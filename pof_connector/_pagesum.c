@@ -580,7 +580,9 @@ done:
 
 #ifdef HAVE_AVX2_PATH
 /* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
- * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. */
+ * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. (Non-temporal stores, tiles
+ * along n so that each K^T row fills whole lines, were as fast as a memcpy on a quiet host and
+ * twice as slow on a busy one: a descheduled thread loses its half-written lines.) */
 __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, const unsigned char *k, size_t N,
                                                             size_t H, size_t D)
 {
@@ -614,6 +616,37 @@ __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, 
             }
     }
 }
+
+/* 16-bit elements (bf16, fp16), N and D multiples of 8: the same with 8x8 tiles of 16-bit words in
+ * SSE2 registers (x86-64's baseline), each store a 16-byte row of K^T. */
+static void k_block_sse2_16(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
+{
+    for (size_t h = 0; h < H; h++) {
+        uint16_t *kt = (uint16_t *)(dst + h * 2 * N * D * 2);
+        for (size_t n = 0; n < N; n += 8)
+            for (size_t d = 0; d < D; d += 8) {
+                __m128i r[8], t[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm_loadu_si128((const __m128i *)((const uint16_t *)k + ((n + i) * H + h) * D + d));
+                for (int i = 0; i < 4; i++) {            /* pairs of rows, interleaved by word */
+                    t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+                    t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+                }
+                r[0] = _mm_unpacklo_epi32(t[0], t[2]);   /* columns 0, 1 of rows 0-3 */
+                r[1] = _mm_unpackhi_epi32(t[0], t[2]);   /* 2, 3 */
+                r[2] = _mm_unpacklo_epi32(t[1], t[3]);   /* 4, 5 */
+                r[3] = _mm_unpackhi_epi32(t[1], t[3]);   /* 6, 7 */
+                r[4] = _mm_unpacklo_epi32(t[4], t[6]);   /* the same of rows 4-7 */
+                r[5] = _mm_unpackhi_epi32(t[4], t[6]);
+                r[6] = _mm_unpacklo_epi32(t[5], t[7]);
+                r[7] = _mm_unpackhi_epi32(t[5], t[7]);
+                for (int j = 0; j < 4; j++) {
+                    _mm_storeu_si128((__m128i *)(kt + (d + 2 * j) * N + n), _mm_unpacklo_epi64(r[j], r[j + 4]));
+                    _mm_storeu_si128((__m128i *)(kt + (d + 2 * j + 1) * N + n), _mm_unpackhi_epi64(r[j], r[j + 4]));
+                }
+            }
+    }
+}
 #endif
 
 static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D, size_t isz)
@@ -621,6 +654,10 @@ static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t
 #ifdef HAVE_AVX2_PATH
     if (isz == 4 && N % 8 == 0 && D % 8 == 0 && sum_blocks == sum_blocks_avx2) {
         k_block_avx2_32(dst, k, N, H, D);
+        return;
+    }
+    if (isz == 2 && N % 8 == 0 && D % 8 == 0) {
+        k_block_sse2_16(dst, k, N, H, D);
         return;
     }
 #endif
@@ -631,6 +668,18 @@ static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t
     } else {
         K_LOOPS(uint8_t)
     }
+}
+
+/* V rows in the canonical order (token, then head), so the sums run over the source in order while
+ * each row is copied into its head's V: one pass over V's bytes, where K needs two (its sum
+ * streams it into cache, the transpose then gathers from there). Rows of whole 64-byte blocks. */
+static void v_block_sum(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz,
+                        sum_state *st)
+{
+    size_t row = D * isz;
+    for (size_t n = 0; n < N; n++)
+        for (size_t h = 0; h < H; h++)
+            sum_blocks(v + (n * H + h) * row, dst + (2 * h + 1) * N * row + n * row, row / BLOCK, st, 0);
 }
 
 static void v_block(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz)
@@ -699,6 +748,10 @@ static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
             k_block(views[b - skip].buf, k + b * half, N, H, D, isz);
     }
     for (size_t b = 0; b < blocks; b++) {
+        if (b >= (size_t)skip && (D * isz) % BLOCK == 0) {
+            v_block_sum(views[b - skip].buf, v + b * half, N, H, D, isz, &st);
+            continue;
+        }
         sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
         if (b >= (size_t)skip)
             v_block(views[b - skip].buf, v + b * half, N, H, D, isz);

@@ -113,6 +113,35 @@ def test_fused_copies_match_plain_ones(impl: str, seg: int) -> None:
         page_sum.gather_checksums(gathered, [*parts[:3], src[:seg + 1]])
 
 
+@pytest.mark.parametrize(("tokens", "heads", "dim", "itemsize", "blocks", "skip"), [
+    (32, 3, 24, 4, 2, 0),      # fp32, 8x8 register tiles (AVX2)
+    (32, 3, 24, 2, 3, 1),      # 16-bit, 8x8 register tiles (SSE2)
+    (16, 2, 32, 4, 2, 1),      # V rows of whole 64-byte blocks: summed as they are copied
+    (24, 2, 64, 2, 2, 0),
+    (12, 2, 8, 2, 2, 0),       # tokens not a multiple of 8: the plain loops
+    (16, 1, 16, 1, 2, 1),      # 8-bit elements: the plain loops, V rows of 16 bytes summed apart
+])
+def test_kt_copy_writes_the_cpu_cache_layout_and_sums_the_segment(tokens: int, heads: int, dim: int, itemsize: int,
+                                                                  blocks: int, skip: int) -> None:
+    """vLLM's CPU cache block per head: K^T [dim, tokens] then V [tokens, dim], from a canonical
+    segment K [blocks * tokens, heads, dim] then V; checked against numpy's transpose."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    word = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
+    rng = np.random.default_rng(tokens * heads * dim + itemsize)
+    k, v = rng.integers(0, np.iinfo(word).max, (2, blocks * tokens, heads, dim), dtype=np.uint64).astype(word)
+    segment = np.concatenate([k.ravel(), v.ravel()]).view(np.uint8)
+    dsts = [np.zeros(heads * 2 * tokens * dim, dtype=word) for _ in range(blocks - skip)]
+    got = page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, itemsize)
+    assert got == page_sum.checksum(segment)
+    for b, dst in enumerate(dsts, start=skip):
+        block = dst.reshape(heads, 2, tokens * dim)
+        rows = slice(b * tokens, (b + 1) * tokens)
+        for h in range(heads):
+            assert np.array_equal(block[h, 0].reshape(dim, tokens), k[rows, h].T)
+            assert np.array_equal(block[h, 1].reshape(tokens, dim), v[rows, h])
+
+
 def test_single_word_errors_and_swaps_change_the_checksum() -> None:
     rng = np.random.default_rng(7)
     seg = rng.integers(0, 256, 4096, dtype=np.uint8)

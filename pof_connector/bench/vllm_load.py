@@ -2,7 +2,8 @@
 
 No server: a real :class:`~pof_connector.adapters.vllm_worker.PoFWorker` with a CPU DRAM tier
 saves a prompt's pages from CPU KV tensors shaped like ``pof bench vllm``'s model (8 layers, 4 KV
-heads of 64, fp32, 128-token pages, K stored transposed as vLLM's CPU backend does), then loads
+heads of 64, fp32 by default (``--dtype bfloat16``: a bf16 model's cache), 128-token pages, K
+stored transposed as vLLM's CPU backend does), then loads
 them into other blocks the way vLLM drives a forward (``start``, ``wait_layer`` per layer,
 ``end_step``): lookup-free, so the figure is the worker's own — open the read (headers), convert,
 copy and check every layer of every page, close. Two paths in the same run: ``fused`` (one
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 
-def run(*, pages: int = 46, repeat: int = 5) -> dict[str, Any]:
+def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32") -> dict[str, Any]:
     import torch
 
     from pof_connector.adapters import vllm_layout
@@ -34,13 +35,14 @@ def run(*, pages: int = 46, repeat: int = 5) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     heads, tokens, dim, layers = 4, 128, 64, 8
-    geo = VllmGeometry(model="bench", kv_dtype="float32", kv_heads=heads, head_dim=dim, num_layers=layers,
+    geo = VllmGeometry(model="bench", kv_dtype=dtype, kv_heads=heads, head_dim=dim, num_layers=layers,
                        is_mla=False, block_size=tokens, page_tokens=tokens, tp_size=1)
     with tempfile.TemporaryDirectory(prefix="pof-bench-vllm-load-") as rt:
         cfg = PofConfig.from_mapping({"node_id": "bench", "index_url": "local", "runtime_dir": rt,
                                       "tiers": {"cpu_dram": {"size": f"{(pages + 2) * 3}MiB"}}})
         worker = PoFWorker(cfg, geo, tp_rank=0)
-        kv = {f"model.layers.{i}.self_attn.attn": torch.randn(2 * pages + 2, heads, tokens, 2 * dim)
+        kv = {f"model.layers.{i}.self_attn.attn":
+              torch.randn(2 * pages + 2, heads, tokens, 2 * dim).to(getattr(torch, dtype))
               for i in range(layers)}
         worker.register(kv)
         try:
@@ -103,7 +105,8 @@ def _measure(worker: Any, kv: dict[str, Any], pages: int, repeat: int, vllm_layo
     best = {path: min(t) for path, t in times.items()}
     mc = min(memcpy)
     return {
-        "bench": "vllm_load", "layout": worker.layout.name, "pages": pages, "loaded_bytes": nbytes,
+        "bench": "vllm_load", "layout": worker.layout.name, "dtype": str(next(iter(kv.values())).dtype),
+        "pages": pages, "loaded_bytes": nbytes,
         "memcpy_s": round(mc, 6),
         "fused_s": round(best["fused"], 6), "torch_s": round(best["torch"], 6),
         "fused_median_s": round(statistics.median(times["fused"]), 6),
@@ -118,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pof_connector.bench.vllm_load", description=__doc__.split("\n")[0])
     p.add_argument("--pages", type=int, default=46, help="pages per load (default 46: a 6,000-token prompt)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the KV cache's dtype (default float32, as pof bench vllm runs)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    result = run(pages=args.pages, repeat=args.repeat)
+    result = run(pages=args.pages, repeat=args.repeat, dtype=args.dtype)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{result['pages']} pages, {result['loaded_bytes'] / 1e6:.1f} MB, layout {result['layout']}: fused "
+        print(f"{result['pages']} pages, {result['loaded_bytes'] / 1e6:.1f} MB, {result['dtype']}, "
+              f"layout {result['layout']}: fused "
               f"{result['fused_s'] * 1e3:.1f} ms = {result['ratio']:.2f} x memcpy ({result['memcpy_s'] * 1e3:.1f} ms); "
               f"torch path {result['torch_s'] * 1e3:.1f} ms = {result['torch_ratio']:.2f} x")
     return 0

@@ -8,10 +8,12 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 
-def test_the_load_bench_runs_both_paths_and_checks_the_blocks() -> None:
+@pytest.mark.parametrize(("dtype", "page_bytes"), [("float32", 2 << 20), ("bfloat16", 1 << 20)])
+def test_the_load_bench_runs_both_paths_and_checks_the_blocks(dtype: str, page_bytes: int) -> None:
     from pof_connector.bench.vllm_load import run
 
-    result = run(pages=2, repeat=1)
-    assert result["layout"] == "cpu_kt" and result["loaded_bytes"] == 2 * ((2 << 20) + 192)   # KV + header
+    result = run(pages=2, repeat=1, dtype=dtype)
+    assert result["layout"] == "cpu_kt" and result["loaded_bytes"] == 2 * (page_bytes + 192)   # KV + header
+    assert result["dtype"] == f"torch.{dtype}"
     assert result["fused_s"] > 0 and result["torch_s"] > 0 and result["memcpy_s"] > 0
     assert result["fused_available"] is True
