@@ -581,8 +581,8 @@ done:
 #ifdef HAVE_AVX2_PATH
 /* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
  * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. (Non-temporal stores, tiles
- * along n so that each K^T row fills whole lines, were as fast as a memcpy on a quiet host and
- * twice as slow on a busy one: a descheduled thread loses its half-written lines.) */
+ * along n so that each K^T row fills whole lines, were erratic on the 2-core VM: 1.2-1.8x a memcpy
+ * against 1.4-1.6x with these plain stores, and twice as slow while other work ran.) */
 __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, const unsigned char *k, size_t N,
                                                             size_t H, size_t D)
 {
