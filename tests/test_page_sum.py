@@ -117,7 +117,7 @@ def test_fused_copies_match_plain_ones(impl: str, seg: int) -> None:
     (32, 3, 24, 4, 2, 0),      # fp32, 8x8 register tiles (AVX2)
     (32, 3, 24, 2, 3, 1),      # 16-bit, 8x8 register tiles (SSE2)
     (16, 2, 32, 4, 2, 1),      # V rows of whole 64-byte blocks: summed as they are copied
-    (24, 2, 64, 2, 2, 0),
+    (24, 2, 64, 2, 2, 0),      # 16-bit V rows of 128 bytes: summed as they are copied
     (12, 2, 8, 2, 2, 0),       # tokens not a multiple of 8: the plain loops
     (16, 1, 16, 1, 2, 1),      # 8-bit elements: the plain loops, V rows of 16 bytes summed apart
 ])

@@ -42,7 +42,10 @@ def wait_for(pred: Callable[[], bool], server: VllmServer, timeout: float = 30.0
 
 def diagnosis(server: VllmServer) -> str:
     """pof's counters and log lines: vLLM's start-up banner alone fills a tail of the log."""
-    counters = "\n".join(f"  {k} = {v}" for k, v in sorted(server.metrics().items()) if k.startswith("vllm:pof_"))
+    try:
+        counters = "\n".join(f"  {k} = {v}" for k, v in sorted(server.metrics().items()) if k.startswith("vllm:pof_"))
+    except OSError as e:          # a server that died still has its log lines to show
+        counters = f"  (no /metrics: {e})"
     lines = [line for line in server.log.read_text(errors="replace").splitlines()
              if ("pof" in line.lower() and "non-default args" not in line) or "Error" in line]
     return f"{server.log}\npof counters:\n{counters}\npof log lines:\n" + "\n".join(lines[-80:])
