@@ -80,8 +80,16 @@ class EngineNode(NodeView):
         session, system = peek(job.session_key), peek(job.system_key)
         if not session and not system:
             return 0                           # most nodes, for most prompts
-        return min(max(min(session, job.history_tokens), min(system, job.request.system_tokens)),
-                   job.prompt_tokens - 1)
+        return min(self._hit(job, session, system, job.history_tokens), job.prompt_tokens - 1)
+
+    def _hit(self, job: Job, session: int, system: int, context: int) -> int:
+        """Leading tokens of ``job``'s prompt the engine has, from the cached lengths of its
+        session's and its tenant's entries: the session's blocks follow the system prompt's in one
+        hash chain, so they are reachable only while the system prompt's full blocks are cached."""
+        sys_tokens = job.request.system_tokens
+        if system < sys_tokens - sys_tokens % self.profile.block_tokens:
+            session = 0
+        return max(min(session, context), min(system, sys_tokens))
 
     def reading(self) -> EngineLoad:
         return EngineLoad(running=len(self.decoding) + len(self._prefill), waiting=len(self.waiting),
@@ -230,7 +238,10 @@ class EngineNode(NodeView):
         while self.waiting and len(self.decoding) + admitted < p.max_running:
             job = self.waiting[0]
             need = p.blocks(job.context + 1)       # its KV so far, and the token this iteration samples
-            if need > self.total - self.used - step_blocks:
+            # its system prompt's full blocks are one copy per node, held by every running
+            # request of the tenant (vLLM's reference count): only the first one takes them
+            shared = self._system_blocks(job) if self.cache.pins(job.system_key) else 0
+            if need - shared > self.total - self.used - step_blocks:
                 if not self.decoding and not admitted and need > self.total:
                     self.waiting.popleft()
                     self._fail(job, now)       # grown past the node's whole memory
@@ -255,9 +266,9 @@ class EngineNode(NodeView):
                 job.cached_tokens = best
             job.computed = job.context
             job.blocks = need
-            self.used += need
+            self.used += need - shared
             self.cache.pin(job.system_key, job.request.system_tokens)
-            self.cache.pin(job.session_key, job.context)
+            self.cache.pin(job.session_key, job.context, self._system_blocks(job))
             self.cache.shrink(self.total - self.used - step_blocks)
             if self.pool is not None:
                 self.pool.store(self.index, job.system_key, job.request.system_tokens)
@@ -270,8 +281,8 @@ class EngineNode(NodeView):
         computing them (cache or pool), and where the pool part comes from (``None``: no load)."""
         cap = job.context - 1                  # the last token is always computed, as engines do
         ctx = max(job.history_tokens, job.computed)
-        engine = min(max(min(self.cache.tokens(job.session_key), ctx),
-                         min(self.cache.tokens(job.system_key), job.request.system_tokens)), cap)
+        engine = min(self._hit(job, self.cache.tokens(job.session_key), self.cache.tokens(job.system_key), ctx),
+                     cap)
         engine -= engine % self.profile.block_tokens
         best, best_key, best_tier = engine, "", None
         if self.pool is None:
@@ -300,10 +311,17 @@ class EngineNode(NodeView):
         self._offsets -= job.offset
         job.generated = job.offset + self.steps - job.prompt_tokens
         job.computed = max(job.computed, job.context - 1)     # the last sampled token has no KV yet
-        self.used -= self.profile.blocks(job.context)
+        self.used -= self.profile.blocks(job.context) - self._system_blocks(job)
+
+    def _system_blocks(self, job: Job) -> int:
+        """Full blocks of ``job``'s system prompt: counted in ``used`` once per node while a
+        running request holds them, not once per request."""
+        return job.request.system_tokens // self.profile.block_tokens
 
     def _release_pins(self, job: Job) -> None:
         self.cache.unpin(job.system_key, job.request.system_tokens)
+        if not self.cache.pins(job.system_key):
+            self.used -= self._system_blocks(job)      # the last running request of the tenant here
         self.cache.unpin(job.session_key, job.computed)
 
     def _complete(self, job: Job, now: float) -> None:

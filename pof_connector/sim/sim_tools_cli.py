@@ -181,14 +181,21 @@ def validate_cmd(args: argparse.Namespace) -> int:
         return 0
     t = Table(title=f"pof sim validate: {args.bench} ({run.servers} servers, SLO {run.slo_s:.3g} s) "
                     f"with profile {profile.name}")
-    for col in ("set-up", "measured req/s", "simulated req/s", "rel. error", "measured p90 s", "simulated p90 s"):
+    for col in ("set-up", "measured req/s", "simulated req/s", "rel. error", "measured p90 s", "simulated p90 s",
+                "measured factor in", "finer sim. factor", "outside by"):
         t.add_column(col)
     for name, r in out["setups"].items():
+        low, high = r["measured_bracket"]
         t.add_row(name, str(r["measured_goodput_rps"]), str(r["simulated_goodput_rps"]), str(r["rel_error"]),
-                  str(r["measured_p90_ttft_s"]), str(r["simulated_p90_ttft_s"]))
+                  str(r["measured_p90_ttft_s"]), str(r["simulated_p90_ttft_s"]),
+                  f"[{low}, {'inf' if high is None else high})", str(r["simulated_fine_factor"]),
+                  str(r["bracket_error"]))
     con = out_console()
     con.print(t)
     con.print(f"max_rel_error {out['max_rel_error']} (tolerance {out['tolerance']:g}); same ordering: "
               f"{out['same_ordering']} (measured {', '.join(out['measured_order'])}; simulated "
               f"{', '.join(out['simulated_order'])})")
+    con.print(f"finer search against the measured intervals: max_bracket_error {out['max_bracket_error']} "
+              f"(tolerance {out['tolerance']:g}); ordering of the pairs the bench orders: "
+              f"{out['same_ordering_bracket']}")
     return 0

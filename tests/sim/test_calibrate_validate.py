@@ -20,6 +20,7 @@ from pof_connector.sim.bench_run import load_bench
 from pof_connector.sim.calibrate import fit
 from pof_connector.sim.profile import Profile, load_profile
 from pof_connector.sim.sim_run import unloaded_ttft
+from pof_connector.sim.validate import bracket_error, measured_bracket
 
 BENCH = Path(__file__).parent / "data" / "capbench-quick.json"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -93,6 +94,25 @@ def test_validate_reports_each_setup(capsys: pytest.CaptureFixture[str]) -> None
         errors.append(abs(row["simulated_goodput_rps"] - row["measured_goodput_rps"]) / row["measured_goodput_rps"])
     assert out["max_rel_error"] == pytest.approx(max(errors), abs=1e-3)
     assert isinstance(out["same_ordering"], bool) and out["calibration"]["fitted_on"] == ["static"]
+    for name, row in out["setups"].items():
+        low, high = measured_bracket(json.loads(BENCH.read_text())["setups"][name]["trials"])
+        assert row["measured_bracket"] == [pytest.approx(low, abs=1e-3), None if math.isinf(high) else
+                                           pytest.approx(high, abs=1e-3)]
+        assert row["bracket_error"] == pytest.approx(bracket_error(row["simulated_fine_factor"], low, high), abs=1e-3)
+    assert out["max_bracket_error"] == max(r["bracket_error"] for r in out["setups"].values())
+    assert isinstance(out["same_ordering_bracket"], bool)
+
+
+def test_the_measured_goodput_is_an_interval_and_the_error_is_the_distance_to_it() -> None:
+    trials = [{"factor": 1.0, "passed": False}, {"factor": 0.5, "passed": True},
+              {"factor": 0.7071, "passed": False}, {"factor": 0.5946, "passed": False}]
+    assert measured_bracket(trials) == (0.5, 0.5946)
+    assert measured_bracket([{"factor": 1.0, "passed": True}, {"factor": 2.0, "passed": True}]) == (2.0, math.inf)
+    assert measured_bracket([{"factor": 1.0, "passed": False}, {"factor": 0.5, "passed": False}]) == (0.0, 0.5)
+    assert bracket_error(0.55, 0.5, 0.5946) == 0.0
+    assert bracket_error(0.45, 0.5, 0.5946) == pytest.approx(0.1)          # below: relative to the pass
+    assert bracket_error(0.7, 0.5, 0.5946) == pytest.approx(0.7 / 0.5946 - 1)   # above: to the failure
+    assert bracket_error(100.0, 2.0, math.inf) == 0.0
 
 
 def has_matplotlib() -> bool:

@@ -176,6 +176,37 @@ def test_eviction_takes_the_tail_of_the_least_recently_used_prefix() -> None:
     assert (cache.peek("old"), cache.peek("new"), cache.free_blocks) == (0, 4, 1)
 
 
+def test_a_tenants_system_prompt_blocks_are_held_once_per_node() -> None:
+    # A (system 8 + 12 tokens, 4 out) holds ceil(21 / 4) = 6 of the 10 blocks until it ends.
+    # B of the same tenant (system 8 + 8) needs 5 blocks, of which the system prompt's 2 are A's
+    # (vLLM shares them by reference count): its 3 own blocks fit beside A at A's step ending at
+    # 0.4, and it computes only its 8 new tokens. Counted twice, its 5 blocks would wait for A's end.
+    (a, b), sim = run(toy(), [req(0.0, "a", 12, 4, system=8), req(0.35, "b", 8, 1, system=8)], [0, 0])
+    assert a.first_token_at == pytest.approx(0.1 + 20 * 0.01)
+    assert b.first_token_at == pytest.approx(0.4 + 0.1 + 8 * 0.01)
+    assert a.done_at == pytest.approx(0.4 + 0.18 + 0.1)     # its step beside B's prefill, then one more
+    assert sim.nodes[0].used == 0 and sim.nodes[0].cache.pins("t:t") == 0
+
+
+def test_a_sessions_cached_context_needs_its_system_prompts_blocks() -> None:
+    # one hash chain: once the system prompt's blocks are evicted, the session's later blocks are
+    # unreachable, and they come back with the system prompt
+    node = EngineNode(0, toy(), _NoEvents(), Counters())
+    job = Job(0, req(0.0, "s", 4, 1, system=8), 0.0, history_tokens=16, prompt_tokens=20)
+    node.cache.pin("t:t", 8)
+    node.cache.pin("s:s", 16, base_blocks=2)
+    node.cache.unpin("t:t", 8)
+    node.cache.unpin("s:s", 16)
+    assert node.cache.free_blocks == 4                 # the system prompt's 2 blocks are counted once
+    assert node.cached_prefix(job) == 16
+    node.cache.tokens("s:s")                          # the system prompt is now the least recently used
+    node.cache.shrink(2)
+    assert (node.cache.peek("t:t"), node.cache.peek("s:s")) == (0, 16)
+    assert node.cached_prefix(job) == 0
+    node.cache.pin("t:t", 8)
+    assert node.cached_prefix(job) == 16
+
+
 def test_an_arrival_cuts_a_decode_segment_at_the_step_in_progress() -> None:
     # A decodes 20 steps from 0.2; B arrives at 0.45, mid-step 3, and is admitted when it ends (0.5)
     (_, b), _ = run(toy(), [req(0.0, "a", 10, 21), req(0.45, "b", 4, 1, tenant="u")], [0, 0])
