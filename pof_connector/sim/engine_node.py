@@ -319,10 +319,12 @@ class EngineNode(NodeView):
         return job.request.system_tokens // self.profile.block_tokens
 
     def _release_pins(self, job: Job) -> None:
+        # vLLM frees a request's blocks tail first, so its leading ones (the system prompt) are
+        # the more recently freed and evicted last
+        self.cache.unpin(job.session_key, job.computed)
         self.cache.unpin(job.system_key, job.request.system_tokens)
         if not self.cache.pins(job.system_key):
             self.used -= self._system_blocks(job)      # the last running request of the tenant here
-        self.cache.unpin(job.session_key, job.computed)
 
     def _complete(self, job: Job, now: float) -> None:
         self._leave(job)

@@ -73,6 +73,7 @@ class PrefixCache:
         e[1] -= 1
         if e[1] == 0:
             self.free_blocks += self._own(e)
+            self._entries.move_to_end(key)    # freed now: vLLM queues freed blocks at the back
 
     def shrink(self, room_blocks: int) -> None:
         """Evict least-recently-used unpinned entries until they fit in ``room_blocks``; the last

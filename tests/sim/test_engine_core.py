@@ -176,6 +176,26 @@ def test_eviction_takes_the_tail_of_the_least_recently_used_prefix() -> None:
     assert (cache.peek("old"), cache.peek("new"), cache.free_blocks) == (0, 4, 1)
 
 
+def test_eviction_order_is_the_order_blocks_were_freed() -> None:
+    # vLLM queues a request's blocks when it frees them: one admitted first but finishing last
+    # is evicted last, and a request's system prompt, freed after its session's tail, outlives it
+    cache = PrefixCache(4)
+    cache.pin("early", 8)
+    cache.pin("late", 8)
+    cache.unpin("late", 8)
+    cache.unpin("early", 8)
+    cache.shrink(2)
+    assert (cache.peek("early"), cache.peek("late")) == (8, 0)
+    node = EngineNode(0, toy(), _NoEvents(), Counters())
+    job = Job(0, req(0.0, "s", 4, 1, system=8), 0.0, history_tokens=8, prompt_tokens=12)
+    node.cache.pin("s:s", 12, base_blocks=2)
+    node.cache.pin("t:t", 8)
+    node.used = 5
+    node._release_pins(job)
+    node.cache.shrink(2)                              # 1 own block of the session, 2 of the prompt
+    assert (node.cache.peek("t:t"), node.cache.peek("s:s"), node.used) == (8, 0, 3)
+
+
 def test_a_tenants_system_prompt_blocks_are_held_once_per_node() -> None:
     # A (system 8 + 12 tokens, 4 out) holds ceil(21 / 4) = 6 of the 10 blocks until it ends.
     # B of the same tenant (system 8 + 8) needs 5 blocks, of which the system prompt's 2 are A's
