@@ -47,8 +47,9 @@ def connector_config(extra: dict[str, Any], policy: str = "recompute", role: str
 class VllmServer(ServiceProcess):
     def __init__(self, model: Path, workdir: Path, *, kv_transfer: dict[str, Any] | None = None,
                  max_model_len: int = 4096, kv_cache_gib: int = 1, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, python: str | None = None) -> None:
-        """``python``: an interpreter with vLLM installed (default: this one)."""
+                 env: dict[str, str] | None = None, python: str | None = None, dtype: str | None = None) -> None:
+        """``python``: an interpreter with vLLM installed (default: this one); ``dtype``: vLLM's
+        ``--dtype`` (``None``: the model's own, which vLLM's ``auto`` downcasts from float32)."""
         self.model = model
         self.workdir = workdir
         self.port = free_port()
@@ -56,7 +57,7 @@ class VllmServer(ServiceProcess):
         self.kv_transfer = kv_transfer
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
-        self.extra_args = extra_args or []
+        self.extra_args = [*(["--dtype", dtype] if dtype else []), *(extra_args or [])]
         self.env = env or {}
         self.python = python or sys.executable
         super().__init__(workdir / f"vllm-{self.port}.log")

@@ -33,6 +33,7 @@ import pytest
 from pof_connector.bench.chaos import UNPINNED
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.server import RedisServer
+from tests.adapters.test_vllm import DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -58,7 +59,7 @@ def model() -> Path:
 @pytest.fixture(scope="module")
 def reference(model: Path, workdir: Path) -> Iterator[VllmServer]:
     """No connector, KV for every request at once: never preempts, never loads."""
-    server = VllmServer(model, workdir / "reference", max_model_len=2048, extra_args=COMMON, env=UNPINNED)
+    server = VllmServer(model, workdir / "reference", max_model_len=2048, extra_args=COMMON, env=UNPINNED, dtype=DTYPE)
     try:
         yield server.start()
     finally:
@@ -89,7 +90,7 @@ def test_a_preempted_request_resumes_from_the_pool(model: Path, workdir: Path, r
     # all three start, and as they decode the scheduler must preempt to let the others grow.
     pool: dict[str, Any] = {"node_id": "full", "index_url": "embedded", "runtime_dir": str(workdir / "rt-full"),
                             "tiers": {"cpu_dram": {"size": "256MiB"}}}
-    server = VllmServer(model, workdir / "full", kv_transfer=connector_config(pool), max_model_len=1024,
+    server = VllmServer(model, workdir / "full", kv_transfer=connector_config(pool), max_model_len=1024, dtype=DTYPE,
                         extra_args=[*COMMON, "--num-gpu-blocks-override", "10", "--max-num-seqs", "3",
                                     "--no-enable-prefix-caching"], env=UNPINNED)
     jobs = prompts(seed=11, n=3, length=300)
@@ -124,7 +125,7 @@ def test_a_session_continues_on_another_node_with_its_kv(model: Path, workdir: P
         for i, name in enumerate(("a", "b")):
             pool = {"node_id": name, "index_url": redis.url, "runtime_dir": str(workdir / f"rt-{name}"),
                     "tiers": {"cxl": {"path": str(region), "size": "256MiB", "partitions": 2, "partition": i}}}
-            servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(pool),
+            servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(pool), dtype=DTYPE,
                                        max_model_len=2048, extra_args=COMMON, env=UNPINNED)
         with ThreadPoolExecutor(2) as ex:
             list(ex.map(lambda s: s.start(), servers.values()))

@@ -17,7 +17,7 @@ import pytest
 from pof_connector.bench.vllm_server import VllmServer, connector_config
 from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.redis import K_LIVE
-from tests.adapters.test_vllm import HITS, Reference, model, pool_tokens, prompt, reference, workdir
+from tests.adapters.test_vllm import DTYPE, HITS, Reference, model, pool_tokens, prompt, reference, workdir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 __all__ = ["model", "reference", "workdir"]      # module fixtures shared with test_vllm
@@ -38,7 +38,7 @@ def test_two_servers_share_a_prefix_through_a_cluster_index(model: Path, workdir
     def server(name: str) -> VllmServer:
         cfg = {"node_id": name, "index_url": cluster.url, "runtime_dir": str(workdir / f"rt-{name}"),
                "tiers": tiers, "index_timeout_s": 0.5}
-        return VllmServer(model, workdir / f"cl-{name}", kv_transfer=connector_config(cfg))
+        return VllmServer(model, workdir / f"cl-{name}", kv_transfer=connector_config(cfg), dtype=DTYPE)
 
     a, b = server("a"), server("b")
     with ThreadPoolExecutor(2) as ex:

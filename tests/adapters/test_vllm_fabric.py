@@ -26,7 +26,7 @@ import pytest
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.fabric import nixl_installed
 from pof_connector.index.server import RedisServer
-from tests.adapters.test_vllm import HITS, pool_tokens, prompt
+from tests.adapters.test_vllm import DTYPE, HITS, pool_tokens, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow,
               # ci/test.sh sets POF_REQUIRE_NIXL=1: there a missing NIXL fails the test instead.
@@ -74,7 +74,8 @@ def fabric_server(model: Path, workdir: Path, node: str, index_url: str) -> Vllm
         "tiers": {"cpu_dram": {"size": "256MiB"}},
         # TLS=tcp on lo: the pages take the network path (else UCX would copy through shared memory).
         "fabric": {"enabled": True, "tls": "tcp", "ucx_devices": "lo", "timeout_s": 10.0}}
-    return VllmServer(model, workdir / node, kv_transfer=connector_config(cfg), env={"NIXL_LOG_LEVEL": "WARN"})
+    return VllmServer(model, workdir / node, kv_transfer=connector_config(cfg), env={"NIXL_LOG_LEVEL": "WARN"},
+                      dtype=DTYPE)
 
 
 def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
@@ -82,7 +83,7 @@ def test_b_is_served_from_a_over_nixl_and_answers_like_no_connector(
     prompts = {"ab": prompt(1000, seed=71), "ba": prompt(777, seed=72), "dead": prompt(900, seed=73),
                "after": prompt(600, seed=74)}
     # The reference: a server without the connector, run first and alone (three servers would not fit).
-    baseline = VllmServer(model, workdir / "baseline").start()
+    baseline = VllmServer(model, workdir / "baseline", dtype=DTYPE).start()
     try:
         reference = {name: baseline.complete(p) for name, p in prompts.items()}
     finally:

@@ -22,6 +22,7 @@ from pof_connector.bench.vllm_server import VllmServer, build_model, connector_c
 from pof_connector.index.server import RedisServer
 from pof_connector.locality.engine_load import MetricsPage, read_engine_load
 from pof_connector.locality.locator import load_tokenizer
+from tests.adapters.test_vllm import DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,7 +66,7 @@ def test_requests_land_where_their_prefix_lives(workdir: Path, redis_server: Red
     for name in ("a", "b"):
         cfg = {"node_id": name, "index_url": redis_server.url, "runtime_dir": str(workdir / "rt"),
                "tiers": {"cpu_dram": {"size": "256MiB"}}}
-        servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg))
+        servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg), dtype=DTYPE)
     router: RouterProcess | None = None
     try:
         with ThreadPoolExecutor(2) as ex:

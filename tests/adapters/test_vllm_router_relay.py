@@ -32,6 +32,7 @@ from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.relay.kv_events import AllBlocksCleared, BlockStored, decode_batch
+from tests.adapters.test_vllm import DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -119,7 +120,7 @@ def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path
         configs[name] = workdir / f"{name}.json"
         configs[name].write_text(json.dumps(cfg))
         kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": ""}
-        servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg),
+        servers[name] = VllmServer(model, workdir / name, kv_transfer=connector_config(cfg), dtype=DTYPE,
                                    extra_args=["--kv-events-config", json.dumps(kv_events)],
                                    env={"PYTHONPATH": str(REPO)})
     procs: list[ServiceProcess] = []
