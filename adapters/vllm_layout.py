@@ -8,6 +8,7 @@ is derived from the tensor's shape and the model's geometry, never assumed:
 name               shape                            backends
 =================  ===============================  =================================
 ``cpu_kt``         ``[B, H, N, 2D]``                CPU attention, ``vec`` ISA: per head K^T [D, N], V [N, D]
+``cpu_vnni``       ``[B, H, N, 2D]``                CPU attention, ``amx`` ISA (bf16): per head VNNI tiles
 ``cpu_probed``     ``[B, H, N, 2D]``                CPU attention, any other probed order
 ``cpu_opaque``     ``[B, H, N, 2D]``                CPU attention when probing is impossible
 ``kv_first_nhd``   ``[2, B, N, H, D]``              FlashAttention, Triton
@@ -38,7 +39,7 @@ import torch
 
 from pof_connector import page_sum
 
-LAYOUTS = ("cpu_kt", "cpu_probed", "cpu_opaque", "kv_first_nhd", "kv_first_hnd", "blocks_first",
+LAYOUTS = ("cpu_kt", "cpu_vnni", "cpu_probed", "cpu_opaque", "kv_first_nhd", "kv_first_hnd", "blocks_first",
            "blocks_first_hnd", "mla")
 
 
@@ -83,6 +84,11 @@ class BlockLayout:
             k = x[:, :, 0].view(nb, h, d, n).permute(0, 3, 1, 2)
             v = x[:, :, 1].view(nb, h, n, d).permute(0, 2, 1, 3)
             return torch.stack((k, v), dim=1)
+        if self.name == "cpu_vnni":
+            x = kv.index_select(0, block_ids).view(nb, h, 2, n * d)
+            k = x[:, :, 0].view(nb, h, n // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(nb, n, h, d)
+            v = x[:, :, 1].view(nb, h, d // 16, n // 2, 16, 2).permute(0, 3, 5, 1, 2, 4).reshape(nb, n, h, d)
+            return torch.stack((k, v), dim=1)
         if self.name == "cpu_probed":
             assert self.cpu_order is not None
             x = kv.index_select(0, block_ids).reshape(nb, -1)
@@ -109,6 +115,10 @@ class BlockLayout:
             x[:, :, 0].view(nb, h, d, n).copy_(c[:, 0].permute(0, 2, 3, 1))
             x[:, :, 1].view(nb, h, n, d).copy_(c[:, 1].permute(0, 2, 1, 3))
             kv.index_copy_(0, block_ids, x.view(nb, *kv.shape[1:]))
+        elif self.name == "cpu_vnni":
+            x = torch.empty((nb, self.kv_heads, 2, self.block_size * self.head_dim), dtype=kv.dtype, device=kv.device)
+            _vnni_views(x, c, self.block_size, self.kv_heads, self.head_dim)
+            kv.index_copy_(0, block_ids, x.view(nb, *kv.shape[1:]))
         elif self.name == "cpu_probed":
             assert self.cpu_inverse is not None
             x = c.reshape(nb, -1).index_select(1, self.cpu_inverse)      # canonical -> the kernel's order
@@ -131,6 +141,10 @@ class BlockLayout:
                 dst = kv[block].view(h, 2, n * d)
                 dst[:, 0].view(h, d, n).copy_(blocks[j, 0].permute(1, 2, 0))    # K [N,H,D] -> K^T [H,D,N]
                 dst[:, 1].view(h, n, d).copy_(blocks[j, 1].permute(1, 0, 2))    # V [N,H,D] -> [H,N,D]
+        elif self.name == "cpu_vnni":
+            n, h, d = self.block_size, self.kv_heads, self.head_dim
+            for j, block in enumerate(block_ids):
+                _vnni_views(kv[block].view(1, h, 2, n * d), blocks[j:j + 1], n, h, d)
         elif block_ids:
             self.scatter(kv, torch.tensor(block_ids, dtype=torch.long, device=kv.device), blocks)
 
@@ -174,6 +188,27 @@ class BlockLayout:
         return x.reshape(len(x), k, blocks_per_page * n, a, b)
 
 
+def _vnni_views(dst: torch.Tensor, c: torch.Tensor, n: int, h: int, d: int) -> None:
+    """Copy canonical blocks ``c`` (``[nb, 2, N, H, D]``) into ``dst`` (``[nb, H, 2, N * D]``) in
+    the ``amx`` order, as strided copies: per head, K as ``[N/16, D/2, 16, 2]`` (16-token rows of
+    dimension pairs) and V as ``[D/16, N/2, 16, 2]`` (16-dimension columns of token pairs)."""
+    nb = len(c)
+    dst[:, :, 0].view(nb, h, n // 16, d // 2, 16, 2).copy_(
+        c[:, 0].reshape(nb, n // 16, 16, h, d // 2, 2).permute(0, 3, 1, 4, 2, 5))
+    dst[:, :, 1].view(nb, h, d // 16, n // 2, 16, 2).copy_(
+        c[:, 1].reshape(nb, n // 2, 2, h, d // 16, 16).permute(0, 3, 4, 1, 5, 2))
+
+
+def _vnni_order(h: int, n: int, d: int) -> torch.Tensor | None:
+    """The probe's answer for vLLM's ``amx`` block order (``None``: sizes it cannot take)."""
+    if n % 16 or d % 16:
+        return None
+    kv, t, hh, dd = torch.meshgrid(torch.arange(2), torch.arange(n), torch.arange(h), torch.arange(d), indexing="ij")
+    k = (t // 16) * (16 * d) + (dd // 2) * 32 + (t % 16) * 2 + dd % 2
+    v = n * d + (dd // 16) * (n * 16) + (t // 2) * 32 + (dd % 16) * 2 + t % 2
+    return (hh * 2 * n * d + torch.where(kv == 0, k, v)).reshape(-1)
+
+
 def _kt_order(h: int, n: int, d: int) -> torch.Tensor:
     """The probe's answer for a block stored per head as K^T ``[D, N]`` then V ``[N, D]``."""
     kv, t, hh, dd = torch.meshgrid(torch.arange(2), torch.arange(n), torch.arange(h), torch.arange(d), indexing="ij")
@@ -209,6 +244,9 @@ def infer_layout(kv: torch.Tensor, *, block_size: int, kv_heads: int, head_dim: 
             return make("cpu_opaque")
         if structured and torch.equal(cpu_order, _kt_order(h, n, d)):
             return make("cpu_kt")
+        vnni = _vnni_order(h, n, d) if structured else None
+        if vnni is not None and torch.equal(cpu_order, vnni):
+            return make("cpu_vnni")
         inverse = torch.empty_like(cpu_order)
         inverse[cpu_order] = torch.arange(len(cpu_order))
         return BlockLayout("cpu_probed", n, h, d, kv.dtype, cpu_order.to(kv.device), inverse.to(kv.device))

@@ -132,7 +132,7 @@ def test_a_bf16_pool_hit_equals_the_same_servers_compute(model: Path, workdir: P
         assert server.metrics()[HITS] - before == pool_tokens(1000)
         other = prompt(896, seed=98) + p[896:]               # control, as above
         assert server.complete(other) != computed
-        assert re.search(r"pof: 2 layers, layout cpu_(kt|probed) ", server.log.read_text()), server.tail()
+        assert re.search(r"pof: 2 layers, layout cpu_(kt|vnni|probed) ", server.log.read_text()), server.tail()
     finally:
         server.stop()
         stop_embedded(rt)

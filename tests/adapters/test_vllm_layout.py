@@ -90,7 +90,7 @@ def test_cpu_blocks_convert_to_real_per_token_kv(dtype: torch.dtype) -> None:
     assert order is not None
     kv = torch.zeros(blocks, h, n, 2 * d, dtype=dtype)
     lay = infer_layout(kv, block_size=n, kv_heads=h, head_dim=d, is_mla=False, cpu_order=order)
-    assert lay.name in ("cpu_kt", "cpu_probed")
+    assert lay.name == {"vec": "cpu_kt", "amx": "cpu_vnni"}.get(str(isa), "cpu_probed")
     key, value = torch.randn(2 * n, h, d).to(dtype), torch.randn(2 * n, h, d).to(dtype)
     slots = torch.cat([torch.arange(3 * n, 4 * n), torch.arange(1 * n, 2 * n)])      # blocks 3 then 1
     kc, vc = kv.view(blocks, h, 2 * n, d).chunk(2, dim=2)
@@ -107,6 +107,9 @@ def test_cpu_blocks_convert_to_real_per_token_kv(dtype: torch.dtype) -> None:
     out2 = torch.zeros_like(kv)
     generic.scatter(out2, torch.tensor([3, 1]), c)
     assert torch.equal(out2, kv)
+    out3 = torch.zeros_like(kv)
+    lay.write_blocks(out3, [3, 1], c)                                   # the per-page path
+    assert torch.equal(out3, kv)
 
 
 def test_pages_of_several_blocks() -> None:

@@ -54,7 +54,7 @@ def step(worker: PoFWorker, kv: dict[str, torch.Tensor], meta: PoFConnectorMetad
 
 def test_save_then_load_moves_blocks_exactly(worker: Any) -> None:
     w, kv = worker
-    assert w.layout.name in ("cpu_kt", "cpu_probed")
+    assert w.layout.name in ("cpu_kt", "cpu_vnni", "cpu_probed")
     for t in kv.values():
         t.copy_(torch.randn_like(t))
     keys = w.pool.keys_for(list(range(4 * N)))              # 2 pages of 2 blocks
