@@ -21,6 +21,7 @@ same way in the finer simulation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from itertools import combinations
 from typing import Any
 
@@ -42,23 +43,33 @@ def _sign(x: float) -> int:
 
 def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
+    intervals: dict[str, tuple[float, float]] = {}
     skipped = []
     for name, measured in run.setups.items():
         if name not in POLICIES:
             skipped.append(name)
             continue
+        # factor -> its simulated trial: the finer search starts with the bench's own trials, and
+        # a simulation is deterministic, so those are run once
+        done: dict[float, TrialResult] = {}
+
+        def at_factor(f: float, name: str = name, done: dict[float, TrialResult] = done) -> TrialResult:
+            if f not in done:
+                done[f] = replay_trial(run, profile, name, f, give_up=True)
+            return done[f]
         trials: list[TrialResult] = []
 
-        def trial(f: float, name: str = name, trials: list[TrialResult] = trials) -> bool:
-            r = replay_trial(run, profile, name, f, give_up=True)
-            trials.append(r)
-            return r.passed
+        def trial(f: float, at_factor: Callable[[float], TrialResult] = at_factor,
+                  trials: list[TrialResult] = trials) -> bool:
+            trials.append(at_factor(f))
+            return trials[-1].passed
         factor = bounded_search(trial, run.max_trials)
         at = next((t for t in trials if t.passed and t.factor == factor), None)
-        def finer(f: float, name: str = name) -> bool:
-            return replay_trial(run, profile, name, f, give_up=True).passed
+
+        def finer(f: float, at_factor: Callable[[float], TrialResult] = at_factor) -> bool:
+            return at_factor(f).passed
         fine = bounded_search(finer, run.max_trials + FINE_TRIALS)
-        low, high = measured_bracket(measured.get("trials") or [])
+        low, high = intervals[name] = measured_bracket(measured.get("trials") or [])
         sim_rps = factor * run.base_rps
         meas_rps = float(measured["goodput_rps"])
         meas_at = measured.get("at_goodput") or {}
@@ -83,7 +94,7 @@ def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
     # the measurement orders two set-ups only where their intervals do not overlap
     fine_order = all(_sign(rows[a]["simulated_fine_factor"] - rows[b]["simulated_fine_factor"]) == _sign(la - lb)
                      for a, b in combinations(rows, 2)
-                     for (la, ha), (lb, hb) in [(_interval(rows[a]), _interval(rows[b]))]
+                     for (la, ha), (lb, hb) in [(intervals[a], intervals[b])]
                      if ha <= lb or hb <= la)
     max_err = None if not errors or any(e is None for e in errors) else max(errors)
     same = all(_sign(rows[a]["simulated_goodput_rps"] - rows[b]["simulated_goodput_rps"])
@@ -100,11 +111,6 @@ def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
             "same_ordering_bracket": fine_order,
             "same_ordering": same, "measured_order": order("measured_goodput_rps"),
             "simulated_order": order("simulated_goodput_rps")}
-
-
-def _interval(row: dict[str, Any]) -> tuple[float, float]:
-    low, high = row["measured_bracket"]
-    return float(low), math.inf if high is None else float(high)
 
 
 def measured_bracket(trials: list[dict[str, Any]]) -> tuple[float, float]:
