@@ -1,8 +1,10 @@
-"""Builds the optional native kernel ``pof_connector._pagesum`` (fused copy + page checksum).
+"""Builds the optional native kernels: ``pof_connector._pagesum`` (fused copy + page checksum) and
+``pof_connector._prefix_runs`` (decoding a locality-index lookup's reply).
 
-Everything else is declared in pyproject.toml. The extension is ``optional``: where no C compiler
-is available the install still succeeds and pof uses its numpy fallback (slower, same checksums;
-``pof_connector.page_sum.NATIVE`` says which one runs).
+Everything else is declared in pyproject.toml. Both extensions are ``optional``: where no C
+compiler is available the install still succeeds and pof uses its numpy fallbacks (slower, same
+results; ``pof_connector.page_sum.NATIVE`` and ``pof_connector.index.record_runs.NATIVE`` say which
+ones run).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +16,12 @@ setup(
             ["pof_connector/_pagesum.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "pof_connector._prefix_runs",
+            ["pof_connector/_prefix_runs.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

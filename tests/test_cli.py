@@ -101,6 +101,10 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["server_hmget_ms"] > 0
     floor = (result["rtt_p50_ms"] + result["server_hmget_ms"]) / result["rtt_p50_ms"]
     assert result["ratio_floor"] > 1 and abs(result["ratio_floor"] - floor) < 0.01 * floor
+    # Both decoders of the reply timed on it; the lookups used the native one where it was built.
+    assert result["decoder"] in ("native", "numpy") and result["decode_ms"]["numpy"] > 0
+    if result["decoder"] == "native":
+        assert result["decode_ms"]["native"] > 0
 
 
 def test_bench_index_on_given_server_leaves_it_clean(server: RedisServer,

@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from pof_connector.index import Location
-from pof_connector.index.redis import RECORD, RedisIndex, loc_key
+from pof_connector.index.record_runs import RECORD
+from pof_connector.index.redis import RedisIndex, loc_key
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pool import Pool

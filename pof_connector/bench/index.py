@@ -23,8 +23,10 @@ import redis
 from pof_connector.bench import BenchError, Progress, quiet
 from pof_connector.config import redact_url
 from pof_connector.credentials import IndexAuth
-from pof_connector.index.base import IndexUnavailable, Location, NodeInfo, PrefixMatch
+from pof_connector.index import record_runs
+from pof_connector.index.base import MEDIA, IndexUnavailable, Location, NodeInfo, PrefixMatch
 from pof_connector.index.client import redis_client
+from pof_connector.index.record_runs import FIELD_BYTES, leading_runs
 from pof_connector.index.redis import RedisIndex, loc_key
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import DIGEST_BYTES, Namespace, PageKey, page_keys
@@ -37,7 +39,8 @@ NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix 
         "HMGET of every page as a single pipelined buffer; ratio = lookup p50 / PING p50, measured "
         "interleaved on the same connection pool; server_hmget_ms = the server's own mean time in that HMGET "
         "(INFO commandstats, private server only), ratio_floor = (PING p50 + server_hmget_ms) / PING p50: the "
-        "ratio of a client that took no time at all")
+        "ratio of a client that took no time at all; decode_ms = the client's decoding of the reply per decoder "
+        "(median), decoder = the one the lookups used")
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,13 @@ def run(
             before = _hmget_stats(server_url, auth)
             lat = _measure(reader, keys, expected, iterations)
             server_ms = _server_ms(before, _hmget_stats(server_url, auth)) if url is None else None
+            decode = _decode_ms(server_url, auth, keys, clients, iterations)
             progress(f"index: publishing {memory_pages} locations for the memory figure")
             memory = _memory(clients[0], server_url, auth, memory_pages, run_id, namespaces)
             version = _server_version(server_url, auth)
         finally:
             _cleanup(server_url, auth, reader, clients, namespaces, progress)
-    return _result(lat, memory, pages, nodes, iterations, memory_pages, url, version, server_ms)
+    return _result(lat, memory, pages, nodes, iterations, memory_pages, url, version, server_ms) | decode
 
 
 def _check_args(pages: int, nodes: int, iterations: int, memory_pages: int) -> None:
@@ -160,6 +164,30 @@ def _verify(got: dict[str, PrefixMatch], expected: dict[str, int]) -> None:
         if m.per_tier() != {MEDIUM: expected[node]} or int(m.slots[-1]) != expected[node] - 1:
             raise BenchError(f"longest_prefix returned wrong locations for {node}: {m.per_tier()}, "
                              f"last slot {int(m.slots[-1])}")
+
+
+def _decode_ms(url: str, auth: IndexAuth | None, keys: list[PageKey], clients: Sequence[RedisIndex],
+               iterations: int) -> dict[str, Any]:
+    """The client's decoding of one lookup's reply, per decoder (median ms over ``iterations``), on the
+    reply the lookups got: what the native decoder saves inside ``lookup_p50_ms``."""
+    r = redis_client(url, auth, timeout_s=None)
+    try:
+        vals = r.hmget(loc_key(keys[0].namespace), [k.digest[:FIELD_BYTES] for k in keys])
+    finally:
+        r.close()
+    alive = [c.incarnation for c in clients if c.incarnation is not None]
+    out: dict[str, float | None] = {}
+    for name, native in (("native", True), ("numpy", False)):
+        if native and not record_runs.NATIVE:
+            out[name] = None
+            continue
+        times = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            leading_runs(vals, alive, len(MEDIA), native=native)
+            times.append((time.perf_counter() - t0) * 1000)
+        out[name] = round(float(np.median(times)), 4)
+    return {"decoder": "native" if record_runs.NATIVE else "numpy", "decode_ms": out}
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ Digests are cut to 16 bytes in the index only: the page header holds the full ke
 A lookup is one round trip of three pipelined commands — ``TIME``, ``ZRANGE live WITHSCORES``
 and one ``HMGET`` of all the query's fields — sent as a pre-encoded RESP buffer (encoding 2,000
 arguments one by one costs more than the server's work). The client keeps each live node's
-leading run from page 0 (per page the lowest medium code of that node's records): one pass in C
-over the values' lengths, then numpy over the records, one row per live holder of page 0.
+leading run from page 0 (per page the lowest medium code of that node's records), decoded by
+:mod:`.record_runs` in one pass in C.
 
 Why not a script next to the data: on valkey 9.1 an empty ``EVALSHA`` or ``FCALL`` costs about
 one ``PING``, but a script that takes the query as one 32 KB argument (2,000 concatenated
@@ -65,6 +65,7 @@ from pof_connector.index.base import (
     node_id_taken,
 )
 from pof_connector.index.client import redis_client
+from pof_connector.index.record_runs import FIELD_BYTES, RECORD, leading_runs
 from pof_connector.keys import PageKey
 
 PREFIX = "pof:{pof}:"
@@ -75,9 +76,6 @@ K_INFO = PREFIX + "info"
 K_SEQ = PREFIX + "seq"
 K_INC_OWNER = PREFIX + "inc-owner"
 REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
-FIELD_BYTES = 16
-RECORD = np.dtype([("inc", "<u4"), ("medium", "u1"), ("slot", "<u4"), ("gen", "<u8")])
-assert RECORD.itemsize == 17
 
 _NOW = """
 local t = redis.call('TIME')
@@ -220,36 +218,6 @@ def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
     return hmget_head(key, len(fields)) + fields_resp(fields)
 
 
-def _lengths(vals: list[Any]) -> np.ndarray | None:
-    """The length of every value; ``None`` when one is ``None`` (a page no node holds)."""
-    try:
-        return np.fromiter(map(len, vals), dtype=np.int64, count=len(vals))
-    except TypeError:
-        return None
-
-
-MAX_CELLS = 1 << 20
-"""Cells (holder x page) of one dense block in :func:`_leading_runs`: 8 MiB."""
-
-
-def _leading_runs(sel: np.ndarray, row: np.ndarray, pg: np.ndarray, medium: np.ndarray, rows: int,
-                  held: int) -> list[np.ndarray]:
-    """Per row (holder), the records of its run of pages from page 0: ``sel`` are record numbers,
-    ``row`` and ``pg`` their holder's row and page; of a page in two media of one holder, the
-    lowest medium code (``medium``, by record number) wins."""
-    pos = np.full((rows, held), -1, dtype=np.int64)        # row, page -> record; -1: none
-    pos[row, pg] = sel
-    filled = pos >= 0
-    if int(filled.sum()) < len(sel):                       # a page in two media of one holder
-        by = np.lexsort((medium[sel], pg, row))
-        sel, row, pg = sel[by], row[by], pg[by]
-        first = np.ones(len(sel), dtype=bool)
-        first[1:] = (row[1:] != row[:-1]) | (pg[1:] != pg[:-1])
-        pos[row[first], pg[first]] = sel[first]
-    ends = np.where(filled.all(axis=1), held, filled.argmin(axis=1)).tolist()
-    return [pos[k, :end] for k, end in enumerate(ends)]
-
-
 class RedisIndex(LocalityIndex):
     """A :class:`LocalityIndex` client on a Redis-protocol server; thread-safe.
 
@@ -373,58 +341,24 @@ class RedisIndex(LocalityIndex):
     def _matches(self, now: list[bytes], live: list[Any], vals: list[Any]) -> dict[str, PrefixMatch]:
         """Each live node's leading run, from the replies to ``TIME``, ``ZRANGE live WITHSCORES`` and
         the ``HMGET`` of the query's fields (``vals``, in query order)."""
-        # Passes in C over the values (a Python loop over 2,000 of them cost more than the server's work):
-        # when the last page is held, most likely all are, and one pass gives every length.
-        lens = _lengths(vals) if vals and vals[-1] is not None else None
-        if lens is None:
-            held = vals.index(None)
-            head = vals[:held]
-            lens = np.fromiter(map(len, head), dtype=np.int64, count=held)
-        else:
-            head, held = vals, len(vals)
-        if held == 0:
-            return {}
-        # Whole records only: a value cut short or padded (a hostile or broken writer) ends the run.
-        bad = (lens == 0) | (lens % RECORD.itemsize != 0)
-        if bad.any():
-            self._refused(1, "malformed")
-            held = int(bad.argmax())
-            if held == 0:
-                return {}
-            head, lens = head[:held], lens[:held]
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
         alive = [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
-        recs = np.frombuffer(b"".join(head), dtype=RECORD)
-        page = np.repeat(np.arange(held), lens // RECORD.itemsize)     # records are in page order
-        # Contiguous copies of the packed fields: comparisons on 17-byte strided views are slow.
-        inc = np.ascontiguousarray(recs["inc"])
-        medium = np.ascontiguousarray(recs["medium"])
-        known = medium < len(MEDIA)
-        if not known.all():                              # a medium code no build knows: that page is absent
-            self._refused(int((~known).sum()), "unknown_medium")
-            inc = np.where(known, inc, 0)                # incarnations start at 1
-        # Only live nodes holding the first page can have a run: one row each, page by page.
-        heads = sorted(set(inc[:int(lens[0]) // RECORD.itemsize].tolist()).intersection(alive))
-        if not heads:
+        found = leading_runs(vals, alive, len(MEDIA))
+        # A value cut short or padded, or a medium code no build knows: what a hostile or broken
+        # writer left. The run ends there, or that page is absent.
+        if found.malformed:
+            self._refused(1, "malformed")
+        if found.unknown:
+            self._refused(found.unknown, "unknown_medium")
+        if not found.heads:
             return {}
-        order = np.array(heads, dtype=inc.dtype)
-        row = np.minimum(np.searchsorted(order, inc), len(heads) - 1)
-        sel = np.flatnonzero(order[row] == inc)
-        row, pg = row[sel], page[sel]
-        runs: list[np.ndarray] = []
-        step = max(1, MAX_CELLS // held)             # rows per dense block: memory stays bounded
-        for r0 in range(0, len(heads), step):
-            part = slice(None) if step >= len(heads) else (row >= r0) & (row < r0 + step)
-            runs += _leading_runs(sel[part], row[part] - r0, pg[part], medium, min(step, len(heads) - r0), held)
-        names = self._names(heads)
+        names = self._names(found.heads)
         out: dict[str, PrefixMatch] = {}
-        for k, node_inc in enumerate(heads):
+        for node_inc, (media, slots, gens) in zip(found.heads, found.runs, strict=True):
             node = names.get(node_inc)
             if node is not None:
-                idx = runs[k]
-                out[node] = PrefixMatch(node, medium[idx], recs["slot"][idx].astype(np.int64),
-                                        recs["gen"][idx].astype(np.int64))
+                out[node] = PrefixMatch(node, media, slots, gens)
         return out
 
     def _refused(self, n: int, why: str) -> None:

@@ -56,8 +56,8 @@ from redis.retry import Retry
 from pof_connector.cluster_url import ClusterUrl
 from pof_connector.credentials import IndexAuth
 from pof_connector.index.base import IndexTimeout, IndexUnavailable, NodeInfo, PrefixMatch, check_one_namespace
+from pof_connector.index.record_runs import FIELD_BYTES
 from pof_connector.index.redis import (
-    FIELD_BYTES,
     FIELD_RESP_BYTES,
     K_INFO,
     K_LIVE,

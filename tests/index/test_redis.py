@@ -318,11 +318,20 @@ def test_the_pidfile_is_never_seen_half_written(tmp_path: Path) -> None:
     assert all(r in (["11"], ["11", "12"]) for r in reads)
 
 
-def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, namespace: bytes) -> None:
+@pytest.mark.parametrize("decoder", ["native", "numpy"])
+def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, namespace: bytes, decoder: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """What a broken or hostile index writer leaves — a value cut short, padded or empty, a medium
     code no build knows, records of an incarnation nobody holds — costs misses, counted through
-    ``on_refused``; the lookup never raises."""
-    from pof_connector.index.redis import FIELD_BYTES, RECORD, loc_key
+    ``on_refused``; the lookup never raises. Both decoders of the reply."""
+    from pof_connector.index import record_runs
+    from pof_connector.index.record_runs import FIELD_BYTES, RECORD
+    from pof_connector.index.redis import loc_key
+
+    if decoder == "numpy":
+        monkeypatch.setattr(record_runs, "_native", None)
+    elif not record_runs.NATIVE:
+        pytest.skip("pof_connector._prefix_runs was not built (test_record_runs says whether it must be)")
 
     a, b = RedisIndex(redis_server.url, "a"), RedisIndex(redis_server.url, "b")
     reader = RedisIndex(redis_server.url, None)
@@ -379,9 +388,10 @@ def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, 
 
 def test_many_holders_are_decoded_in_bounded_blocks(redis_server: RedisServer, namespace: bytes,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Holders of the first page are decoded a block of rows at a time (memory bounded by
-    ``MAX_CELLS``): the runs are those of one block, a page in two media included."""
-    from pof_connector.index import redis as redis_index
+    """The numpy decoder takes the holders of the first page a block of rows at a time (memory
+    bounded by ``MAX_CELLS``): the runs are those of one block, a page in two media included, and
+    those of the native decoder."""
+    from pof_connector.index import record_runs
 
     nodes = [RedisIndex(redis_server.url, f"n{k}") for k in range(5)]
     reader = RedisIndex(redis_server.url, None)
@@ -392,13 +402,15 @@ def test_many_holders_are_decoded_in_bounded_blocks(redis_server: RedisServer, n
             node.publish([(key, Location(f"n{k}", "cxl", 10 * k + i, k)) for i, key in enumerate(ks[:8 - k])])
         nodes[2].publish([(ks[1], Location("n2", "cpu_dram", 99, 7))])     # a faster copy of page 1
         nodes[3].withdraw([(ks[2], Location("n3", "cxl", 32, 3))])          # a hole at page 2
+        native = reader.longest_prefix(ks)
+        monkeypatch.setattr(record_runs, "_native", None)                    # the numpy decoder
         whole = reader.longest_prefix(ks)
-        monkeypatch.setattr(redis_index, "MAX_CELLS", 9)                     # one row per block
+        monkeypatch.setattr(record_runs, "MAX_CELLS", 9)                     # one row per block
         blocks = reader.longest_prefix(ks)
         assert {n: m.pages for n, m in whole.items()} == {"n0": 8, "n1": 7, "n2": 6, "n3": 2, "n4": 4}
         for n, m in whole.items():
-            b = blocks[n]
-            assert [b.location(i) for i in range(b.pages)] == [m.location(i) for i in range(m.pages)]
+            for other in (blocks[n], native[n]) if record_runs.NATIVE else (blocks[n],):
+                assert [other.location(i) for i in range(other.pages)] == [m.location(i) for i in range(m.pages)]
         assert whole["n2"].location(1) == Location("n2", "cpu_dram", 99, 7)
         assert whole["n2"].location(2) == Location("n2", "cxl", 22, 2)
     finally:

@@ -1,0 +1,3 @@
+# The native decoder of pof_connector.index.record_runs (built from _prefix_runs.c when a C compiler is there).
+def leading_runs(values: list[bytes | None], alive: bytes, n_media: int, /
+                 ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]]]: ...
