@@ -149,20 +149,25 @@ class BlockLayout:
             self.scatter(kv, torch.tensor(block_ids, dtype=torch.long, device=kv.device), blocks)
 
     def can_copy_checked(self, kv: torch.Tensor) -> bool:
-        """Whether :meth:`copy_checked` handles this layout and cache: ``cpu_kt`` on a CPU tensor,
-        with the native kernel of :mod:`pof_connector.page_sum` built."""
-        return (self.name == "cpu_kt" and kv.device.type == "cpu" and page_sum.NATIVE is not None
-                and self.dtype.itemsize in (1, 2, 4) and kv.is_contiguous()
+        """Whether :meth:`copy_checked` handles this layout and cache: ``cpu_kt``, or ``cpu_vnni``
+        in 16-bit items, on a CPU tensor, with the native kernel of :mod:`pof_connector.page_sum`
+        built."""
+        fits = (self.name == "cpu_kt" and self.dtype.itemsize in (1, 2, 4)) or (
+            self.name == "cpu_vnni" and self.dtype.itemsize == 2 and self.block_size % 16 == 0
+            and self.head_dim % 16 == 0)
+        return (fits and kv.device.type == "cpu" and page_sum.NATIVE is not None and kv.is_contiguous()
                 and (self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize) % 64 == 0)
 
     def copy_checked(self, kv_bytes: np.ndarray, block_ids: list[int], segment: np.ndarray, skip: int) -> int:
         """Write one page's canonical segment (tier memory) into ``block_ids`` of a cache — its
-        blocks after the first ``skip`` — converting to the CPU cache's K^T order on the way, and
-        return the segment's format-v2 checksum, summed in the same pass (one native call per page
-        and layer instead of two strided torch copies per block and a second read for the check).
-        ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. Only where :meth:`can_copy_checked`."""
+        blocks after the first ``skip`` — converting to the CPU cache's order (K^T, or the ``amx``
+        VNNI tiles) on the way, and return the segment's format-v2 checksum, summed in the same
+        pass (one native call per page and layer instead of strided torch copies per block and a
+        second read for the check). ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. Only
+        where :meth:`can_copy_checked`."""
         return page_sum.kt_copy_checksum(segment, [kv_bytes[b] for b in block_ids], skip, self.block_size,
-                                         self.kv_heads, self.head_dim, self.dtype.itemsize)
+                                         self.kv_heads, self.head_dim, self.dtype.itemsize,
+                                         self.name == "cpu_vnni")
 
     @staticmethod
     def cache_bytes(kv: torch.Tensor) -> np.ndarray:

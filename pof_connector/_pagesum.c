@@ -692,18 +692,127 @@ static void v_block(unsigned char *dst, const unsigned char *v, size_t N, size_t
     }
 }
 
+/* vLLM's CPU attention with the amx ISA stores a bf16 block per head as VNNI tiles: K as
+ * [N/16, D/2, 16, 2] (each 16-token row group holds, per pair of dimensions, the pair of every
+ * token: a 32-bit word per token and pair) and V as [D/16, N/2, 16, 2] (each 16-dimension column
+ * group holds, per pair of tokens, the two tokens' values of every dimension, interleaved). So K is
+ * a transpose of 32-bit words within each 16-token group, and V an interleave of token pairs. */
+static void k_block_vnni(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
+{
+    size_t W = D / 2;                              /* 32-bit words (dimension pairs) per row */
+    for (size_t h = 0; h < H; h++) {
+        uint32_t *kh = (uint32_t *)(dst + h * 2 * N * D * 2);
+        for (size_t n = 0; n < N; n++) {
+            const uint32_t *row = (const uint32_t *)k + (n * H + h) * W;
+            uint32_t *tile = kh + (n / 16) * 16 * W + n % 16;
+            for (size_t w = 0; w < W; w++)
+                tile[w * 16] = row[w];
+        }
+    }
+}
+
+#ifdef HAVE_AVX2_PATH
+/* The same with 8x8 tiles of 32-bit words transposed in registers (W a multiple of 8): each store
+ * is 8 tokens' words of one dimension pair, 32 contiguous bytes. */
+__attribute__((target("avx2"))) static void k_block_vnni_avx2(unsigned char *dst, const unsigned char *k, size_t N,
+                                                              size_t H, size_t D)
+{
+    size_t W = D / 2;
+    for (size_t h = 0; h < H; h++) {
+        float *kh = (float *)(dst + h * 2 * N * D * 2);
+        for (size_t n = 0; n < N; n += 8) {
+            float *tile = kh + (n / 16) * 16 * W + n % 16;
+            for (size_t w = 0; w < W; w += 8) {
+                __m256 r[8], t[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm256_loadu_ps((const float *)k + ((n + i) * H + h) * W + w);
+                t[0] = _mm256_unpacklo_ps(r[0], r[1]);
+                t[1] = _mm256_unpackhi_ps(r[0], r[1]);
+                t[2] = _mm256_unpacklo_ps(r[2], r[3]);
+                t[3] = _mm256_unpackhi_ps(r[2], r[3]);
+                t[4] = _mm256_unpacklo_ps(r[4], r[5]);
+                t[5] = _mm256_unpackhi_ps(r[4], r[5]);
+                t[6] = _mm256_unpacklo_ps(r[6], r[7]);
+                t[7] = _mm256_unpackhi_ps(r[6], r[7]);
+                r[0] = _mm256_shuffle_ps(t[0], t[2], 0x44);
+                r[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
+                r[2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
+                r[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
+                r[4] = _mm256_shuffle_ps(t[4], t[6], 0x44);
+                r[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
+                r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
+                r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
+                for (int j = 0; j < 4; j++) {
+                    _mm256_storeu_ps(tile + (w + j) * 16, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+                    _mm256_storeu_ps(tile + (w + j + 4) * 16, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+                }
+            }
+        }
+    }
+}
+
+/* V: two tokens' 16-dimension slices interleaved word by word, 64 bytes out per pair and group. */
+static void v_block_vnni_sse2(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D)
+{
+    for (size_t h = 0; h < H; h++) {
+        uint16_t *vh = (uint16_t *)(dst + (2 * h + 1) * N * D * 2);
+        for (size_t n = 0; n < N; n += 2) {
+            const uint16_t *a = (const uint16_t *)v + (n * H + h) * D, *b = a + H * D;
+            for (size_t c = 0; c < D; c += 16) {
+                __m128i a0 = _mm_loadu_si128((const __m128i *)(a + c)), a1 = _mm_loadu_si128((const __m128i *)(a + c + 8));
+                __m128i b0 = _mm_loadu_si128((const __m128i *)(b + c)), b1 = _mm_loadu_si128((const __m128i *)(b + c + 8));
+                __m128i *out = (__m128i *)(vh + c * N + n * 16);
+                _mm_storeu_si128(out, _mm_unpacklo_epi16(a0, b0));
+                _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a0, b0));
+                _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a1, b1));
+                _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a1, b1));
+            }
+        }
+    }
+}
+#endif
+
+static void v_block_vnni(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D)
+{
+#ifdef HAVE_AVX2_PATH
+    v_block_vnni_sse2(dst, v, N, H, D);
+#else
+    for (size_t h = 0; h < H; h++) {
+        uint16_t *vh = (uint16_t *)(dst + (2 * h + 1) * N * D * 2);
+        for (size_t n = 0; n < N; n++) {
+            const uint16_t *row = (const uint16_t *)v + (n * H + h) * D;
+            for (size_t d = 0; d < D; d++)
+                vh[(d / 16) * N * 16 + (n / 2) * 32 + (d % 16) * 2 + n % 2] = row[d];
+        }
+    }
+#endif
+}
+
+static void k_block_vnni_any(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
+{
+#ifdef HAVE_AVX2_PATH
+    if ((D / 2) % 8 == 0 && sum_blocks == sum_blocks_avx2) {
+        k_block_vnni_avx2(dst, k, N, H, D);
+        return;
+    }
+#endif
+    k_block_vnni(dst, k, N, H, D);
+}
+
 PyDoc_STRVAR(kt_copy_checksum_doc,
-             "kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize) -> int: write the canonical "
-             "segment src (K then V, each [blocks * block_tokens, heads, head_dim]) into vLLM CPU-cache blocks "
-             "dsts[b - skip] for b >= skip (each [heads, 2, block_tokens * head_dim]: K^T then V per head) and "
-             "return the checksum of the whole of src, summed as it is copied.");
+             "kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize, vnni=0) -> int: write the "
+             "canonical segment src (K then V, each [blocks * block_tokens, heads, head_dim]) into vLLM CPU-cache "
+             "blocks dsts[b - skip] for b >= skip (each [heads, 2, block_tokens * head_dim]: K^T then V per head; "
+             "with vnni, the amx ISA's bf16 tiles, which need itemsize 2 and block_tokens and head_dim multiples "
+             "of 16) and return the checksum of the whole of src, summed as it is copied.");
 
 static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
 {
     Py_buffer src;
     PyObject *seq_in;
     Py_ssize_t skip, N, H, D, isz;
-    if (!PyArg_ParseTuple(args, "y*Onnnnn", &src, &seq_in, &skip, &N, &H, &D, &isz))
+    int vnni = 0;
+    if (!PyArg_ParseTuple(args, "y*Onnnnn|p", &src, &seq_in, &skip, &N, &H, &D, &isz, &vnni))
         return NULL;
     PyObject *seq = PySequence_Fast(seq_in, "dsts must be a sequence of writable buffers");
     if (seq == NULL) {
@@ -719,9 +828,11 @@ static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
         goto done;
     }
     if (N < 1 || H < 1 || D < 1 || (isz != 1 && isz != 2 && isz != 4) || skip < 0 || half % BLOCK != 0
-        || src.len % (2 * half) != 0 || (size_t)(skip + ndst) != (size_t)src.len / (2 * half)) {
+        || src.len % (2 * half) != 0 || (size_t)(skip + ndst) != (size_t)src.len / (2 * half)
+        || (vnni && (isz != 2 || N % 16 != 0 || D % 16 != 0))) {
         PyErr_Format(PyExc_ValueError, "kt_copy_checksum: %zd bytes, %zd + %zd blocks of %zd tokens x %zd heads x "
-                     "%zd dims x %zd bytes do not fit (each block's K must be a multiple of %d bytes)",
+                     "%zd dims x %zd bytes do not fit (each block's K must be a multiple of %d bytes; VNNI "
+                     "tiles need 2-byte items and tokens and dims in multiples of 16)",
                      src.len, skip, ndst, N, H, D, isz, BLOCK);
         goto done;
     }
@@ -744,10 +855,17 @@ static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
      * same tier bytes; the caller's generation check afterwards proves nobody rewrote them.) */
     for (size_t b = 0; b < blocks; b++) {           /* K of every block, then V: the canonical order */
         sum_blocks(k + b * half, NULL, half / BLOCK, &st, 0);
-        if (b >= (size_t)skip)
+        if (b >= (size_t)skip && vnni)
+            k_block_vnni_any(views[b - skip].buf, k + b * half, N, H, D);
+        else if (b >= (size_t)skip)
             k_block(views[b - skip].buf, k + b * half, N, H, D, isz);
     }
-    for (size_t b = 0; b < blocks; b++) {
+    for (size_t b = 0; vnni && b < blocks; b++) {   /* the interleave reads V once from cache too */
+        sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
+        if (b >= (size_t)skip)
+            v_block_vnni(views[b - skip].buf, v + b * half, N, H, D);
+    }
+    for (size_t b = 0; !vnni && b < blocks; b++) {
         if (b >= (size_t)skip && (D * isz) % BLOCK == 0) {
             v_block_sum(views[b - skip].buf, v + b * half, N, H, D, isz, &st);
             continue;

@@ -139,14 +139,15 @@ def load_page(dst: np.ndarray, region: np.ndarray, offset: int, template: bytes,
 
 
 def kt_copy_checksum(src: np.ndarray, dsts: Sequence[np.ndarray], skip: int, block_tokens: int, heads: int,
-                     head_dim: int, itemsize: int) -> int:
+                     head_dim: int, itemsize: int, vnni: bool = False) -> int:
     """Write a canonical segment (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into
     vLLM CPU-cache blocks ``dsts[b - skip]`` for ``b >= skip`` (each ``[heads, 2, block_tokens *
-    head_dim]``: K^T then V per head) and return the checksum of all of ``src``, in one pass.
-    Native kernel only (callers check :data:`NATIVE`)."""
+    head_dim]``: K^T then V per head; with ``vnni``, the ``amx`` ISA's bf16 tiles, see
+    :mod:`pof_connector.adapters.vllm_layout`) and return the checksum of all of ``src``, in one
+    pass. Native kernel only (callers check :data:`NATIVE`)."""
     if _native is None:
         raise RuntimeError("kt_copy_checksum needs the native kernel (pof_connector._pagesum)")
-    result: int = _native.kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize)
+    result: int = _native.kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize, vnni)
     return result
 
 

@@ -142,6 +142,36 @@ def test_kt_copy_writes_the_cpu_cache_layout_and_sums_the_segment(tokens: int, h
             assert np.array_equal(block[h, 1].reshape(tokens, dim), v[rows, h])
 
 
+@pytest.mark.parametrize(("tokens", "heads", "dim", "blocks", "skip"), [
+    (16, 2, 16, 2, 0),         # one 16-token group, one 8-word register tile per row
+    (32, 3, 48, 3, 1),         # two groups, three tiles per row
+    (48, 1, 80, 2, 1),         # three groups, five tiles per row
+])
+def test_vnni_copy_writes_the_amx_layout_and_sums_the_segment(tokens: int, heads: int, dim: int, blocks: int,
+                                                              skip: int) -> None:
+    """vLLM's CPU cache block per head with the amx ISA (bf16): element (token t, dim d) of K at
+    (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2, of V at tokens * dim +
+    (d // 16) * tokens * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2; checked element by element."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    rng = np.random.default_rng(tokens + heads + dim)
+    k, v = rng.integers(0, 1 << 16, (2, blocks * tokens, heads, dim), dtype=np.uint64).astype(np.uint16)
+    segment = np.concatenate([k.ravel(), v.ravel()]).view(np.uint8)
+    dsts = [np.zeros(heads * 2 * tokens * dim, dtype=np.uint16) for _ in range(blocks - skip)]
+    got = page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, 2, True)
+    assert got == page_sum.checksum(segment)
+    t, d = np.meshgrid(np.arange(tokens), np.arange(dim), indexing="ij")
+    k_at = (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
+    v_at = tokens * dim + (d // 16) * tokens * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    for b, dst in enumerate(dsts, start=skip):
+        block = dst.reshape(heads, 2 * tokens * dim)
+        rows = slice(b * tokens, (b + 1) * tokens)
+        for h in range(heads):
+            assert np.array_equal(block[h][k_at], k[rows, h]) and np.array_equal(block[h][v_at], v[rows, h])
+    with pytest.raises(ValueError):      # VNNI tiles are 16-bit, in 16-token and 16-dimension steps
+        page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, 4, True)
+
+
 def test_single_word_errors_and_swaps_change_the_checksum() -> None:
     rng = np.random.default_rng(7)
     seg = rng.integers(0, 256, 4096, dtype=np.uint8)

@@ -9,7 +9,9 @@ them into other blocks the way vLLM drives a forward (``start``, ``wait_layer`` 
 copy and check every layer of every page, close. Two paths in the same run: ``fused`` (one
 native call per page and layer converts, copies and sums) and ``torch`` (strided torch copies,
 then a checksum pass). Baseline: one ``numpy.copyto`` of the same number of bytes. Every load is
-checked byte-exact against the saved blocks.
+checked byte-exact against the saved blocks. ``--layout cpu_kt|cpu_vnni`` forces the block order
+another host's kernel gives (K^T with the ``vec`` ISA, VNNI tiles with ``amx``), so one host
+measures both.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ import statistics
 import tempfile
 import time
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
+LAYOUTS = ("engine", "cpu_kt", "cpu_vnni")
 
-def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32") -> dict[str, Any]:
+
+def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32", layout: str = "engine") -> dict[str, Any]:
+    """``layout``: the block order the engine's kernel gives on this host (``engine``), or one forced:
+    ``cpu_kt`` (the ``vec`` ISA's) or ``cpu_vnni`` (the ``amx`` ISA's, bf16), so any host measures
+    the data movement of both."""
     import torch
 
-    from pof_connector.adapters import vllm_layout
+    from pof_connector.adapters import vllm_layout, vllm_worker
     from pof_connector.adapters.vllm_geometry import VllmGeometry
     from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
     from pof_connector.adapters.vllm_worker import PoFWorker
@@ -44,7 +52,15 @@ def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32") -> dict[str
         kv = {f"model.layers.{i}.self_attn.attn":
               torch.randn(2 * pages + 2, heads, tokens, 2 * dim).to(getattr(torch, dtype))
               for i in range(layers)}
-        worker.register(kv)
+        if layout == "engine":
+            worker.register(kv)
+        else:
+            forced = vllm_layout._kt_order if layout == "cpu_kt" else vllm_layout._vnni_order
+            with mock.patch.object(vllm_worker, "cpu_block_order", lambda h, n, d, _dtype: forced(h, n, d)):
+                worker.register(kv)
+        assert worker.layout is not None
+        if layout != "engine" and worker.layout.name != layout:
+            raise RuntimeError(f"bench: the layout {layout} does not fit {dtype} blocks ({worker.layout.name})")
         try:
             return _measure(worker, kv, pages, repeat, vllm_layout, LoadJob, PoFConnectorMetadata, SaveJob)
         finally:
@@ -123,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the KV cache's dtype (default float32, as pof bench vllm runs)")
+    p.add_argument("--layout", choices=LAYOUTS, default="engine",
+                   help="the CPU cache's block order: the one vLLM's kernel gives on this host (default), or "
+                        "cpu_kt (vec ISA) / cpu_vnni (amx ISA, bf16 only) forced, to measure either anywhere")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    result = run(pages=args.pages, repeat=args.repeat, dtype=args.dtype)
+    result = run(pages=args.pages, repeat=args.repeat, dtype=args.dtype, layout=args.layout)
     if args.json:
         print(json.dumps(result))
     else:

@@ -122,24 +122,30 @@ def test_pages_of_several_blocks() -> None:
     assert torch.equal(lay.pages_to_blocks(pages, 2), blocks)
 
 
-@pytest.mark.parametrize(("dtype", "bpp", "skip"),
-                         [(torch.float32, 1, 0), (torch.bfloat16, 3, 1), (torch.float16, 2, 0)])
-def test_fused_cpu_kt_copy_matches_the_torch_copy_and_sums_the_segment(dtype: torch.dtype, bpp: int, skip: int) -> None:
+@pytest.mark.parametrize(("layout", "dtype", "bpp", "skip"),
+                         [("cpu_kt", torch.float32, 1, 0), ("cpu_kt", torch.bfloat16, 3, 1),
+                          ("cpu_kt", torch.float16, 2, 0), ("cpu_vnni", torch.bfloat16, 3, 1),
+                          ("cpu_vnni", torch.bfloat16, 1, 0)])
+def test_fused_cpu_copy_matches_the_torch_copy_and_sums_the_segment(layout: str, dtype: torch.dtype, bpp: int,
+                                                                    skip: int) -> None:
     """The one-pass native load (layout conversion + copy + format-v2 checksum) writes the very
-    bytes the strided torch copies write, and its checksum is the segment's."""
+    bytes the strided torch copies write, K^T and the amx ISA's VNNI tiles alike, and its checksum
+    is the segment's."""
     from pof_connector import page_sum
-    from pof_connector.adapters.vllm_layout import _kt_order
+    from pof_connector.adapters.vllm_layout import _kt_order, _vnni_order
 
-    lay = infer_layout(torch.zeros(B, H, N, 2 * D, dtype=dtype), block_size=N, kv_heads=H, head_dim=D,
-                       is_mla=False, cpu_order=_kt_order(H, N, D))
-    assert lay.name == "cpu_kt"
-    kv = torch.zeros(B, H, N, 2 * D, dtype=dtype)
+    n, d = (N, D) if layout == "cpu_kt" else (16, 32)      # VNNI tiles: 16-token, 16-dimension steps
+    order = _kt_order(H, n, d) if layout == "cpu_kt" else _vnni_order(H, n, d)
+    lay = infer_layout(torch.zeros(B, H, n, 2 * d, dtype=dtype), block_size=n, kv_heads=H, head_dim=d,
+                       is_mla=False, cpu_order=order)
+    assert lay.name == layout
+    kv = torch.zeros(B, H, n, 2 * d, dtype=dtype)
     if not lay.can_copy_checked(kv):
         pytest.skip("the native kernel was not built here")
-    segment = torch.randn(2 * bpp * N * H * D).to(dtype).view(torch.uint8).numpy()
+    segment = torch.randn(2 * bpp * n * H * d).to(dtype).view(torch.uint8).numpy()
     blocks = [9, 4, 6][:bpp - skip]
     want = kv.clone()
-    page = torch.from_numpy(segment).view(dtype).view(1, *lay.canonical_shape(N * bpp))
+    page = torch.from_numpy(segment).view(dtype).view(1, *lay.canonical_shape(n * bpp))
     lay.write_blocks(want, blocks, lay.pages_to_blocks(page, bpp)[skip:])
     got = lay.copy_checked(lay.cache_bytes(kv), blocks, segment, skip)
     assert torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
