@@ -579,6 +579,36 @@ done:
     }
 
 #ifdef HAVE_AVX2_PATH
+/* An 8x8 tile of 32-bit words transposed in registers: row i of src (at src + i * src_stride) becomes
+ * column i of dst (row j at dst + j * dst_stride), eight 32-byte loads and eight 32-byte stores. */
+__attribute__((target("avx2"))) static inline void tile8x8_avx2(const float *src, size_t src_stride, float *dst,
+                                                                size_t dst_stride)
+{
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_ps(src + i * src_stride);
+    t[0] = _mm256_unpacklo_ps(r[0], r[1]);
+    t[1] = _mm256_unpackhi_ps(r[0], r[1]);
+    t[2] = _mm256_unpacklo_ps(r[2], r[3]);
+    t[3] = _mm256_unpackhi_ps(r[2], r[3]);
+    t[4] = _mm256_unpacklo_ps(r[4], r[5]);
+    t[5] = _mm256_unpackhi_ps(r[4], r[5]);
+    t[6] = _mm256_unpacklo_ps(r[6], r[7]);
+    t[7] = _mm256_unpackhi_ps(r[6], r[7]);
+    r[0] = _mm256_shuffle_ps(t[0], t[2], 0x44);
+    r[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
+    r[2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
+    r[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
+    r[4] = _mm256_shuffle_ps(t[4], t[6], 0x44);
+    r[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
+    r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
+    r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(dst + j * dst_stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * dst_stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+    }
+}
+
 /* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
  * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. (Non-temporal stores, tiles
  * along n so that each K^T row fills whole lines, were erratic on the 2-core VM: 1.2-1.8x a memcpy
@@ -589,31 +619,8 @@ __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, 
     for (size_t h = 0; h < H; h++) {
         float *kt = (float *)(dst + h * 2 * N * D * 4);
         for (size_t n = 0; n < N; n += 8)
-            for (size_t d = 0; d < D; d += 8) {
-                __m256 r[8], t[8];
-                for (int i = 0; i < 8; i++)
-                    r[i] = _mm256_loadu_ps((const float *)k + ((n + i) * H + h) * D + d);
-                t[0] = _mm256_unpacklo_ps(r[0], r[1]);
-                t[1] = _mm256_unpackhi_ps(r[0], r[1]);
-                t[2] = _mm256_unpacklo_ps(r[2], r[3]);
-                t[3] = _mm256_unpackhi_ps(r[2], r[3]);
-                t[4] = _mm256_unpacklo_ps(r[4], r[5]);
-                t[5] = _mm256_unpackhi_ps(r[4], r[5]);
-                t[6] = _mm256_unpacklo_ps(r[6], r[7]);
-                t[7] = _mm256_unpackhi_ps(r[6], r[7]);
-                r[0] = _mm256_shuffle_ps(t[0], t[2], 0x44);
-                r[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
-                r[2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
-                r[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
-                r[4] = _mm256_shuffle_ps(t[4], t[6], 0x44);
-                r[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
-                r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
-                r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
-                for (int j = 0; j < 4; j++) {
-                    _mm256_storeu_ps(kt + (d + j) * N + n, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-                    _mm256_storeu_ps(kt + (d + j + 4) * N + n, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-                }
-            }
+            for (size_t d = 0; d < D; d += 8)
+                tile8x8_avx2((const float *)k + (n * H + h) * D + d, H * D, kt + d * N + n, N);
     }
 }
 
@@ -722,31 +729,8 @@ __attribute__((target("avx2"))) static void k_block_vnni_avx2(unsigned char *dst
         float *kh = (float *)(dst + h * 2 * N * D * 2);
         for (size_t n = 0; n < N; n += 8) {
             float *tile = kh + (n / 16) * 16 * W + n % 16;
-            for (size_t w = 0; w < W; w += 8) {
-                __m256 r[8], t[8];
-                for (int i = 0; i < 8; i++)
-                    r[i] = _mm256_loadu_ps((const float *)k + ((n + i) * H + h) * W + w);
-                t[0] = _mm256_unpacklo_ps(r[0], r[1]);
-                t[1] = _mm256_unpackhi_ps(r[0], r[1]);
-                t[2] = _mm256_unpacklo_ps(r[2], r[3]);
-                t[3] = _mm256_unpackhi_ps(r[2], r[3]);
-                t[4] = _mm256_unpacklo_ps(r[4], r[5]);
-                t[5] = _mm256_unpackhi_ps(r[4], r[5]);
-                t[6] = _mm256_unpacklo_ps(r[6], r[7]);
-                t[7] = _mm256_unpackhi_ps(r[6], r[7]);
-                r[0] = _mm256_shuffle_ps(t[0], t[2], 0x44);
-                r[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
-                r[2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
-                r[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
-                r[4] = _mm256_shuffle_ps(t[4], t[6], 0x44);
-                r[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
-                r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
-                r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
-                for (int j = 0; j < 4; j++) {
-                    _mm256_storeu_ps(tile + (w + j) * 16, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-                    _mm256_storeu_ps(tile + (w + j + 4) * 16, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-                }
-            }
+            for (size_t w = 0; w < W; w += 8)
+                tile8x8_avx2((const float *)k + (n * H + h) * W + w, H * W, tile + w * 16, 16);
         }
     }
 }
