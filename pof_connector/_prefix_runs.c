@@ -74,6 +74,56 @@ PyDoc_STRVAR(leading_runs_doc,
 "live incarnations holding page 0, ascending; runs: per head (media u8, slots int64, generations\n"
 "int64) as bytearrays, one entry per page of its run.");
 
+/* One holder's run so far: its pages' media, slots and generations, grown by doubling. */
+typedef struct {
+    unsigned char *media;
+    int64_t *slots, *gens;
+    Py_ssize_t len, cap;
+} run_buf;
+
+static int run_push(run_buf *r, unsigned char medium, int64_t slot, int64_t gen)
+{
+    if (r->len == r->cap) {
+        Py_ssize_t cap = r->cap ? 2 * r->cap : 256;
+        unsigned char *m = PyMem_Realloc(r->media, (size_t)cap);
+        if (m == NULL)
+            return -1;
+        r->media = m;
+        int64_t *sl = PyMem_Realloc(r->slots, (size_t)cap * 8);
+        if (sl == NULL)
+            return -1;
+        r->slots = sl;
+        int64_t *g = PyMem_Realloc(r->gens, (size_t)cap * 8);
+        if (g == NULL)
+            return -1;
+        r->gens = g;
+        r->cap = cap;
+    }
+    r->media[r->len] = medium;
+    r->slots[r->len] = slot;
+    r->gens[r->len] = gen;
+    r->len++;
+    return 0;
+}
+
+/* The live incarnations among page 0's records (known media), ascending, without repeats. */
+static Py_ssize_t page0_heads(const unsigned char *v, Py_ssize_t len, const uint32_t *live, Py_ssize_t n_live,
+                              int n_media, uint32_t *heads)
+{
+    Py_ssize_t k = 0;
+    for (Py_ssize_t off = 0; off < len; off += RECORD) {
+        uint32_t inc = rd_u32(v + off);
+        if (v[off + 4] < n_media && find_inc(live, n_live, inc) >= 0)
+            heads[k++] = inc;
+    }
+    qsort(heads, (size_t)k, sizeof(uint32_t), cmp_u32);
+    Py_ssize_t u = 0;
+    for (Py_ssize_t h = 0; h < k; h++)
+        if (u == 0 || heads[u - 1] != heads[h])
+            heads[u++] = heads[h];
+    return u;
+}
+
 static PyObject *py_leading_runs(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -88,91 +138,76 @@ static PyObject *py_leading_runs(PyObject *self, PyObject *args)
         return NULL;
     }
     const uint32_t *live = alive.buf;
-    Py_ssize_t n_live = alive.len / 4;
-    Py_ssize_t n = PyList_GET_SIZE(values), held = n;
-    int malformed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(values, i);
-        if (item == Py_None) {
-            held = i;
+    Py_ssize_t n_live = alive.len / 4, n = PyList_GET_SIZE(values), held = 0, unknown = 0, k = 0, running = 0;
+    int malformed = 0, failed = 0;
+    uint32_t *heads = NULL;
+    run_buf *runs = NULL;
+    Py_ssize_t *chosen = NULL;
+    unsigned char *active = NULL, *best = NULL;
+    PyObject *out_heads = NULL, *out_runs = NULL, *result = NULL;
+    /* One pass over the values (2,000 separate objects: each is read once, while in cache): check
+     * it, count its records of unknown media, and extend the runs of the holders still running. */
+    for (; held < n; held++) {
+        PyObject *item = PyList_GET_ITEM(values, held);
+        if (item == Py_None)
             break;
-        }
         if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) == 0 || PyBytes_GET_SIZE(item) % RECORD != 0) {
             malformed = 1;
-            held = i;
             break;
         }
-    }
-    Py_ssize_t unknown = 0;
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyObject *item = PyList_GET_ITEM(values, i);
         const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(item);
         Py_ssize_t len = PyBytes_GET_SIZE(item);
         for (Py_ssize_t off = 4; off < len; off += RECORD)
             unknown += v[off] >= n_media;
-    }
-
-    uint32_t *heads = NULL;
-    Py_ssize_t k = 0;
-    if (held > 0) {
-        PyObject *first = PyList_GET_ITEM(values, 0);
-        const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(first);
-        Py_ssize_t len = PyBytes_GET_SIZE(first);
-        heads = PyMem_Malloc((size_t)(len / RECORD) * sizeof(uint32_t) + 1);
-        if (heads == NULL) {
-            PyBuffer_Release(&alive);
-            return PyErr_NoMemory();
+        if (held == 0) {
+            size_t most = (size_t)(len / RECORD) + 1;
+            heads = PyMem_Malloc(most * sizeof(uint32_t));
+            runs = PyMem_Calloc(most, sizeof(run_buf));
+            chosen = PyMem_Malloc(most * sizeof(Py_ssize_t));
+            active = PyMem_Malloc(most);
+            best = PyMem_Malloc(most);
+            if (heads == NULL || runs == NULL || chosen == NULL || active == NULL || best == NULL) {
+                failed = 1;
+                break;
+            }
+            k = running = page0_heads(v, len, live, n_live, n_media, heads);
+            memset(active, 1, (size_t)k);
         }
-        for (Py_ssize_t off = 0; off < len; off += RECORD) {
-            uint32_t inc = rd_u32(v + off);
-            if (v[off + 4] < n_media && find_inc(live, n_live, inc) >= 0)
-                heads[k++] = inc;
-        }
-        qsort(heads, (size_t)k, sizeof(uint32_t), cmp_u32);
-        Py_ssize_t u = 0;
-        for (Py_ssize_t h = 0; h < k; h++)
-            if (u == 0 || heads[u - 1] != heads[h])
-                heads[u++] = heads[h];
-        k = u;
-    }
-    PyBuffer_Release(&alive);
-
-    /* Two passes: the runs' lengths, then their contents into buffers of exactly that size (the
-     * memory is bounded by the reply itself: each entry of a run is a distinct record). */
-    Py_ssize_t *run = PyMem_Calloc((size_t)k + 1, sizeof(Py_ssize_t));
-    Py_ssize_t *chosen = PyMem_Malloc(((size_t)k + 1) * sizeof(Py_ssize_t));
-    unsigned char *active = PyMem_Malloc((size_t)k + 1), *best = PyMem_Malloc((size_t)k + 1);
-    PyObject *out_heads = PyList_New(k), *out_runs = PyList_New(k), *result = NULL;
-    if (run == NULL || chosen == NULL || active == NULL || best == NULL || out_heads == NULL || out_runs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    memset(active, 1, (size_t)k);
-    Py_ssize_t running = k;
-    for (Py_ssize_t p = 0; p < held && running > 0; p++) {
-        PyObject *item = PyList_GET_ITEM(values, p);
-        choose((const unsigned char *)PyBytes_AS_STRING(item), PyBytes_GET_SIZE(item), heads, k, active,
-               n_media, chosen, best);
+        if (running == 0)
+            continue;
+        choose(v, len, heads, k, active, n_media, chosen, best);
         for (Py_ssize_t h = 0; h < k; h++) {
             if (!active[h])
                 continue;
             if (chosen[h] < 0) {
                 active[h] = 0;
                 running--;
-            } else {
-                run[h]++;
+                continue;
+            }
+            const unsigned char *rec = v + chosen[h];
+            if (run_push(&runs[h], rec[4], (int64_t)rd_u32(rec + 5), rd_i64(rec + 9)) < 0) {
+                failed = 1;
+                break;
             }
         }
+        if (failed)
+            break;
     }
+    PyBuffer_Release(&alive);
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out_heads = PyList_New(k);
+    out_runs = PyList_New(k);
+    if (out_heads == NULL || out_runs == NULL)
+        goto done;
     for (Py_ssize_t h = 0; h < k; h++) {
+        run_buf *r = &runs[h];
         PyObject *inc = PyLong_FromUnsignedLong(heads[h]);
-        PyObject *media = PyByteArray_FromStringAndSize(NULL, run[h]);
-        PyObject *slots = PyByteArray_FromStringAndSize(NULL, run[h] * 8);
-        PyObject *gens = PyByteArray_FromStringAndSize(NULL, run[h] * 8);
-        PyObject *triple = (media && slots && gens) ? PyTuple_Pack(3, media, slots, gens) : NULL;
-        Py_XDECREF(media);
-        Py_XDECREF(slots);
-        Py_XDECREF(gens);
+        PyObject *triple = Py_BuildValue("(NNN)", PyByteArray_FromStringAndSize((const char *)r->media, r->len),
+                                         PyByteArray_FromStringAndSize((const char *)r->slots, r->len * 8),
+                                         PyByteArray_FromStringAndSize((const char *)r->gens, r->len * 8));
         if (inc == NULL || triple == NULL) {
             Py_XDECREF(inc);
             Py_XDECREF(triple);
@@ -181,36 +216,17 @@ static PyObject *py_leading_runs(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out_heads, h, inc);
         PyList_SET_ITEM(out_runs, h, triple);
     }
-    memset(active, 1, (size_t)k);
-    for (Py_ssize_t p = 0; p < held; p++) {
-        int any = 0;
-        for (Py_ssize_t h = 0; h < k; h++) {
-            if (active[h] && p >= run[h])
-                active[h] = 0;
-            any |= active[h];
-        }
-        if (!any)
-            break;
-        PyObject *item = PyList_GET_ITEM(values, p);
-        const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(item);
-        choose(v, PyBytes_GET_SIZE(item), heads, k, active, n_media, chosen, best);
-        for (Py_ssize_t h = 0; h < k; h++) {
-            if (!active[h])
-                continue;
-            PyObject *triple = PyList_GET_ITEM(out_runs, h);
-            const unsigned char *rec = v + chosen[h];
-            int64_t slot = (int64_t)rd_u32(rec + 5), gen = rd_i64(rec + 9);
-            PyByteArray_AS_STRING(PyTuple_GET_ITEM(triple, 0))[p] = (char)rec[4];
-            memcpy(PyByteArray_AS_STRING(PyTuple_GET_ITEM(triple, 1)) + 8 * p, &slot, 8);
-            memcpy(PyByteArray_AS_STRING(PyTuple_GET_ITEM(triple, 2)) + 8 * p, &gen, 8);
-        }
-    }
     result = Py_BuildValue("(nnnOO)", held, (Py_ssize_t)malformed, unknown, out_heads, out_runs);
 done:
     Py_XDECREF(out_heads);
     Py_XDECREF(out_runs);
+    for (Py_ssize_t h = 0; runs != NULL && h < k; h++) {
+        PyMem_Free(runs[h].media);
+        PyMem_Free(runs[h].slots);
+        PyMem_Free(runs[h].gens);
+    }
+    PyMem_Free(runs);
     PyMem_Free(heads);
-    PyMem_Free(run);
     PyMem_Free(chosen);
     PyMem_Free(active);
     PyMem_Free(best);
