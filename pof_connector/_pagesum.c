@@ -704,7 +704,7 @@ static void v_block(unsigned char *dst, const unsigned char *v, size_t N, size_t
  * token: a 32-bit word per token and pair) and V as [D/16, N/2, 16, 2] (each 16-dimension column
  * group holds, per pair of tokens, the two tokens' values of every dimension, interleaved). So K is
  * a transpose of 32-bit words within each 16-token group, and V an interleave of token pairs. */
-static void k_block_vnni(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
+static void k_block_vnni_plain(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
 {
     size_t W = D / 2;                              /* 32-bit words (dimension pairs) per row */
     for (size_t h = 0; h < H; h++) {
@@ -772,7 +772,7 @@ static void v_block_vnni(unsigned char *dst, const unsigned char *v, size_t N, s
 #endif
 }
 
-static void k_block_vnni_any(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
+static void k_block_vnni(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
 {
 #ifdef HAVE_AVX2_PATH
     if ((D / 2) % 8 == 0 && sum_blocks == sum_blocks_avx2) {
@@ -780,7 +780,7 @@ static void k_block_vnni_any(unsigned char *dst, const unsigned char *k, size_t 
         return;
     }
 #endif
-    k_block_vnni(dst, k, N, H, D);
+    k_block_vnni_plain(dst, k, N, H, D);
 }
 
 PyDoc_STRVAR(kt_copy_checksum_doc,
@@ -839,23 +839,25 @@ static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
      * same tier bytes; the caller's generation check afterwards proves nobody rewrote them.) */
     for (size_t b = 0; b < blocks; b++) {           /* K of every block, then V: the canonical order */
         sum_blocks(k + b * half, NULL, half / BLOCK, &st, 0);
-        if (b >= (size_t)skip && vnni)
-            k_block_vnni_any(views[b - skip].buf, k + b * half, N, H, D);
-        else if (b >= (size_t)skip)
+        if (b < (size_t)skip)
+            continue;
+        if (vnni)
+            k_block_vnni(views[b - skip].buf, k + b * half, N, H, D);
+        else
             k_block(views[b - skip].buf, k + b * half, N, H, D, isz);
     }
-    for (size_t b = 0; vnni && b < blocks; b++) {   /* the interleave reads V once from cache too */
-        sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
-        if (b >= (size_t)skip)
-            v_block_vnni(views[b - skip].buf, v + b * half, N, H, D);
-    }
-    for (size_t b = 0; !vnni && b < blocks; b++) {
-        if (b >= (size_t)skip && (D * isz) % BLOCK == 0) {
+    for (size_t b = 0; b < blocks; b++) {
+        if (b >= (size_t)skip && !vnni && (D * isz) % BLOCK == 0) {
             v_block_sum(views[b - skip].buf, v + b * half, N, H, D, isz, &st);
             continue;
         }
+        /* otherwise (the VNNI interleave included) the copy reads V from cache after the sum */
         sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
-        if (b >= (size_t)skip)
+        if (b < (size_t)skip)
+            continue;
+        if (vnni)
+            v_block_vnni(views[b - skip].buf, v + b * half, N, H, D);
+        else
             v_block(views[b - skip].buf, v + b * half, N, H, D, isz);
     }
     Py_END_ALLOW_THREADS
