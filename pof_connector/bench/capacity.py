@@ -436,9 +436,9 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
         ra, rb = results[a], results[b]
         return [ratio(ra["goodput_rps"], rb.get("failed_at_rps")), ratio(ra.get("failed_at_rps"), rb["goodput_rps"])]
 
-    def spread(name: str) -> float | None:
+    def spread(name: str, field: str = "spread_mean") -> float | None:
         row = (results.get(name) or {}).get("at_reference_load") or {}
-        return row.get("spread_mean")
+        return row.get(field)
 
     return {
         "bench": "capacity",
@@ -449,7 +449,10 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
         "ratio_vs_best_range": ratio_range("pof", best),
         "goals": {"ratio": 2.0, "ratio_vs_best": 1.3, "pof_spread_vs_static": 0.5},
         "fragmentation": {"pof_spread_mean": spread("pof"), "static_spread_mean": spread("static"),
-                          "pof_vs_static": ratio(spread("pof"), spread("static"))},
+                          "pof_vs_static": ratio(spread("pof"), spread("static")),
+                          "pof_floor_mean": spread("pof", "spread_floor_mean"),
+                          "static_floor_mean": spread("static", "spread_floor_mean"),
+                          "pof_floor_vs_static": ratio(spread("pof", "spread_floor_mean"), spread("static"))},
         "slo_s": round(slo_s, 4), "slo_multiple": SLO_MULTIPLE, "unloaded_p90_ttft_s": round(unloaded, 4),
         "setups": results, "skipped": skipped,
         "trace": {**info, "source": str(trace_file) if trace_file else f"seeded fragmenting mix (seed {seed})",
@@ -467,8 +470,11 @@ def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: d
                 "host_samples: [prompt tokens, cold TTFT on one server alone, on every server at once]); "
                 "ratio_vs_best = pof / the best other set-up's goodput (best_other); "
                 "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
-                "load (factor 1); tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM counts "
-                "them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "
+                "load (factor 1); spread_floor: the least spread any placement of the requests running at each "
+                "sample could have had (a server running one request shows its size, which goes whole to one "
+                "server; several count as divisible), so pof_floor_vs_static above the goal means no placement of "
+                "pof's requests meets it; tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM "
+                "counts them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "
                 "re-prefill after a preemption is in no vLLM counter (see preemptions, pool_loaded_pages)",
     }
 

@@ -33,7 +33,7 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
     table = Table(title=f"capacity: {t['requests']} requests, {t['sessions']} sessions, {result['cluster']['servers']} "
                         f"servers, SLO p90 TTFT <= {result['slo_s']:.3f} s", title_justify="left")
     for name in ("set-up", "goodput req/s (< failed at)", "mean TTFT s", "p90 TTFT s", "preemptions",
-                 "recomputed tokens", "spread mean", "spread p90"):
+                 "recomputed tokens", "spread mean", "spread p90", "spread floor mean"):
         table.add_column(name, justify="left" if name == "set-up" else "right")
     for name, row in result["setups"].items():
         ref = row["at_reference_load"] or {}
@@ -41,12 +41,13 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
         table.add_row(name, f"{row['goodput_rps']:.3f}" + (f" (< {below:.3f})" if below is not None else ""),
                       str(ref.get("mean_ttft_s")), str(ref.get("p90_ttft_s")),
                       f"{ref.get('preemptions', 0):.0f}", str(ref.get("tokens_recomputed")),
-                      str(ref.get("spread_mean")), str(ref.get("spread_p90")))
+                      str(ref.get("spread_mean")), str(ref.get("spread_p90")), str(ref.get("spread_floor_mean")))
     out = out_console()
     out.print(table)
     out.print(f"ratio pof / static goodput [bold]{result['ratio']}[/bold] (range {result['ratio_range']}), pof / "
               f"best other ({result['best_other']}) {result['ratio_vs_best']} (range {result['ratio_vs_best_range']}); "
-              f"spread pof / static {result['fragmentation']['pof_vs_static']} "
+              f"spread pof / static {result['fragmentation']['pof_vs_static']} (pof's floor / static's spread "
+              f"{result['fragmentation']['pof_floor_vs_static']}: no placement of pof's requests goes below it) "
               "(TTFT, preemptions, tokens and spread at the reference load, factor 1)")
     return 0
 

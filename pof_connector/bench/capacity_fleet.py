@@ -43,6 +43,7 @@ from pof_connector.bench.chaos import UNPINNED
 from pof_connector.bench.router import kv_events_args, start_relay
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess, niceness_of
+from pof_connector.bench.spread_floor import spread_floor
 from pof_connector.bench.vllm_server import VllmServer, connector_config, free_port
 from pof_connector.index.server import RedisServer
 
@@ -55,8 +56,8 @@ COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vl
             "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 """``vllm:pof_loaded_pages`` counts what vLLM's external-hit counter leaves out: the pages a request
 resumed after a preemption loads from the pool."""
-USAGE = ("vllm:kv_cache_usage_perc",)
 QUEUES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+OCCUPANCY = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,13 @@ class Fleet:
             out[f"{name}:first_tokens"] = m.get("vllm:time_to_first_token_seconds_count", 0.0)
         return out
 
-    def usage(self) -> list[float]:
-        """Each server's ``vllm:kv_cache_usage_perc`` now (0-1)."""
-        return [v.metrics(USAGE).get("vllm:kv_cache_usage_perc", 0.0) for v in self.servers]
+    def occupancy(self) -> list[tuple[float, int]]:
+        """Each server's KV usage (0-1) and running requests, read in one scrape."""
+        out = []
+        for v in self.servers:
+            m = v.metrics(OCCUPANCY)
+            out.append((m.get("vllm:kv_cache_usage_perc", 0.0), round(m.get("vllm:num_requests_running", 0.0))))
+        return out
 
     def idle(self) -> bool:
         for v in self.servers:
@@ -222,12 +227,14 @@ class Fleet:
 
 class UsageSampler:
     """Samples every server's KV usage while a trial runs: the spread (max - min) over time is the
-    fragmentation figure (one server full while another idles)."""
+    fragmentation figure (one server full while another idles); beside each spread, the least one
+    any placement of the requests running then could have had (:func:`spread_floor`)."""
 
     def __init__(self, fleet: Fleet, interval_s: float = 0.5) -> None:
         self.fleet = fleet
         self.interval_s = interval_s
         self.spreads: list[float] = []
+        self.floors: list[float] = []
         self.peaks: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -243,15 +250,22 @@ class UsageSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                u = self.fleet.usage()
+                occupancy = self.fleet.occupancy()
             except OSError:
                 continue
+            u = [usage for usage, _ in occupancy]
             self.spreads.append(max(u) - min(u))
+            self.floors.append(spread_floor(u, [running for _, running in occupancy]))
             self.peaks.append(max(u))
 
     def figures(self) -> dict[str, float | None]:
-        s = sorted(self.spreads)
-        if not s:
-            return {"spread_mean": None, "spread_p90": None, "samples": 0}
-        return {"spread_mean": round(statistics.fmean(s), 4), "spread_p90": round(s[int(0.9 * (len(s) - 1))], 4),
-                "max_usage_mean": round(statistics.fmean(self.peaks), 4), "samples": len(s)}
+        if not self.spreads:
+            return {"spread_mean": None, "spread_p90": None, "spread_floor_mean": None, "spread_floor_p90": None,
+                    "samples": 0}
+
+        def p90(values: list[float]) -> float:
+            return round(sorted(values)[int(0.9 * (len(values) - 1))], 4)
+
+        return {"spread_mean": round(statistics.fmean(self.spreads), 4), "spread_p90": p90(self.spreads),
+                "spread_floor_mean": round(statistics.fmean(self.floors), 4), "spread_floor_p90": p90(self.floors),
+                "max_usage_mean": round(statistics.fmean(self.peaks), 4), "samples": len(self.spreads)}

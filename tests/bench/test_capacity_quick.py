@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TRIAL_FIELDS = {"factor", "offered_rps", "passed", "gave_up", "requests", "failed", "late", "mean_ttft_s",
                 "p90_ttft_s", "preemptions", "tokens_computed", "tokens_recomputed", "spread_mean", "spread_p90",
+                "spread_floor_mean", "spread_floor_p90",
                 "pool_hit_tokens", "engine_hit_tokens", "backends", "errors", "sessions", "one_off", "ttft_parts_s",
                 "router_decision_mean_s", "engine_first_tokens"}
 
@@ -83,4 +84,8 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
     assert {"requests", "sessions", "tenants", "span_s", "max_context_tokens", "mix", "seed"} <= set(out["trace"])
     assert out["trace"]["mix"]["long_sessions"] >= 2          # enough for `pof sim validate` to rebuild the trace
     assert "pof_spread_mean" in out["fragmentation"] and "static_spread_mean" in out["fragmentation"]
+    assert "pof_floor_vs_static" in out["fragmentation"]
+    for ref in (pof_ref, static_ref):    # the floor is the least spread a placement could have: never above it
+        if ref["spread_mean"] is not None:
+            assert ref["spread_floor_mean"] <= ref["spread_mean"], ref
     assert "unloaded p90 TTFT" in stderr and "pof: goodput" in stderr        # progress lines

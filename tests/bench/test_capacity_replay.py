@@ -103,7 +103,8 @@ def test_an_overloaded_trial_gives_up_and_fails() -> None:
 
 class FakeFleet:
     """Stands in for :class:`~pof_connector.bench.capacity_fleet.Fleet` (real vLLM servers): one
-    fake server, counters that grow with the prompts it saw, a usage spread of 0.5."""
+    fake server, counters that grow with the prompts it saw, a usage spread of 0.5 that a placement
+    of its requests could take to 0 (two on the fuller server)."""
 
     def __init__(self, url: str, seen: list[list[int]]) -> None:
         self.setup, self.url, self.seen = "static", url, seen
@@ -119,8 +120,8 @@ class FakeFleet:
                 "vllm:prompt_tokens_total": tokens, "vllm:pof_loaded_pages_total": 0.0,
                 "n0:first_tokens": float(len(self.seen))}
 
-    def usage(self) -> list[float]:
-        return [0.7, 0.2]
+    def occupancy(self) -> list[tuple[float, int]]:
+        return [(0.7, 2), (0.2, 1)]
 
     def idle(self) -> bool:
         return True
@@ -141,13 +142,15 @@ def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
         best = run.search(max_trials=3)
     assert best == 4.0 and [t["factor"] for t in run.trials] == [1.0, 2.0, 4.0]      # doubling while it passes
     assert all(t["passed"] and t["tokens_computed"] > 0 for t in run.trials)
-    assert run.trials[0]["spread_mean"] == 0.5 and len(lines) == 3
+    assert run.trials[0]["spread_mean"] == 0.5 and run.trials[0]["spread_floor_mean"] == 0.0 and len(lines) == 3
     assert [t["engine_first_tokens"] for t in run.trials] == [{"n0": 20}] * 3     # per server, per trial
     rows = {"static": {"goodput_rps": 1.0, "at_reference_load": run.trials[0], "trials": run.trials},
-            "pof": {"goodput_rps": 2.5, "at_reference_load": {**run.trials[0], "spread_mean": 0.2}, "trials": []}}
+            "pof": {"goodput_rps": 2.5, "trials": [],
+                    "at_reference_load": {**run.trials[0], "spread_mean": 0.2, "spread_floor_mean": 0.1}}}
     out = _report(rows, {}, {"requests": 20}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None, Path("m"))
     assert out["ratio"] == 2.5 and out["ratio_vs_best"] == 2.5
     assert out["fragmentation"]["pof_vs_static"] == 0.4
+    assert out["fragmentation"]["pof_floor_vs_static"] == 0.2           # pof's floor against static's spread
 
 
 def test_a_setup_that_passed_nothing_gives_a_ratio_range_not_infinity() -> None:
