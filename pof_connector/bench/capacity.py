@@ -223,8 +223,9 @@ class SetupRun:
         self.progress(f"  {self.fleet.setup} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
                       f"{row['p90_ttft_s']} s, {row['late']} late, {row['failed']} failed"
                       f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
-                      f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']}, mean TTFT parts "
-                      f"{_parts_text(row['ttft_parts_s'])}{_router_text(row)} -> {verdict} the SLO")
+                      f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} "
+                      f"(floor {row['spread_floor_mean']}), mean TTFT parts {_parts_text(row['ttft_parts_s'])}"
+                      f"{_router_text(row)} -> {verdict} the SLO")
         return bool(row["passed"])
 
     def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float],
