@@ -18,11 +18,11 @@ placement would have run other requests at that instant (faster or slower), whic
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 MAX_ITEMS = 8
-"""Whole items assigned by brute force (servers ** items assignments); past this, the largest
+"""Whole items placed by exhaustive search (servers being alike, the placements up to renaming
+them: at most Bell(8) = 4,140, whatever the number of servers); past this, the largest
 ``MAX_ITEMS`` stay whole and the rest count as fluid (still a lower bound)."""
 
 
@@ -37,16 +37,24 @@ def spread_floor(usage: Sequence[float], running: Sequence[int]) -> float:
         return 0.0
     whole = sorted((u for u, r in zip(usage, running, strict=True) if r == 1 and u > 0.0), reverse=True)
     fluid = sum(u for u, r in zip(usage, running, strict=True) if r != 1 and u > 0.0) + sum(whole[MAX_ITEMS:])
-    whole = whole[:MAX_ITEMS]
-    best = float("inf")
-    for places in itertools.product(range(servers), repeat=len(whole)):
-        if places and places[0] != 0:        # servers are interchangeable: the largest goes to server 0
-            continue
-        loads = [0.0] * servers
-        for u, i in zip(whole, places, strict=True):
-            loads[i] += u
-        best = min(best, _poured(loads, fluid))
-    return best
+    return min(_poured(loads, fluid) for loads in _placements(whole[:MAX_ITEMS], servers))
+
+
+def _placements(items: list[float], servers: int) -> Iterator[list[float]]:
+    """Every server's load for each placement of ``items``, up to renaming the servers: item ``k``
+    goes to a server already holding one, or to the first empty one."""
+    loads = [0.0] * servers
+
+    def place(k: int, used: int) -> Iterator[list[float]]:
+        if k == len(items):
+            yield loads
+            return
+        for i in range(min(used + 1, servers)):
+            loads[i] += items[k]
+            yield from place(k + 1, max(used, i + 1))
+            loads[i] -= items[k]
+
+    yield from place(0, 0)
 
 
 def _poured(loads: list[float], fluid: float) -> float:

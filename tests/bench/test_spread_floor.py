@@ -68,3 +68,11 @@ def test_the_floor_bounds_every_placement_and_is_exact_with_one_request_per_serv
     assert floor <= best_spread(sizes, servers) + 1e-9          # and the best one of the same requests
     if max(running) <= 1:                                       # every size seen: nothing is a guess
         assert floor == pytest.approx(best_spread(sizes, servers))
+
+
+def test_many_servers_and_many_requests_stay_cheap() -> None:
+    # 64 servers, 20 lone requests of 0.5: the search places 8 whole (up to renaming servers, not
+    # 64^8 ways), the other 6.0 pours over the 56 emptiest; the true least spread is 0.5
+    usage = [0.5] * 20 + [0.0] * 44
+    assert spread_floor(usage, [1] * 20 + [0] * 44) == pytest.approx(0.5 - 6.0 / 56)
+    assert spread_floor([0.4, 0.4, 0.1], [1, 1, 5]) == pytest.approx(0.3)
