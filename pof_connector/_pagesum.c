@@ -612,7 +612,9 @@ __attribute__((target("avx2"))) static inline void tile8x8_avx2(const float *src
 /* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
  * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. (Non-temporal stores, tiles
  * along n so that each K^T row fills whole lines, were erratic on the 2-core VM: 1.2-1.8x a memcpy
- * against 1.4-1.6x with these plain stores, and twice as slow while other work ran.) */
+ * against 1.4-1.6x with these plain stores, and twice as slow while other work ran. Tried again on
+ * an AMD EPYC with AVX2 only, 46 pages of `bench.vllm_load`: 16-token tiles and V rows streamed gave
+ * a best of 23 ms but medians of 40-46 ms, against 29-32 ms and 32-37 ms with plain stores.) */
 __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, const unsigned char *k, size_t N,
                                                             size_t H, size_t D)
 {
