@@ -61,8 +61,9 @@ def _poured(loads: list[float], fluid: float) -> float:
     """The spread of ``loads`` once ``fluid`` is poured into the emptiest servers (water filling:
     it raises the lowest to a common level, never the highest above the rest)."""
     levels = sorted(loads)
+    below = 0.0                                  # the k lowest levels summed
     for k in range(1, len(levels)):
-        below = sum(levels[:k])
+        below += levels[k - 1]
         if levels[k] * k - below >= fluid:       # the fluid raises the k lowest, not to the next one up
             return levels[-1] - (fluid + below) / k
     return 0.0                                   # every server reaches the top: the rest spreads evenly
