@@ -20,7 +20,7 @@ from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
-from pof_connector.keys import PageKey, chain_digests, storage_seed
+from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Lookup, Pool
 
@@ -66,7 +66,7 @@ class _Chain:
         if pages > have:
             prior = self.keys[-1].digest if self.keys else self.seed
             more = chain_digests(tokens[have * page_tokens:pages * page_tokens], page_tokens, prior)
-            self.keys += [PageKey(self.namespace, d) for d in more]
+            self.keys += chain_keys(self.namespace, self.keys, more)
         return self.keys[:pages]
 
 

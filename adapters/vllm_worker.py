@@ -154,7 +154,7 @@ class PoFWorker:
         own = self.pool.namespace
         if not keys or keys[0].namespace == own:
             return keys
-        return [PageKey(own, k.digest) for k in keys]
+        return [PageKey(own, k.digest, k.place) for k in keys]
 
     def wait_layer(self, layer_name: str) -> None:
         """Return once ``layer_name``'s KV of this step's loads is in the engine's blocks (or its

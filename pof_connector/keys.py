@@ -23,21 +23,44 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 NAMESPACE_BYTES = 16
 DIGEST_BYTES = 32
+SEGMENT_PAGES = 16
+"""Pages per segment of a chain: the locality index keeps the holders of a segment's pages under one
+field, found from the segment's head page (see :class:`ChainPlace`). Persistent: an index written
+with one value is read wrongly (as misses) with another."""
 _SEED_TAG = b"sglang-cache-namespace-v1"
 
 
 @dataclass(frozen=True, slots=True)
+class ChainPlace:
+    """Where a page sits in its chain: its ``position`` (page 0 is the first) and the chain digest
+    of its segment's head, the page at ``position - position % SEGMENT_PAGES``."""
+
+    position: int
+    head: bytes
+
+    @property
+    def offset(self) -> int:
+        """The page's place in its segment."""
+        return self.position % SEGMENT_PAGES
+
+
+@dataclass(frozen=True, slots=True)
 class PageKey:
-    """The identity of one page: ``(namespace, chain digest)``."""
+    """The identity of one page: ``(namespace, chain digest)``.
+
+    ``place``: where the page sits in its chain, known where the chain was computed from tokens
+    (``None``: not known, e.g. a digest an engine handed over). It is not part of the identity
+    (equality and hashing ignore it): a digest determines its place."""
 
     namespace: bytes
     digest: bytes
+    place: ChainPlace | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.namespace) != NAMESPACE_BYTES or len(self.digest) != DIGEST_BYTES:
@@ -56,6 +79,30 @@ class PageKey:
     def from_hex(cls, text: str) -> PageKey:
         ns, _, digest = text.partition(":")
         return cls(bytes.fromhex(ns), bytes.fromhex(digest))
+
+    def wire(self) -> list[str | int]:
+        """The key as JSON-able items for messages between nodes, its place included when known."""
+        out: list[str | int] = [self.namespace.hex(), self.digest.hex()]
+        if self.place is not None:
+            out += [self.place.position, self.place.head.hex()]
+        return out
+
+    @classmethod
+    def from_wire(cls, items: Sequence[object]) -> PageKey:
+        """The inverse of :meth:`wire`; raises ``ValueError`` for anything else (a peer's message
+        is not trusted)."""
+        if len(items) not in (2, 4) or not all(isinstance(x, str) for x in (items[0], items[1], *items[3:])):
+            raise ValueError("a page key on the wire is [namespace hex, digest hex[, position, head hex]]")
+        place = None
+        if len(items) == 4:
+            pos = items[2]
+            if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+                raise ValueError("a page key's position must be a non-negative integer")
+            head = bytes.fromhex(str(items[3]))
+            if len(head) != DIGEST_BYTES:
+                raise ValueError(f"a page key's head must be {DIGEST_BYTES} bytes")
+            place = ChainPlace(pos, head)
+        return cls(bytes.fromhex(str(items[0])), bytes.fromhex(str(items[1])), place)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +192,21 @@ def page_keys(
 ) -> list[PageKey]:
     """Keys of the full pages of ``tokens`` under ``namespace`` (a :attr:`Namespace.digest`)."""
     seed = storage_seed(extra_key, cache_salt)
-    return [PageKey(namespace, d) for d in chain_digests(tokens, page_tokens, seed)]
+    return chain_keys(namespace, [], chain_digests(tokens, page_tokens, seed))
+
+
+def chain_keys(namespace: bytes, before: Sequence[PageKey], digests: Sequence[bytes]) -> list[PageKey]:
+    """Keys, with their places, of the pages whose chain digests ``digests`` continue the chain of
+    ``before`` (the keys of the pages before them, from page 0, with their places; empty: the
+    chain starts here)."""
+    out: list[PageKey] = []
+    start = len(before)
+    for j, d in enumerate(digests):
+        pos = start + j
+        h = pos - pos % SEGMENT_PAGES
+        head = d if h == pos else (before[h].digest if h < start else digests[h - start])
+        out.append(PageKey(namespace, d, ChainPlace(pos, head)))
+    return out
 
 
 def keys_from_hex(namespace: bytes, hex_digests: Sequence[str]) -> list[PageKey]:

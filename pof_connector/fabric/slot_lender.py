@@ -237,17 +237,16 @@ class SlotLender:
 
 
 def _pages(raw: object) -> tuple[list[tuple[int, PageKey]], int] | None:
-    """Decode a ``written`` message's ``[[slot, namespace hex, digest hex], ...]``: the good items
-    and how many were not (skipped); ``None`` when it is no such list."""
+    """Decode a ``written`` message's ``[[slot, *PageKey.wire()], ...]``: the good items and how
+    many were not (skipped); ``None`` when it is no such list."""
     if not isinstance(raw, list) or len(raw) > MAX_SLOTS_NAMED:
         return None
     out = []
     for item in raw:
-        if (not isinstance(item, list) or len(item) != 3 or isinstance(item[0], bool) or not isinstance(item[0], int)
-                or not isinstance(item[1], str) or not isinstance(item[2], str)):
+        if not isinstance(item, list) or not item or isinstance(item[0], bool) or not isinstance(item[0], int):
             continue
         try:
-            out.append((item[0], PageKey(bytes.fromhex(item[1]), bytes.fromhex(item[2]))))
+            out.append((item[0], PageKey.from_wire(item[1:])))
         except ValueError:
             continue
     return out, len(raw) - len(out)

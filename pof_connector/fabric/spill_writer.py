@@ -351,7 +351,7 @@ class SpillWriter:
                 continue                        # backing off: the owner then only invalidates
             try:
                 for start in range(0, len(pages), MAX_SLOTS_PER_MESSAGE):
-                    chunk = [[slot, k.namespace.hex(), k.digest.hex()]
+                    chunk = [[slot, *k.wire()]
                              for slot, k in pages[start:start + MAX_SLOTS_PER_MESSAGE]]
                     reply = self.notifier.request(peer.name, {"op": "written", "node": self.node_id,
                                                               "medium": medium, "pages": chunk}, self.timeout_s)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pof_connector.keys import SEGMENT_PAGES, ChainPlace
 from pof_connector.relay.kv_events import BlockStored, ExternalBlockHash
 
 BlockId = tuple[Hashable, ExternalBlockHash]
@@ -37,6 +38,10 @@ class _Block:
     """The blocks of this block's page up to and including this block."""
     page: bytes | None = None
     """Digest of the page that this block completes."""
+    position: int = 0
+    """Position in its chain of this block's page."""
+    head: bytes | None = None
+    """Digest of that page's segment head, when the head is an earlier page."""
 
 
 @dataclass(slots=True)
@@ -49,6 +54,8 @@ class Page:
     children: int = 0
     blocks: tuple[BlockId, ...] = field(default=())
     """The engine blocks it was made of (in the source that announced it last)."""
+    place: ChainPlace | None = None
+    """Where it sits in its chain (every page made from events knows it)."""
 
     def token_list(self) -> list[int]:
         return np.frombuffer(self.tokens, dtype="<u4").tolist()  # type: ignore[no-any-return]
@@ -84,6 +91,7 @@ class PageChains:
         prior: bytes | None = None
         pending = b""
         members: tuple[BlockId, ...] = ()
+        position, head = 0, None
         if event.parent_block_hash is not None:
             parent = self._blocks.get((source, event.parent_block_hash))
             if parent is None:
@@ -92,20 +100,23 @@ class PageChains:
             self._blocks.move_to_end((source, event.parent_block_hash))
             if parent.page is not None:
                 prior = parent.page
+                position, head = _next_place(parent.page, parent.position, parent.head)
             else:
                 prior, pending, members = parent.prior, parent.pending, parent.members
+                position, head = parent.position, parent.head
         data = np.asarray(event.token_ids, dtype="<u4").tobytes()
         done: list[Page] = []
         for i, h in enumerate(event.block_hashes):
             bid = (source, h)
             pending += data[i * bs * 4:(i + 1) * bs * 4]
             members += (bid,)
-            block = _Block(prior, pending, members)
+            block = _Block(prior, pending, members, position=position, head=head)
             if len(pending) == 4 * self.page_tokens:
                 digest = hashlib.sha256((prior or b"") + pending).digest()
                 block.page = digest
-                done.append(self._add_page(digest, prior, pending, members))
+                done.append(self._add_page(digest, prior, pending, members, ChainPlace(position, head or digest)))
                 prior, pending, members = digest, b"", ()
+                position, head = _next_place(digest, position, head)
             self._blocks[bid] = block
             self._blocks.move_to_end(bid)
         while len(self._blocks) > self.max_blocks:
@@ -113,10 +124,11 @@ class PageChains:
             self._page_of.pop(bid, None)
         return done
 
-    def _add_page(self, digest: bytes, parent: bytes | None, tokens: bytes, blocks: tuple[BlockId, ...]) -> Page:
+    def _add_page(self, digest: bytes, parent: bytes | None, tokens: bytes, blocks: tuple[BlockId, ...],
+                  place: ChainPlace) -> Page:
         page = self._pages.get(digest)
         if page is None:
-            page = Page(digest, parent, tokens, blocks=blocks)
+            page = Page(digest, parent, tokens, blocks=blocks, place=place)
             self._pages[digest] = page
             if parent is not None and (up := self._pages.get(parent)) is not None:
                 up.children += 1
@@ -160,3 +172,10 @@ class PageChains:
 
     def __len__(self) -> int:
         return len(self._pages)
+
+
+def _next_place(digest: bytes, position: int, head: bytes | None) -> tuple[int, bytes | None]:
+    """The position and (earlier) segment head of the page after the page ``digest`` at ``position``
+    whose segment head is ``head`` (``None``: ``digest`` itself)."""
+    after = position + 1
+    return after, None if after % SEGMENT_PAGES == 0 else (head or digest)

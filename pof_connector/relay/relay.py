@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -122,7 +122,9 @@ class Relay:
         self._model: str | None = None
         self._chains: PageChains | None = None
         self._resident: dict[ExternalBlockHash, set[str | None]] = {}   # engine block -> media holding it
-        self._engine_pages: set[bytes] = set()              # page digests published as engine-resident
+        # Pages published as engine-resident, by digest: their keys keep the place they were
+        # published with, so a withdraw finds them after the chain map forgot the page.
+        self._engine_pages: dict[bytes, PageKey] = {}
         self._republish = False
         self._stop = threading.Event()
 
@@ -220,7 +222,7 @@ class Relay:
         view, which the router's clear wiped too."""
         self._resident.clear()
         if self._engine_pages:
-            self._index_write(self.index.withdraw, self._engine_entries(self._engine_pages))
+            self._index_write(self.index.withdraw, self._engine_entries(self._engine_pages.values()))
             self._engine_pages.clear()
         return [ev, *self._sync_pool(force=True)]
 
@@ -233,17 +235,22 @@ class Relay:
                 put.add(d)
             elif not now and d in self._engine_pages:
                 out.add(d)
-        self._engine_pages |= put
-        self._engine_pages -= out
-        if out:
-            self._index_write(self.index.withdraw, self._engine_entries(out))
-        if put:
-            self._index_write(self.index.publish, self._engine_entries(put))
+        gone = [self._engine_pages.pop(d) for d in out]
+        new = [self._engine_key(d) for d in put]
+        self._engine_pages.update((k.digest, k) for k in new)
+        if gone:
+            self._index_write(self.index.withdraw, self._engine_entries(gone))
+        if new:
+            self._index_write(self.index.publish, self._engine_entries(new))
 
-    def _engine_entries(self, digests: set[bytes]) -> list[tuple[PageKey, Location]]:
+    def _engine_key(self, digest: bytes) -> PageKey:
         assert self._space is not None
+        page = self._chains.page(digest) if self._chains is not None else None
+        return PageKey(self._space[0], digest, None if page is None else page.place)
+
+    def _engine_entries(self, keys: Iterable[PageKey]) -> list[tuple[PageKey, Location]]:
         loc = Location(self.node_id, ENGINE_MEDIUM, 0, 0)
-        return [(PageKey(self._space[0], d), loc) for d in digests]
+        return [(k, loc) for k in keys]
 
     # ---- other engines' events: tokens of pages computed elsewhere ---------------------------
 
@@ -331,7 +338,7 @@ class Relay:
             fresh = self.index.heartbeat(NodeInfo(self.node_id, {}, meta), self.config.node_ttl_s)
             if fresh or self._republish:
                 self._republish = False
-                entries = self._engine_entries(self._engine_pages)
+                entries = self._engine_entries(self._engine_pages.values())
                 for batch in batches(entries):
                     self.index.publish(batch)
         except IndexUnavailable as e:
@@ -352,7 +359,7 @@ class Relay:
         if space == self._space:
             return
         if self._engine_pages:
-            self._index_write(self.index.withdraw, self._engine_entries(self._engine_pages))
+            self._index_write(self.index.withdraw, self._engine_entries(self._engine_pages.values()))
             self._engine_pages.clear()
         self._space = space
         self._chains = PageChains(space[1], max_pages=self.relay_config.max_pages)

@@ -8,7 +8,7 @@ import numpy as np
 
 from pof_connector.fabric.slot_lender import SlotLender
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
+from pof_connector.keys import PageKey, page_keys
 from pof_connector.pages import PageSpec
 from pof_connector.tiers import CpuDramTier
 
@@ -68,8 +68,15 @@ def test_messages(spec: PageSpec) -> None:
         "slots": slots, "lease_s": 0.2}
     written = {"op": "written", "node": "b", "medium": "cpu_dram", "pages": [[slots[0], "00" * 16, "11" * 32], "x"]}
     assert owner.handle("pof/b/1", written) == {"written": 1}
+    # A key with its place: the owner withdraws it from the index's segment the writer published it to.
+    placed = page_keys(bytes(16), list(range(16 * 20)), 16)[19]
+    written["pages"] = [[slots[1], *placed.wire()], [slots[1], "00" * 16, "11" * 32, 19, "zz"]]
+    assert owner.handle("pof/b/1", written) == {"written": 1}
+    owner._leases[("cpu_dram", slots[1])].expires = 0
+    gone = owner.reclaim_expired()
+    assert [k for k, _ in gone] == [placed] and gone[0][0].place == placed.place
     assert owner.handle("pof/b/1", {"op": "release", "node": "b", "medium": "cpu_dram", "slots": slots}) == {
-        "released": 2}
+        "released": 1}                                        # slots[1] was reclaimed
 
 
 def test_a_writer_refuses_grant_replies_outside_the_owners_region() -> None:

@@ -415,6 +415,20 @@ def test_page_chains_match_pof_keys() -> None:
     assert len(small) == 2 and small.chain(small.leaves()[0]) is None    # the first page was forgotten
 
 
+def test_page_chains_know_each_pages_place() -> None:
+    """Pages made from events of three blocks each (a page = two blocks, so a page spans two
+    events now and then) carry the places page_keys gives: the index keeps them in segments."""
+    t = tokens(70)
+    chains = PageChains(2 * PAGE)
+    pages = []
+    for first in range(0, 70, 3):
+        hashes = list(range(first + 1, min(first + 4, 71)))
+        pages += chains.stored("e", stored(hashes, t[first * PAGE:(first + len(hashes)) * PAGE],
+                                           parent=first if first else None))
+    want = page_keys(NS, t, 2 * PAGE)
+    assert [(p.digest, p.place) for p in pages] == [(k.digest, k.place) for k in want]
+
+
 def test_cli_relay_stops_on_sigterm(redis_server: RedisServer, runtime_dir: str, index: RedisIndex,
                                     tmp_path: Path, ctx: zmq.Context[Any]) -> None:
     pool = node("a", redis_server.url, runtime_dir)
