@@ -1,3 +1,12 @@
-# The native decoder of pof_connector.index.record_runs (built from _prefix_runs.c when a C compiler is there).
+# The native decoders of pof_connector.index.record_runs and .segments (built from _prefix_runs.c when a C compiler
+# is there).
 def leading_runs(values: list[bytes | None], alive: bytes, n_media: int, /
                  ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]]]: ...
+def segment_runs(values: list[bytes | None], first_page: bytes, tags: bytes, alive: bytes, n_media: int,
+                 segment_pages: int, /
+                 ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]], bytes]:
+    """The runs of a segment lookup's reply, as ``SegmentQuery.decode`` gives them in numpy: ``values``
+    one per segment field, ``first_page`` (int64) each segment's query page at its offset 0, ``tags``
+    (uint64) each query page's tag, ``alive`` the live incarnations (sorted uint32). Returns held,
+    malformed, unknown, heads and runs as ``leading_runs`` does, then the marked query pages (int64)."""
+    ...

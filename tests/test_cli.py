@@ -96,6 +96,7 @@ def test_bench_index_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert isinstance(value, (int, float)) and value > 0, field
     assert result["pages"] == 200 and result["nodes"] == 4
     assert result["round_trips_per_lookup"] == 1
+    assert result["segments_per_lookup"] == 13              # 200 pages, 16 to a segment's field
     assert result["lookup_p50_ms"] <= result["lookup_p99_ms"]
     # The server's own time in the lookup bounds the ratio from below.
     assert result["server_hmget_ms"] > 0

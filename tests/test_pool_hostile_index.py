@@ -15,7 +15,8 @@ import redis
 
 from pof_connector.index import Location
 from pof_connector.index.record_runs import RECORD
-from pof_connector.index.redis import RedisIndex, loc_key
+from pof_connector.index.redis import RedisIndex, loc_key, segment_key
+from pof_connector.index.segments import SEGMENT_RECORD, tag
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pool import Pool
@@ -28,15 +29,27 @@ def record(inc: int, medium: int, slot: int, gen: int) -> bytes:
     return rec.tobytes()
 
 
+def segment_record(key: PageKey, inc: int, medium: int, slot: int, gen: int) -> bytes:
+    rec = np.zeros(1, dtype=SEGMENT_RECORD)
+    assert key.place is not None
+    rec[0] = (key.place.offset, tag(key.digest), inc, medium, slot, gen)
+    return rec.tobytes()
+
+
+@pytest.mark.parametrize("schema", ["pages", "segments"])
 def test_out_of_bounds_locations_are_refused_before_any_read(runtime_dir: str, namespace: bytes, shm_path: str,
-                                                             redis_server: RedisServer,
+                                                             redis_server: RedisServer, schema: str,
                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """``pages``: keys without places, whose records are in per-page fields; ``segments``: keys
+    computed from tokens, whose records share their segment's field."""
     tiers = {"cxl": {"path": shm_path, "size": "1MiB", "partitions": 2}}
     a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
     b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
     raw = redis.Redis.from_url(redis_server.url)
     try:
         keys = a.keys_for(np.arange(16 * 8))
+        if schema == "pages":
+            keys = [PageKey(k.namespace, k.digest) for k in keys]
         a.store([(k, content(k)) for k in keys[:2]]).result()
         wait_for(lambda: b.lookup(keys).pages == 2)
         cxl = a.tiers[0]
@@ -52,8 +65,15 @@ def test_out_of_bounds_locations_are_refused_before_any_read(runtime_dir: str, n
             6: record(inc, 1, 0, gen) + b"\x01",                    # a record with bytes too many
             7: record(inc, 1, 1, gen),                              # a slot inside, another page's bytes
         }
-        for page, rec in hostile.items():
-            raw.hset(loc_key(namespace), keys[page].digest[:16], rec)
+        if schema == "segments":           # a segment value is checked whole: cut and padded in test_segments.py
+            hostile = {page: segment_record(keys[page], inc, int(rec[4]), int.from_bytes(rec[5:9], "little"), gen)
+                       for page, rec in hostile.items() if len(rec) == RECORD.itemsize}
+            field = keys[0].digest[:16]
+            raw.hset(segment_key(namespace), field, (raw.hget(segment_key(namespace), field) or b"")
+                     + b"".join(hostile.values()))
+        else:
+            for page, rec in hostile.items():
+                raw.hset(loc_key(namespace), keys[page].digest[:16], rec)
 
         for start in (0, 2, 3, 4, 5, 6, 7):                     # each hostile page first, then after good ones
             _, failed, n = load_all(b, keys[start:])            # must not raise
@@ -63,7 +83,7 @@ def test_out_of_bounds_locations_are_refused_before_any_read(runtime_dir: str, n
         assert_pages(bufs[:2], keys[:2])
         stats = b.stats.snapshot()
         assert stats.get("load_failures{reason=bad_location}", 0) >= 2       # slots outside the region
-        assert stats.get("index_refused", 0) >= 3                              # unknown medium, cut, padded
+        assert stats.get("index_refused", 0) >= (3 if schema == "pages" else 1)    # unknown medium, cut, padded
         assert sum("refused" in r.getMessage() for r in caplog.records) >= 1
         # A location the pool is handed directly (not through a lookup) is checked the same way.
         bad = Location("a", "cxl", 10**12, gen)

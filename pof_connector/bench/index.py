@@ -23,20 +23,22 @@ import redis
 from pof_connector.bench import BenchError, Progress, quiet
 from pof_connector.config import redact_url
 from pof_connector.credentials import IndexAuth
-from pof_connector.index import record_runs
+from pof_connector.index import segments
 from pof_connector.index.base import MEDIA, IndexUnavailable, Location, NodeInfo, PrefixMatch
 from pof_connector.index.client import redis_client
-from pof_connector.index.record_runs import FIELD_BYTES, leading_runs
-from pof_connector.index.redis import RedisIndex, loc_key
+from pof_connector.index.redis import RedisIndex, flat_key, loc_key, segment_key
+from pof_connector.index.segments import SegmentQuery
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import DIGEST_BYTES, Namespace, PageKey, page_keys
+from pof_connector.keys import Namespace, PageKey, page_keys
 
 PAGE_TOKENS = 64
 WARMUP = 10
 BATCH = 5000
 MEDIUM = "cpu_dram"
-NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, ZRANGE and one "
-        "HMGET of every page as a single pipelined buffer; ratio = lookup p50 / PING p50, measured "
+NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, ZRANGE, the GET of "
+        "the namespace's placeless flag and one HMGET of every segment of the query (SEGMENT_PAGES pages each: "
+        "segments_per_lookup) as a single pipelined buffer, and this chain has no marked offset and no placeless "
+        "page, so no second round runs; ratio = lookup p50 / PING p50, measured "
         "interleaved on the same connection pool; server_hmget_ms = the server's own mean time in that HMGET "
         "(INFO commandstats, private server only), ratio_floor = (PING p50 + server_hmget_ms) / PING p50: the "
         "ratio of a client that took no time at all; decode_ms = the client's decoding of the reply per decoder "
@@ -170,24 +172,27 @@ def _decode_ms(url: str, auth: IndexAuth | None, keys: list[PageKey], clients: S
                iterations: int) -> dict[str, Any]:
     """The client's decoding of one lookup's reply, per decoder (median ms over ``iterations``), on the
     reply the lookups got: what the native decoder saves inside ``lookup_p50_ms``."""
+    query = SegmentQuery.of(keys)
+    assert query is not None            # page_keys places every key
     r = redis_client(url, auth, timeout_s=None)
     try:
-        vals = r.hmget(loc_key(keys[0].namespace), [k.digest[:FIELD_BYTES] for k in keys])
+        vals = r.hmget(segment_key(keys[0].namespace), [f.tobytes() for f in query.fields])
     finally:
         r.close()
     alive = [c.incarnation for c in clients if c.incarnation is not None]
     out: dict[str, float | None] = {}
     for name, native in (("native", True), ("numpy", False)):
-        if native and not record_runs.NATIVE:
+        if native and not segments.NATIVE:
             out[name] = None
             continue
         times = []
         for _ in range(iterations):
             t0 = time.perf_counter()
-            leading_runs(vals, alive, len(MEDIA), native=native)
+            query.decode(vals, alive, len(MEDIA), native=native)
             times.append((time.perf_counter() - t0) * 1000)
         out[name] = round(float(np.median(times)), 4)
-    return {"decoder": "native" if record_runs.NATIVE else "numpy", "decode_ms": out}
+    return {"decoder": "native" if segments.NATIVE else "numpy", "decode_ms": out,
+            "segments_per_lookup": len(query.fields)}
 
 
 @dataclass(frozen=True)
@@ -202,8 +207,9 @@ def _memory(client: RedisIndex, url: str, auth: IndexAuth | None, count: int, ru
     """Server memory growth and publish throughput for ``count`` locations in a fresh namespace."""
     ns = _namespace(run_id, "memory")
     namespaces.append(ns)
-    digests = np.random.default_rng(2).bytes(count * DIGEST_BYTES)
-    keys = [PageKey(ns, digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]) for i in range(count)]
+    # One chain, as engines publish them (a page's records go to its segment's field).
+    keys = page_keys(ns, np.random.default_rng(2).integers(0, 32_000, size=count * PAGE_TOKENS, dtype=np.uint32),
+                     PAGE_TOKENS)
     r = redis_client(url, auth, timeout_s=None)
     try:
         before = int(r.info("memory")["used_memory"])
@@ -211,7 +217,7 @@ def _memory(client: RedisIndex, url: str, auth: IndexAuth | None, count: int, ru
         _publish(client, keys)
         elapsed = time.perf_counter() - t0
         after = int(r.info("memory")["used_memory"])
-        hash_bytes = int(r.memory_usage(loc_key(ns), samples=0) or 0)
+        hash_bytes = sum(int(r.memory_usage(k, samples=0) or 0) for k in (loc_key(ns), segment_key(ns)))
     finally:
         r.close()
     return Memory((after - before) / count, hash_bytes / count, count / elapsed)
@@ -254,7 +260,7 @@ def _cleanup(url: str, auth: IndexAuth | None, reader: RedisIndex, clients: Sequ
     r = redis_client(url, auth, timeout_s=None)
     try:
         if namespaces:
-            r.delete(*(loc_key(ns) for ns in namespaces))
+            r.delete(*(k for ns in namespaces for k in (loc_key(ns), segment_key(ns), flat_key(loc_key(ns)))))
         for client in clients:
             if client.incarnation is not None:
                 client.leave()

@@ -115,13 +115,13 @@ def _numpy_runs(vals: list[Any], alive: list[int], n_media: int) -> LeadingRuns:
     step = max(1, MAX_CELLS // held)             # rows per dense block: memory stays bounded
     for r0 in range(0, len(heads), step):
         part = slice(None) if step >= len(heads) else (row >= r0) & (row < r0 + step)
-        idx += _block_runs(sel[part], row[part] - r0, pg[part], medium, min(step, len(heads) - r0), held)
+        idx += block_runs(sel[part], row[part] - r0, pg[part], medium, min(step, len(heads) - r0), held)
     slot, gen = recs["slot"], recs["gen"]
     return LeadingRuns(held, malformed, unknown, heads,
                        [(medium[i], slot[i].astype(np.int64), gen[i].astype(np.int64)) for i in idx])
 
 
-def _block_runs(sel: np.ndarray, row: np.ndarray, pg: np.ndarray, medium: np.ndarray, rows: int,
+def block_runs(sel: np.ndarray, row: np.ndarray, pg: np.ndarray, medium: np.ndarray, rows: int,
                 held: int) -> list[np.ndarray]:
     """Per row (holder), the records of its run of pages from page 0: ``sel`` are record numbers,
     ``row`` and ``pg`` their holder's row and page; of a page in two media of one holder, the

@@ -3,38 +3,52 @@
 Schema (every key carries the hash tag ``{pof}``, so a Redis Cluster keeps them on one shard and
 the Lua scripts may touch several)::
 
+    pof:{pof}:seg:<namespace hex>  HASH   field: the first 16 bytes of the chain digest of a segment's
+                                          head page (the page at position p - p % SEGMENT_PAGES)
+                                          value: segment records, 26 bytes each (:mod:`.segments`):
+                                                 u8 offset | 8-byte tag (the page digest's first 8
+                                                 bytes) | the holder record below
     pof:{pof}:loc:<namespace hex>  HASH   field: the first 16 bytes of a page's chain digest
                                           value: holder records, 17 bytes each, little-endian
                                                  u32 incarnation | u8 medium | u32 slot | u64 generation
+    pof:{pof}:flat:<namespace hex> STRING set while the namespace has pages published without places
     pof:{pof}:node-inc             HASH   node_id -> its current incarnation (decimal)
     pof:{pof}:inc-node             HASH   incarnation -> node_id
     pof:{pof}:live                 ZSET   incarnation, score = expiry in ms of the server's clock
     pof:{pof}:info                 HASH   incarnation -> NodeInfo as JSON (capacity, free bytes per tier)
     pof:{pof}:seq                  STRING incarnation counter
 
+A page whose key knows its place in the chain (:class:`~pof_connector.keys.ChainPlace`: every key
+computed from tokens) is recorded in its segment; one without (a digest an engine handed over) in
+its own per-page field, and the namespace is flagged. An offset of a segment holds the pages of
+at most :data:`~.segments.MAX_TAGS` chains: where more chains part inside one segment, the pages
+of the others go to per-page fields and the offset gets a marker, so a segment where many
+conversations leave a shared prompt does not grow for every lookup that reads it.
+
 Liveness uses the server's clock (``TIME`` inside the scripts), so clients' clocks may differ.
 A node's entries carry its incarnation; when its heartbeat lapses, or the server restarts empty,
 its next heartbeat gets a new incarnation and the node re-publishes, while records of dead
 incarnations are ignored by lookups (and dropped by :meth:`RedisIndex.sweep`).
 
-Digests are cut to 16 bytes in the index only: the page header holds the full key, so a
-(2^-64-unlikely) collision costs a miss, never wrong KV.
+Digests are cut to 16 bytes (fields) and 8 (tags) in the index only: the page header holds the
+full key, so a collision costs a miss, never wrong KV.
 
-A lookup is one round trip of three pipelined commands — ``TIME``, ``ZRANGE live WITHSCORES``
-and one ``HMGET`` of all the query's fields — sent as a pre-encoded RESP buffer (encoding 2,000
-arguments one by one costs more than the server's work). The client keeps each live node's
-leading run from page 0 (per page the lowest medium code of that node's records), decoded by
-:mod:`.record_runs` in one pass in C.
+A lookup of placed keys is one round trip of four pipelined commands — ``TIME``, ``ZRANGE live
+WITHSCORES``, ``GET`` of the namespace's flag and one ``HMGET`` of the query's segments (one field
+per 16 pages) — sent as a pre-encoded RESP buffer and decoded in C (:mod:`.segments`). A second
+round reads per-page fields only where a run may go on in them: a marked offset where a run
+stops, or a flagged namespace. A lookup of keys without places reads every page's field (``TIME``,
+``ZRANGE``, one ``HMGET``; :mod:`.record_runs`). Reading one field per page cost about 0.2 µs a
+field on the server and as much again in the client (one Python object per value), 5-7 ``PING``
+times for 2,000 pages; the segments' measurements are in ``docs/index-segments.md``.
 
 Why not a script next to the data: on valkey 9.1 an empty ``EVALSHA`` or ``FCALL`` costs about
 one ``PING``, but a script that takes the query as one 32 KB argument (2,000 concatenated
 fields), reads them with one ``HMGET`` and returns each live node's run as one packed string
 took 3-7 ms of server time for 2,000 pages over 4 nodes, and one that only returns the values
-concatenated 2-4 ms, against 0.2-0.5 ms for the plain ``HMGET``: cutting the argument into 2,000
-fields alone costs as much as the plain ``HMGET``, and the same ``HMGET`` called from a script
-five times as much (every argument and value converted between Lua and the server). The server's
-per-field work (about 0.1 µs a field) is the floor of this schema: a lookup reads every page of
-the longest run.
+concatenated 2-4 ms, against 0.2-0.5 ms for the plain per-page ``HMGET``: cutting the argument
+into 2,000 fields alone costs as much as the plain ``HMGET``, and the same ``HMGET`` called from a
+script five times as much (every argument and value converted between Lua and the server).
 Writes go through Lua scripts, which keep a key's record list consistent.
 """
 
@@ -65,7 +79,8 @@ from pof_connector.index.base import (
     node_id_taken,
 )
 from pof_connector.index.client import redis_client
-from pof_connector.index.record_runs import FIELD_BYTES, RECORD, leading_runs
+from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
+from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentQuery, segment_items
 from pof_connector.keys import PageKey
 
 PREFIX = "pof:{pof}:"
@@ -124,7 +139,8 @@ return {inc, fresh}
 
 # ARGV[1]: concatenated 16-byte fields; ARGV[2]: concatenated 17-byte records, one per field.
 # Publish replaces this incarnation's record for the same medium (a record's first 5 bytes).
-_PUBLISH = """
+# KEYS[2], when given: the namespace's flag "placeless pages here", set (see _SEGMENT_LOOKUP).
+_PUBLISH = r"""
 local fields, recs = ARGV[1], ARGV[2]
 for k = 0, #fields / 16 - 1 do
   local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
@@ -143,11 +159,12 @@ for k = 0, #fields / 16 - 1 do
     redis.call('HSET', KEYS[1], f, table.concat(out))
   end
 end
+if KEYS[2] then redis.call('SET', KEYS[2], '1') end
 return #fields / 16
 """
 
-# Same arguments; removes exactly these records.
-_WITHDRAW = """
+# Same arguments; removes exactly these records (and the flag once no per-page field is left).
+_WITHDRAW = r"""
 local fields, recs = ARGV[1], ARGV[2]
 for k = 0, #fields / 16 - 1 do
   local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
@@ -162,7 +179,125 @@ for k = 0, #fields / 16 - 1 do
     if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
   end
 end
+if KEYS[2] and redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[2]) end
 return #fields / 16
+"""
+
+# Per-page fields as the segment scripts use them (KEYS[2] of theirs): put replaces the record of
+# the same incarnation and medium (`who`, 5 bytes), drop removes it.
+_PAGE_FIELDS = r"""
+local function page_records(f)
+  local old = redis.call('HGET', KEYS[2], f) or ''
+  local out = {}
+  for p = 1, #old - 16, 17 do out[#out + 1] = string.sub(old, p, p + 16) end
+  return out
+end
+local function page_write(f, out)
+  if #out == 0 then redis.call('HDEL', KEYS[2], f) else redis.call('HSET', KEYS[2], f, table.concat(out)) end
+end
+local function page_drop(f, who)
+  local out = {}
+  for _, r in ipairs(page_records(f)) do
+    if string.sub(r, 1, 5) ~= who then out[#out + 1] = r end
+  end
+  page_write(f, out)
+end
+local function page_put(f, rec)
+  page_drop(f, string.sub(rec, 1, 5))
+  local out = page_records(f)
+  out[#out + 1] = rec
+  page_write(f, out)
+end
+local function segment_parse(old)
+  local by, order = {}, {}
+  for p = 1, #old - 25, 26 do
+    local r = string.sub(old, p, p + 25)
+    local o = string.sub(r, 1, 1)
+    if not by[o] then by[o] = {}; order[#order + 1] = o end
+    local t = by[o]
+    t[#t + 1] = r
+  end
+  return by, order
+end
+local function segment_write(f, by, order)
+  local out = {}
+  for _, o in ipairs(order) do
+    for _, r in ipairs(by[o]) do out[#out + 1] = r end
+  end
+  if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
+end
+local ZERO4 = string.rep('\0', 4)
+"""
+
+# KEYS: the namespace's segment hash, its per-page hash. ARGV[1]: MAX_TAGS; then pairs of a
+# segment field and its items (segments.ITEM_BYTES each: the page's 16-byte field, its 26-byte
+# segment record). A record replaces the one of the same page, incarnation and medium. An offset
+# full of other chains' pages (MAX_TAGS tags) sends the page to its per-page field instead and
+# marks the offset (a record of incarnation 0); a page that finds room again leaves its field.
+_SEGMENT_PUBLISH = _PAGE_FIELDS + r"""
+local K = tonumber(ARGV[1])
+local n = 0
+for a = 2, #ARGV, 2 do
+  local f, items = ARGV[a], ARGV[a + 1]
+  local by, order = segment_parse(redis.call('HGET', KEYS[1], f) or '')
+  for q = 1, #items - 41, 42 do
+    local pf, r = string.sub(items, q, q + 15), string.sub(items, q + 16, q + 41)
+    local o, tag, who = string.sub(r, 1, 1), string.sub(r, 2, 9), string.sub(r, 10, 14)
+    if not by[o] then by[o] = {}; order[#order + 1] = o end
+    local keep, tags, ntags, marked = {}, {}, 0, false
+    for _, x in ipairs(by[o]) do
+      if string.sub(x, 10, 13) == ZERO4 then
+        marked = true
+        keep[#keep + 1] = x
+      elseif not (string.sub(x, 2, 9) == tag and string.sub(x, 10, 14) == who) then
+        local t = string.sub(x, 2, 9)
+        if not tags[t] then tags[t] = true; ntags = ntags + 1 end
+        keep[#keep + 1] = x
+      end
+    end
+    if tags[tag] or ntags < K then
+      keep[#keep + 1] = r
+      if marked then page_drop(pf, who) end
+    else
+      if not marked then keep[#keep + 1] = o .. string.rep('\0', 25) end
+      page_put(pf, string.sub(r, 10, 26))
+    end
+    by[o] = keep
+    n = n + 1
+  end
+  segment_write(f, by, order)
+end
+return n
+"""
+
+# Same keys and arguments (no MAX_TAGS): removes exactly these records, from the segment or, for a
+# page that is not there, from its per-page field.
+_SEGMENT_WITHDRAW = _PAGE_FIELDS + r"""
+local n = 0
+for a = 1, #ARGV, 2 do
+  local f, items = ARGV[a], ARGV[a + 1]
+  local by, order = segment_parse(redis.call('HGET', KEYS[1], f) or '')
+  for q = 1, #items - 41, 42 do
+    local pf, r = string.sub(items, q, q + 15), string.sub(items, q + 16, q + 41)
+    local o, found = string.sub(r, 1, 1), false
+    local keep = {}
+    for _, x in ipairs(by[o] or {}) do
+      if x == r then found = true else keep[#keep + 1] = x end
+    end
+    if found then
+      by[o] = keep
+    else
+      local rec, out = string.sub(r, 10, 26), {}
+      for _, x in ipairs(page_records(pf)) do
+        if x ~= rec then out[#out + 1] = x end
+      end
+      page_write(pf, out)
+    end
+    n = n + 1
+  end
+  segment_write(f, by, order)
+end
+return n
 """
 
 _LEAVE = """
@@ -184,6 +319,20 @@ def _node_info(raw: bytes) -> NodeInfo | None:
 
 def loc_key(namespace: bytes) -> str:
     return f"{PREFIX}loc:{namespace.hex()}"
+
+
+def _segment_records(val: bytes) -> np.ndarray:
+    """A segment value's whole records (a broken writer's trailing bytes left out)."""
+    return np.frombuffer(val[:len(val) - len(val) % SEGMENT_RECORD.itemsize], dtype=SEGMENT_RECORD)
+
+
+def segment_key(namespace: bytes) -> str:
+    return f"{PREFIX}seg:{namespace.hex()}"
+
+
+def flat_key(loc: str) -> str:
+    """The flag "placeless pages here" of the namespace whose per-page hash is ``loc``."""
+    return loc.replace(":loc:", ":flat:", 1)
 
 
 def _resp(*args: bytes) -> bytes:
@@ -225,6 +374,9 @@ class RedisIndex(LocalityIndex):
     callers treat as "nothing known": a miss, never an engine error.
     """
 
+    SEGMENTS = True
+    """Whether placed keys go to segment records (else every key to its per-page field)."""
+
     def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0,
                  auth: IndexAuth | None = None) -> None:
         """``auth``: the ACL user, password and TLS files (``None``: what ``url`` says)."""
@@ -238,6 +390,8 @@ class RedisIndex(LocalityIndex):
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._publish = self._r.register_script(_PUBLISH)
         self._withdraw = self._r.register_script(_WITHDRAW)
+        self._segment_publish = self._r.register_script(_SEGMENT_PUBLISH)
+        self._segment_withdraw = self._r.register_script(_SEGMENT_WITHDRAW)
         self._leave = self._r.register_script(_LEAVE)
         self._inc: int | None = None          # our live registration; None: not registered
         self._last_inc: int | None = None     # the last one we had (a newer holder of our id displaced it)
@@ -281,18 +435,24 @@ class RedisIndex(LocalityIndex):
         reply: list[Any] = self._heartbeat(keys=REGISTRY_KEYS, args=args)
         return reply
 
-    def _records(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[str, tuple[bytes, bytes]]:
-        """Per hash key (:meth:`_loc_key`): (concatenated fields, concatenated records) for the scripts. A location
-        on another node (a page spilled into a slot that node granted us) is recorded under that
-        node's current incarnation, so it lives and dies with that node; entries of nodes the
+    def _incarnations(self, entries: Sequence[tuple[PageKey, Location]]) -> dict[str, int]:
+        """The current incarnation of every node named in ``entries`` that the index knows. A
+        location on another node (a page spilled into a slot that node granted us) is recorded
+        under that node's incarnation, so it lives and dies with that node; entries of nodes the
         index does not know are left out."""
-        self._require_node()
+        me = self._require_node()
         assert self._inc is not None
-        incs = {self.node_id: self._inc}
-        others = sorted({loc.node for _, loc in entries} - {self.node_id})
+        incs = {me: self._inc}
+        others = sorted({loc.node for _, loc in entries} - {me})
         if others:
             got = self._call("incarnations", lambda: self._r.hmget(K_NODE_INC, others))
             incs.update({n: int(i) for n, i in zip(others, got, strict=True) if i is not None})
+        return incs
+
+    def _records(self, entries: Sequence[tuple[PageKey, Location]],
+                 incs: dict[str, int]) -> dict[str, tuple[bytes, bytes]]:
+        """Per hash key (:meth:`_loc_key`): (concatenated fields, concatenated records) for the
+        per-page scripts."""
         grouped: dict[str, list[tuple[PageKey, Location]]] = {}
         for key, loc in entries:
             if loc.node in incs:
@@ -315,36 +475,92 @@ class RedisIndex(LocalityIndex):
         self._require_node()
         if self._inc is None or not entries:
             return    # not registered yet: the first heartbeat re-publishes everything
-        self._write("publish", self._records(entries))
+        self._send_writes("publish", entries)
 
     def withdraw(self, entries: Sequence[tuple[PageKey, Location]]) -> None:
         self._require_node()
         if self._inc is None or not entries:
             return
-        self._write("withdraw", self._records(entries))
+        self._send_writes("withdraw", entries)
+
+    def _send_writes(self, what: str, entries: Sequence[tuple[PageKey, Location]]) -> None:
+        """Publish or withdraw: placed keys as segment records, the others in per-page fields."""
+        incs = self._incarnations(entries)
+        flat = [e for e in entries if not (self.SEGMENTS and e[0].place is not None)]
+        if flat:
+            self._write(what, self._records(flat, incs))
+        if len(flat) < len(entries):
+            self._write_segments(what, [e for e in entries if self.SEGMENTS and e[0].place is not None], incs)
 
     def _write(self, what: str, records: dict[str, tuple[bytes, bytes]]) -> None:
-        """Run the ``what`` script (publish or withdraw) on each hash's records."""
+        """Run the per-page ``what`` script (publish or withdraw) on each hash's records."""
         script = self._publish if what == "publish" else self._withdraw
         for key, (fields, recs) in records.items():
-            self._call(what, script, keys=[key], args=[fields, recs])
+            keys = [key, flat_key(key)] if self.SEGMENTS else [key]
+            self._call(what, script, keys=keys, args=[fields, recs])
+
+    def _write_segments(self, what: str, entries: Sequence[tuple[PageKey, Location]], incs: dict[str, int]) -> None:
+        by_ns: dict[bytes, list[tuple[PageKey, int, int, int, int]]] = {}
+        for key, loc in entries:
+            if loc.node in incs:
+                by_ns.setdefault(key.namespace, []).append(
+                    (key, incs[loc.node], MEDIA.index(loc.medium), loc.slot, loc.generation))
+        for ns, group in by_ns.items():
+            args: list[bytes | int] = [MAX_TAGS] if what == "publish" else []
+            for field, items in segment_items(group).items():
+                args += [field, items]
+            script = self._segment_publish if what == "publish" else self._segment_withdraw
+            self._call(what, script, keys=[segment_key(ns), loc_key(ns)], args=args)
 
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         if not keys:
             return {}
         ns = check_one_namespace(keys)
+        query = self._segment_query(keys)
+        if query is not None:
+            return self._segment_lookup(ns, keys, query)
         digests = np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(len(keys), -1)
         packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), digests[:, :FIELD_BYTES])
         now, live, vals = self._call("lookup", self._send, packed, 3)
-        return self._matches(now, live, vals)
+        return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
 
-    def _matches(self, now: list[bytes], live: list[Any], vals: list[Any]) -> dict[str, PrefixMatch]:
-        """Each live node's leading run, from the replies to ``TIME``, ``ZRANGE live WITHSCORES`` and
-        the ``HMGET`` of the query's fields (``vals``, in query order)."""
+    def _segment_query(self, keys: Sequence[PageKey]) -> SegmentQuery | None:
+        """The query as segment fields; ``None``: read per-page fields (a key without its place)."""
+        return SegmentQuery.of(keys) if self.SEGMENTS else None
+
+    def _segment_lookup(self, ns: bytes, keys: Sequence[PageKey], query: SegmentQuery) -> dict[str, PrefixMatch]:
+        """Round 1 reads the segments (and the namespace's placeless flag); round 2, only when a
+        run may go on in per-page fields (a marked offset where a run stops, or placeless pages
+        in the namespace), reads those fields and decodes both together."""
+        packed = (LIVE_QUERY + _resp(b"GET", flat_key(loc_key(ns)).encode())
+                  + hmget_resp(segment_key(ns).encode(), query.fields))
+        now, live, flat, vals = self._call("lookup", self._send, packed, 4)
+        alive = self._alive(now, live)
+        answer = query.decode(vals, alive, len(MEDIA))
+        if flat is None and not answer.needs_pages():
+            return self._matches(answer.runs)
+        wanted = np.arange(query.pages) if flat is not None else answer.marked
+        fields = np.frombuffer(b"".join(keys[int(i)].digest[:FIELD_BYTES] for i in wanted),
+                               dtype=np.uint8).reshape(len(wanted), FIELD_BYTES)
+        (more,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
+        merged = answer.page_values()
+        for i, v in zip(wanted.tolist(), more, strict=True):
+            if v is not None:
+                merged[i] = (merged[i] or b"") + v
+        found = leading_runs(merged, alive, len(MEDIA))
+        if answer.runs.malformed:
+            self._refused(1, "malformed")
+        return self._matches(found)
+
+    @staticmethod
+    def _alive(now: list[bytes], live: list[Any]) -> list[int]:
+        """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
-        alive = [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
-        found = leading_runs(vals, alive, len(MEDIA))
+        return [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
+
+    def _matches(self, found: LeadingRuns) -> dict[str, PrefixMatch]:
+        """Each live node's leading run, from a decoded reply."""
         # A value cut short or padded, or a medium code no build knows: what a hostile or broken
         # writer left. The run ends there, or that page is absent.
         if found.malformed:
@@ -418,6 +634,9 @@ class RedisIndex(LocalityIndex):
             fields = 0
             for key in self._r.scan_iter(match=PREFIX + "loc:*", count=1000):
                 fields += int(self._r.hlen(key))
+            for key in self._r.scan_iter(match=PREFIX + "seg:*", count=1000):
+                for _, val in self._r.hscan_iter(key, count=1000):
+                    fields += int((_segment_records(val)["inc"] != 0).sum())     # markers are no location
             mem = self._r.info("memory")
             live, _ = self._nodes_raw()
             return {"locations": fields, "memory_bytes": int(mem["used_memory"]), "nodes": len(live)}
@@ -431,8 +650,9 @@ class RedisIndex(LocalityIndex):
             alive = {int(i) for i in live}
             dropped = 0
             for key, field, val in self._hscan(namespace, batch):
-                recs = np.frombuffer(val, dtype=RECORD)
-                keep = np.isin(recs["inc"], list(alive))
+                segment = key == segment_key(namespace)
+                recs = _segment_records(val) if segment else np.frombuffer(val, dtype=RECORD)
+                keep = np.isin(recs["inc"], list(alive)) | (segment & (recs["inc"] == 0))    # and the markers
                 if keep.all():
                     continue
                 dropped += int((~keep).sum())
@@ -445,10 +665,10 @@ class RedisIndex(LocalityIndex):
         return dropped
 
     def _hscan(self, namespace: bytes, batch: int) -> Iterator[tuple[str, bytes, bytes]]:
-        """(hash key, field, records) of every page of ``namespace``."""
-        key = loc_key(namespace)
-        for field, val in self._r.hscan_iter(key, count=batch):
-            yield key, field, val
+        """(hash key, field, records) of every per-page field and segment of ``namespace``."""
+        for key in (loc_key(namespace), segment_key(namespace)) if self.SEGMENTS else (loc_key(namespace),):
+            for field, val in self._r.hscan_iter(key, count=batch):
+                yield key, field, val
 
     def ping_ms(self) -> float:
         """One round trip, for benchmarks."""

@@ -55,8 +55,15 @@ from redis.retry import Retry
 
 from pof_connector.cluster_url import ClusterUrl
 from pof_connector.credentials import IndexAuth
-from pof_connector.index.base import IndexTimeout, IndexUnavailable, NodeInfo, PrefixMatch, check_one_namespace
-from pof_connector.index.record_runs import FIELD_BYTES
+from pof_connector.index.base import (
+    MEDIA,
+    IndexTimeout,
+    IndexUnavailable,
+    NodeInfo,
+    PrefixMatch,
+    check_one_namespace,
+)
+from pof_connector.index.record_runs import FIELD_BYTES, leading_runs
 from pof_connector.index.redis import (
     FIELD_RESP_BYTES,
     K_INFO,
@@ -125,6 +132,9 @@ class LazyCluster:
 class RedisClusterIndex(RedisIndex):
     """A :class:`~.base.LocalityIndex` client on a Redis Cluster; thread-safe. Every call
     succeeds or raises :class:`~.base.IndexUnavailable`, as :class:`.redis.RedisIndex`."""
+
+    SEGMENTS = False
+    """Every key in its per-page field: segments would need their own buckets (not built yet)."""
 
     def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0,
                  auth: IndexAuth | None = None) -> None:
@@ -262,7 +272,7 @@ class RedisClusterIndex(RedisIndex):
             if isinstance(e, IndexTimeout) or not (moved or self._masters(ns) != before):
                 raise
             now, live, vals = self._call("lookup", self._lookup_round, ns, digests)
-        return self._matches(now, live, vals)
+        return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
 
     def _masters(self, ns: bytes) -> list[str]:
         """The masters a lookup in ``ns`` goes to, as the slot map says now ([] if a slot has none)."""

@@ -28,7 +28,7 @@ from pof_connector.index.embedded import (
 )
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
-from pof_connector.keys import page_keys
+from pof_connector.keys import PageKey, page_keys
 from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
 
@@ -341,7 +341,9 @@ def test_hostile_records_end_the_run_and_are_counted(redis_server: RedisServer, 
     try:
         a.heartbeat(NodeInfo("a"), 10)
         b.heartbeat(NodeInfo("b"), 10)
-        ks = page_keys(namespace, list(range(16 * 8)), 16)
+        # Keys without places: their records are in per-page fields (test_segments.py has the same
+        # hostile values in segment records).
+        ks = [PageKey(k.namespace, k.digest) for k in page_keys(namespace, list(range(16 * 8)), 16)]
         a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
         b.publish([(k, Location("b", "cxl", 50 + i, 2)) for i, k in enumerate(ks[:4])])
         key, field = loc_key(namespace), [k.digest[:FIELD_BYTES] for k in ks]
