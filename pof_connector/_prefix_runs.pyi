@@ -1,8 +1,10 @@
 # The native decoders of pof_connector.index.record_runs and .segments (built from _prefix_runs.c when a C compiler
 # is there).
+from typing_extensions import Buffer
+
 def leading_runs(values: list[bytes | None], alive: bytes, n_media: int, /
                  ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]]]: ...
-def segment_runs(values: list[bytes | None], first_page: bytes, tags: bytes, alive: bytes, n_media: int,
+def segment_runs(values: list[bytes | None], first_page: Buffer, tags: Buffer, alive: Buffer, n_media: int,
                  segment_pages: int, /
                  ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]], bytes]:
     """The runs of a segment lookup's reply, as ``SegmentQuery.decode`` gives them in numpy: ``values``

@@ -84,10 +84,9 @@ class SegmentQuery:
             if p is None:
                 return None
             heads.append(p.head[:FIELD_BYTES])
-        digests = np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(n, -1)
+        digests = np.frombuffer(b"".join([k.digest for k in keys]), dtype="<u8").reshape(n, -1)
         return cls(np.frombuffer(b"".join(heads), dtype=np.uint8).reshape(len(heads), FIELD_BYTES),
-                   np.array([-first.offset, *starts], dtype=np.int64),
-                   np.ascontiguousarray(digests[:, :TAG_BYTES]).view("<u8").reshape(n))
+                   np.array([-first.offset, *starts], dtype=np.int64), digests[:, 0].copy())   # tag: the first u64
 
     @property
     def pages(self) -> int:
@@ -103,7 +102,7 @@ class SegmentQuery:
                 raise RuntimeError("pof_connector._prefix_runs was not built with segment_runs")
             live = np.unique(np.array([i for i in alive if 0 < i < 1 << 32], dtype="<u4"))
             held, malformed, unknown, heads, runs, marked = nat.segment_runs(
-                vals, self.first_page.tobytes(), self.tags.tobytes(), live.tobytes(), n_media, SEGMENT_PAGES)
+                vals, self.first_page, self.tags, live, n_media, SEGMENT_PAGES)
             found = LeadingRuns(held, bool(malformed), unknown, heads,
                                 [(np.frombuffer(m, dtype=np.uint8), np.frombuffer(s, dtype=np.int64),
                                   np.frombuffer(g, dtype=np.int64)) for m, s, g in runs])
