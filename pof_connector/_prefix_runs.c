@@ -11,9 +11,10 @@
  * segment_runs decodes the same runs from a segment lookup's reply (one value per segment field of
  * up to segment_pages pages: 26-byte records u8 offset | u64 tag | then the holder record), as
  * SegmentQuery.decode in pof_connector/index/segments.py does in numpy. A segment value holds its
- * pages' records in any order, so the records are first sorted by query page (a counting sort of
- * pointers, stable: of one holder's page in two media with one code, the first in the reply wins as
- * in numpy), and then walked page by page like the per-page values above. It exists for the same
+ * pages' records in any order, so each record is classified once, the known ones of the heads are
+ * grouped by head (a counting sort, stable), and each head's run is read off a table of its record
+ * per page with the lowest medium code (of one holder's page in two media with one code, the first
+ * in the reply wins, as in numpy). It exists for the same
  * reason: a 2,000-page query is 125 values, but numpy's calls over their records cost more than the
  * server's answer.
  *
@@ -258,23 +259,23 @@ PyDoc_STRVAR(segment_runs_doc,
 "(media u8, slots int64, generations int64) as bytearrays, one entry per page of its run; marked:\n"
 "the query pages with a marker record (incarnation 0), ascending, as int64s.");
 
-enum { SEG_OUTSIDE, SEG_MARKER, SEG_UNKNOWN, SEG_KNOWN };
+/* A known-medium record of one of the query's pages: where it is, and its query page. */
+typedef struct {
+    const unsigned char *r;
+    Py_ssize_t q;
+} seg_rec;
 
-/* What a segment record (of the segment whose offset 0 is query page fp) is to the query, and its
- * page in *q. The bounds are compared before adding: fp is the caller's, but an overflow would be
- * undefined behaviour. */
-static inline int seg_kind(const unsigned char *r, int64_t fp, int seg_pages, Py_ssize_t limit,
-                           const unsigned char *tags, int n_media, Py_ssize_t *q)
+/* The index of inc in heads[0..k), or -1, remembering the last answer: a reply holds one holder's
+ * records together, so most lookups repeat the one before. A known record's incarnation is never 0
+ * (those are markers), so *last_inc = 0 starts with nothing remembered. */
+static inline Py_ssize_t head_of(const uint32_t *heads, Py_ssize_t k, uint32_t inc, uint32_t *last_inc,
+                                 Py_ssize_t *last_h)
 {
-    int64_t off = r[0];
-    if (off >= seg_pages || fp < -off || fp >= (int64_t)limit - off)
-        return SEG_OUTSIDE;
-    *q = (Py_ssize_t)(fp + off);
-    if (rd_u32(r + 9) == 0)
-        return SEG_MARKER;
-    if (rd_u64(r + 1) != rd_u64(tags + 8 * *q))   /* another chain's page at this offset */
-        return SEG_OUTSIDE;
-    return r[13] < n_media ? SEG_KNOWN : SEG_UNKNOWN;
+    if (inc != *last_inc) {
+        *last_inc = inc;
+        *last_h = find_inc(heads, k, inc);
+    }
+    return *last_h;
 }
 
 static PyObject *py_segment_runs(PyObject *self, PyObject *args)
@@ -287,13 +288,16 @@ static PyObject *py_segment_runs(PyObject *self, PyObject *args)
                           &seg_pages))
         return NULL;
     Py_ssize_t n_seg = PyList_GET_SIZE(values), n = tagbuf.len / 8, n_live = alive.len / 4;
-    Py_ssize_t nv = 0, limit = n, held = 0, unknown = 0, total = 0, most = 0, k = 0, running = 0, n_marked = 0;
+    Py_ssize_t nv = 0, limit = n, held = 0, unknown = 0, most = 0, total = 0, n0 = 0, k = 0, n_marked = 0;
     int malformed = 0, failed = 0;
     const unsigned char *fps = first.buf, *tags = tagbuf.buf;
     const uint32_t *live = alive.buf;
-    Py_ssize_t *start = NULL;
-    unsigned char *mark = NULL, *active = NULL, *best = NULL;
-    const unsigned char **recs = NULL, **chosen = NULL;
+    unsigned char *flag = NULL;
+    seg_rec *known = NULL, *mine = NULL;
+    uint32_t *kinc = NULL;
+    Py_ssize_t *at = NULL;
+    const unsigned char **tbl = NULL;
+    uint32_t *own = NULL;
     uint32_t *heads = NULL;
     run_buf *runs = NULL;
     PyObject *out_heads = NULL, *out_runs = NULL, *out_marked = NULL, *result = NULL;
@@ -308,7 +312,8 @@ static PyObject *py_segment_runs(PyObject *self, PyObject *args)
         goto done;
     }
     /* A malformed value ends every run at its segment's first page: the values after it are not read,
-     * and the records before it only count on the pages before it. */
+     * and the records before it only count on the pages before it. most: the records of the values
+     * read, a bound on the known ones. */
     for (; nv < n_seg; nv++) {
         PyObject *item = PyList_GET_ITEM(values, nv);
         if (item == Py_None)
@@ -319,112 +324,164 @@ static PyObject *py_segment_runs(PyObject *self, PyObject *args)
             limit = fp < 0 ? 0 : (fp < (int64_t)n ? (Py_ssize_t)fp : n);
             break;
         }
-    }
-    /* start[q + 2] counts page q's known records, then (summed) start[q + 1] is where they go and,
-     * once placed, start[q] .. start[q + 1] are page q's. */
-    start = PyMem_Calloc((size_t)n + 2, sizeof(Py_ssize_t));
-    mark = PyMem_Calloc((size_t)n + 1, 1);
-    if (start == NULL || mark == NULL) {
-        failed = 1;
-        goto done;
-    }
-    for (Py_ssize_t s = 0; s < nv; s++) {
-        PyObject *item = PyList_GET_ITEM(values, s);
-        if (item == Py_None)
-            continue;
-        const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(item);
-        Py_ssize_t len = PyBytes_GET_SIZE(item), q = 0;
-        int64_t fp = rd_i64(fps + 8 * s);
-        for (Py_ssize_t off = 0; off < len; off += SEG_RECORD) {
-            switch (seg_kind(v + off, fp, seg_pages, limit, tags, n_media, &q)) {
-            case SEG_MARKER: mark[q] = 1; break;
-            case SEG_UNKNOWN: unknown++; break;
-            case SEG_KNOWN: start[q + 2]++; total++; break;
-            default: break;
-            }
+        Py_ssize_t c = PyBytes_GET_SIZE(item) / SEG_RECORD;
+        if (c >= PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(seg_rec) - most) {
+            failed = 1;
+            goto done;
         }
+        most += c;
     }
-    for (Py_ssize_t q = 2; q < n + 2; q++)
-        start[q] += start[q - 1];
-    recs = PyMem_Malloc(((size_t)total + 1) * sizeof(*recs));
-    if (recs == NULL) {
-        failed = 1;
-        goto done;
-    }
-    for (Py_ssize_t s = 0; s < nv; s++) {
-        PyObject *item = PyList_GET_ITEM(values, s);
-        if (item == Py_None)
-            continue;
-        const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(item);
-        Py_ssize_t len = PyBytes_GET_SIZE(item), q = 0;
-        int64_t fp = rd_i64(fps + 8 * s);
-        for (Py_ssize_t off = 0; off < len; off += SEG_RECORD)
-            if (seg_kind(v + off, fp, seg_pages, limit, tags, n_media, &q) == SEG_KNOWN)
-                recs[start[q + 1]++] = v + off;
-    }
-    for (held = 0; held < limit && start[held + 1] > start[held]; held++)
-        ;
-    most = held > 0 ? start[1] : 0;   /* page 0's known records */
+    /* flag[q]: 1 when page q has a marker, 2 when it has a known record. */
+    flag = PyMem_Calloc((size_t)n + 1, 1);
+    known = PyMem_Malloc(((size_t)most + 1) * sizeof(seg_rec));
+    kinc = PyMem_Malloc(((size_t)most + 1) * sizeof(uint32_t));
     heads = PyMem_Malloc(((size_t)most + 1) * sizeof(uint32_t));
-    runs = PyMem_Calloc((size_t)most + 1, sizeof(run_buf));
-    chosen = PyMem_Malloc(((size_t)most + 1) * sizeof(*chosen));
-    active = PyMem_Malloc((size_t)most + 1);
-    best = PyMem_Malloc((size_t)most + 1);
-    if (heads == NULL || runs == NULL || chosen == NULL || active == NULL || best == NULL) {
+    if (flag == NULL || known == NULL || kinc == NULL || heads == NULL) {
         failed = 1;
         goto done;
     }
-    for (Py_ssize_t i = 0; i < most; i++) {
-        uint32_t inc = rd_u32(recs[i] + 9);
-        if (find_inc(live, n_live, inc) >= 0)
-            heads[k++] = inc;
+    /* Each record is classified once: its page, a marker, a record of unknown medium or a known one,
+     * kept in reply order with its incarnation (and those of page 0 in heads, n0 of them). */
+    for (Py_ssize_t s = 0; s < nv; s++) {
+        PyObject *item = PyList_GET_ITEM(values, s);
+        if (item == Py_None)
+            continue;
+        int64_t fp = rd_i64(fps + 8 * s);
+        /* The offsets lo <= off < hi are the query's pages before limit (and in the segment); the
+         * bounds are compared before adding: fp is the caller's, but an overflow would be undefined
+         * behaviour. */
+        if (fp >= (int64_t)limit || fp <= -(int64_t)seg_pages)
+            continue;
+        int64_t lo = fp < 0 ? -fp : 0;
+        int64_t hi = fp <= (int64_t)limit - seg_pages ? (int64_t)seg_pages : (int64_t)limit - fp;
+        const unsigned char *r = (const unsigned char *)PyBytes_AS_STRING(item);
+        const unsigned char *end = r + PyBytes_GET_SIZE(item);
+        for (; r < end; r += SEG_RECORD) {
+            int64_t off = r[0];
+            if (off < lo || off >= hi)
+                continue;
+            Py_ssize_t q = (Py_ssize_t)(fp + off);
+            if (rd_u32(r + 9) == 0) {
+                n_marked += !(flag[q] & 1);
+                flag[q] |= 1;
+                continue;
+            }
+            if (rd_u64(r + 1) != rd_u64(tags + 8 * q))   /* another chain's page at this offset */
+                continue;
+            if (r[13] >= n_media) {
+                unknown++;
+                continue;
+            }
+            uint32_t inc = rd_u32(r + 9);
+            flag[q] |= 2;
+            if (q == 0)
+                heads[n0++] = inc;
+            known[total].r = r;
+            known[total].q = q;
+            kinc[total] = inc;
+            total++;
+        }
     }
-    qsort(heads, (size_t)k, sizeof(uint32_t), cmp_u32);
-    running = k;
-    k = 0;
-    for (Py_ssize_t h = 0; h < running; h++)
-        if (k == 0 || heads[k - 1] != heads[h])
-            heads[k++] = heads[h];
-    running = k;
-    memset(active, 1, (size_t)k);
-    for (Py_ssize_t p = 0; p < held && running > 0; p++) {
-        for (Py_ssize_t h = 0; h < k; h++) {
-            chosen[h] = NULL;
-            best[h] = 255;
+    for (held = 0; held < limit && (flag[held] & 2); held++)
+        ;
+    if (held > 0) {
+        /* The heads: the live incarnations among page 0's known records, ascending, once each. */
+        for (Py_ssize_t i = 0; i < n0; i++)
+            if (find_inc(live, n_live, heads[i]) >= 0)
+                heads[k++] = heads[i];
+        qsort(heads, (size_t)k, sizeof(uint32_t), cmp_u32);
+        Py_ssize_t u = 0;
+        for (Py_ssize_t h = 0; h < k; h++)
+            if (u == 0 || heads[u - 1] != heads[h])
+                heads[u++] = heads[h];
+        k = u;
+    }
+    if (k > 0) {
+        /* The heads' records of the held pages, grouped by head (a counting sort, stable: reply
+         * order within a head). */
+        uint32_t last_inc = 0;
+        Py_ssize_t last_h = -1;
+        at = PyMem_Calloc((size_t)k + 1, sizeof(Py_ssize_t));
+        runs = PyMem_Calloc((size_t)k, sizeof(run_buf));
+        tbl = PyMem_Malloc((size_t)held * sizeof(*tbl));
+        own = PyMem_Calloc((size_t)held, sizeof(*own));
+        if (at == NULL || runs == NULL || tbl == NULL || own == NULL) {
+            failed = 1;
+            goto done;
         }
-        for (Py_ssize_t i = start[p]; i < start[p + 1]; i++) {
-            const unsigned char *r = recs[i];
-            Py_ssize_t h = find_inc(heads, k, rd_u32(r + 9));
-            if (h >= 0 && active[h] && r[13] < best[h]) {    /* strictly lower: the first one of a medium */
-                best[h] = r[13];
-                chosen[h] = r;
+        /* kinc[i] becomes record i's head index, or UINT32_MAX: k <= UINT32_MAX (the heads are distinct
+         * nonzero uint32s), so every index is below it. */
+        for (Py_ssize_t i = 0; i < total; i++) {
+            Py_ssize_t h = known[i].q < held ? head_of(heads, k, kinc[i], &last_inc, &last_h) : -1;
+            if (h >= 0) {
+                at[h + 1]++;
+                kinc[i] = (uint32_t)h;
+            } else {
+                kinc[i] = UINT32_MAX;
             }
         }
-        for (Py_ssize_t h = 0; h < k; h++) {
-            if (!active[h])
+        for (Py_ssize_t h = 1; h <= k; h++)
+            at[h] += at[h - 1];
+        mine = PyMem_Malloc(((size_t)at[k] + 1) * sizeof(seg_rec));
+        if (mine == NULL) {
+            failed = 1;
+            goto done;
+        }
+        /* One holder's records come together: its cursor stays in a register while they do. */
+        uint32_t cur = 0;
+        Py_ssize_t pos = at[0];
+        for (Py_ssize_t i = 0; i < total; i++) {
+            uint32_t h = kinc[i];
+            if (h == UINT32_MAX)
                 continue;
-            if (chosen[h] == NULL) {
-                active[h] = 0;
-                running--;
-                continue;
+            if (h != cur) {
+                at[cur] = pos;
+                cur = h;
+                pos = at[h];
             }
-            const unsigned char *r = chosen[h];
-            if (run_push(&runs[h], r[13], (int64_t)rd_u32(r + 14), rd_i64(r + 18)) < 0) {
+            mine[pos++] = known[i];
+        }
+        at[cur] = pos;
+        /* Now mine[at[h - 1] .. at[h]) are head h's (at[-1] being 0). Per head, tbl[q] takes its record
+         * of page q with the lowest medium code (strictly lower: the first one of a code), own[q] = h + 1
+         * saying tbl[q] is this head's (k <= UINT32_MAX: no overflow), and its run is the pages from 0
+         * that have one: at most its records, e - b <= most, so the sizes below do not overflow. */
+        for (Py_ssize_t h = 0; h < k; h++) {
+            Py_ssize_t b = h > 0 ? at[h - 1] : 0, e = at[h], len = 0;
+            uint32_t me = (uint32_t)h + 1;
+            for (Py_ssize_t i = b; i < e; i++) {
+                const unsigned char *r = mine[i].r;
+                Py_ssize_t q = mine[i].q;
+                if (own[q] != me || r[13] < tbl[q][13]) {
+                    own[q] = me;
+                    tbl[q] = r;
+                }
+            }
+            run_buf *run = &runs[h];
+            run->media = PyMem_Malloc((size_t)(e - b));
+            run->slots = PyMem_Malloc((size_t)(e - b) * 8);
+            run->gens = PyMem_Malloc((size_t)(e - b) * 8);
+            if (run->media == NULL || run->slots == NULL || run->gens == NULL) {
                 failed = 1;
                 goto done;
             }
+            for (; len < held && own[len] == me; len++) {
+                const unsigned char *r = tbl[len];
+                run->media[len] = r[13];
+                run->slots[len] = (int64_t)rd_u32(r + 14);
+                run->gens[len] = rd_i64(r + 18);
+            }
+            run->len = run->cap = len;
         }
     }
     /* No record is read past here: making objects may run a collection, and any finalizer the values. */
-    for (Py_ssize_t q = 0; q < n; q++)
-        n_marked += mark[q];
     out_marked = PyBytes_FromStringAndSize(NULL, n_marked * 8);
     out_heads = PyList_New(k);
     out_runs = PyList_New(k);
     if (out_marked == NULL || out_heads == NULL || out_runs == NULL)
         goto done;
-    for (Py_ssize_t q = 0, i = 0; q < n; q++) {
-        if (mark[q]) {
+    for (Py_ssize_t q = 0, i = 0; q < n && i < n_marked; q++) {
+        if (flag[q] & 1) {
             int64_t page = (int64_t)q;
             memcpy(PyBytes_AS_STRING(out_marked) + 8 * i++, &page, 8);
         }
@@ -460,12 +517,13 @@ done:
     }
     PyMem_Free(runs);
     PyMem_Free(heads);
-    PyMem_Free(chosen);
-    PyMem_Free(active);
-    PyMem_Free(best);
-    PyMem_Free(recs);
-    PyMem_Free(start);
-    PyMem_Free(mark);
+    PyMem_Free(at);
+    PyMem_Free(tbl);
+    PyMem_Free(own);
+    PyMem_Free(mine);
+    PyMem_Free(known);
+    PyMem_Free(kinc);
+    PyMem_Free(flag);
     return result;
 }
 
