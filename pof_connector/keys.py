@@ -199,16 +199,33 @@ def chain_keys(namespace: bytes, before: Sequence[PageKey], digests: Sequence[by
     """Keys, with their places, of the pages whose chain digests ``digests`` continue the chain of
     ``before`` (the keys of the pages before them, from page 0, with their places; empty: the
     chain starts here)."""
-    out: list[PageKey] = []
     start = len(before)
+    h = start - start % SEGMENT_PAGES
+    return _placed(namespace, start, before[h].digest if h < start else None, digests)
+
+
+def _placed(namespace: bytes, start: int, head: bytes | None, digests: Sequence[bytes]) -> list[PageKey]:
+    """Keys of ``digests`` placed from position ``start`` on; ``head``: the digest of the segment
+    head before ``start`` when ``start`` is inside a segment (else unused)."""
+    out: list[PageKey] = []
     for j, d in enumerate(digests):
         pos = start + j
-        h = pos - pos % SEGMENT_PAGES
-        head = d if h == pos else (before[h].digest if h < start else digests[h - start])
+        if pos % SEGMENT_PAGES == 0:
+            head = d
+        assert head is not None
         out.append(PageKey(namespace, d, ChainPlace(pos, head)))
     return out
 
 
-def keys_from_hex(namespace: bytes, hex_digests: Sequence[str]) -> list[PageKey]:
-    """Keys for digests an engine computed itself (SGLang passes hex strings)."""
-    return [PageKey(namespace, bytes.fromhex(h)) for h in hex_digests]
+def keys_from_hex(namespace: bytes, hex_digests: Sequence[str], prefix: Sequence[str] | None = None) -> list[PageKey]:
+    """Keys for digests an engine computed itself (SGLang passes hex strings).
+
+    ``prefix``: the hex digests of the chain's pages before these, from page 0 (SGLang's
+    ``HiCacheStorageExtraInfo.prefix_keys``; empty: the chain starts at the first digest): the
+    keys then know their places. ``None``: they do not (the index keeps them in per-page fields)."""
+    digests = [bytes.fromhex(h) for h in hex_digests]
+    if prefix is None:
+        return [PageKey(namespace, d) for d in digests]
+    start = len(prefix)
+    h = start - start % SEGMENT_PAGES
+    return _placed(namespace, start, bytes.fromhex(prefix[h]) if h < start else None, digests)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -339,6 +340,11 @@ def _resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+FLAG_MEMORY_S = 30.0
+"""How long a lookup keeps reading a namespace's per-page fields in its first round after it saw
+the namespace flagged (placeless pages, e.g. SGLang's without prefix keys): a mixed namespace then
+costs one round trip, not two (the first lookup that finds the flag gone stops it)."""
+
 LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
 _FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
 
@@ -397,6 +403,8 @@ class RedisIndex(LocalityIndex):
         self._last_inc: int | None = None     # the last one we had (a newer holder of our id displaced it)
         self._owner = uuid.uuid4().hex        # tells our registrations from another process's
         self._inc_names: dict[int, str] = {}
+        self._flag_seen: dict[bytes, float] = {}
+        """Namespace -> when a lookup last saw its placeless flag (monotonic seconds)."""
         self._lock = threading.Lock()
 
     def _connect(self, url: str, auth: IndexAuth | None, timeout_s: float) -> Any:
@@ -529,22 +537,35 @@ class RedisIndex(LocalityIndex):
         return SegmentQuery.of(keys) if self.SEGMENTS else None
 
     def _segment_lookup(self, ns: bytes, keys: Sequence[PageKey], query: SegmentQuery) -> dict[str, PrefixMatch]:
-        """Round 1 reads the segments (and the namespace's placeless flag); round 2, only when a
-        run may go on in per-page fields (a marked offset where a run stops, or placeless pages
-        in the namespace), reads those fields and decodes both together."""
+        """Round 1 reads the segments and the namespace's placeless flag, and, where this client saw
+        the flag within :data:`FLAG_MEMORY_S`, every page's per-page field too; round 2, only when
+        a run may go on in per-page fields round 1 did not read (a marked offset where a run
+        stops, or a flag not seen before), reads those fields; both are decoded together."""
+        seen = self._flag_seen.get(ns)
+        flagged = seen is not None and time.monotonic() - seen < FLAG_MEMORY_S
+        pages = np.frombuffer(b"".join(k.digest[:FIELD_BYTES] for k in keys),
+                              dtype=np.uint8).reshape(len(keys), FIELD_BYTES) if flagged else None
         packed = (LIVE_QUERY + _resp(b"GET", flat_key(loc_key(ns)).encode())
-                  + hmget_resp(segment_key(ns).encode(), query.fields))
-        now, live, flat, vals = self._call("lookup", self._send, packed, 4)
+                  + hmget_resp(segment_key(ns).encode(), query.fields)
+                  + (hmget_resp(loc_key(ns).encode(), pages) if pages is not None else b""))
+        now, live, flat, vals, *more = self._call("lookup", self._send, packed, 5 if flagged else 4)
+        if flat is not None:
+            self._flag_seen[ns] = time.monotonic()
+        else:
+            self._flag_seen.pop(ns, None)
         alive = self._alive(now, live)
         answer = query.decode(vals, alive, len(MEDIA))
         if flat is None and not answer.needs_pages():
             return self._matches(answer.runs)
-        wanted = np.arange(query.pages) if flat is not None else answer.marked
-        fields = np.frombuffer(b"".join(keys[int(i)].digest[:FIELD_BYTES] for i in wanted),
-                               dtype=np.uint8).reshape(len(wanted), FIELD_BYTES)
-        (more,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
+        if more:
+            wanted, got = np.arange(query.pages), more[0]
+        else:
+            wanted = np.arange(query.pages) if flat is not None else answer.marked
+            fields = np.frombuffer(b"".join(keys[int(i)].digest[:FIELD_BYTES] for i in wanted),
+                                   dtype=np.uint8).reshape(len(wanted), FIELD_BYTES)
+            (got,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
         merged = answer.page_values()
-        for i, v in zip(wanted.tolist(), more, strict=True):
+        for i, v in zip(wanted.tolist(), got, strict=True):
             if v is not None:
                 merged[i] = (merged[i] or b"") + v
         found = leading_runs(merged, alive, len(MEDIA))
@@ -672,7 +693,6 @@ class RedisIndex(LocalityIndex):
 
     def ping_ms(self) -> float:
         """One round trip, for benchmarks."""
-        import time
         t0 = time.perf_counter()
         self._call("ping", self._r.ping)
         return (time.perf_counter() - t0) * 1000

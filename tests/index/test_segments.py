@@ -17,7 +17,7 @@ from pof_connector.index.base import MEDIA, Location, NodeInfo, PrefixMatch
 from pof_connector.index.redis import RedisIndex, flat_key, loc_key, segment_key
 from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentQuery
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, page_keys
+from pof_connector.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, keys_from_hex, page_keys
 
 
 def _flat(keys: list[PageKey], namespace: bytes) -> list[PageKey]:
@@ -47,6 +47,12 @@ def test_places_follow_the_chain(namespace: bytes) -> None:
     for cut in (3, 17, 32, 40):
         grown += chain_keys(namespace, grown, digests[len(grown):cut])
     assert [(k, k.place) for k in grown] == [(k, k.place) for k in keys]
+    # From an engine's hex digests with those before them (SGLang's prefix_keys), from page 0 or not.
+    hexes = [k.digest.hex() for k in keys]
+    for cut in (0, 7, 16, 21):
+        placed = keys_from_hex(namespace, hexes[cut:], hexes[:cut])
+        assert [(k, k.place) for k in placed] == [(k, k.place) for k in keys[cut:]]
+    assert all(k.place is None for k in keys_from_hex(namespace, hexes))
 
 
 def test_a_place_is_not_part_of_the_identity_and_travels(namespace: bytes) -> None:
@@ -130,7 +136,8 @@ def test_lookups_match_the_per_page_schema(redis_server: RedisServer) -> None:
             n.close()
 
 
-def test_a_placeless_publisher_in_a_placed_namespace_is_seen(redis_server: RedisServer, namespace: bytes) -> None:
+def test_a_placeless_publisher_in_a_placed_namespace_is_seen(redis_server: RedisServer, namespace: bytes,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = RedisIndex(redis_server.url, "a"), RedisIndex(redis_server.url, "b")
     reader = RedisIndex(redis_server.url, None)
     raw = redis.Redis(unix_socket_path=str(redis_server.socket))
@@ -142,12 +149,21 @@ def test_a_placeless_publisher_in_a_placed_namespace_is_seen(redis_server: Redis
         flat = [(k, Location("b", "cxl", i, 2)) for i, k in enumerate(_flat(keys[:30], namespace))]
         b.publish(flat)
         assert raw.exists(flat_key(loc_key(namespace))) == 1
-        got = reader.longest_prefix(keys)
-        assert {n: m.pages for n, m in got.items()} == {"a": 10, "b": 30}
-        assert got["b"].slots.tolist() == list(range(30))
+        trips: list[int] = []
+        send = reader._send
+        monkeypatch.setattr(reader, "_send", lambda packed, n: trips.append(n) or send(packed, n))
+        for _ in range(2):
+            got = reader.longest_prefix(keys)
+            assert {n: m.pages for n, m in got.items()} == {"a": 10, "b": 30}
+            assert got["b"].slots.tolist() == list(range(30))
+        # The flag is learnt by the first lookup (a second round for the per-page fields); the next
+        # reads them in its only round.
+        assert trips == [4, 1, 5]
         b.withdraw(flat)
         assert raw.exists(flat_key(loc_key(namespace))) == 0            # no placeless page left
-        assert {n: m.pages for n, m in reader.longest_prefix(keys).items()} == {"a": 10}
+        for _ in range(2):
+            assert {n: m.pages for n, m in reader.longest_prefix(keys).items()} == {"a": 10}
+        assert trips[3:] == [5, 4]                                      # the flag's absence is learnt too
     finally:
         for c in (a, b, reader):
             c.close()
