@@ -48,7 +48,8 @@ from pof_connector.staging import StagingPool
 
 log = logging.getLogger("pof_connector.sglang")
 
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "hicache_storage_pass_prefix_keys",
+               "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
 """Keys of the extra config that belong to SGLang's loader, not to pof."""
 STORE_TIMEOUT_S = 30.0
 """How long ``batch_set`` waits for the pool's store thread before answering ``False``."""
@@ -78,6 +79,7 @@ class PoFHiCacheStorage(HiCacheStorage):
         self.staging = StagingPool(keep_bytes=256 << 20)
         self._overdue = 0               # stores that timed out and are still queued in the pool
         self._overdue_lock = threading.Lock()
+        self._told_prefix = False
 
     # ---- set-up (errors here fail SGLang's start-up, with the key named) --------------------------
 
@@ -109,8 +111,23 @@ class PoFHiCacheStorage(HiCacheStorage):
         log.info("pof: SGLang host pool %s, %d layers, pages of %d tokens = %d KiB, model %s", pages.layout,
                  pages.num_layers, pages.page_size, spec.page_bytes >> 10, model)
 
-    def _keys(self, keys: list[str]) -> list[PageKey]:
-        return keys_from_hex(self.namespace, keys)
+    def _keys(self, keys: list[str], extra_info: Any, *, reading: bool) -> list[PageKey]:
+        """pof keys for SGLang's, placed in their chain where SGLang says what comes before them
+        (``extra_info.prefix_keys``, passed with ``hicache_storage_pass_prefix_keys``): the index
+        keeps placed pages in segments (how vLLM publishes), placeless ones in per-page fields.
+        Without it, a read takes the keys as the chain's first pages, the one place SGLang asks
+        from when its host memory holds none of the prefix: a wrong guess is a miss (the index
+        checks each page's digest, the load its header), never a wrong page. A store is never
+        guessed: a page published in the wrong segment is lost to the engines that place it."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        if prefix is None and not self._told_prefix:
+            self._told_prefix = True
+            log.info("pof: SGLang does not pass prefix keys: pages vLLM (or SGLang with them) published "
+                     "are found only from a prompt's start; set \"hicache_storage_pass_prefix_keys\": true "
+                     "in --hicache-storage-backend-extra-config to find them anywhere")
+        if prefix is None and reading:
+            prefix = []
+        return keys_from_hex(self.namespace, keys, None if prefix is None else list(prefix))
 
     def _failed(self, hook: str, err: Exception) -> None:
         if self.pool is not None:
@@ -124,7 +141,7 @@ class PoFHiCacheStorage(HiCacheStorage):
         """How many leading pages the pool can load (this node's tiers and what it can read)."""
         try:
             assert self.pool is not None
-            return int(self.pool.lookup(self._keys(list(keys))).pages)
+            return int(self.pool.lookup(self._keys(list(keys), extra_info, reading=True)).pages)
         except Exception as e:
             self._failed("batch_exists", e)
             return 0
@@ -132,7 +149,7 @@ class PoFHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         try:
             ps = self._pages().page_size
-            return self._store([(k, int(host_indices[i * ps])) for i, k in enumerate(keys)], flat=None)
+            return self._store([(k, int(host_indices[i * ps])) for i, k in enumerate(keys)], None, extra_info)
         except Exception as e:
             self._failed("batch_set_v1", e)
             return [False] * len(keys)
@@ -142,7 +159,7 @@ class PoFHiCacheStorage(HiCacheStorage):
             pages = self._pages()
             ps = pages.page_size
             starts = [int(host_indices[i * ps]) for i in range(len(keys))]
-            return self._load(list(keys), lambda i, layer: pages.layer(starts[i], layer))
+            return self._load(list(keys), lambda i, layer: pages.layer(starts[i], layer), extra_info)
         except Exception as e:
             self._failed("batch_get_v1", e)
             return [False] * len(keys)
@@ -158,7 +175,7 @@ class PoFHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         try:
-            return all(self._store([(k, 0) for k in keys], flat=list(values or [])))
+            return all(self._store([(k, 0) for k in keys], list(values or []), None))
         except Exception as e:
             self._failed("batch_set", e)
             return False
@@ -171,7 +188,7 @@ class PoFHiCacheStorage(HiCacheStorage):
             pages = self._pages()
             targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page()
                        for t in (target_locations or [None] * len(keys))]
-            ok = self._load(list(keys), lambda i, layer: pages.flat_layer(targets[i], layer))
+            ok = self._load(list(keys), lambda i, layer: pages.flat_layer(targets[i], layer), None)
             return [t if good else None for t, good in zip(targets, ok, strict=True)]
         except Exception as e:
             self._failed("batch_get", e)
@@ -196,14 +213,14 @@ class PoFHiCacheStorage(HiCacheStorage):
             raise RuntimeError("register_mem_pool_host was not called")
         return self.pages
 
-    def _store(self, pages_at: list[tuple[str, int]], flat: list[Any] | None) -> list[bool]:
+    def _store(self, pages_at: list[tuple[str, int]], flat: list[Any] | None, extra_info: Any) -> list[bool]:
         """Copy pages (host pool page starts, or legacy flat pages) into canonical staging, then
         into the pool; a page this node already stores counts as stored. ``False`` for a page not
         stored within ``STORE_TIMEOUT_S`` (it may still be written later) and, while such a store
         is queued, for every new one: nothing piles up behind a stalled store thread."""
         pages, pool = self._pages(), self.pool
         assert pool is not None
-        keys = self._keys([k for k, _ in pages_at])
+        keys = self._keys([k for k, _ in pages_at], extra_info, reading=False)
         todo = [i for i, k in enumerate(keys) if not pool.contains(k)]
         if not todo:
             return [True] * len(keys)
@@ -246,12 +263,12 @@ class PoFHiCacheStorage(HiCacheStorage):
         log.warning("pof: a store took over %g s; SGLang is told it failed, later stores are refused until "
                     "it is written", STORE_TIMEOUT_S)
 
-    def _load(self, hex_keys: list[str], dest: Any) -> list[bool]:
+    def _load(self, hex_keys: list[str], dest: Any, extra_info: Any) -> list[bool]:
         """Copy the leading pages the pool has, layer by layer, straight from tier memory into
         ``dest(page, layer)`` (a canonical view into SGLang's memory), checking each copy."""
         pages, pool = self._pages(), self.pool
         assert pool is not None
-        keys = self._keys(hex_keys)
+        keys = self._keys(hex_keys, extra_info, reading=True)
         found = pool.lookup(keys)
         ok = [False] * len(keys)
         reader = pool.open_read(keys[:found.pages], found.sources)

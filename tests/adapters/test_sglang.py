@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo as Info
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -29,6 +31,7 @@ from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from pof_connector.adapters import sglang as sglang_adapter
 from pof_connector.adapters.sglang import PoFHiCacheStorage
+from pof_connector.index.redis import flat_key, loc_key, segment_key
 from pof_connector.index.server import RedisServer
 
 pytestmark = pytest.mark.sglang
@@ -227,6 +230,65 @@ def test_pp_stages_keep_distinct_keys_and_node_ids(extra: dict[str, Any], shm_pa
         b.close()
 
 
+def test_prefix_keys_place_pages_in_segments_as_vllm_does(extra: dict[str, Any], shm_path: str,
+                                                          redis_server: RedisServer) -> None:
+    """With ``hicache_storage_pass_prefix_keys`` SGLang tells each call the chain's pages before its
+    keys: pof places the keys, so the index keeps SGLang's pages in segments where vLLM's lookups
+    (placed) find them, and SGLang finds vLLM's (or its own) anywhere in a chain, not only from its
+    start. Two nodes share a CXL region: the reader finds the writer's pages through the index."""
+    keys = page_keys(list(range(10, 10 + 40 * PS)))
+    cxl = {**extra, "tiers": {"cxl": {"path": shm_path, "size": "16MiB", "partitions": 2}}}
+    pools = [host_pool("mha", "page_first_direct", tokens=256) for _ in range(2)]
+    writer, reader = (backend(p, {**cxl, "node_id": f"h{r}"}) for r, p in enumerate(pools))
+    raw = redis.Redis(unix_socket_path=str(redis_server.socket))
+    try:
+        fill(pools[0], list(range(1, 41)), seed=12)
+        assert writer.batch_set_v1(keys[:20], indices(list(range(1, 21))), Info(prefix_keys=[])) == [True] * 20
+        assert writer.batch_set_v1(keys[20:], indices(list(range(21, 41))), Info(prefix_keys=keys[:20])) == [True] * 20
+        deadline = time.monotonic() + 10
+        while reader.batch_exists(keys, Info(prefix_keys=[])) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ns = writer.namespace
+        assert raw.hlen(segment_key(ns)) == 3 and raw.hlen(loc_key(ns)) == 0      # segments 0, 16, 32
+        assert not raw.exists(flat_key(loc_key(ns)))
+        assert reader.batch_exists(keys[20:], Info(prefix_keys=keys[:20])) == 20
+        assert reader.batch_get_v1(keys[20:], indices(list(range(50, 70))), Info(prefix_keys=keys[:20])) == [True] * 20
+        assert all(torch.equal(pools[0].get_data_page(a * PS, flat=True), pools[1].get_data_page(b * PS, flat=True))
+                   for a, b in zip(range(21, 41), range(50, 70), strict=True))
+        # Without prefix keys a read takes its keys as the chain's start: here a wrong guess, a miss.
+        assert reader.batch_exists(keys[20:]) == 0
+        assert reader.batch_exists(keys) == 40
+        # A store without them is never guessed: its pages go to per-page fields, flagged.
+        other = page_keys(list(range(3000, 3000 + 2 * PS)))
+        assert writer.batch_set_v1(other, indices([1, 2])) == [True, True]
+        deadline = time.monotonic() + 10
+        while reader.batch_exists(other) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw.hlen(loc_key(ns)) == 2 and raw.exists(flat_key(loc_key(ns)))
+        assert reader.batch_exists(other) == 2
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_the_example_config_goes_through_sglangs_parser(runtime_dir: str, shm_path: str,
+                                                         redis_server: RedisServer) -> None:
+    """examples/sglang/pof-hicache.json as SGLang reads it (``--hicache-storage-backend-extra-config
+    @FILE``): SGLang takes its own keys (prefix keys on) and the rest starts pof."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    example = Path(__file__).resolve().parents[2] / "examples/sglang/pof-hicache.json"
+    cfg, threshold, _, _, pass_prefix_keys = HybridCacheController.parse_storage_backend_extra_config(f"@{example}")
+    assert pass_prefix_keys is True and threshold == 64
+    cfg = {**cfg, "index_url": redis_server.url, "runtime_dir": runtime_dir,
+           "tiers": {"cxl": {**cfg["tiers"]["cxl"], "path": shm_path, "size": "16MiB"}, "cpu_dram": {"size": "16MiB"}}}
+    b = backend(host_pool("mha", "page_first_direct"), cfg)     # SGLang's loader keys too, as it passes them
+    try:
+        assert b.pool is not None and b.pool.node_id == "sglang-a"
+    finally:
+        b.close()
+
+
 def test_a_timed_out_store_keeps_its_staging_buffer(extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 20, item 3: a store that timed out gave its staging buffer back while the write was
     still queued; the next store filled the buffer with its page, and the late write stored and
@@ -294,7 +356,7 @@ def test_failures_are_misses_never_exceptions(runtime_dir: str, shm_path: str) -
             time.sleep(0.05)
         assert b.pool.stats.get("index_errors") >= 1
         tier = b.pool.tiers[0]                                              # corrupt page 2 in the region
-        ref = tier.find(b._keys(keys)[1])
+        ref = tier.find(b._keys(keys, None, reading=False)[1])
         assert ref is not None
         tier.region[tier.slot_offset(ref.slot) + b.pool.spec.segment_offset(1) + 5] ^= 0xFF
         assert b.batch_get_v1(keys, indices([5, 6])) == [True, False]
