@@ -92,6 +92,28 @@ typedef struct {
     Py_ssize_t len, cap;
 } run_buf;
 
+/* Fills the new lists out_heads and out_runs (k items each) with the heads' incarnations and their
+ * runs as (media, slots, generations) bytearrays; -1 with an exception set when an object could
+ * not be made (the lists then hold NULLs, which their deallocation skips). */
+static int fill_runs(const run_buf *runs, const uint32_t *heads, Py_ssize_t k, PyObject *out_heads, PyObject *out_runs)
+{
+    for (Py_ssize_t h = 0; h < k; h++) {
+        const run_buf *r = &runs[h];
+        PyObject *inc = PyLong_FromUnsignedLong(heads[h]);
+        PyObject *triple = Py_BuildValue("(NNN)", PyByteArray_FromStringAndSize((const char *)r->media, r->len),
+                                         PyByteArray_FromStringAndSize((const char *)r->slots, r->len * 8),
+                                         PyByteArray_FromStringAndSize((const char *)r->gens, r->len * 8));
+        if (inc == NULL || triple == NULL) {
+            Py_XDECREF(inc);
+            Py_XDECREF(triple);
+            return -1;
+        }
+        PyList_SET_ITEM(out_heads, h, inc);
+        PyList_SET_ITEM(out_runs, h, triple);
+    }
+    return 0;
+}
+
 static int run_push(run_buf *r, unsigned char medium, int64_t slot, int64_t gen)
 {
     if (r->len == r->cap) {
@@ -213,20 +235,8 @@ static PyObject *py_leading_runs(PyObject *self, PyObject *args)
     out_runs = PyList_New(k);
     if (out_heads == NULL || out_runs == NULL)
         goto done;
-    for (Py_ssize_t h = 0; h < k; h++) {
-        run_buf *r = &runs[h];
-        PyObject *inc = PyLong_FromUnsignedLong(heads[h]);
-        PyObject *triple = Py_BuildValue("(NNN)", PyByteArray_FromStringAndSize((const char *)r->media, r->len),
-                                         PyByteArray_FromStringAndSize((const char *)r->slots, r->len * 8),
-                                         PyByteArray_FromStringAndSize((const char *)r->gens, r->len * 8));
-        if (inc == NULL || triple == NULL) {
-            Py_XDECREF(inc);
-            Py_XDECREF(triple);
-            goto done;
-        }
-        PyList_SET_ITEM(out_heads, h, inc);
-        PyList_SET_ITEM(out_runs, h, triple);
-    }
+    if (fill_runs(runs, heads, k, out_heads, out_runs) < 0)
+        goto done;
     result = Py_BuildValue("(nnnOO)", held, (Py_ssize_t)malformed, unknown, out_heads, out_runs);
 done:
     Py_XDECREF(out_heads);
@@ -486,20 +496,8 @@ static PyObject *py_segment_runs(PyObject *self, PyObject *args)
             memcpy(PyBytes_AS_STRING(out_marked) + 8 * i++, &page, 8);
         }
     }
-    for (Py_ssize_t h = 0; h < k; h++) {
-        run_buf *r = &runs[h];
-        PyObject *inc = PyLong_FromUnsignedLong(heads[h]);
-        PyObject *triple = Py_BuildValue("(NNN)", PyByteArray_FromStringAndSize((const char *)r->media, r->len),
-                                         PyByteArray_FromStringAndSize((const char *)r->slots, r->len * 8),
-                                         PyByteArray_FromStringAndSize((const char *)r->gens, r->len * 8));
-        if (inc == NULL || triple == NULL) {
-            Py_XDECREF(inc);
-            Py_XDECREF(triple);
-            goto done;
-        }
-        PyList_SET_ITEM(out_heads, h, inc);
-        PyList_SET_ITEM(out_runs, h, triple);
-    }
+    if (fill_runs(runs, heads, k, out_heads, out_runs) < 0)
+        goto done;
     result = Py_BuildValue("(nnnOOO)", held, (Py_ssize_t)malformed, unknown, out_heads, out_runs, out_marked);
 done:
     if (failed)
