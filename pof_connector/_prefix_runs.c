@@ -92,6 +92,17 @@ typedef struct {
     Py_ssize_t len, cap;
 } run_buf;
 
+/* Frees the k runs (NULL: none) and their array. */
+static void free_runs(run_buf *runs, Py_ssize_t k)
+{
+    for (Py_ssize_t h = 0; runs != NULL && h < k; h++) {
+        PyMem_Free(runs[h].media);
+        PyMem_Free(runs[h].slots);
+        PyMem_Free(runs[h].gens);
+    }
+    PyMem_Free(runs);
+}
+
 /* Fills the new lists out_heads and out_runs (k items each) with the heads' incarnations and their
  * runs as (media, slots, generations) bytearrays; -1 with an exception set when an object could
  * not be made (the lists then hold NULLs, which their deallocation skips). */
@@ -241,12 +252,7 @@ static PyObject *py_leading_runs(PyObject *self, PyObject *args)
 done:
     Py_XDECREF(out_heads);
     Py_XDECREF(out_runs);
-    for (Py_ssize_t h = 0; runs != NULL && h < k; h++) {
-        PyMem_Free(runs[h].media);
-        PyMem_Free(runs[h].slots);
-        PyMem_Free(runs[h].gens);
-    }
-    PyMem_Free(runs);
+    free_runs(runs, k);
     PyMem_Free(heads);
     PyMem_Free(chosen);
     PyMem_Free(active);
@@ -508,12 +514,7 @@ done:
     Py_XDECREF(out_heads);
     Py_XDECREF(out_runs);
     Py_XDECREF(out_marked);
-    for (Py_ssize_t h = 0; runs != NULL && h < k; h++) {
-        PyMem_Free(runs[h].media);
-        PyMem_Free(runs[h].slots);
-        PyMem_Free(runs[h].gens);
-    }
-    PyMem_Free(runs);
+    free_runs(runs, k);
     PyMem_Free(heads);
     PyMem_Free(at);
     PyMem_Free(tbl);
