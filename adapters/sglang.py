@@ -127,7 +127,7 @@ class PoFHiCacheStorage(HiCacheStorage):
                      "in --hicache-storage-backend-extra-config to find them anywhere")
         if prefix is None and reading:
             prefix = []
-        return keys_from_hex(self.namespace, keys, None if prefix is None else list(prefix))
+        return keys_from_hex(self.namespace, keys, prefix)
 
     def _failed(self, hook: str, err: Exception) -> None:
         if self.pool is not None:

@@ -82,7 +82,7 @@ from pof_connector.index.base import (
 from pof_connector.index.client import redis_client
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
 from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentQuery, segment_items
-from pof_connector.keys import PageKey
+from pof_connector.keys import DIGEST_BYTES, PageKey
 
 PREFIX = "pof:{pof}:"
 K_NODE_INC = PREFIX + "node-inc"
@@ -368,6 +368,11 @@ def hmget_head(key: bytes, count: int) -> bytes:
     return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (count + 2, len(key), key)
 
 
+def _page_fields(keys: Sequence[PageKey]) -> np.ndarray:
+    """The keys' per-page fields (their digests' first 16 bytes), ``[len(keys), 16]`` uint8."""
+    return np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(-1, DIGEST_BYTES)[:, :FIELD_BYTES]
+
+
 def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
     """``HMGET key f1 f2 …`` in RESP: every field is 16 bytes."""
     return hmget_head(key, len(fields)) + fields_resp(fields)
@@ -527,8 +532,7 @@ class RedisIndex(LocalityIndex):
         query = self._segment_query(keys)
         if query is not None:
             return self._segment_lookup(ns, keys, query)
-        digests = np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(len(keys), -1)
-        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), digests[:, :FIELD_BYTES])
+        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), _page_fields(keys))
         now, live, vals = self._call("lookup", self._send, packed, 3)
         return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
 
@@ -543,11 +547,9 @@ class RedisIndex(LocalityIndex):
         stops, or a flag not seen before), reads those fields; both are decoded together."""
         seen = self._flag_seen.get(ns)
         flagged = seen is not None and time.monotonic() - seen < FLAG_MEMORY_S
-        pages = np.frombuffer(b"".join(k.digest[:FIELD_BYTES] for k in keys),
-                              dtype=np.uint8).reshape(len(keys), FIELD_BYTES) if flagged else None
         packed = (LIVE_QUERY + _resp(b"GET", flat_key(loc_key(ns)).encode())
                   + hmget_resp(segment_key(ns).encode(), query.fields)
-                  + (hmget_resp(loc_key(ns).encode(), pages) if pages is not None else b""))
+                  + (hmget_resp(loc_key(ns).encode(), _page_fields(keys)) if flagged else b""))
         now, live, flat, vals, *more = self._call("lookup", self._send, packed, 5 if flagged else 4)
         if flat is not None:
             self._flag_seen[ns] = time.monotonic()
@@ -561,8 +563,7 @@ class RedisIndex(LocalityIndex):
             wanted, got = np.arange(query.pages), more[0]
         else:
             wanted = np.arange(query.pages) if flat is not None else answer.marked
-            fields = np.frombuffer(b"".join(keys[int(i)].digest[:FIELD_BYTES] for i in wanted),
-                                   dtype=np.uint8).reshape(len(wanted), FIELD_BYTES)
+            fields = _page_fields([keys[int(i)] for i in wanted])
             (got,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
         merged = answer.page_values()
         for i, v in zip(wanted.tolist(), got, strict=True):
