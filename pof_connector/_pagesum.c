@@ -27,9 +27,10 @@ typedef struct {
 
 /* Sum `nblocks` whole blocks at `p` into the lane sums; with `dst`, also copy them there (one
  * pass: each byte is loaded once, stored once and summed while in a register). `stream`: the
- * copy may bypass the caches (non-temporal stores, for a tier slot that nobody reads soon);
- * only honoured with a 32-byte aligned `dst`, and fenced before returning, so stores issued
- * after the call (the page header, its generation word last) become visible after these. */
+ * copy may bypass the caches (non-temporal stores: no read for ownership of the lines written);
+ * only honoured with a 32-byte aligned `dst`. 1: fenced before returning, so stores issued after
+ * the call (a tier slot's page header, its generation word last) become visible after these;
+ * 2: not fenced, the caller fences once after many calls. */
 typedef void (*sum_blocks_fn)(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s, int stream);
 
 static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s,
@@ -60,6 +61,7 @@ static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_
 __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char *p, unsigned char *dst,
                                                             size_t nblocks, sum_state *s, int stream)
 {
+    int fence = stream == 1;
     stream = stream && dst != NULL && ((uintptr_t)dst & 31) == 0;
     __m256i a0 = _mm256_loadu_si256((const __m256i *)(s->a + 0)), a1 = _mm256_loadu_si256((const __m256i *)(s->a + 4));
     __m256i a2 = _mm256_loadu_si256((const __m256i *)(s->a + 8)), a3 = _mm256_loadu_si256((const __m256i *)(s->a + 12));
@@ -94,7 +96,7 @@ __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char 
     _mm256_storeu_si256((__m256i *)(s->b + 4), b1);
     _mm256_storeu_si256((__m256i *)(s->b + 8), b2);
     _mm256_storeu_si256((__m256i *)(s->b + 12), b3);
-    if (stream)
+    if (stream && fence)
         _mm_sfence();
 }
 #endif
@@ -580,9 +582,8 @@ done:
 
 #ifdef HAVE_AVX2_PATH
 /* An 8x8 tile of 32-bit words transposed in registers: row i of src (at src + i * src_stride) becomes
- * column i of dst (row j at dst + j * dst_stride), eight 32-byte loads and eight 32-byte stores. */
-__attribute__((target("avx2"))) static inline void tile8x8_avx2(const float *src, size_t src_stride, float *dst,
-                                                                size_t dst_stride)
+ * column i of the tile in out (out[j] is row j), eight 32-byte loads. */
+__attribute__((target("avx2"))) static inline void tile8x8_avx2_rows(const float *src, size_t src_stride, __m256 out[8])
 {
     __m256 r[8], t[8];
     for (int i = 0; i < 8; i++)
@@ -604,20 +605,51 @@ __attribute__((target("avx2"))) static inline void tile8x8_avx2(const float *src
     r[6] = _mm256_shuffle_ps(t[5], t[7], 0x44);
     r[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
     for (int j = 0; j < 4; j++) {
-        _mm256_storeu_ps(dst + j * dst_stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-        _mm256_storeu_ps(dst + (j + 4) * dst_stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+        out[j] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
+        out[j + 4] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
     }
 }
 
+/* The same tile stored: row j at dst + j * dst_stride, eight 32-byte stores. */
+__attribute__((target("avx2"))) static inline void tile8x8_avx2(const float *src, size_t src_stride, float *dst,
+                                                                size_t dst_stride)
+{
+    __m256 out[8];
+    tile8x8_avx2_rows(src, src_stride, out);
+    for (int j = 0; j < 8; j++)
+        _mm256_storeu_ps(dst + j * dst_stride, out[j]);
+}
+
 /* 32-bit elements, N and D multiples of 8: 8x8 tiles transposed in registers, so every store is
- * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. (Non-temporal stores, tiles
- * along n so that each K^T row fills whole lines, were erratic on the 2-core VM: 1.2-1.8x a memcpy
- * against 1.4-1.6x with these plain stores, and twice as slow while other work ran. Tried again on
- * an AMD EPYC with AVX2 only, 46 pages of `bench.vllm_load`: 16-token tiles and V rows streamed gave
- * a best of 23 ms but medians of 40-46 ms, against 29-32 ms and 32-37 ms with plain stores.) */
+ * a whole 32-byte row of K^T instead of eight scattered 4-byte ones. Into a 64-byte aligned block
+ * with N a multiple of 16 (vLLM's blocks), two tiles side by side give each row of K^T a whole
+ * cache line, written by two back-to-back streaming stores: the line is never read for ownership
+ * first, so the copy moves two bytes over the memory bus per byte instead of three (the V rows
+ * stream too, see v_block_sum). Measured on the 2-vCPU CI host (AMD EPYC, AVX2), 46 pages of 8 fp32
+ * layers (96.5 MB) copied and summed: 7.9-8.3 ms against 15-16.5 ms with plain stores, a memcpy of
+ * the same bytes 7.9-8.3 ms, with the other vCPU idle or busy. (An earlier try that streamed 32-byte
+ * halves of lines, completed by the next tile, was erratic: 8 ms idle, 20 ms while the other vCPU
+ * ran.) */
 __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, const unsigned char *k, size_t N,
                                                             size_t H, size_t D)
 {
+    if (((uintptr_t)dst & 63) == 0 && N % 16 == 0) {
+        for (size_t h = 0; h < H; h++) {
+            float *kt = (float *)(dst + h * 2 * N * D * 4);
+            for (size_t d = 0; d < D; d += 8)
+                for (size_t n = 0; n < N; n += 16) {
+                    __m256 lo[8], hi[8];
+                    const float *at = (const float *)k + (n * H + h) * D + d;
+                    tile8x8_avx2_rows(at, H * D, lo);
+                    tile8x8_avx2_rows(at + 8 * H * D, H * D, hi);
+                    for (int j = 0; j < 8; j++) {
+                        _mm256_stream_ps(kt + (d + j) * N + n, lo[j]);
+                        _mm256_stream_ps(kt + (d + j) * N + n + 8, hi[j]);
+                    }
+                }
+        }
+        return;
+    }
     for (size_t h = 0; h < H; h++) {
         float *kt = (float *)(dst + h * 2 * N * D * 4);
         for (size_t n = 0; n < N; n += 8)
@@ -626,33 +658,58 @@ __attribute__((target("avx2"))) static void k_block_avx2_32(unsigned char *dst, 
     }
 }
 
-/* 16-bit elements (bf16, fp16), N and D multiples of 8: the same with 8x8 tiles of 16-bit words in
- * SSE2 registers (x86-64's baseline), each store a 16-byte row of K^T. */
+/* 16-bit elements (bf16, fp16): an 8x8 tile of 16-bit words transposed in SSE2 registers (x86-64's
+ * baseline): row i of src (at src + i * src_stride) becomes column i of the tile, out[j] its row j. */
+static inline void tile8x8_sse2_16_rows(const uint16_t *src, size_t src_stride, __m128i out[8])
+{
+    __m128i r[8], t[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm_loadu_si128((const __m128i *)(src + i * src_stride));
+    for (int i = 0; i < 4; i++) {            /* pairs of rows, interleaved by word */
+        t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    r[0] = _mm_unpacklo_epi32(t[0], t[2]);   /* columns 0, 1 of rows 0-3 */
+    r[1] = _mm_unpackhi_epi32(t[0], t[2]);   /* 2, 3 */
+    r[2] = _mm_unpacklo_epi32(t[1], t[3]);   /* 4, 5 */
+    r[3] = _mm_unpackhi_epi32(t[1], t[3]);   /* 6, 7 */
+    r[4] = _mm_unpacklo_epi32(t[4], t[6]);   /* the same of rows 4-7 */
+    r[5] = _mm_unpackhi_epi32(t[4], t[6]);
+    r[6] = _mm_unpacklo_epi32(t[5], t[7]);
+    r[7] = _mm_unpackhi_epi32(t[5], t[7]);
+    for (int j = 0; j < 4; j++) {
+        out[2 * j] = _mm_unpacklo_epi64(r[j], r[j + 4]);
+        out[2 * j + 1] = _mm_unpackhi_epi64(r[j], r[j + 4]);
+    }
+}
+
+/* 16-bit elements, N and D multiples of 8: those tiles, each store a 16-byte row of K^T. Into a
+ * 64-byte aligned block with N a multiple of 32, four tiles side by side give each row of K^T a
+ * whole cache line, streamed (as the 32-bit K^T above). */
 static void k_block_sse2_16(unsigned char *dst, const unsigned char *k, size_t N, size_t H, size_t D)
 {
+    int stream = ((uintptr_t)dst & 63) == 0 && N % 32 == 0;
     for (size_t h = 0; h < H; h++) {
         uint16_t *kt = (uint16_t *)(dst + h * 2 * N * D * 2);
+        const uint16_t *kh = (const uint16_t *)k + h * D;
+        if (stream) {
+            for (size_t d = 0; d < D; d += 8)
+                for (size_t n = 0; n < N; n += 32) {
+                    __m128i rows[4][8];
+                    for (int q = 0; q < 4; q++)
+                        tile8x8_sse2_16_rows(kh + (n + 8 * q) * H * D + d, H * D, rows[q]);
+                    for (int j = 0; j < 8; j++)
+                        for (int q = 0; q < 4; q++)
+                            _mm_stream_si128((__m128i *)(kt + (d + j) * N + n + 8 * q), rows[q][j]);
+                }
+            continue;
+        }
         for (size_t n = 0; n < N; n += 8)
             for (size_t d = 0; d < D; d += 8) {
-                __m128i r[8], t[8];
-                for (int i = 0; i < 8; i++)
-                    r[i] = _mm_loadu_si128((const __m128i *)((const uint16_t *)k + ((n + i) * H + h) * D + d));
-                for (int i = 0; i < 4; i++) {            /* pairs of rows, interleaved by word */
-                    t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
-                    t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
-                }
-                r[0] = _mm_unpacklo_epi32(t[0], t[2]);   /* columns 0, 1 of rows 0-3 */
-                r[1] = _mm_unpackhi_epi32(t[0], t[2]);   /* 2, 3 */
-                r[2] = _mm_unpacklo_epi32(t[1], t[3]);   /* 4, 5 */
-                r[3] = _mm_unpackhi_epi32(t[1], t[3]);   /* 6, 7 */
-                r[4] = _mm_unpacklo_epi32(t[4], t[6]);   /* the same of rows 4-7 */
-                r[5] = _mm_unpackhi_epi32(t[4], t[6]);
-                r[6] = _mm_unpacklo_epi32(t[5], t[7]);
-                r[7] = _mm_unpackhi_epi32(t[5], t[7]);
-                for (int j = 0; j < 4; j++) {
-                    _mm_storeu_si128((__m128i *)(kt + (d + 2 * j) * N + n), _mm_unpacklo_epi64(r[j], r[j + 4]));
-                    _mm_storeu_si128((__m128i *)(kt + (d + 2 * j + 1) * N + n), _mm_unpackhi_epi64(r[j], r[j + 4]));
-                }
+                __m128i rows[8];
+                tile8x8_sse2_16_rows(kh + n * H * D + d, H * D, rows);
+                for (int j = 0; j < 8; j++)
+                    _mm_storeu_si128((__m128i *)(kt + (d + j) * N + n), rows[j]);
             }
     }
 }
@@ -681,14 +738,15 @@ static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t
 
 /* V rows in the canonical order (token, then head), so the sums run over the source in order while
  * each row is copied into its head's V: one pass over V's bytes, where K needs two (its sum
- * streams it into cache, the transpose then gathers from there). Rows of whole 64-byte blocks. */
+ * streams it into cache, the transpose then gathers from there). Rows of whole 64-byte blocks,
+ * streamed into a 32-byte aligned block (the caller fences once, after the last row). */
 static void v_block_sum(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz,
                         sum_state *st)
 {
     size_t row = D * isz;
     for (size_t n = 0; n < N; n++)
         for (size_t h = 0; h < H; h++)
-            sum_blocks(v + (n * H + h) * row, dst + (2 * h + 1) * N * row + n * row, row / BLOCK, st, 0);
+            sum_blocks(v + (n * H + h) * row, dst + (2 * h + 1) * N * row + n * row, row / BLOCK, st, 2);
 }
 
 static void v_block(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz)
@@ -862,6 +920,9 @@ static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
         else
             v_block(views[b - skip].buf, v + b * half, N, H, D, isz);
     }
+#ifdef HAVE_AVX2_PATH
+    _mm_sfence();          /* the streamed K and V lines are visible before the caller's check */
+#endif
     Py_END_ALLOW_THREADS
     out = PyLong_FromUnsignedLongLong(finish(&st, src.buf, (size_t)src.len));
 done:

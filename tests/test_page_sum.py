@@ -113,16 +113,26 @@ def test_fused_copies_match_plain_ones(impl: str, seg: int) -> None:
         page_sum.gather_checksums(gathered, [*parts[:3], src[:seg + 1]])
 
 
+def at_offset(nbytes: int, offset: int) -> np.ndarray:
+    """``nbytes`` zero bytes at an address ``offset`` past a 64-byte boundary: 0 takes the
+    streaming stores (whole lines, 64-byte aligned blocks, as vLLM's are), 4 the plain ones."""
+    raw = np.zeros(nbytes + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    return raw[start:start + nbytes]
+
+
+@pytest.mark.parametrize("offset", [0, 4], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize(("tokens", "heads", "dim", "itemsize", "blocks", "skip"), [
-    (32, 3, 24, 4, 2, 0),      # fp32, 8x8 register tiles (AVX2)
+    (32, 3, 24, 4, 2, 0),      # fp32, 8x8 register tiles (AVX2); aligned: pairs of them, streamed
     (32, 3, 24, 2, 3, 1),      # 16-bit, 8x8 register tiles (SSE2)
-    (16, 2, 32, 4, 2, 1),      # V rows of whole 64-byte blocks: summed as they are copied
+    (16, 2, 32, 4, 2, 1),      # V rows of whole 64-byte blocks: summed as they are copied (aligned: streamed)
+    (8, 2, 16, 4, 2, 1),       # fp32 tokens not a multiple of 16: single tiles, plain stores
     (24, 2, 64, 2, 2, 0),      # 16-bit V rows of 128 bytes: summed as they are copied
     (12, 2, 8, 2, 2, 0),       # tokens not a multiple of 8: the plain loops
     (16, 1, 16, 1, 2, 1),      # 8-bit elements: the plain loops, V rows of 16 bytes summed apart
 ])
 def test_kt_copy_writes_the_cpu_cache_layout_and_sums_the_segment(tokens: int, heads: int, dim: int, itemsize: int,
-                                                                  blocks: int, skip: int) -> None:
+                                                                  blocks: int, skip: int, offset: int) -> None:
     """vLLM's CPU cache block per head: K^T [dim, tokens] then V [tokens, dim], from a canonical
     segment K [blocks * tokens, heads, dim] then V; checked against numpy's transpose."""
     if page_sum.NATIVE is None:
@@ -131,7 +141,7 @@ def test_kt_copy_writes_the_cpu_cache_layout_and_sums_the_segment(tokens: int, h
     rng = np.random.default_rng(tokens * heads * dim + itemsize)
     k, v = rng.integers(0, np.iinfo(word).max, (2, blocks * tokens, heads, dim), dtype=np.uint64).astype(word)
     segment = np.concatenate([k.ravel(), v.ravel()]).view(np.uint8)
-    dsts = [np.zeros(heads * 2 * tokens * dim, dtype=word) for _ in range(blocks - skip)]
+    dsts = [at_offset(heads * 2 * tokens * dim * itemsize, offset).view(word) for _ in range(blocks - skip)]
     got = page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, itemsize)
     assert got == page_sum.checksum(segment)
     for b, dst in enumerate(dsts, start=skip):
