@@ -58,8 +58,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -81,8 +81,10 @@ from pof_connector.index.base import (
 )
 from pof_connector.index.client import redis_client
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
-from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentQuery, segment_items
+from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentPlan, segment_items
 from pof_connector.keys import DIGEST_BYTES, PageKey
+
+T = TypeVar("T")
 
 PREFIX = "pof:{pof}:"
 K_NODE_INC = PREFIX + "node-inc"
@@ -529,18 +531,18 @@ class RedisIndex(LocalityIndex):
         if not keys:
             return {}
         ns = check_one_namespace(keys)
-        query = self._segment_query(keys)
-        if query is not None:
-            return self._segment_lookup(ns, keys, query)
+        plan = self._segment_plan(keys)
+        if plan is not None:
+            return self._segment_lookup(ns, keys, plan)
         packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), _page_fields(keys))
         now, live, vals = self._call("lookup", self._send, packed, 3)
         return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
 
-    def _segment_query(self, keys: Sequence[PageKey]) -> SegmentQuery | None:
+    def _segment_plan(self, keys: Sequence[PageKey]) -> SegmentPlan | None:
         """The query as segment fields; ``None``: read per-page fields (a key without its place)."""
-        return SegmentQuery.of(keys) if self.SEGMENTS else None
+        return SegmentPlan.of(keys) if self.SEGMENTS else None
 
-    def _segment_lookup(self, ns: bytes, keys: Sequence[PageKey], query: SegmentQuery) -> dict[str, PrefixMatch]:
+    def _segment_lookup(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan) -> dict[str, PrefixMatch]:
         """Round 1 reads the segments and the namespace's placeless flag, and, where this client saw
         the flag within :data:`FLAG_MEMORY_S`, every page's per-page field too; round 2, only when
         a run may go on in per-page fields round 1 did not read (a marked offset where a run
@@ -548,9 +550,11 @@ class RedisIndex(LocalityIndex):
         seen = self._flag_seen.get(ns)
         flagged = seen is not None and time.monotonic() - seen < FLAG_MEMORY_S
         packed = (LIVE_QUERY + _resp(b"GET", flat_key(loc_key(ns)).encode())
-                  + hmget_resp(segment_key(ns).encode(), query.fields)
+                  + hmget_resp(segment_key(ns).encode(), plan.fields)
                   + (hmget_resp(loc_key(ns).encode(), _page_fields(keys)) if flagged else b""))
-        now, live, flat, vals, *more = self._call("lookup", self._send, packed, 5 if flagged else 4)
+        # The tags (a pass over every key) are computed while the server answers.
+        (now, live, flat, vals, *more), query = self._call("lookup", self._send_then, packed, 5 if flagged else 4,
+                                                           plan.query)
         if flat is not None:
             self._flag_seen[ns] = time.monotonic()
         else:
@@ -615,11 +619,17 @@ class RedisIndex(LocalityIndex):
 
     def _send(self, packed: bytes, replies: int) -> list[Any]:
         """Send pre-encoded pipelined commands on one pooled connection and read the replies."""
+        return self._send_then(packed, replies, lambda: None)[0]
+
+    def _send_then(self, packed: bytes, replies: int, meanwhile: Callable[[], T]) -> tuple[list[Any], T]:
+        """:meth:`_send`, and ``meanwhile()``'s result: it runs after the send, while the server
+        answers (this client's work overlaps the server's instead of following it)."""
         pool = self._r.connection_pool
         conn = pool.get_connection()
         try:
             conn.send_packed_command([packed], check_health=False)  # type: ignore[no-untyped-call]
-            return [conn.read_response() for _ in range(replies)]
+            done = meanwhile()
+            return [conn.read_response() for _ in range(replies)], done
         except BaseException:
             conn.disconnect()  # type: ignore[no-untyped-call]  # unread replies: never reuse this socket
             raise

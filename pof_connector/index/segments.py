@@ -56,20 +56,19 @@ def tag(digest: bytes) -> int:
 
 
 @dataclass(frozen=True)
-class SegmentQuery:
-    """A lookup of placed ``keys`` (one chain's consecutive pages, in order) as segment fields,
-    and the decoding of the reply."""
+class SegmentPlan:
+    """What a lookup of placed ``keys`` sends: the segments' fields. The tags, which only decoding
+    needs, are computed by :meth:`query`, while the server answers."""
 
     fields: np.ndarray
     """The segments' fields, ``[segments, 16]`` uint8, in chain order."""
     first_page: np.ndarray
     """Per segment, the query page (index into the keys) at its offset 0 (int64; negative when
     the query starts inside that segment)."""
-    tags: np.ndarray
-    """Per query page, its tag (uint64)."""
+    keys: Sequence[PageKey]
 
     @classmethod
-    def of(cls, keys: Sequence[PageKey]) -> SegmentQuery | None:
+    def of(cls, keys: Sequence[PageKey]) -> SegmentPlan | None:
         """``None`` when the keys do not know their places, or are not one chain's consecutive
         pages (their first and last positions say so; a key from elsewhere in the middle could
         only miss, as in :func:`~.base.check_one_namespace`)."""
@@ -84,9 +83,31 @@ class SegmentQuery:
             if p is None:
                 return None
             heads.append(p.head[:FIELD_BYTES])
-        digests = np.frombuffer(b"".join([k.digest for k in keys]), dtype="<u8").reshape(n, -1)
         return cls(np.frombuffer(b"".join(heads), dtype=np.uint8).reshape(len(heads), FIELD_BYTES),
-                   np.array([-first.offset, *starts], dtype=np.int64), digests[:, 0].copy())   # tag: the first u64
+                   np.array([-first.offset, *starts], dtype=np.int64), keys)
+
+    def query(self) -> SegmentQuery:
+        digests = np.frombuffer(b"".join([k.digest for k in self.keys]), dtype="<u8").reshape(len(self.keys), -1)
+        return SegmentQuery(self.fields, self.first_page, digests[:, 0].copy())   # tag: the first u64
+
+
+@dataclass(frozen=True)
+class SegmentQuery:
+    """A lookup of placed keys (one chain's consecutive pages, in order) as segment fields, and
+    the decoding of the reply."""
+
+    fields: np.ndarray
+    """As :attr:`SegmentPlan.fields`."""
+    first_page: np.ndarray
+    """As :attr:`SegmentPlan.first_page`."""
+    tags: np.ndarray
+    """Per query page, its tag (uint64)."""
+
+    @classmethod
+    def of(cls, keys: Sequence[PageKey]) -> SegmentQuery | None:
+        """The plan's query at once (``None``: as :meth:`SegmentPlan.of`)."""
+        plan = SegmentPlan.of(keys)
+        return None if plan is None else plan.query()
 
     @property
     def pages(self) -> int:

@@ -150,8 +150,8 @@ def test_a_placeless_publisher_in_a_placed_namespace_is_seen(redis_server: Redis
         b.publish(flat)
         assert raw.exists(flat_key(loc_key(namespace))) == 1
         trips: list[int] = []
-        send = reader._send
-        monkeypatch.setattr(reader, "_send", lambda packed, n: trips.append(n) or send(packed, n))
+        send = reader._send_then       # every round trip goes through it
+        monkeypatch.setattr(reader, "_send_then", lambda packed, n, then: trips.append(n) or send(packed, n, then))
         for _ in range(2):
             got = reader.longest_prefix(keys)
             assert {n: m.pages for n, m in got.items()} == {"a": 10, "b": 30}
