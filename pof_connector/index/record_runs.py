@@ -62,7 +62,7 @@ def leading_runs(vals: list[Any], alive: list[int], n_media: int, *, native: boo
     if native or (native is None and _native is not None):
         if _native is None:
             raise RuntimeError("pof_connector._prefix_runs was not built")
-        live = np.unique(np.array([i for i in alive if 0 <= i < 1 << 32], dtype="<u4"))
+        live = np.array(sorted({i for i in alive if 0 <= i < 1 << 32}), dtype="<u4")   # np.unique: ~3x the time
         held, malformed, unknown, heads, runs = _native.leading_runs(vals, live.tobytes(), n_media)
         return LeadingRuns(held, bool(malformed), unknown, heads,
                            [(np.frombuffer(m, dtype=np.uint8), np.frombuffer(s, dtype=np.int64),

@@ -121,7 +121,7 @@ class SegmentQuery:
         if native or (native is None and nat is not None):
             if nat is None:
                 raise RuntimeError("pof_connector._prefix_runs was not built with segment_runs")
-            live = np.unique(np.array([i for i in alive if 0 < i < 1 << 32], dtype="<u4"))
+            live = np.array(sorted({i for i in alive if 0 < i < 1 << 32}), dtype="<u4")   # np.unique: ~3x the time
             held, malformed, unknown, heads, runs, marked = nat.segment_runs(
                 vals, self.first_page, self.tags, live, n_media, SEGMENT_PAGES)
             found = LeadingRuns(held, bool(malformed), unknown, heads,
