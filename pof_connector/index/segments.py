@@ -76,15 +76,14 @@ class SegmentPlan:
         first, last = keys[0].place, keys[-1].place
         if first is None or last is None or last.position - first.position != n - 1:
             return None
-        starts = list(range((SEGMENT_PAGES - first.offset) % SEGMENT_PAGES or SEGMENT_PAGES, n, SEGMENT_PAGES))
-        places = [keys[i].place for i in starts]
-        heads = [first.head[:FIELD_BYTES]]
-        for p in places:
-            if p is None:
-                return None
-            heads.append(p.head[:FIELD_BYTES])
-        return cls(np.frombuffer(b"".join(heads), dtype=np.uint8).reshape(len(heads), FIELD_BYTES),
-                   np.array([-first.offset, *starts], dtype=np.int64), keys)
+        start = (SEGMENT_PAGES - first.offset) % SEGMENT_PAGES or SEGMENT_PAGES     # the second segment's head
+        try:
+            heads = b"".join([first.head, *[k.place.head for k in keys[start::SEGMENT_PAGES]]])  # type: ignore[union-attr]
+        except AttributeError:         # a head without its place
+            return None
+        first_page = np.arange(start - SEGMENT_PAGES, n, SEGMENT_PAGES, dtype=np.int64)
+        first_page[0] = -first.offset
+        return cls(np.frombuffer(heads, dtype=np.uint8).reshape(len(first_page), -1)[:, :FIELD_BYTES], first_page, keys)
 
     def query(self) -> SegmentQuery:
         digests = np.frombuffer(b"".join([k.digest for k in self.keys]), dtype="<u8").reshape(len(self.keys), -1)
