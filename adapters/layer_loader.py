@@ -5,7 +5,7 @@ engine's thread, each layer right before the engine reads it.
 vLLM calls the connector's ``start_load_kv`` right before a forward and ``wait_for_layer_load``
 inside each attention layer, before it reads the KV cache. With an executor the loader starts
 copying at once and releases each layer as soon as every page has it; the forward waits only for
-what it is about to read. The copy itself (the native ``kt_copy_checksum``, numpy, torch)
+what it is about to read. The copy itself (the native ``kt_copy_pages``, numpy, torch)
 releases the GIL, so the forward's Python keeps running between copies. That only pays when a
 core is free for it: where the forward keeps every core busy (vLLM on the CPU), a copy thread
 stalls the engine's OpenMP threads for longer than the copy takes, and the caller passes no

@@ -32,6 +32,7 @@ pages are shared only between identical engines.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,16 +159,17 @@ class BlockLayout:
         return (fits and kv.device.type == "cpu" and page_sum.NATIVE is not None and kv.is_contiguous()
                 and (self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize) % 64 == 0)
 
-    def copy_checked(self, kv_bytes: np.ndarray, block_ids: list[int], segment: np.ndarray, skip: int) -> int:
-        """Write one page's canonical segment (tier memory) into ``block_ids`` of a cache — its
-        blocks after the first ``skip`` — converting to the CPU cache's order (K^T, or the ``amx``
-        VNNI tiles) on the way, and return the segment's format-v2 checksum, summed in the same
-        pass (one native call per page and layer instead of strided torch copies per block and a
-        second read for the check). ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. Only
-        where :meth:`can_copy_checked`."""
-        return page_sum.kt_copy_checksum(segment, [kv_bytes[b] for b in block_ids], skip, self.block_size,
-                                         self.kv_heads, self.head_dim, self.dtype.itemsize,
-                                         self.name == "cpu_vnni")
+    def copy_checked(self, kv_bytes: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[int], int]],
+                     threads: int = 1) -> list[int]:
+        """Write pages' canonical segments (tier memory) into a cache, converting to the CPU
+        cache's order (K^T, or the ``amx`` VNNI tiles) on the way, and return each segment's
+        format-v2 checksum, summed in the same pass (one native call for all of them instead of
+        strided torch copies per block and a second read for the check). ``pages``: one
+        ``(segment, block_ids, skip)`` per page, written to ``block_ids``, the page's blocks after
+        the first ``skip``. ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. ``threads``:
+        how many OpenMP threads may copy pages side by side. Only where :meth:`can_copy_checked`."""
+        return page_sum.kt_copy_pages(kv_bytes, pages, self.block_size, self.kv_heads, self.head_dim,
+                                      self.dtype.itemsize, self.name == "cpu_vnni", threads)
 
     @staticmethod
     def cache_bytes(kv: torch.Tensor) -> np.ndarray:

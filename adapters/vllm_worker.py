@@ -7,9 +7,11 @@ copied bytes' checksum and the slot's generation. ``wait_layer(l)``, called righ
 ``l``'s attention, waits only for that layer. Where a core is free for it (a GPU engine, or a CPU
 engine whose threads leave a core idle) the loader runs on a thread of its own, so layer
 ``l + 1`` is copied while the engine computes layer ``l``; where the forward keeps every core
-busy (vLLM on the CPU, by default), it copies each layer on the forward's thread right before
-the engine reads it — measured, a copy thread there stalls the engine's OpenMP threads for
-longer than the copy takes. One copy per byte, no staging buffer. Pages that fail are
+busy (vLLM on the CPU, by default), it copies each layer right before the engine reads it, on
+the forward's thread and torch's own OpenMP threads, which idle meanwhile (one native call per
+layer copies its pages side by side: one core does not fill the memory bandwidth) — measured, a
+copy thread of its own there stalls the engine's OpenMP threads for longer than the copy takes.
+One copy per byte, no staging buffer. Pages that fail are
 reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
 loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
@@ -83,6 +86,7 @@ class PoFWorker:
         self._loader: LayerLoader | None = None      # copying this step's loads
         self._load_thread: ThreadPoolExecutor | None = None
         self.overlap = overlap
+        self.copy_threads = 1       # OpenMP threads copying a layer's pages side by side (set by register)
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
@@ -117,10 +121,12 @@ class PoFWorker:
                          meta={"engine": "vllm", "model": geo.model})
         if self.overlap is None:
             self.overlap = core_to_spare(self.kv[0].device)
+        self.copy_threads = 1 if self.overlap else copy_threads(self.kv[0].device)
         log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
                  self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
                  ", ".join(f"{t.medium}" for t in self.pool.tiers),
-                 "overlapped with the forward" if self.overlap else "on the forward's thread")
+                 "overlapped with the forward" if self.overlap
+                 else f"on the forward's thread ({self.copy_threads} OpenMP threads copy)")
 
     # ---- loads ----------------------------------------------------------------------------------
 
@@ -167,23 +173,22 @@ class PoFWorker:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
-        fused = lay.can_copy_checked(kv)
-        kv_bytes = lay.cache_bytes(kv) if fused else None
-        for active in self._loads:
-            job, reader = active.job, active.reader
-            for i in range(active.readable):
-                seg = reader.segment(i, layer)
-                if seg is None:
-                    continue
-                skip = job.first_block(i)          # the first page's head is the engine's own
-                if kv_bytes is not None:   # convert, copy and checksum in one pass; the check re-reads nothing
-                    reader.check(i, layer, lay.copy_checked(kv_bytes, job.blocks_to_load(i), seg, skip))
-                    continue
-                page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
-                # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
-                # so the check below covers what the engine received, and the tier may reuse the source.
-                lay.write_blocks(kv, job.blocks_to_load(i), lay.pages_to_blocks(page, bpp)[skip:])
-                reader.check(i, layer)          # after the copy: were those bytes the page's?
+        pages = [(active, i, seg) for active in self._loads for i in range(active.readable)
+                 if (seg := active.reader.segment(i, layer)) is not None]
+        if lay.can_copy_checked(kv):      # convert, copy and checksum in one pass; the check re-reads nothing
+            # first_block: the first page's head blocks are the engine's own
+            todo = [(seg, active.job.blocks_to_load(i), active.job.first_block(i)) for active, i, seg in pages]
+            sums = lay.copy_checked(lay.cache_bytes(kv), todo, self.copy_threads)
+            for (active, i, _), checksum in zip(pages, sums, strict=True):
+                active.reader.check(i, layer, checksum)
+            return
+        for active, i, seg in pages:
+            job = active.job
+            page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
+            # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
+            # so the check below covers what the engine received, and the tier may reuse the source.
+            lay.write_blocks(kv, job.blocks_to_load(i), lay.pages_to_blocks(page, bpp)[job.first_block(i):])
+            active.reader.check(i, layer)          # after the copy: were those bytes the page's?
 
     def _finish_loads(self) -> None:
         """After the forward: wait for the loader (the layers the engine did not ask for too), then
@@ -307,3 +312,27 @@ def core_to_spare(device: torch.device) -> bool:
     if device.type != "cpu":
         return True
     return len(os.sched_getaffinity(0)) > torch.get_num_threads()
+
+
+def copy_threads(device: torch.device) -> int:
+    """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
+    CPU engine, torch's own OpenMP threads (they idle while the forward waits, and one core does
+    not fill the memory bandwidth), where the native kernel shares torch's OpenMP runtime; else
+    one. (A runtime of its own would start threads that fight torch's spinning ones for the same
+    cores.)"""
+    if device.type != "cpu" or not page_sum.OPENMP:
+        return 1
+    threads = torch.get_num_threads()
+    return threads if threads > 1 and shares_torch_openmp() else 1
+
+
+def shares_torch_openmp() -> bool:
+    """Whether the native kernel's OpenMP runtime is torch's: a thread count set through torch is
+    seen by the kernel (for this thread; the count is restored)."""
+    threads = torch.get_num_threads()
+    probe = threads + 7                  # a count neither runtime would have by default
+    try:
+        torch.set_num_threads(probe)
+        return page_sum.openmp_max_threads() == probe
+    finally:
+        torch.set_num_threads(threads)

@@ -14,6 +14,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MIX 0x9E3779B97F4A7C16ULL   /* 2 x odd: see page_sum.py for why */
 #define LANES 16                     /* 32-bit words per block: 64 bytes, one cache line */
@@ -843,99 +846,196 @@ static void k_block_vnni(unsigned char *dst, const unsigned char *k, size_t N, s
     k_block_vnni_plain(dst, k, N, H, D);
 }
 
-PyDoc_STRVAR(kt_copy_checksum_doc,
-             "kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize, vnni=0) -> int: write the "
-             "canonical segment src (K then V, each [blocks * block_tokens, heads, head_dim]) into vLLM CPU-cache "
-             "blocks dsts[b - skip] for b >= skip (each [heads, 2, block_tokens * head_dim]: K^T then V per head; "
-             "with vnni, the amx ISA's bf16 tiles, which need itemsize 2 and block_tokens and head_dim multiples "
-             "of 16) and return the checksum of the whole of src, summed as it is copied.");
-
-static PyObject *py_kt_copy_checksum(PyObject *self, PyObject *args)
+/* One page of kt_copy_pages, without the GIL: src (K then V of every block) into dst[b - skip]
+ * for b >= skip; returns src's checksum. The caller fences the streamed stores. */
+static uint64_t kt_copy_page(const unsigned char *src, size_t len, unsigned char *const *dst, size_t skip, size_t N,
+                             size_t H, size_t D, size_t isz, int vnni)
 {
-    Py_buffer src;
-    PyObject *seq_in;
-    Py_ssize_t skip, N, H, D, isz;
-    int vnni = 0;
-    if (!PyArg_ParseTuple(args, "y*Onnnnn|p", &src, &seq_in, &skip, &N, &H, &D, &isz, &vnni))
-        return NULL;
-    PyObject *seq = PySequence_Fast(seq_in, "dsts must be a sequence of writable buffers");
-    if (seq == NULL) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    Py_ssize_t ndst = PySequence_Fast_GET_SIZE(seq), got = 0;
-    PyObject *out = NULL;
-    Py_buffer *views = PyMem_Calloc(ndst ? ndst : 1, sizeof(Py_buffer));
-    size_t half = (size_t)N * H * D * isz;          /* one block's K (or V) bytes */
-    if (views == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (N < 1 || H < 1 || D < 1 || (isz != 1 && isz != 2 && isz != 4) || skip < 0 || half % BLOCK != 0
-        || src.len % (2 * half) != 0 || (size_t)(skip + ndst) != (size_t)src.len / (2 * half)
-        || (vnni && (isz != 2 || N % 16 != 0 || D % 16 != 0))) {
-        PyErr_Format(PyExc_ValueError, "kt_copy_checksum: %zd bytes, %zd + %zd blocks of %zd tokens x %zd heads x "
-                     "%zd dims x %zd bytes do not fit (each block's K must be a multiple of %d bytes; VNNI "
-                     "tiles need 2-byte items and tokens and dims in multiples of 16)",
-                     src.len, skip, ndst, N, H, D, isz, BLOCK);
-        goto done;
-    }
-    for (; got < ndst; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if ((size_t)views[got].len != 2 * half) {
-            PyErr_Format(PyExc_ValueError, "block %zd has %zd bytes, expected %zu", got, views[got].len, 2 * half);
-            got++;
-            goto done;
-        }
-    }
-    size_t blocks = (size_t)src.len / (2 * half);
-    const unsigned char *k = src.buf, *v = (const unsigned char *)src.buf + blocks * half;
+    size_t half = N * H * D * isz;
+    size_t blocks = len / (2 * half);
+    const unsigned char *k = src, *v = src + blocks * half;
     sum_state st;
     memset(&st, 0, sizeof st);
-    Py_BEGIN_ALLOW_THREADS
     /* Sum a block's bytes first: the sequential pass streams them into cache at full speed, and
      * the transposing copy then gathers from cache instead of striding through DRAM. (Both read the
      * same tier bytes; the caller's generation check afterwards proves nobody rewrote them.) */
     for (size_t b = 0; b < blocks; b++) {           /* K of every block, then V: the canonical order */
         sum_blocks(k + b * half, NULL, half / BLOCK, &st, 0);
-        if (b < (size_t)skip)
+        if (b < skip)
             continue;
         if (vnni)
-            k_block_vnni(views[b - skip].buf, k + b * half, N, H, D);
+            k_block_vnni(dst[b - skip], k + b * half, N, H, D);
         else
-            k_block(views[b - skip].buf, k + b * half, N, H, D, isz);
+            k_block(dst[b - skip], k + b * half, N, H, D, isz);
     }
     for (size_t b = 0; b < blocks; b++) {
-        if (b >= (size_t)skip && !vnni && (D * isz) % BLOCK == 0) {
-            v_block_sum(views[b - skip].buf, v + b * half, N, H, D, isz, &st);
+        if (b >= skip && !vnni && (D * isz) % BLOCK == 0) {
+            v_block_sum(dst[b - skip], v + b * half, N, H, D, isz, &st);
             continue;
         }
         /* otherwise (the VNNI interleave included) the copy reads V from cache after the sum */
         sum_blocks(v + b * half, NULL, half / BLOCK, &st, 0);
-        if (b < (size_t)skip)
+        if (b < skip)
             continue;
         if (vnni)
-            v_block_vnni(views[b - skip].buf, v + b * half, N, H, D);
+            v_block_vnni(dst[b - skip], v + b * half, N, H, D);
         else
-            v_block(views[b - skip].buf, v + b * half, N, H, D, isz);
+            v_block(dst[b - skip], v + b * half, N, H, D, isz);
     }
-#ifdef HAVE_AVX2_PATH
-    _mm_sfence();          /* the streamed K and V lines are visible before the caller's check */
+    return finish(&st, src, len);
+}
+
+PyDoc_STRVAR(kt_copy_pages_doc,
+             "kt_copy_pages(cache, pages, block_tokens, heads, head_dim, itemsize, vnni=0, threads=1) -> list[int]: "
+             "write each canonical segment src (K then V, each [blocks * block_tokens, heads, head_dim]) of pages, "
+             "a sequence of (src, block_ids, skip) tuples, into the vLLM CPU cache's blocks: src's block b >= skip "
+             "into cache block block_ids[b - skip] (cache: the writable cache as bytes, whole blocks of [heads, 2, "
+             "block_tokens * head_dim]: K^T then V per head; with vnni, the amx ISA's bf16 tiles, which need "
+             "itemsize 2 and block_tokens and head_dim multiples of 16), and return the checksum of each whole src, "
+             "summed as it is copied. "
+             "threads > 1 copies pages in parallel on OpenMP's threads (in a torch process: torch's own pool, "
+             "when both use one OpenMP runtime).");
+
+typedef struct {
+    Py_buffer src;
+    unsigned char **dst;
+    size_t skip;
+} page_job;
+
+/* Parses one (src, block_ids, skip) tuple into job; on failure, sets the error and holds nothing. */
+static int parse_page(PyObject *item, page_job *job, unsigned char *cache, size_t nblocks, size_t half)
+{
+    PyObject *ids_in;
+    Py_ssize_t skip;
+    if (!PyTuple_Check(item)) {
+        PyErr_SetString(PyExc_TypeError, "kt_copy_pages: each page must be a (src, block_ids, skip) tuple");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(item, "y*On", &job->src, &ids_in, &skip))
+        return -1;
+    PyObject *ids = PySequence_Fast(ids_in, "block_ids must be a sequence of ints");
+    if (ids == NULL)
+        goto fail;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(ids);
+    if (skip < 0 || job->src.len % (2 * half) != 0 || (size_t)(skip + count) != (size_t)job->src.len / (2 * half)) {
+        PyErr_Format(PyExc_ValueError, "kt_copy_pages: a page of %zd bytes does not fill %zd + %zd blocks of %zu "
+                     "bytes", job->src.len, skip, count, 2 * half);
+        goto fail;
+    }
+    job->skip = (size_t)skip;
+    job->dst = PyMem_Malloc((count ? count : 1) * sizeof(unsigned char *));
+    if (job->dst == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t j = 0; j < count; j++) {
+        Py_ssize_t b = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ids, j));
+        if (b == -1 && PyErr_Occurred())
+            goto fail;
+        if (b < 0 || (size_t)b >= nblocks) {
+            PyErr_Format(PyExc_IndexError, "kt_copy_pages: block %zd is not in the cache's %zu blocks", b, nblocks);
+            goto fail;
+        }
+        job->dst[j] = cache + (size_t)b * 2 * half;
+    }
+    Py_DECREF(ids);
+    return 0;
+fail:
+    Py_XDECREF(ids);
+    PyMem_Free(job->dst);
+    job->dst = NULL;
+    PyBuffer_Release(&job->src);
+    return -1;
+}
+
+static PyObject *py_kt_copy_pages(PyObject *self, PyObject *args)
+{
+    Py_buffer cache;
+    PyObject *pages_in;
+    Py_ssize_t N, H, D, isz, threads = 1;
+    int vnni = 0;
+    if (!PyArg_ParseTuple(args, "w*Onnnn|pn", &cache, &pages_in, &N, &H, &D, &isz, &vnni, &threads))
+        return NULL;
+    PyObject *out = NULL, *seq = NULL;
+    page_job *jobs = NULL;
+    uint64_t *sums = NULL;
+    Py_ssize_t n = 0, held = 0;
+    size_t half = (size_t)N * H * D * isz;
+    if (N < 1 || H < 1 || D < 1 || (isz != 1 && isz != 2 && isz != 4) || half % BLOCK != 0
+        || cache.len % (2 * half) != 0 || (vnni && (isz != 2 || N % 16 != 0 || D % 16 != 0))) {
+        PyErr_Format(PyExc_ValueError, "kt_copy_pages: a cache of %zd bytes in blocks of %zd tokens x %zd heads x "
+                     "%zd dims x %zd bytes does not fit (each block's K must be a multiple of %d bytes; VNNI "
+                     "tiles need 2-byte items and tokens and dims in multiples of 16)",
+                     cache.len, N, H, D, isz, BLOCK);
+        goto done;
+    }
+    seq = PySequence_Fast(pages_in, "pages must be a sequence of (src, block_ids, skip) tuples");
+    if (seq == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(seq);
+    jobs = PyMem_Calloc(n ? n : 1, sizeof(page_job));
+    sums = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
+    if (jobs == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n; held++)
+        if (parse_page(PySequence_Fast_GET_ITEM(seq, held), &jobs[held], cache.buf, (size_t)cache.len / (2 * half),
+                       half) < 0)
+            goto done;
+    if (threads < 1)
+        threads = 1;
+    if (threads > 256)
+        threads = 256;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads((int)threads) if (threads > 1 && n > 1)
 #endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        sums[i] = kt_copy_page(jobs[i].src.buf, (size_t)jobs[i].src.len, jobs[i].dst, jobs[i].skip, (size_t)N,
+                               (size_t)H, (size_t)D, (size_t)isz, vnni);
+#ifdef HAVE_AVX2_PATH
+        _mm_sfence();      /* each thread's streamed lines are visible before the caller's checks */
+#endif
+    }
     Py_END_ALLOW_THREADS
-    out = PyLong_FromUnsignedLongLong(finish(&st, src.buf, (size_t)src.len));
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
 done:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    Py_DECREF(seq);
-    PyBuffer_Release(&src);
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&jobs[i].src);
+        PyMem_Free(jobs[i].dst);
+    }
+    PyMem_Free(jobs);
+    PyMem_Free(sums);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&cache);
     return out;
 }
 
+PyDoc_STRVAR(openmp_max_threads_doc,
+             "openmp_max_threads() -> int: omp_get_max_threads() of the OpenMP runtime this kernel is bound to, for "
+             "the calling thread (0 when built without OpenMP). Equal to torch.get_num_threads() after "
+             "torch.set_num_threads() on the same thread only when both use one runtime.");
+
+static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused)
+{
+#ifdef _OPENMP
+    return PyLong_FromLong(omp_get_max_threads());
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyMethodDef methods[] = {
-    {"kt_copy_checksum", py_kt_copy_checksum, METH_VARARGS, kt_copy_checksum_doc},
+    {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS, openmp_max_threads_doc},
+    {"kt_copy_pages", py_kt_copy_pages, METH_VARARGS, kt_copy_pages_doc},
     {"checksums", py_checksums, METH_VARARGS, checksums_doc},
     {"copy_checksums", py_copy_checksums, METH_VARARGS, copy_checksums_doc},
     {"gather_checksums", py_gather_checksums, METH_VARARGS, gather_checksums_doc},
@@ -956,7 +1056,13 @@ PyMODINIT_FUNC PyInit__pagesum(void)
         sum_blocks = sum_blocks_avx2;
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", sum_blocks == sum_blocks_generic ? "generic" : "avx2") < 0) {
+#ifdef _OPENMP
+    int openmp = 1;
+#else
+    int openmp = 0;
+#endif
+    if (m != NULL && (PyModule_AddStringConstant(m, "KERNEL", sum_blocks == sum_blocks_generic ? "generic" : "avx2") < 0
+                      || PyModule_AddIntConstant(m, "OPENMP", openmp) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -45,6 +45,8 @@ except ImportError:       # built without a C compiler, or a source checkout wit
     _native = None
 NATIVE: str | None = None if _native is None else _native.KERNEL
 """The native kernel in use ("avx2" or "generic"); ``None``: the numpy fallback."""
+OPENMP: bool = bool(getattr(_native, "OPENMP", 0))
+"""Whether the native kernel was built with OpenMP (:func:`kt_copy_pages` can use several threads)."""
 
 
 def _words(seg: np.ndarray) -> np.ndarray:
@@ -138,17 +140,26 @@ def load_page(dst: np.ndarray, region: np.ndarray, offset: int, template: bytes,
     return result
 
 
-def kt_copy_checksum(src: np.ndarray, dsts: Sequence[np.ndarray], skip: int, block_tokens: int, heads: int,
-                     head_dim: int, itemsize: int, vnni: bool = False) -> int:
-    """Write a canonical segment (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into
-    vLLM CPU-cache blocks ``dsts[b - skip]`` for ``b >= skip`` (each ``[heads, 2, block_tokens *
-    head_dim]``: K^T then V per head; with ``vnni``, the ``amx`` ISA's bf16 tiles, see
-    :mod:`pof_connector.adapters.vllm_layout`) and return the checksum of all of ``src``, in one
-    pass. Native kernel only (callers check :data:`NATIVE`)."""
+def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[int], int]], block_tokens: int,
+                  heads: int, head_dim: int, itemsize: int, vnni: bool = False, threads: int = 1) -> list[int]:
+    """Write canonical segments (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into
+    a vLLM CPU cache and return each segment's checksum, summed in the same pass. ``pages``: one
+    ``(segment, block_ids, skip)`` per page; its block ``b >= skip`` goes to cache block
+    ``block_ids[b - skip]`` (each block ``[heads, 2, block_tokens * head_dim]``: K^T then V per
+    head; with ``vnni``, the ``amx`` ISA's bf16 tiles, see :mod:`pof_connector.adapters.vllm_layout`).
+    ``cache``: the whole cache as writable bytes. ``threads > 1`` copies pages in parallel on
+    OpenMP's threads where the kernel was built with OpenMP (:data:`OPENMP`). Native kernel only
+    (callers check :data:`NATIVE`)."""
     if _native is None:
-        raise RuntimeError("kt_copy_checksum needs the native kernel (pof_connector._pagesum)")
-    result: int = _native.kt_copy_checksum(src, dsts, skip, block_tokens, heads, head_dim, itemsize, vnni)
+        raise RuntimeError("kt_copy_pages needs the native kernel (pof_connector._pagesum)")
+    result: list[int] = _native.kt_copy_pages(cache, pages, block_tokens, heads, head_dim, itemsize, vnni, threads)
     return result
+
+
+def openmp_max_threads() -> int:
+    """``omp_get_max_threads()`` of the OpenMP runtime the native kernel is bound to, for the
+    calling thread; 0 without one (see :data:`OPENMP`)."""
+    return int(_native.openmp_max_threads()) if _native is not None and OPENMP else 0
 
 
 def torch_checksums(segments: Any) -> Any:

@@ -121,6 +121,13 @@ def at_offset(nbytes: int, offset: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
+def kt_blocks(tokens: int, heads: int, dim: int, word: type, blocks: int, offset: int = 0) -> np.ndarray:
+    """A zeroed cache of ``blocks`` vLLM CPU blocks (``[blocks, heads * 2 * tokens * dim]`` words)
+    ``offset`` bytes past a 64-byte boundary."""
+    size = heads * 2 * tokens * dim * np.dtype(word).itemsize
+    return at_offset(blocks * size, offset).view(word).reshape(blocks, -1)
+
+
 @pytest.mark.parametrize("offset", [0, 4], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize(("tokens", "heads", "dim", "itemsize", "blocks", "skip"), [
     (32, 3, 24, 4, 2, 0),      # fp32, 8x8 register tiles (AVX2); aligned: pairs of them, streamed
@@ -134,22 +141,69 @@ def at_offset(nbytes: int, offset: int) -> np.ndarray:
 def test_kt_copy_writes_the_cpu_cache_layout_and_sums_the_segment(tokens: int, heads: int, dim: int, itemsize: int,
                                                                   blocks: int, skip: int, offset: int) -> None:
     """vLLM's CPU cache block per head: K^T [dim, tokens] then V [tokens, dim], from a canonical
-    segment K [blocks * tokens, heads, dim] then V; checked against numpy's transpose."""
+    segment K [blocks * tokens, heads, dim] then V; checked against numpy's transpose. The page's
+    blocks go to cache blocks in reverse order; the cache's other blocks stay zero."""
     if page_sum.NATIVE is None:
         pytest.skip("the native kernel was not built here")
     word = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
     rng = np.random.default_rng(tokens * heads * dim + itemsize)
     k, v = rng.integers(0, np.iinfo(word).max, (2, blocks * tokens, heads, dim), dtype=np.uint64).astype(word)
     segment = np.concatenate([k.ravel(), v.ravel()]).view(np.uint8)
-    dsts = [at_offset(heads * 2 * tokens * dim * itemsize, offset).view(word) for _ in range(blocks - skip)]
-    got = page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, itemsize)
-    assert got == page_sum.checksum(segment)
-    for b, dst in enumerate(dsts, start=skip):
-        block = dst.reshape(heads, 2, tokens * dim)
+    cache = kt_blocks(tokens, heads, dim, word, blocks + 2, offset)
+    ids = list(range(blocks - skip, 0, -1))             # block 0 and the last one are not the page's
+    got = page_sum.kt_copy_pages(cache.view(np.uint8), [(segment, ids, skip)], tokens, heads, dim, itemsize)
+    assert got == [page_sum.checksum(segment)]
+    for b, at in enumerate(ids, start=skip):
+        block = cache[at].reshape(heads, 2, tokens * dim)
         rows = slice(b * tokens, (b + 1) * tokens)
         for h in range(heads):
             assert np.array_equal(block[h, 0].reshape(dim, tokens), k[rows, h].T)
             assert np.array_equal(block[h, 1].reshape(tokens, dim), v[rows, h])
+    assert not cache[0].any() and not cache[-1].any()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kt_copy_of_many_pages_on_several_threads_writes_and_sums_each_page(threads: int) -> None:
+    """Many pages in one call (as a vLLM layer's load is), copied side by side on OpenMP threads
+    where the kernel has them: every page lands in its own blocks, byte for byte what a page
+    copied alone writes, and each page's checksum is its own."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    tokens, heads, dim, blocks = 32, 2, 16, 2
+    rng = np.random.default_rng(threads)
+    segments = [rng.integers(0, 1 << 32, 2 * blocks * tokens * heads * dim, dtype=np.uint64).astype(np.uint32)
+                .view(np.uint8) for _ in range(9)]
+    pages = [(seg, [2 * i + 1, 2 * i] if i % 2 else [2 * i, 2 * i + 1], 0) for i, seg in enumerate(segments)]
+    cache = kt_blocks(tokens, heads, dim, np.uint32, 2 * len(pages))
+    got = page_sum.kt_copy_pages(cache.view(np.uint8), pages, tokens, heads, dim, 4, threads=threads)
+    assert got == [page_sum.checksum(seg) for seg in segments]
+    for seg, ids, _ in pages:
+        alone = kt_blocks(tokens, heads, dim, np.uint32, blocks)
+        page_sum.kt_copy_pages(alone.view(np.uint8), [(seg, [0, 1], 0)], tokens, heads, dim, 4)
+        assert np.array_equal(cache[ids], alone)
+
+
+def test_kt_copy_refuses_pages_that_do_not_fit_the_cache() -> None:
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    tokens, heads, dim = 16, 2, 16
+    cache = kt_blocks(tokens, heads, dim, np.uint32, 3).view(np.uint8)
+    seg = np.zeros(2 * 2 * tokens * heads * dim * 4, dtype=np.uint8)        # two blocks
+    with pytest.raises(IndexError):
+        page_sum.kt_copy_pages(cache, [(seg, [1, 3], 0)], tokens, heads, dim, 4)     # no block 3
+    with pytest.raises(IndexError):
+        page_sum.kt_copy_pages(cache, [(seg, [-1], 1)], tokens, heads, dim, 4)
+    with pytest.raises(ValueError):
+        page_sum.kt_copy_pages(cache, [(seg, [0], 0)], tokens, heads, dim, 4)        # two blocks, one id
+    with pytest.raises(ValueError):
+        page_sum.kt_copy_pages(cache, [(seg[:-64], [0, 1], 0)], tokens, heads, dim, 4)
+    with pytest.raises(ValueError):
+        page_sum.kt_copy_pages(cache.ravel()[:-64], [(seg, [0, 1], 0)], tokens, heads, dim, 4)  # not whole blocks
+    with pytest.raises(TypeError):
+        page_sum.kt_copy_pages(cache, [[seg, [0, 1], 0]], tokens, heads, dim, 4)       # not a tuple
+    with pytest.raises(TypeError):
+        page_sum.kt_copy_pages(bytes(cache), [(seg, [0, 1], 0)], tokens, heads, dim, 4)   # a read-only cache
+    assert not cache.any()          # nothing was written by a refused call
 
 
 @pytest.mark.parametrize(("tokens", "heads", "dim", "blocks", "skip"), [
@@ -167,19 +221,20 @@ def test_vnni_copy_writes_the_amx_layout_and_sums_the_segment(tokens: int, heads
     rng = np.random.default_rng(tokens + heads + dim)
     k, v = rng.integers(0, 1 << 16, (2, blocks * tokens, heads, dim), dtype=np.uint64).astype(np.uint16)
     segment = np.concatenate([k.ravel(), v.ravel()]).view(np.uint8)
-    dsts = [np.zeros(heads * 2 * tokens * dim, dtype=np.uint16) for _ in range(blocks - skip)]
-    got = page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, 2, True)
-    assert got == page_sum.checksum(segment)
+    cache = kt_blocks(tokens, heads, dim, np.uint16, blocks - skip)
+    ids = list(range(blocks - skip))
+    got = page_sum.kt_copy_pages(cache.view(np.uint8), [(segment, ids, skip)], tokens, heads, dim, 2, True)
+    assert got == [page_sum.checksum(segment)]
     t, d = np.meshgrid(np.arange(tokens), np.arange(dim), indexing="ij")
     k_at = (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
     v_at = tokens * dim + (d // 16) * tokens * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2
-    for b, dst in enumerate(dsts, start=skip):
-        block = dst.reshape(heads, 2 * tokens * dim)
+    for b, at in enumerate(ids, start=skip):
+        block = cache[at].reshape(heads, 2 * tokens * dim)
         rows = slice(b * tokens, (b + 1) * tokens)
         for h in range(heads):
             assert np.array_equal(block[h][k_at], k[rows, h]) and np.array_equal(block[h][v_at], v[rows, h])
     with pytest.raises(ValueError):      # VNNI tiles are 16-bit, in 16-token and 16-dimension steps
-        page_sum.kt_copy_checksum(segment, [d.view(np.uint8) for d in dsts], skip, tokens, heads, dim, 4, True)
+        page_sum.kt_copy_pages(cache.view(np.uint8), [(segment, ids, skip)], tokens, heads, dim, 4, True)
 
 
 def test_single_word_errors_and_swaps_change_the_checksum() -> None:

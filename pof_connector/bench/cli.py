@@ -224,7 +224,9 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
         if result.get("overhead_ratio") is not None:
             out.print(f"above vLLM's own prefix-cache hit ({result['floor_s']:.3f} s): pof +"
                       f"{result['pof_s'] - result['floor_s']:.3f} s for {result['loaded_bytes'] / 1e6:.1f} MB = "
-                      f"[bold]{result['overhead_ratio']:.2f}[/bold] x a memcpy of them ({result['memcpy_s']:.4f} s)")
+                      f"[bold]{result['overhead_ratio']:.2f}[/bold] x a memcpy of them ({result['memcpy_s']:.4f} s), "
+                      f"{result['overhead_ratio_vs_memcpy_threads']:.2f} x one on {bench_vllm.ENGINE_THREADS} threads "
+                      f"({result['memcpy_threads_s']:.4f} s)")
     if "fabric" in result:
         out.print(f"fabric: B's TTFT from A's pool over NIXL / recompute [bold]{result['fabric']['ratio']:.4f}"
                   f"[/bold] ({result['fabric']['remote_pages_loaded']:.0f} remote pages loaded)")

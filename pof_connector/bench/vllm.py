@@ -28,6 +28,7 @@ needs NIXL in it.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import statistics
@@ -42,6 +43,7 @@ import numpy as np
 
 from pof_connector.bench import BenchError
 from pof_connector.bench.router import _own_cores as own_cores
+from pof_connector.bench.vllm_load import timed_copy
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.fabric import nixl_installed
 from pof_connector.fabric.nixl_api import INSTALL_HINT
@@ -51,6 +53,8 @@ Progress = Callable[[str], None]
 HITS = "vllm:external_prefix_cache_hits_total"
 LOADED_BYTES = "vllm:pof_loaded_bytes_total"
 SETUPS = ("recompute", "pof", "example", "fabric")
+ENGINE_THREADS = len(os.sched_getaffinity(0))
+"""vLLM's CPU worker runs one OpenMP thread per core it may use: the servers here get every core."""
 FABRIC_STAGING = "512MiB"
 """B's fabric.staging_size: a 6,000-token prompt of the bench model is 47 pages of 2 MiB, and
 the staging must hold a whole load (the excess would be recomputed)."""
@@ -61,6 +65,9 @@ NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without
         "pof load, repeats per prompt); pof_s, example_s = median TTFT served by each connector; "
         "loaded_bytes = page bytes pof loaded per timed request (its counters); "
         "memcpy_s = one numpy.copyto of loaded_bytes in this run; overhead_ratio = (pof_s - floor_s) / memcpy_s; "
+        "memcpy_threads_s = the same bytes copied in as many parts side by side as the engine has threads (pof's "
+        "load copies on the engine's OpenMP threads); overhead_ratio_vs_memcpy_threads = (pof_s - floor_s) / "
+        "memcpy_threads_s; "
         "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - floor_s); "
         "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
         "vLLM's own prefix cache (the floor); pof_above_floor_paired_s = median over timed loads of (the load's TTFT "
@@ -109,17 +116,14 @@ def _time_server(name: str, server: VllmServer, prompts: list[list[int]], *, war
     return out
 
 
-def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
+def memcpy_seconds(nbytes: int, repeat: int = 5, threads: int = 1) -> float:
     """Best-of-``repeat`` time of one ``numpy.copyto`` of ``nbytes`` between buffers already faulted
-    in: what moving a load's bytes once costs on this host, right now."""
+    in (``threads`` > 1: split into that many parts copied side by side): what moving a load's
+    bytes once costs on this host, right now."""
     src = np.ones(max(nbytes, 1), dtype=np.uint8)
     dst = np.zeros_like(src)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    with ThreadPoolExecutor(threads) as pool:
+        return min(timed_copy(dst, src, pool if threads > 1 else None, threads) for _ in range(repeat))
 
 
 def _time_fabric(a: VllmServer, b: VllmServer, prompts: list[list[int]], progress: Progress) -> dict[str, list[Any]]:
@@ -218,6 +222,7 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
                 per_request = int(results[name]["loaded_bytes"][0] / max(len(results[name]["ttft"]), 1))
                 results[name]["loaded_bytes"] = [per_request]
                 results[name]["memcpy_s"] = [memcpy_seconds(per_request)]
+                results[name]["memcpy_threads_s"] = [memcpy_seconds(per_request, threads=ENGINE_THREADS)]
         if "fabric" in setups:
             results["fabric"] = _fabric_pair(model_dir, work, runtime_dir / "fabric", max_len, common, progress,
                                              data)
@@ -273,6 +278,7 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
     floor = med["engine_prefix_cache"]
     loaded = results["pof"]["loaded_bytes"][0]
     memcpy_s = results["pof"]["memcpy_s"][0]
+    memcpy_threads_s = results["pof"]["memcpy_threads_s"][0]
     above = med["pof"] - floor
     return {
         **out,
@@ -283,6 +289,9 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
         "loaded_bytes": loaded,
         "memcpy_s": round(memcpy_s, 6),
         "overhead_ratio": round(above / memcpy_s, 3) if memcpy_s > 0 and loaded > 0 else None,
+        "memcpy_threads_s": round(memcpy_threads_s, 6),
+        "overhead_ratio_vs_memcpy_threads": (round(above / memcpy_threads_s, 3)
+                                             if memcpy_threads_s > 0 and loaded > 0 else None),
         "pof_vs_example_above_floor": (round(above / (med["example"] - floor), 3)
                                        if "example" in med and med["example"] > floor else None),
         "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from unittest import mock
 
@@ -29,10 +31,12 @@ import numpy as np
 LAYOUTS = ("engine", "cpu_kt", "cpu_vnni")
 
 
-def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32", layout: str = "engine") -> dict[str, Any]:
+def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32", layout: str = "engine",
+        threads: int | None = None) -> dict[str, Any]:
     """``layout``: the block order the engine's kernel gives on this host (``engine``), or one forced:
     ``cpu_kt`` (the ``vec`` ISA's) or ``cpu_vnni`` (the ``amx`` ISA's, bf16), so any host measures
-    the data movement of both."""
+    the data movement of both. ``threads``: torch's threads, as the engine sets them (default: one
+    per core this process may run on, as vLLM's CPU worker does)."""
     import torch
 
     from pof_connector.adapters import vllm_layout, vllm_worker
@@ -41,7 +45,7 @@ def run(*, pages: int = 46, repeat: int = 5, dtype: str = "float32", layout: str
     from pof_connector.adapters.vllm_worker import PoFWorker
     from pof_connector.config import PofConfig
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     heads, tokens, dim, layers = 4, 128, 64, 8
     geo = VllmGeometry(model="bench", kv_dtype=dtype, kv_heads=heads, head_dim=dim, num_layers=layers,
                        is_mla=False, block_size=tokens, page_tokens=tokens, tp_size=1)
@@ -104,33 +108,55 @@ def _measure(worker: Any, kv: dict[str, Any], pages: int, repeat: int, vllm_layo
 
     nbytes = pages * worker.pool.spec.page_bytes
     src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-    times: dict[str, list[float]] = {"fused": [], "torch": []}
+    threads = worker.copy_threads
+    times: dict[str, list[float]] = {"fused": [], "fused_one_thread": [], "torch": []}
     memcpy: list[float] = []
+    memcpy_threads: list[float] = []
     original = vllm_layout.BlockLayout.can_copy_checked
-    for _ in range(repeat):        # interleaved, so both paths see the same machine
-        for path in times:
-            if path == "torch":
-                vllm_layout.BlockLayout.can_copy_checked = lambda self, kv: False
-            try:
-                times[path].append(load())
-            finally:
-                vllm_layout.BlockLayout.can_copy_checked = original
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        memcpy.append(time.perf_counter() - t0)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):        # interleaved, so every path sees the same machine
+            for path in times:
+                if path == "torch":
+                    vllm_layout.BlockLayout.can_copy_checked = lambda self, kv: False
+                worker.copy_threads = 1 if path == "fused_one_thread" else threads
+                try:
+                    times[path].append(load())
+                finally:
+                    vllm_layout.BlockLayout.can_copy_checked = original
+                    worker.copy_threads = threads
+            memcpy.append(timed_copy(dst, src, None))
+            memcpy_threads.append(timed_copy(dst, src, pool, threads))
     best = {path: min(t) for path, t in times.items()}
-    mc = min(memcpy)
+    mc, mct = min(memcpy), min(memcpy_threads)
     return {
         "bench": "vllm_load", "layout": worker.layout.name, "dtype": str(next(iter(kv.values())).dtype),
-        "pages": pages, "loaded_bytes": nbytes,
-        "memcpy_s": round(mc, 6),
-        "fused_s": round(best["fused"], 6), "torch_s": round(best["torch"], 6),
+        "pages": pages, "loaded_bytes": nbytes, "copy_threads": threads,
+        "memcpy_s": round(mc, 6), "memcpy_threads_s": round(mct, 6),
+        "fused_s": round(best["fused"], 6), "fused_one_thread_s": round(best["fused_one_thread"], 6),
+        "torch_s": round(best["torch"], 6),
         "fused_median_s": round(statistics.median(times["fused"]), 6),
+        "fused_one_thread_median_s": round(statistics.median(times["fused_one_thread"]), 6),
         "torch_median_s": round(statistics.median(times["torch"]), 6),
-        "ratio": round(best["fused"] / mc, 3), "torch_ratio": round(best["torch"] / mc, 3),
+        "ratio": round(best["fused"] / mc, 3), "ratio_vs_memcpy_threads": round(best["fused"] / mct, 3),
+        "one_thread_ratio": round(best["fused_one_thread"] / mc, 3), "torch_ratio": round(best["torch"] / mc, 3),
         "fused_available": original(worker.layout, next(iter(kv.values()))),
-        "baseline": "one numpy.copyto of loaded_bytes, same run; ratio = fused load / memcpy (best of repeats)",
+        "baseline": "memcpy_s: one numpy.copyto of loaded_bytes, same run; memcpy_threads_s: the same bytes copied "
+                    "in copy_threads parts side by side; ratio = fused load (copy_threads OpenMP threads, as in "
+                    "the engine) / memcpy_s, ratio_vs_memcpy_threads = fused / memcpy_threads_s, one_thread_ratio "
+                    "= fused on one thread / memcpy_s (best of repeats each)",
     }
+
+
+def timed_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor | None = None, parts: int = 1) -> float:
+    """Seconds for one copy of ``src`` into ``dst``: one ``numpy.copyto``, or (``pool``) split into
+    ``parts`` copied side by side on the pool's threads (numpy releases the GIL)."""
+    t0 = time.perf_counter()
+    if pool is None:
+        np.copyto(dst, src)
+    else:
+        bounds = np.linspace(0, len(src), parts + 1, dtype=np.int64)
+        list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]), range(parts)))
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,15 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, default="engine",
                    help="the CPU cache's block order: the one vLLM's kernel gives on this host (default), or "
                         "cpu_kt (vec ISA) / cpu_vnni (amx ISA, bf16 only) forced, to measure either anywhere")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's threads, as the engine sets them (default: one per core, as vLLM's CPU worker)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    result = run(pages=args.pages, repeat=args.repeat, dtype=args.dtype, layout=args.layout)
+    result = run(pages=args.pages, repeat=args.repeat, dtype=args.dtype, layout=args.layout, threads=args.threads)
     if args.json:
         print(json.dumps(result))
     else:
         print(f"{result['pages']} pages, {result['loaded_bytes'] / 1e6:.1f} MB, {result['dtype']}, "
               f"layout {result['layout']}: fused "
-              f"{result['fused_s'] * 1e3:.1f} ms = {result['ratio']:.2f} x memcpy ({result['memcpy_s'] * 1e3:.1f} ms); "
+              f"{result['fused_s'] * 1e3:.1f} ms on {result['copy_threads']} threads = {result['ratio']:.2f} x memcpy "
+              f"({result['memcpy_s'] * 1e3:.1f} ms), {result['ratio_vs_memcpy_threads']:.2f} x memcpy on "
+              f"{result['copy_threads']} threads ({result['memcpy_threads_s'] * 1e3:.1f} ms); on one thread "
+              f"{result['fused_one_thread_s'] * 1e3:.1f} ms = {result['one_thread_ratio']:.2f} x; "
               f"torch path {result['torch_s'] * 1e3:.1f} ms = {result['torch_ratio']:.2f} x")
     return 0
 

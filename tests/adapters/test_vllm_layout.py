@@ -147,7 +147,7 @@ def test_fused_cpu_copy_matches_the_torch_copy_and_sums_the_segment(layout: str,
     want = kv.clone()
     page = torch.from_numpy(segment).view(dtype).view(1, *lay.canonical_shape(n * bpp))
     lay.write_blocks(want, blocks, lay.pages_to_blocks(page, bpp)[skip:])
-    got = lay.copy_checked(lay.cache_bytes(kv), blocks, segment, skip)
+    got = lay.copy_checked(lay.cache_bytes(kv), [(segment, blocks, skip)])
     assert torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
-    assert got == page_sum.checksum(segment)
+    assert got == [page_sum.checksum(segment)]
     assert bool(kv[blocks].any()) and not bool(kv[[0, 1, 2]].any())       # only the page's blocks changed

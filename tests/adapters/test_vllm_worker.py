@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from pof_connector import page_sum
 from pof_connector.adapters.vllm import PoFConnector
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
-from pof_connector.adapters.vllm_worker import PoFWorker
+from pof_connector.adapters.vllm_worker import PoFWorker, shares_torch_openmp
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 
@@ -33,12 +34,32 @@ def make_worker(runtime_dir: str, overlap: bool | None = None) -> tuple[PoFWorke
     return worker, kv
 
 
-@pytest.fixture(params=[False, True], ids=["inline", "overlapped"])
+@pytest.fixture(params=["inline", "inline-threads", "overlapped"])
 def worker(runtime_dir: str, request: pytest.FixtureRequest) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
-    """A worker that copies loads on the forward's thread, or on a thread of its own."""
-    w, kv = make_worker(runtime_dir, overlap=request.param)
+    """A worker that copies loads on the forward's thread (alone, or on torch's two OpenMP
+    threads as in a vLLM CPU worker on two cores), or on a thread of its own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if request.param == "inline-threads" else 1)
+    try:
+        w, kv = make_worker(runtime_dir, overlap=request.param == "overlapped")
+    finally:
+        torch.set_num_threads(threads)
+    if request.param == "inline-threads" and page_sum.OPENMP:
+        assert w.copy_threads == 2          # the kernel runs on torch's own OpenMP runtime
+    else:
+        assert w.copy_threads == 1
     yield w, kv
     w.close()
+
+
+def test_the_kernel_shares_torchs_openmp_runtime() -> None:
+    """Built with OpenMP, the native kernel binds to the runtime torch loaded (one pool of
+    threads); the probe leaves torch's thread count as it was."""
+    if not page_sum.OPENMP:
+        pytest.skip("the native kernel was built without OpenMP here")
+    threads = torch.get_num_threads()
+    assert shares_torch_openmp()
+    assert torch.get_num_threads() == threads
 
 
 def step(worker: PoFWorker, kv: dict[str, torch.Tensor], meta: PoFConnectorMetadata) -> set[int]:

@@ -13,9 +13,11 @@ def test_the_load_bench_runs_both_paths_and_checks_the_blocks(dtype: str, page_b
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from pof_connector import page_sum
     from pof_connector.bench.vllm_load import run
 
-    result = run(pages=2, repeat=1, dtype=dtype)
+    result = run(pages=2, repeat=1, dtype=dtype, threads=2)
+    assert result["copy_threads"] == (2 if page_sum.OPENMP else 1)        # torch's own threads copy
     # the engine's own kernel decides the block order: K^T with the vec ISA, VNNI tiles with AMX
     # (bf16 on AMX CPUs); both take the fused native path, any other probed order torch copies
     isa = str(_get_attn_isa(getattr(torch, dtype), 128, 64, "auto"))
@@ -24,6 +26,7 @@ def test_the_load_bench_runs_both_paths_and_checks_the_blocks(dtype: str, page_b
     assert result["loaded_bytes"] == 2 * (page_bytes + 192)                          # KV + header
     assert result["dtype"] == f"torch.{dtype}"
     assert result["fused_s"] > 0 and result["torch_s"] > 0 and result["memcpy_s"] > 0
+    assert result["fused_one_thread_s"] > 0 and result["memcpy_threads_s"] > 0
     assert result["fused_available"] is fast
 
 
