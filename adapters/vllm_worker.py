@@ -22,6 +22,7 @@ which writes them on its own thread — the forward never waits for a tier.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -126,7 +127,7 @@ class PoFWorker:
                  self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
                  ", ".join(f"{t.medium}" for t in self.pool.tiers),
                  "overlapped with the forward" if self.overlap
-                 else f"on the forward's thread ({self.copy_threads} OpenMP threads copy)")
+                 else f"on the forward's thread, copied by {self.copy_threads} OpenMP thread(s)")
 
     # ---- loads ----------------------------------------------------------------------------------
 
@@ -327,12 +328,14 @@ def copy_threads(device: torch.device) -> int:
 
 
 def shares_torch_openmp() -> bool:
-    """Whether the native kernel's OpenMP runtime is torch's: a thread count set through torch is
-    seen by the kernel (for this thread; the count is restored)."""
-    threads = torch.get_num_threads()
-    probe = threads + 7                  # a count neither runtime would have by default
-    try:
-        torch.set_num_threads(probe)
-        return page_sum.openmp_max_threads() == probe
-    finally:
-        torch.set_num_threads(threads)
+    """Whether the native kernel's OpenMP runtime is the one torch's CPU library links: both
+    resolve ``omp_get_max_threads`` to the same function. (Read-only: vLLM's CPU worker forbids
+    changing torch's thread count once its threads are bound to cores.)"""
+    ours = page_sum.openmp_function()
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:        # already loaded by ``import torch``: RTLD_NOLOAD returns that copy, never a second one
+        torch_cpu = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        theirs = ctypes.cast(torch_cpu.omp_get_max_threads, ctypes.c_void_p).value
+    except (OSError, AttributeError):       # another build of torch, or one without OpenMP
+        return False
+    return ours != 0 and theirs == ours

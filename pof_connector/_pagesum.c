@@ -1019,22 +1019,22 @@ done:
     return out;
 }
 
-PyDoc_STRVAR(openmp_max_threads_doc,
-             "openmp_max_threads() -> int: omp_get_max_threads() of the OpenMP runtime this kernel is bound to, for "
-             "the calling thread (0 when built without OpenMP). Equal to torch.get_num_threads() after "
-             "torch.set_num_threads() on the same thread only when both use one runtime.");
+PyDoc_STRVAR(openmp_function_doc,
+             "openmp_function() -> int: the address omp_get_max_threads resolved to for this kernel (0 when built "
+             "without OpenMP). Another library that resolves it to the same address shares this OpenMP runtime, "
+             "and with it the pool of threads.");
 
-static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused)
+static PyObject *py_openmp_function(PyObject *self, PyObject *unused)
 {
 #ifdef _OPENMP
-    return PyLong_FromLong(omp_get_max_threads());
+    return PyLong_FromVoidPtr((void *)&omp_get_max_threads);
 #else
     return PyLong_FromLong(0);
 #endif
 }
 
 static PyMethodDef methods[] = {
-    {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS, openmp_max_threads_doc},
+    {"openmp_function", py_openmp_function, METH_NOARGS, openmp_function_doc},
     {"kt_copy_pages", py_kt_copy_pages, METH_VARARGS, kt_copy_pages_doc},
     {"checksums", py_checksums, METH_VARARGS, checksums_doc},
     {"copy_checksums", py_copy_checksums, METH_VARARGS, copy_checksums_doc},

@@ -156,10 +156,11 @@ def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[
     return result
 
 
-def openmp_max_threads() -> int:
-    """``omp_get_max_threads()`` of the OpenMP runtime the native kernel is bound to, for the
-    calling thread; 0 without one (see :data:`OPENMP`)."""
-    return int(_native.openmp_max_threads()) if _native is not None and OPENMP else 0
+def openmp_function() -> int:
+    """The address ``omp_get_max_threads`` resolved to for the native kernel: a library resolving
+    it to the same address shares the kernel's OpenMP runtime (and its threads); 0 without
+    OpenMP (see :data:`OPENMP`)."""
+    return int(_native.openmp_function()) if _native is not None and OPENMP else 0
 
 
 def torch_checksums(segments: Any) -> Any:

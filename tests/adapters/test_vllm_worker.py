@@ -14,7 +14,7 @@ from pof_connector import page_sum
 from pof_connector.adapters.vllm import PoFConnector
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
-from pof_connector.adapters.vllm_worker import PoFWorker, shares_torch_openmp
+from pof_connector.adapters.vllm_worker import PoFWorker, copy_threads, shares_torch_openmp
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 
@@ -52,14 +52,20 @@ def worker(runtime_dir: str, request: pytest.FixtureRequest) -> Iterator[tuple[P
     w.close()
 
 
-def test_the_kernel_shares_torchs_openmp_runtime() -> None:
+def test_the_kernel_shares_torchs_openmp_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
     """Built with OpenMP, the native kernel binds to the runtime torch loaded (one pool of
-    threads); the probe leaves torch's thread count as it was."""
+    threads); a kernel bound to another runtime is told apart (one thread copies then)."""
     if not page_sum.OPENMP:
         pytest.skip("the native kernel was built without OpenMP here")
-    threads = torch.get_num_threads()
     assert shares_torch_openmp()
-    assert torch.get_num_threads() == threads
+    monkeypatch.setattr(page_sum, "openmp_function", lambda: page_sum._native.openmp_function() + 16)
+    assert not shares_torch_openmp()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert copy_threads(torch.device("cpu")) == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def step(worker: PoFWorker, kv: dict[str, torch.Tensor], meta: PoFConnectorMetadata) -> set[int]:
