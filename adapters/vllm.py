@@ -190,9 +190,11 @@ class PoFConnector(KVConnectorBase_V1):
         delta = counter_delta(now, self._last_snapshot)
         self._last_snapshot = now
         latencies: list[float] = []
+        waits: list[float] = []
         if self._worker is not None:
             latencies, self._worker.load_latencies = self._worker.load_latencies, []
-        stats = PoFConnectorStats(data={"counters": delta, "load_seconds": latencies})
+            waits, self._worker.wait_seconds = self._worker.wait_seconds, []
+        stats = PoFConnectorStats(data={"counters": delta, "load_seconds": latencies, "wait_seconds": waits})
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -29,15 +29,18 @@ def counter_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, floa
 
 @dataclass
 class PoFConnectorStats(KVConnectorStats):
-    """``data = {"counters": {"loaded_pages{tier=cxl}": 3, ...}, "load_seconds": [0.01, ...]}``."""
+    """``data = {"counters": {"loaded_pages{tier=cxl}": 3, ...}, "load_seconds": [0.01, ...],
+    "wait_seconds": [0.008, ...]}``: a request's load from its start to the end of the forward it
+    ran in; the time the forward's thread spent in pof in a step that loaded."""
 
     def __post_init__(self) -> None:
         data: dict[str, Any] = self.data
         data.setdefault("counters", {})
         data.setdefault("load_seconds", [])
+        data.setdefault("wait_seconds", [])
 
     def reset(self) -> None:
-        fresh: dict[str, Any] = {"counters": {}, "load_seconds": []}
+        fresh: dict[str, Any] = {"counters": {}, "load_seconds": [], "wait_seconds": []}
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -45,7 +48,8 @@ class PoFConnectorStats(KVConnectorStats):
         theirs: dict[str, Any] = other.data
         for k, v in theirs.get("counters", {}).items():
             mine["counters"][k] = mine["counters"].get(k, 0) + v
-        mine["load_seconds"] = list(mine["load_seconds"]) + list(theirs.get("load_seconds", []))
+        for series in ("load_seconds", "wait_seconds"):
+            mine[series] = list(mine.get(series, [])) + list(theirs.get(series, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -59,10 +63,13 @@ class PoFConnectorStats(KVConnectorStats):
         if lat:
             out["pof_loads"] = len(lat)
             out["pof_load_ms_p50"] = round(lat[len(lat) // 2] * 1e3, 2)
+        waits = sorted(data.get("wait_seconds", []))
+        if waits:
+            out["pof_load_wait_ms_p50"] = round(waits[len(waits) // 2] * 1e3, 2)
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not self.data["load_seconds"]
+        return not self.data["counters"] and not self.data["load_seconds"] and not self.data.get("wait_seconds")
 
 
 class PoFPromMetrics(KVConnectorPromMetrics):
@@ -74,10 +81,16 @@ class PoFPromMetrics(KVConnectorPromMetrics):
                                     labelnames=[*labelnames, label])
             for name, label in EXPORTED.items()
         }
-        hist = self._histogram_cls(name="vllm:pof_load_seconds", documentation="pof: time to load one request's "
-                                   "pages from the pool", labelnames=labelnames,
-                                   buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5])
+        buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+        hist = self._histogram_cls(name="vllm:pof_load_seconds", documentation="pof: one request's load, from "
+                                   "opening its pages to the end of the forward they were copied in",
+                                   labelnames=labelnames, buckets=buckets)
         self._load_seconds = create_metric_per_engine(hist, per_engine_labelvalues)
+        wait = self._histogram_cls(name="vllm:pof_load_wait_seconds", documentation="pof: in a forward that "
+                                   "loaded pages, the time the forward's thread spent in pof (opening the pages, "
+                                   "the copies and checks it waited for, finishing)",
+                                   labelnames=labelnames, buckets=buckets)
+        self._wait_seconds = create_metric_per_engine(wait, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = self.per_engine_labelvalues[engine_idx]
@@ -88,3 +101,5 @@ class PoFPromMetrics(KVConnectorPromMetrics):
             self._counters[m.group(1)].labels(*base, m.group(3)).inc(value)
         for s in transfer_stats_data.get("load_seconds", []):
             self._load_seconds[engine_idx].observe(s)
+        for s in transfer_stats_data.get("wait_seconds", []):
+            self._wait_seconds[engine_idx].observe(s)

@@ -93,6 +93,8 @@ class PoFWorker:
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
         self.staging = StagingPool()
         self.load_latencies: list[float] = []
+        self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
+        self._waited = 0.0                    # ... so far in this step
 
     # ---- register_kv_caches --------------------------------------------------------------------
 
@@ -135,6 +137,7 @@ class PoFWorker:
         assert self.pool is not None
         if self._loader is not None:      # the last step's loads were never finished: report them first
             self._finish_loads()
+        t0 = time.perf_counter()
         for job in meta.loads:
             job = self._for_this_rank(job)
             reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
@@ -143,6 +146,7 @@ class PoFWorker:
             if self.overlap and self._load_thread is None:
                 self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pof-load")
             self._loader = LayerLoader(self._copy_layer, len(self.kv), self._load_thread if self.overlap else None)
+            self._waited = time.perf_counter() - t0
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
         """The scheduler planned with rank 0's keys and locations. Another TP rank (other heads) or
@@ -168,7 +172,9 @@ class PoFWorker:
         pages failed, for recompute)."""
         layer = self.layer_index.get(layer_name)
         if self._loader is not None and layer is not None:    # else: not a layer whose KV the pool holds
+            t0 = time.perf_counter()
             self._loader.wait(layer)
+            self._waited += time.perf_counter() - t0
 
     def _copy_layer(self, layer: int) -> None:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
@@ -196,6 +202,7 @@ class PoFWorker:
         report the blocks of every page that failed, for recompute. The loader's unexpected error
         is raised (the caller fails every load)."""
         loader, self._loader = self._loader, None
+        t0 = time.perf_counter()
         if loader is not None:
             loader.finish()
         for active in self._loads:
@@ -209,6 +216,8 @@ class PoFWorker:
                 self._tainted.add(job.req_id)
                 log.warning("pof: request %s: %d of %d pages failed to load; vLLM recomputes them",
                             job.req_id, len(failed), len(job.keys))
+        if loader is not None:
+            self.wait_seconds.append(self._waited + time.perf_counter() - t0)
         self._loads = []
 
     def take_load_errors(self) -> set[int]:

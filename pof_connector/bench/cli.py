@@ -227,6 +227,8 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
                       f"[bold]{result['overhead_ratio']:.2f}[/bold] x a memcpy of them ({result['memcpy_s']:.4f} s), "
                       f"{result['overhead_ratio_vs_memcpy_threads']:.2f} x one on {bench_vllm.ENGINE_THREADS} threads "
                       f"({result['memcpy_threads_s']:.4f} s)")
+            out.print(f"the forward's time in pof per load (vllm:pof_load_wait_seconds): {result['load_wait_s']:.4f} s "
+                      f"= [bold]{result['load_wait_ratio']:.2f}[/bold] x the memcpy")
     if "fabric" in result:
         out.print(f"fabric: B's TTFT from A's pool over NIXL / recompute [bold]{result['fabric']['ratio']:.4f}"
                   f"[/bold] ({result['fabric']['remote_pages_loaded']:.0f} remote pages loaded)")

@@ -52,6 +52,7 @@ from pof_connector.index.embedded import stop_embedded
 Progress = Callable[[str], None]
 HITS = "vllm:external_prefix_cache_hits_total"
 LOADED_BYTES = "vllm:pof_loaded_bytes_total"
+WAIT_SUM, WAIT_COUNT = "vllm:pof_load_wait_seconds_sum", "vllm:pof_load_wait_seconds_count"
 SETUPS = ("recompute", "pof", "example", "fabric")
 ENGINE_THREADS = len(os.sched_getaffinity(0))
 """vLLM's CPU worker runs one OpenMP thread per core it may use: the servers here get every core."""
@@ -67,7 +68,9 @@ NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without
         "memcpy_s = one numpy.copyto of loaded_bytes in this run; overhead_ratio = (pof_s - floor_s) / memcpy_s; "
         "memcpy_threads_s = the same bytes copied in as many parts side by side as the engine has threads (pof's "
         "load copies on the engine's OpenMP threads); overhead_ratio_vs_memcpy_threads = (pof_s - floor_s) / "
-        "memcpy_threads_s; "
+        "memcpy_threads_s; load_wait_s = mean time the forward's thread spent in pof in a step that loaded "
+        "(the server's vllm:pof_load_wait_seconds: opening the pages, the copies and checks it waited for), "
+        "load_wait_ratio = load_wait_s / memcpy_s: pof's own part of overhead_ratio, without the TTFT's noise; "
         "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - floor_s); "
         "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
         "vLLM's own prefix cache (the floor); pof_above_floor_paired_s = median over timed loads of (the load's TTFT "
@@ -112,7 +115,9 @@ def _time_server(name: str, server: VllmServer, prompts: list[list[int]], *, war
                      f"from the connector")
     if name == "pof":
         time.sleep(2.0)         # vLLM exports the worker's pof counters with its periodic stats
-        out["loaded_bytes"] = [server.metrics().get(LOADED_BYTES, 0.0)]
+        m = server.metrics()
+        out["loaded_bytes"] = [m.get(LOADED_BYTES, 0.0)]
+        out["wait_s"] = [m.get(WAIT_SUM, 0.0) / m[WAIT_COUNT] if m.get(WAIT_COUNT) else 0.0]
     return out
 
 
@@ -292,6 +297,8 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
         "memcpy_threads_s": round(memcpy_threads_s, 6),
         "overhead_ratio_vs_memcpy_threads": (round(above / memcpy_threads_s, 3)
                                              if memcpy_threads_s > 0 and loaded > 0 else None),
+        "load_wait_s": round(results["pof"]["wait_s"][0], 6),
+        "load_wait_ratio": round(results["pof"]["wait_s"][0] / memcpy_s, 3) if memcpy_s > 0 else None,
         "pof_vs_example_above_floor": (round(above / (med["example"] - floor), 3)
                                        if "example" in med and med["example"] > floor else None),
         "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,

@@ -93,7 +93,9 @@ def test_save_then_load_moves_blocks_exactly(worker: Any) -> None:
     lookup = w.pool.lookup(keys)
     assert lookup.pages == 2
     load = LoadJob("r2", keys, lookup.sources, [[10, 11], [12, 13]], skip_blocks=1)
+    assert w.wait_seconds == []                         # the save's step loaded nothing: no wait recorded
     assert step(w, kv, PoFConnectorMetadata(loads=[load])) == set()
+    assert len(w.wait_seconds) == 1 and 0 < w.wait_seconds[0] < 5       # one step loaded
     for name in kv:
         assert torch.count_nonzero(kv[name][10]) == 0                       # the skipped head block
         assert torch.equal(kv[name][11], original[name][4])

@@ -17,7 +17,7 @@ def results() -> dict[str, dict[str, list[object]]]:
         # two prompts x two repeats: each load, then the same prompt as an engine prefix-cache hit
         "pof": {"ttft": [1.00, 1.30, 1.10, 1.20], "engine_hit": [0.98, 1.29, 1.07, 1.18], "cold": [15.0, 16.0],
                 "answers": answers, "hits": [5888] * 4, "loaded_bytes": [100_000_000], "memcpy_s": [0.01],
-                "memcpy_threads_s": [0.005]},
+                "memcpy_threads_s": [0.005], "wait_s": [0.012]},
         "example": {"ttft": [1.2, 1.3, 1.25, 1.35], "engine_hit": [1, 1, 1, 1], "cold": [15.0, 16.0],
                     "answers": answers, "hits": [5888] * 4},
     }
@@ -30,6 +30,7 @@ def test_the_paired_figure_is_the_median_of_each_load_minus_its_own_floor() -> N
     assert out["pof_s"] == pytest.approx(1.15)
     assert out["overhead_ratio"] == pytest.approx(2.5)
     assert out["overhead_ratio_vs_memcpy_threads"] == pytest.approx(5.0)
+    assert out["load_wait_s"] == pytest.approx(0.012) and out["load_wait_ratio"] == pytest.approx(1.2)
     assert out["ttft_runs_s"]["engine_prefix_cache"] == [0.98, 1.29, 1.07, 1.18]
 
 
