@@ -1056,13 +1056,7 @@ PyMODINIT_FUNC PyInit__pagesum(void)
         sum_blocks = sum_blocks_avx2;
 #endif
     PyObject *m = PyModule_Create(&module);
-#ifdef _OPENMP
-    int openmp = 1;
-#else
-    int openmp = 0;
-#endif
-    if (m != NULL && (PyModule_AddStringConstant(m, "KERNEL", sum_blocks == sum_blocks_generic ? "generic" : "avx2") < 0
-                      || PyModule_AddIntConstant(m, "OPENMP", openmp) < 0)) {
+    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", sum_blocks == sum_blocks_generic ? "generic" : "avx2") < 0) {
         Py_DECREF(m);
         return NULL;
     }

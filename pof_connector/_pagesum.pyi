@@ -3,7 +3,6 @@ from collections.abc import Sequence
 from typing import Any
 
 KERNEL: str
-OPENMP: int
 
 def checksums(buf: Any, segment_bytes: int, /) -> tuple[int, ...]: ...
 def copy_checksums(dst: Any, src: Any, segment_bytes: int, head: int = 0, /) -> tuple[int, ...]: ...

@@ -45,7 +45,7 @@ except ImportError:       # built without a C compiler, or a source checkout wit
     _native = None
 NATIVE: str | None = None if _native is None else _native.KERNEL
 """The native kernel in use ("avx2" or "generic"); ``None``: the numpy fallback."""
-OPENMP: bool = bool(getattr(_native, "OPENMP", 0))
+OPENMP: bool = _native is not None and hasattr(_native, "openmp_function") and _native.openmp_function() != 0
 """Whether the native kernel was built with OpenMP (:func:`kt_copy_pages` can use several threads)."""
 
 
