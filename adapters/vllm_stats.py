@@ -49,7 +49,7 @@ class PoFConnectorStats(KVConnectorStats):
         for k, v in theirs.get("counters", {}).items():
             mine["counters"][k] = mine["counters"].get(k, 0) + v
         for series in ("load_seconds", "wait_seconds"):
-            mine[series] = list(mine.get(series, [])) + list(theirs.get(series, []))
+            mine[series] = list(mine[series]) + list(theirs.get(series, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -63,13 +63,13 @@ class PoFConnectorStats(KVConnectorStats):
         if lat:
             out["pof_loads"] = len(lat)
             out["pof_load_ms_p50"] = round(lat[len(lat) // 2] * 1e3, 2)
-        waits = sorted(data.get("wait_seconds", []))
+        waits = sorted(data["wait_seconds"])
         if waits:
             out["pof_load_wait_ms_p50"] = round(waits[len(waits) // 2] * 1e3, 2)
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not self.data["load_seconds"] and not self.data.get("wait_seconds")
+        return not self.data["counters"] and not self.data["load_seconds"] and not self.data["wait_seconds"]
 
 
 class PoFPromMetrics(KVConnectorPromMetrics):
