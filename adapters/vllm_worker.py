@@ -52,6 +52,11 @@ class _ActiveLoad:
     job: LoadJob
     reader: PageReader
     started: float = field(default_factory=time.perf_counter)
+    targets: list[tuple[list[int], int]] = field(init=False)
+    """Per page: the blocks it writes and how many of its leading blocks it skips (the engine's own)."""
+
+    def __post_init__(self) -> None:
+        self.targets = [(self.job.blocks_to_load(i), self.job.first_block(i)) for i in range(self.readable)]
 
     @property
     def readable(self) -> int:
@@ -180,15 +185,16 @@ class PoFWorker:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
+        if lay.can_copy_checked(kv):      # convert, copy and checksum in one pass; the check re-reads nothing
+            per_load = [(active, active.reader.segments(layer)) for active in self._loads]
+            # first_block: the first page's head blocks are the engine's own
+            todo = [(seg, *active.targets[i]) for active, segs in per_load for i, seg in segs]
+            sums = iter(lay.copy_checked(lay.cache_bytes(kv), todo, self.copy_threads))
+            for active, segs in per_load:
+                active.reader.check_all(layer, [(i, next(sums)) for i, _ in segs])
+            return
         pages = [(active, i, seg) for active in self._loads for i in range(active.readable)
                  if (seg := active.reader.segment(i, layer)) is not None]
-        if lay.can_copy_checked(kv):      # convert, copy and checksum in one pass; the check re-reads nothing
-            # first_block: the first page's head blocks are the engine's own
-            todo = [(seg, active.job.blocks_to_load(i), active.job.first_block(i)) for active, i, seg in pages]
-            sums = lay.copy_checked(lay.cache_bytes(kv), todo, self.copy_threads)
-            for (active, i, _), checksum in zip(pages, sums, strict=True):
-                active.reader.check(i, layer, checksum)
-            return
         for active, i, seg in pages:
             job = active.job
             page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))

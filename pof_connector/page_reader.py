@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -131,6 +132,36 @@ class PageReader:
         tier, ref, _, _ = entry
         return tier.segment_view(ref, layer)
 
+    def segments(self, layer: int) -> list[tuple[int, np.ndarray]]:
+        """``(page, segment)`` of every page not failed: :meth:`segment` for a whole layer at once
+        (a step's load reads hundreds of segments; this spares a call per segment)."""
+        out: list[tuple[int, np.ndarray]] = []
+        failed, remote = self.failed, self._remote_at
+        for i, entry in enumerate(self._pages):
+            if i in failed:
+                continue
+            if i in remote:
+                seg = self.segment(i, layer)
+                if seg is not None:
+                    out.append((i, seg))
+            elif entry is not None:
+                out.append((i, entry[0].segment_view(entry[1], layer)))
+        return out
+
+    def check_all(self, layer: int, copied: Sequence[tuple[int, int]]) -> None:
+        """:meth:`check` of each ``(page, checksum)`` the caller's fused copy computed: pages that
+        fail land in :attr:`failed`."""
+        pages, failed = self._pages, self.failed
+        for page, got in copied:
+            entry = pages[page]
+            if entry is None or page in failed:
+                continue
+            tier, ref, header, pinned = entry
+            try:
+                tier.check_segment(ref, header, layer, got)
+            except PageError as e:
+                self._fail(page, e, (ref, pinned))
+
     def check(self, page: int, layer: int, copied: int | None = None) -> bool:
         """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?
         ``copied``: the format-v2 checksum a fused copy computed over the bytes it read
@@ -180,6 +211,7 @@ class PageReader:
                     self._fail(i, PageError("aborted", "closed before all its layers were read"))
             self._remote.close()      # cancels what is still in flight, frees the staging
             self._remote = None
+        loaded: dict[str, int] = {}
         for i, entry in enumerate(self._pages):
             if entry is None:
                 continue
@@ -187,7 +219,9 @@ class PageReader:
             if pinned:
                 tier.unpin(ref.slot)
             if i not in self.failed:
-                self._source.stats.add("loaded_pages", tier=tier.medium)
-                self._source.stats.add("loaded_bytes", spec.page_bytes, tier=tier.medium)
+                loaded[tier.medium] = loaded.get(tier.medium, 0) + 1
+        for medium, n in loaded.items():
+            self._source.stats.add("loaded_pages", n, tier=medium)
+            self._source.stats.add("loaded_bytes", n * spec.page_bytes, tier=medium)
         self._pages = [None] * len(self._pages)
         self._source.stats.add("load_seconds", time.perf_counter() - self._started)

@@ -346,6 +346,40 @@ def test_zero_copy_reader_checks_what_was_copied(pool: Pool) -> None:
     assert pool.stats.get("loaded_pages") == 2 and pool.lookup(keys).pages == 2   # the corrupt page was dropped
 
 
+def test_zero_copy_reader_reads_and_checks_a_whole_layer_at_once(pool: Pool) -> None:
+    """``segments`` / ``check_all`` (a layer of every page per call, as the vLLM worker's fused
+    copy uses them) give and check what ``segment`` / ``check`` do page by page."""
+    from pof_connector import page_sum
+    keys = pool.keys_for(np.arange(16 * 4))
+    pool.store([(k, content(k)) for k in keys]).result()
+    reader = pool.open_read(keys, pool.lookup(keys).sources)
+    tier = pool.tiers[0]
+    for layer in range(SPEC.num_layers):
+        segs = reader.segments(layer)
+        assert [i for i, _ in segs] == [i for i in range(4) if i not in reader.failed]
+        for i, seg in segs:
+            assert seg.tobytes() == content(keys[i])[layer].tobytes()
+            assert np.shares_memory(seg, tier.region)           # in place: zero-copy
+        sums = [(i, page_sum.checksum(seg)) for i, seg in segs]
+        if layer == 1:
+            sums[0] = (sums[0][0], sums[0][1] ^ 1)             # page 0's copy read other bytes
+            victim = tier.find(keys[3])
+            assert victim is not None
+            tier._set_live_generation(victim.slot, 0)          # page 3's slot is being rewritten
+        reader.check_all(layer, sums)
+    assert reader.failed == {0: "bad_checksum", 3: "stale_generation"}
+    reader.close()
+    assert pool.stats.get("loaded_pages") == 2 and pool.stats.get("loaded_bytes") == 2 * SPEC.page_bytes
+
+
+def test_a_segment_of_a_slot_outside_the_tier_is_refused(pool: Pool) -> None:
+    from pof_connector.pages import PageError
+    tier = pool.tiers[0]
+    for slot in (-1, tier.num_slots):
+        with pytest.raises(PageError, match="bad_location"):
+            tier.segment_view(SlotRef(slot, 1), 0)
+
+
 def test_zero_copy_reader_rejects_a_slot_rewritten_mid_read(pool: Pool) -> None:
     keys = pool.keys_for(np.arange(16 * 2))
     pool.store([(k, content(k)) for k in keys[:1]]).result()

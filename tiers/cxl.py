@@ -152,7 +152,7 @@ class CxlTier(Tier):
         self._release_fd()
         self._region = np.empty(0, dtype=np.uint8)
         self._generations = np.empty(0, dtype=np.uint64)
-        self._bytes = self._words = None       # views of the mapping: it closes only without them
+        self._bytes = self._words = self._segments = None    # views of the mapping: it closes only without them
         try:
             self._mm.close()
         except BufferError:   # a caller still holds a view; the mapping goes with it
