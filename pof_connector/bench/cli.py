@@ -377,9 +377,11 @@ def add_parser(sub: Any) -> None:
     vllm.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'bench' model)")
     vllm.add_argument("--prompt-tokens", type=int, default=6000, help="tokens per prompt (default 6000)")
     vllm.add_argument("--prompts", type=int, default=3, help="distinct prompts timed per server (default 3)")
-    vllm.add_argument("--repeats", type=int, default=3,
+    # A TTFT here varies by +-10 ms from request to request, as much as a load adds: the medians
+    # need tens of pairs, which cost ~1 s each (the recomputes dominate the bench's time).
+    vllm.add_argument("--repeats", type=int, default=10,
                       help="timed loads per prompt on the connector servers, each followed by the same prompt as a "
-                           "hit in vLLM's own prefix cache (the floor), alternating (default 3)")
+                           "hit in vLLM's own prefix cache (the floor), alternating (default 10)")
     vllm.add_argument("--dtype", default="float32",
                       help="model dtype (default float32: bf16 is emulated, and slow, on CPUs without AVX512-BF16)")
     vllm.add_argument("--block-size", type=int, default=128, help="vLLM block size = page size (default 128)")
