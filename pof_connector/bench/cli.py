@@ -229,6 +229,10 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
                       f"({result['memcpy_threads_s']:.4f} s)")
             out.print(f"the forward's time in pof per load (vllm:pof_load_wait_seconds): {result['load_wait_s']:.4f} s "
                       f"= [bold]{result['load_wait_ratio']:.2f}[/bold] x the memcpy")
+            if result.get("pof_vs_example_above_floor") is not None:
+                out.print(f"ExampleConnector +{result['load_overhead_s']['example']:.3f} s above its own server's hit "
+                          f"({result['example_floor_s']:.3f} s): pof / ExampleConnector above the floor "
+                          f"[bold]{result['pof_vs_example_above_floor']:.2f}[/bold]")
     if "fabric" in result:
         out.print(f"fabric: B's TTFT from A's pool over NIXL / recompute [bold]{result['fabric']['ratio']:.4f}"
                   f"[/bold] ({result['fabric']['remote_pages_loaded']:.0f} remote pages loaded)")

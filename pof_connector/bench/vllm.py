@@ -13,7 +13,9 @@ Two more figures bound the result. ``recompute_with_pof``: the connector servers
 pass is timed too (vLLM with a connector configured prefills faster on this CPU than without
 one, so the ratio uses the faster recompute of the two). ``engine_prefix_cache``: the same
 prompt once more on the pof server, now a hit in vLLM's own prefix cache — the floor no
-connector can beat, since vLLM still computes the prompt's last partial block.
+connector can beat, since vLLM still computes the prompt's last partial block. The example
+server times the same hit after each of its loads, and each connector's overhead is read
+against its own server's floor (the servers run minutes apart).
 
 ``fabric`` (``--fabric``): two pof servers A and B run side by side, each with its own CPU DRAM
 tier, sharing only the index; their pools are connected through NIXL (UCX over TCP on loopback,
@@ -71,10 +73,12 @@ NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without
         "memcpy_threads_s; load_wait_s = mean time the forward's thread spent in pof in a step that loaded "
         "(the server's vllm:pof_load_wait_seconds: opening the pages, the copies and checks it waited for), "
         "load_wait_ratio = load_wait_s / memcpy_s: pof's own part of overhead_ratio, without the TTFT's noise; "
-        "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - floor_s); "
-        "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = TTFT above a hit in "
-        "vLLM's own prefix cache (the floor); pof_above_floor_paired_s = median over timed loads of (the load's TTFT "
-        "- the floor timed right after it), less sensitive to a busy machine than "
+        "example_floor_s = the same hit on the example server, timed right after each of its loads; "
+        "pof_vs_example_above_floor = (pof_s - floor_s) / (example_s - example_floor_s): each connector against "
+        "the floor of its own server, timed in the same moments as its loads (servers run minutes apart); "
+        "pof_vs_example = median pof TTFT / median ExampleConnector TTFT; load_overhead_s = each connector's "
+        "median TTFT above its own server's floor; pof_above_floor_paired_s = median over timed loads of (the "
+        "load's TTFT - the floor timed right after it), less sensitive to a busy machine than "
         "the difference of medians; fabric.ratio = median TTFT of B served from A's pool over NIXL / "
         "median recompute of the same prompts by A (the pair runs side by side, each server on half of the "
         "cores, as two hosts would); servers run one at a time (the fabric pair together) with the same flags; "
@@ -281,10 +285,15 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
                 "prompt_tokens": prompt_tokens, "prompts": prompts, "model": str(model_dir), "dtype": dtype,
                 "block_size": block_size, "note": NOTE}
     floor = med["engine_prefix_cache"]
+    # Each connector against its own server's floor, timed in the same moments as its loads:
+    # the servers run minutes apart, and this host's TTFTs drift by more than a load between them.
+    floors = {name: statistics.median(results[name]["engine_hit"]) for name in ("pof", "example")
+              if name in results and results[name]["engine_hit"]}
+    overheads = {name: med[name] - f for name, f in floors.items()}
     loaded = results["pof"]["loaded_bytes"][0]
     memcpy_s = results["pof"]["memcpy_s"][0]
     memcpy_threads_s = results["pof"]["memcpy_threads_s"][0]
-    above = med["pof"] - floor
+    above = overheads["pof"]          # = pof_s - floor_s
     return {
         **out,
         "ratio": round(med["pof"] / recompute, 4),
@@ -299,16 +308,18 @@ def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, promp
                                              if memcpy_threads_s > 0 and loaded > 0 else None),
         "load_wait_s": round(results["pof"]["wait_s"][0], 6),
         "load_wait_ratio": round(results["pof"]["wait_s"][0] / memcpy_s, 3) if memcpy_s > 0 else None,
-        "pof_vs_example_above_floor": (round(above / (med["example"] - floor), 3)
-                                       if "example" in med and med["example"] > floor else None),
+        "example_floor_s": round(floors["example"], 4) if "example" in floors else None,
+        "pof_vs_example_above_floor": (round(above / overheads["example"], 3)
+                                       if overheads.get("example", 0) > 0 else None),
         "pof_vs_example": round(med["pof"] / med["example"], 3) if "example" in med else None,
         "ttft_s": {name: round(v, 4) for name, v in med.items()},
         "ttft_runs_s": {**{name: [round(x, 4) for x in r["ttft"]] for name, r in results.items()},
-                        "engine_prefix_cache": [round(x, 4) for x in results["pof"]["engine_hit"]]},
+                        "engine_prefix_cache": [round(x, 4) for x in results["pof"]["engine_hit"]],
+                        **({"example_engine_prefix_cache": [round(x, 4) for x in results["example"]["engine_hit"]]}
+                           if "example" in results else {})},
         "pof_above_floor_paired_s": round(statistics.median(
             t - f for t, f in zip(results["pof"]["ttft"], results["pof"]["engine_hit"], strict=True)), 4),
-        "load_overhead_s": {name: round(med[name] - med["engine_prefix_cache"], 4)
-                            for name in ("pof", "example") if name in med},
+        "load_overhead_s": {name: round(v, 4) for name, v in overheads.items()},
         "pool_tokens": results["pof"]["hits"],
         "example_tokens": results["example"]["hits"] if "example" in results else None,
         "prompt_tokens": prompt_tokens,

@@ -34,6 +34,21 @@ def test_the_paired_figure_is_the_median_of_each_load_minus_its_own_floor() -> N
     assert out["ttft_runs_s"]["engine_prefix_cache"] == [0.98, 1.29, 1.07, 1.18]
 
 
+def test_each_connector_is_read_against_its_own_servers_floor() -> None:
+    """ExampleConnector's overhead comes from its own server's hits, timed in the same moments as
+    its loads, not from the pof server's run minutes earlier (this host drifts between them)."""
+    r = results()
+    r["example"]["engine_hit"] = [1.20, 1.26, 1.22, 1.30]          # a slower stretch than pof's
+    out = bench_vllm._summary(r, 6000, 2, Path("m"), "float32", 128)
+    assert out["example_floor_s"] == pytest.approx(1.24)
+    assert out["load_overhead_s"]["example"] == pytest.approx(1.275 - 1.24)
+    assert out["load_overhead_s"]["pof"] == pytest.approx(1.15 - 1.125)
+    assert out["pof_vs_example_above_floor"] == pytest.approx(0.025 / 0.035, abs=1e-3)
+    assert out["ttft_runs_s"]["example_engine_prefix_cache"] == [1.20, 1.26, 1.22, 1.30]
+    r["example"]["engine_hit"] = [1.3] * 4                           # no time above its floor: no ratio
+    assert bench_vllm._summary(r, 6000, 2, Path("m"), "float32", 128)["pof_vs_example_above_floor"] is None
+
+
 def test_answers_that_differ_from_the_recompute_fail_the_bench() -> None:
     r = results()
     r["pof"]["answers"] = [[7], [9]]
