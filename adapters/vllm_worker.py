@@ -185,23 +185,22 @@ class PoFWorker:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
         lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
+        per_load = [(active, active.reader.segments(layer)) for active in self._loads]
         if lay.can_copy_checked(kv):      # convert, copy and checksum in one pass; the check re-reads nothing
-            per_load = [(active, active.reader.segments(layer)) for active in self._loads]
-            # first_block: the first page's head blocks are the engine's own
+            # targets: the blocks each page writes, after the first page's head blocks (the engine's own)
             todo = [(seg, *active.targets[i]) for active, segs in per_load for i, seg in segs]
             sums = iter(lay.copy_checked(lay.cache_bytes(kv), todo, self.copy_threads))
             for active, segs in per_load:
                 active.reader.check_all(layer, [(i, next(sums)) for i, _ in segs])
             return
-        pages = [(active, i, seg) for active in self._loads for i in range(active.readable)
-                 if (seg := active.reader.segment(i, layer)) is not None]
-        for active, i, seg in pages:
-            job = active.job
-            page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
-            # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
-            # so the check below covers what the engine received, and the tier may reuse the source.
-            lay.write_blocks(kv, job.blocks_to_load(i), lay.pages_to_blocks(page, bpp)[job.first_block(i):])
-            active.reader.check(i, layer)          # after the copy: were those bytes the page's?
+        for active, segs in per_load:
+            for i, seg in segs:
+                blocks, skip = active.targets[i]
+                page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
+                # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
+                # so the check below covers what the engine received, and the tier may reuse the source.
+                lay.write_blocks(kv, blocks, lay.pages_to_blocks(page, bpp)[skip:])
+                active.reader.check(i, layer)          # after the copy: were those bytes the page's?
 
     def _finish_loads(self) -> None:
         """After the forward: wait for the loader (the layers the engine did not ask for too), then

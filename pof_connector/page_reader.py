@@ -148,9 +148,9 @@ class PageReader:
                 out.append((i, entry[0].segment_view(entry[1], layer)))
         return out
 
-    def check_all(self, layer: int, copied: Sequence[tuple[int, int]]) -> None:
-        """:meth:`check` of each ``(page, checksum)`` the caller's fused copy computed: pages that
-        fail land in :attr:`failed`."""
+    def check_all(self, layer: int, copied: Sequence[tuple[int, int | None]]) -> None:
+        """:meth:`check` of each ``(page, checksum)`` (a whole layer at once, after a fused copy):
+        pages that fail land in :attr:`failed`."""
         pages, failed = self._pages, self.failed
         for page, got in copied:
             entry = pages[page]
@@ -166,16 +166,8 @@ class PageReader:
         """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?
         ``copied``: the format-v2 checksum a fused copy computed over the bytes it read
         (:mod:`pof_connector.page_sum`), so they are not read a second time; ``None``: summed here."""
-        entry = self._pages[page]
-        if entry is None or page in self.failed:
-            return False
-        tier, ref, header, pinned = entry
-        try:
-            tier.check_segment(ref, header, layer, copied)
-        except PageError as e:
-            self._fail(page, e, (ref, pinned))
-            return False
-        return True
+        self.check_all(layer, [(page, copied)])
+        return self._pages[page] is not None and page not in self.failed
 
     def _resolve_remote(self, page: int, layer: int) -> bool:
         """Wait for ``layer`` of remote page ``page``; False when the page failed (by now)."""
