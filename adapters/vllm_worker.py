@@ -8,9 +8,10 @@ copied bytes' checksum and the slot's generation. ``wait_layer(l)``, called righ
 engine whose threads leave a core idle) the loader runs on a thread of its own, so layer
 ``l + 1`` is copied while the engine computes layer ``l``; where the forward keeps every core
 busy (vLLM on the CPU, by default), it copies each layer right before the engine reads it, on
-the forward's thread and torch's own OpenMP threads, which idle meanwhile (one native call per
-layer copies its pages side by side: one core does not fill the memory bandwidth) — measured, a
-copy thread of its own there stalls the engine's OpenMP threads for longer than the copy takes.
+the forward's thread and the native kernel's helper threads on the cores torch's threads leave
+idle meanwhile (one native call per layer copies its pages side by side: one core does not fill
+the memory bandwidth) — measured, a copy overlapping the forward there stalls the engine's
+OpenMP threads for longer than the copy takes.
 One copy per byte, no staging buffer. Pages that fail are
 reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
 loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
@@ -22,7 +23,6 @@ which writes them on its own thread — the forward never waits for a tier.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -92,7 +92,7 @@ class PoFWorker:
         self._loader: LayerLoader | None = None      # copying this step's loads
         self._load_thread: ThreadPoolExecutor | None = None
         self.overlap = overlap
-        self.copy_threads = 1       # OpenMP threads copying a layer's pages side by side (set by register)
+        self.copy_threads = 1       # threads copying a layer's pages side by side (set by register)
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
@@ -134,7 +134,7 @@ class PoFWorker:
                  self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
                  ", ".join(f"{t.medium}" for t in self.pool.tiers),
                  "overlapped with the forward" if self.overlap
-                 else f"on the forward's thread, copied by {self.copy_threads} OpenMP thread(s)")
+                 else f"on the forward's thread, copied by {self.copy_threads} thread(s)")
 
     # ---- loads ----------------------------------------------------------------------------------
 
@@ -210,6 +210,7 @@ class PoFWorker:
         t0 = time.perf_counter()
         if loader is not None:
             loader.finish()
+        page_sum.settle()         # no copy helper still writes from a slot before the readers unpin them
         for active in self._loads:
             active.reader.close()
             job = active.job
@@ -244,6 +245,7 @@ class PoFWorker:
         loader, self._loader = self._loader, None
         if loader is not None:
             loader.cancel()          # the thread stops reading before the readers close
+        page_sum.settle()
         self.fail_jobs([a.job for a in self._loads])
         for active in self._loads:
             active.reader.close()
@@ -331,25 +333,10 @@ def core_to_spare(device: torch.device) -> bool:
 
 def copy_threads(device: torch.device) -> int:
     """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
-    CPU engine, torch's own OpenMP threads (they idle while the forward waits, and one core does
-    not fill the memory bandwidth), where the native kernel shares torch's OpenMP runtime; else
-    one. (A runtime of its own would start threads that fight torch's spinning ones for the same
-    cores.)"""
-    if device.type != "cpu" or not page_sum.OPENMP:
+    CPU engine, as many as torch computes with (their cores idle while the forward waits, and one
+    core does not fill the memory bandwidth): the caller and the native kernel's own helpers
+    (:func:`pof_connector.page_sum.kt_copy_pages`), which never hold the caller up when the OS
+    gives their core to another process; else one."""
+    if device.type != "cpu" or page_sum.NATIVE is None:
         return 1
-    threads = torch.get_num_threads()
-    return threads if threads > 1 and shares_torch_openmp() else 1
-
-
-def shares_torch_openmp() -> bool:
-    """Whether the native kernel's OpenMP runtime is the one torch's CPU library links: both
-    resolve ``omp_get_max_threads`` to the same function. (Read-only: vLLM's CPU worker forbids
-    changing torch's thread count once its threads are bound to cores.)"""
-    ours = page_sum.openmp_function()
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:        # already loaded by ``import torch``: RTLD_NOLOAD returns that copy, never a second one
-        torch_cpu = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        theirs = ctypes.cast(torch_cpu.omp_get_max_threads, ctypes.c_void_p).value
-    except (OSError, AttributeError):       # another build of torch, or one without OpenMP
-        return False
-    return ours != 0 and theirs == ours
+    return max(1, torch.get_num_threads())

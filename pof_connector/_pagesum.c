@@ -10,13 +10,17 @@
  * cross the memory bus once and the arithmetic hides behind the memory traffic. The GIL is
  * released around large calls.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE           /* CPU_SET and pthread_setaffinity_np, for the copy crew's threads */
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <time.h>
 
 #define MIX 0x9E3779B97F4A7C16ULL   /* 2 x odd: see page_sum.py for why */
 #define LANES 16                     /* 32-bit words per block: 64 bytes, one cache line */
@@ -893,8 +897,8 @@ PyDoc_STRVAR(kt_copy_pages_doc,
              "block_tokens * head_dim]: K^T then V per head; with vnni, the amx ISA's bf16 tiles, which need "
              "itemsize 2 and block_tokens and head_dim multiples of 16), and return the checksum of each whole src, "
              "summed as it is copied. "
-             "threads > 1 copies pages in parallel on OpenMP's threads (in a torch process: torch's own pool, "
-             "when both use one OpenMP runtime).");
+             "threads > 1: up to threads - 1 helper threads copy pages alongside the caller; a helper that is not "
+             "running when the call starts is not waited for (see crew_run).");
 
 typedef struct {
     Py_buffer src;
@@ -923,7 +927,7 @@ static int parse_page(PyObject *item, page_job *job, unsigned char *cache, size_
         goto fail;
     }
     job->skip = (size_t)skip;
-    job->dst = PyMem_Malloc((count ? count : 1) * sizeof(unsigned char *));
+    job->dst = PyMem_RawMalloc((count ? count : 1) * sizeof(unsigned char *));
     if (job->dst == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -942,100 +946,403 @@ static int parse_page(PyObject *item, page_job *job, unsigned char *cache, size_
     return 0;
 fail:
     Py_XDECREF(ids);
-    PyMem_Free(job->dst);
+    PyMem_RawFree(job->dst);
     job->dst = NULL;
     PyBuffer_Release(&job->src);
     return -1;
 }
 
+/* ---- the copy crew ---------------------------------------------------------------------------
+ *
+ * One core does not fill the memory bandwidth, so kt_copy_pages copies pages side by side on
+ * helper threads. Unlike an OpenMP loop, the caller never waits for a helper the OS is not
+ * running: each page goes to whoever claims it first, and a page a helper claimed but has not
+ * finished soon after the caller ran out of pages is copied again by the caller (the same bytes
+ * from the same source into the same blocks). On a busy host, where another process takes a
+ * core for milliseconds at a time, an OpenMP barrier waited for that core's thread (measured in
+ * vLLM: a layer's copy of 1 ms stalled for 5-14 ms); here the caller copies the rest itself.
+ *
+ * A helper that was descheduled mid-page may still write that page's (identical) bytes after the
+ * call returned, so a call's pages, buffers and block lists stay alive until its helpers left
+ * it ("retired" calls), and settle() waits for that: a caller must settle before the source
+ * pages may change (the vLLM worker does before it unpins them). Helpers sleep between calls and
+ * run on the cores other than the first caller's own (a CPU engine pins its forward thread). */
+
+#define CREW_MAX 64
+
+enum { PAGE_FREE, PAGE_HELPER, PAGE_HELPER_DONE, PAGE_CALLER, PAGE_CALLER_DONE };
+
+typedef struct copy_task {
+    Py_buffer cache;
+    page_job *jobs;
+    Py_ssize_t held;                 /* jobs parsed: their buffers are held */
+    Py_ssize_t n;
+    size_t N, H, D, isz;
+    int vnni;
+    uint64_t *sums;                  /* the caller's result */
+    uint64_t *hsums;                 /* a helper's sum of a page, written before it marks it done */
+    _Atomic unsigned char *state;    /* per page: PAGE_* */
+    _Atomic Py_ssize_t next;         /* the next page nobody claimed yet */
+    int inside;                      /* helpers working on it; under crew_mu */
+    struct copy_task *retired_next;  /* under crew_mu */
+} copy_task;
+
+static pthread_mutex_t crew_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t crew_wake = PTHREAD_COND_INITIALIZER;   /* a call to join */
+static pthread_cond_t crew_left = PTHREAD_COND_INITIALIZER;   /* a helper left a call */
+static int crew_size;                /* helpers started */
+static uint32_t crew_gen;            /* bumped per call */
+static copy_task *crew_task;         /* the call helpers may join, or NULL */
+static copy_task *crew_retired;      /* calls that returned while a helper was inside */
+static _Atomic int crew_nretired;    /* how many: read without the lock, to skip crew_reap */
+static atomic_flag crew_busy = ATOMIC_FLAG_INIT;   /* a caller holds the crew */
+static _Atomic long long crew_helped, crew_stolen;  /* pages copied by helpers / copied again by callers */
+static long crew_stall_us;           /* fault injection (POF_CREW_STALL_US): a helper sleeps this long per page */
+
+static uint64_t copy_item(const copy_task *t, Py_ssize_t i)
+{
+    const page_job *job = &t->jobs[i];
+    uint64_t sum = kt_copy_page(job->src.buf, (size_t)job->src.len, job->dst, job->skip, t->N, t->H, t->D, t->isz,
+                                t->vnni);
+#ifdef HAVE_AVX2_PATH
+    _mm_sfence();      /* the streamed lines are visible before the page counts as done */
+#endif
+    return sum;
+}
+
+static int take(copy_task *t, Py_ssize_t i, unsigned char from, unsigned char to)
+{
+    unsigned char expect = from;
+    return atomic_compare_exchange_strong_explicit(&t->state[i], &expect, to, memory_order_acq_rel,
+                                                   memory_order_acquire);
+}
+
+static void help(copy_task *t)
+{
+    Py_ssize_t i;
+    while ((i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n) {
+        if (!take(t, i, PAGE_FREE, PAGE_HELPER))
+            continue;                /* the caller took it first */
+        if (crew_stall_us > 0) {
+            struct timespec ts = {crew_stall_us / 1000000, (crew_stall_us % 1000000) * 1000};
+            nanosleep(&ts, NULL);    /* a helper the OS descheduled mid-page */
+        }
+        t->hsums[i] = copy_item(t, i);
+        if (take(t, i, PAGE_HELPER, PAGE_HELPER_DONE))  /* fails when the caller copied it meanwhile */
+            atomic_fetch_add_explicit(&crew_helped, 1, memory_order_relaxed);
+    }
+}
+
+static void *crew_main(void *arg)
+{
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
+    pthread_mutex_lock(&crew_mu);
+    for (;;) {
+        while (crew_gen == seen)
+            pthread_cond_wait(&crew_wake, &crew_mu);
+        seen = crew_gen;
+        copy_task *t = crew_task;
+        if (t == NULL)
+            continue;                /* woke after that call returned */
+        t->inside++;
+        pthread_mutex_unlock(&crew_mu);
+        help(t);
+        pthread_mutex_lock(&crew_mu);
+        if (--t->inside == 0)
+            pthread_cond_broadcast(&crew_left);
+    }
+    return NULL;
+}
+
+/* A helper runs on the cores other than the calling thread's, where the caller is pinned to one
+ * (anywhere otherwise); the kernel keeps it within the process's cpuset. */
+static void crew_place(pthread_attr_t *attr)
+{
+#ifdef __linux__
+    cpu_set_t mine, other;
+    CPU_ZERO(&other);
+    if (sched_getaffinity(0, sizeof mine, &mine) != 0 || CPU_COUNT(&mine) > 1)
+        return;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (!CPU_ISSET(c, &mine))
+            CPU_SET(c, &other);
+    pthread_attr_setaffinity_np(attr, sizeof other, &other);
+#else
+    (void)attr;
+#endif
+}
+
+static int crew_start(int placed)
+{
+    pthread_attr_t attr;
+    pthread_t th;
+    if (pthread_attr_init(&attr) != 0)
+        return -1;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (placed)
+        crew_place(&attr);
+    int rc = pthread_create(&th, &attr, crew_main, (void *)(uintptr_t)crew_gen);
+    pthread_attr_destroy(&attr);
+    return rc;
+}
+
+/* Start helpers until there are `want` (under crew_mu); returns how many there are. */
+static int crew_grow(int want)
+{
+    while (crew_size < want && crew_size < CREW_MAX) {
+        if (crew_start(1) != 0 && crew_start(0) != 0)    /* e.g. no core left to place it on */
+            break;
+        crew_size++;
+    }
+    return crew_size;
+}
+
+/* A child of fork has none of the parent's threads: it starts a crew of its own, and the calls
+ * its parent's helpers were inside are nobody's. */
+static void crew_after_fork(void)
+{
+    pthread_mutex_init(&crew_mu, NULL);
+    pthread_cond_init(&crew_wake, NULL);
+    pthread_cond_init(&crew_left, NULL);
+    crew_size = 0;
+    crew_task = NULL;
+    for (copy_task *t = crew_retired; t != NULL; t = t->retired_next)
+        t->inside = 0;
+    atomic_flag_clear(&crew_busy);
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Copy every page of `t`, on the caller's thread and up to threads - 1 helpers. Without the GIL. */
+static void crew_run(copy_task *t, Py_ssize_t threads)
+{
+    Py_ssize_t i;
+    if (threads <= 1 || t->n <= 1 || atomic_flag_test_and_set(&crew_busy)) {
+        for (i = 0; i < t->n; i++)     /* one thread, or another caller has the crew */
+            t->sums[i] = copy_item(t, i);
+        return;
+    }
+    pthread_mutex_lock(&crew_mu);
+    if (crew_grow((int)(threads - 1 < CREW_MAX ? threads - 1 : CREW_MAX)) > 0) {
+        crew_task = t;
+        crew_gen++;
+        pthread_cond_broadcast(&crew_wake);
+    }
+    pthread_mutex_unlock(&crew_mu);
+    double t0 = now_s();
+    Py_ssize_t mine = 0;
+    while ((i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n) {
+        if (!take(t, i, PAGE_FREE, PAGE_CALLER))
+            continue;
+        t->sums[i] = copy_item(t, i);
+        atomic_store_explicit(&t->state[i], PAGE_CALLER_DONE, memory_order_release);
+        mine++;
+    }
+    /* Left: pages a helper is copying. Give it a few of this thread's page times, then copy them here. */
+    double per_page = mine > 0 ? (now_s() - t0) / (double)mine : 0.0;
+    double deadline = now_s() + (4 * per_page > 100e-6 ? 4 * per_page : 100e-6);
+    for (unsigned spins = 0;; spins++) {
+        Py_ssize_t pending = 0;
+        for (i = 0; i < t->n; i++) {
+            unsigned char st = atomic_load_explicit(&t->state[i], memory_order_acquire);
+            pending += st == PAGE_FREE || st == PAGE_HELPER;
+        }
+        if (pending == 0)
+            break;
+        if ((spins & 63) == 63 && now_s() > deadline) {
+            for (i = 0; i < t->n; i++) {
+                if (take(t, i, PAGE_FREE, PAGE_CALLER) || take(t, i, PAGE_HELPER, PAGE_CALLER)) {
+                    atomic_fetch_add_explicit(&crew_stolen, 1, memory_order_relaxed);
+                    t->sums[i] = copy_item(t, i);
+                    atomic_store_explicit(&t->state[i], PAGE_CALLER_DONE, memory_order_release);
+                }
+            }
+            break;
+        }
+#ifdef HAVE_AVX2_PATH
+        _mm_pause();
+#endif
+    }
+    for (i = 0; i < t->n; i++)
+        if (atomic_load_explicit(&t->state[i], memory_order_acquire) == PAGE_HELPER_DONE)
+            t->sums[i] = t->hsums[i];
+    pthread_mutex_lock(&crew_mu);
+    crew_task = NULL;                /* no helper joins it any more */
+    pthread_mutex_unlock(&crew_mu);
+    atomic_flag_clear(&crew_busy);
+}
+
+/* Frees a call's buffers and memory (with the GIL). */
+static void task_free(copy_task *t)
+{
+    if (t == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < t->held; i++) {
+        PyBuffer_Release(&t->jobs[i].src);
+        PyMem_RawFree(t->jobs[i].dst);
+    }
+    PyMem_RawFree(t->jobs);
+    PyMem_RawFree(t->sums);
+    PyMem_RawFree(t->hsums);
+    PyMem_RawFree((void *)t->state);
+    if (t->cache.obj != NULL)
+        PyBuffer_Release(&t->cache);
+    PyMem_RawFree(t);
+}
+
+/* Done with a call (with the GIL): freed, or retired while a helper is still inside it. */
+static void task_release(copy_task *t)
+{
+    if (t == NULL)
+        return;
+    pthread_mutex_lock(&crew_mu);
+    int inside = t->inside > 0;
+    if (inside) {
+        t->retired_next = crew_retired;
+        crew_retired = t;
+        atomic_fetch_add(&crew_nretired, 1);
+    }
+    pthread_mutex_unlock(&crew_mu);
+    if (!inside)
+        task_free(t);
+}
+
+/* Frees the retired calls no helper is inside any more (with the GIL); with `wait`, first waits
+ * (without the GIL) until no helper is inside one. */
+static void crew_reap(int wait)
+{
+    copy_task *done = NULL;
+    if (atomic_load(&crew_nretired) == 0)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&crew_mu);
+    for (;;) {
+        int busy = 0;
+        for (copy_task **p = &crew_retired; *p != NULL;) {
+            copy_task *t = *p;
+            if (t->inside == 0) {
+                *p = t->retired_next;
+                t->retired_next = done;
+                done = t;
+                atomic_fetch_sub(&crew_nretired, 1);
+            } else {
+                busy = 1;
+                p = &t->retired_next;
+            }
+        }
+        if (!busy || !wait)
+            break;
+        pthread_cond_wait(&crew_left, &crew_mu);
+    }
+    pthread_mutex_unlock(&crew_mu);
+    Py_END_ALLOW_THREADS
+    while (done != NULL) {
+        copy_task *next = done->retired_next;
+        task_free(done);
+        done = next;
+    }
+}
+
+PyDoc_STRVAR(settle_doc,
+             "settle() -> None: return once no helper thread of kt_copy_pages still writes a page of an earlier "
+             "call (a helper the OS descheduled mid-page may, after the call returned, write that page again: the "
+             "same bytes from the same source). Call it before the source pages may change.");
+
+static PyObject *py_settle(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    crew_reap(1);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(crew_stats_doc,
+             "crew_stats() -> (helped, stolen, retired): pages kt_copy_pages' helper threads copied, pages a caller "
+             "copied again because their helper was late, and calls a late helper is still inside (settle() waits "
+             "for those).");
+
+static PyObject *py_crew_stats(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("LLi", (long long)atomic_load(&crew_helped), (long long)atomic_load(&crew_stolen),
+                         atomic_load(&crew_nretired));
+}
+
 static PyObject *py_kt_copy_pages(PyObject *self, PyObject *args)
 {
-    Py_buffer cache;
     PyObject *pages_in;
     Py_ssize_t N, H, D, isz, threads = 1;
     int vnni = 0;
-    if (!PyArg_ParseTuple(args, "w*Onnnn|pn", &cache, &pages_in, &N, &H, &D, &isz, &vnni, &threads))
+    (void)self;
+    crew_reap(0);
+    copy_task *t = PyMem_RawCalloc(1, sizeof(copy_task));
+    if (t == NULL)
+        return PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "w*Onnnn|pn", &t->cache, &pages_in, &N, &H, &D, &isz, &vnni, &threads)) {
+        PyMem_RawFree(t);
         return NULL;
+    }
     PyObject *out = NULL, *seq = NULL;
-    page_job *jobs = NULL;
-    uint64_t *sums = NULL;
-    Py_ssize_t n = 0, held = 0;
+    Py_ssize_t n = 0;
     size_t half = (size_t)N * H * D * isz;
     if (N < 1 || H < 1 || D < 1 || (isz != 1 && isz != 2 && isz != 4) || half % BLOCK != 0
-        || cache.len % (2 * half) != 0 || (vnni && (isz != 2 || N % 16 != 0 || D % 16 != 0))) {
+        || t->cache.len % (2 * half) != 0 || (vnni && (isz != 2 || N % 16 != 0 || D % 16 != 0))) {
         PyErr_Format(PyExc_ValueError, "kt_copy_pages: a cache of %zd bytes in blocks of %zd tokens x %zd heads x "
                      "%zd dims x %zd bytes does not fit (each block's K must be a multiple of %d bytes; VNNI "
                      "tiles need 2-byte items and tokens and dims in multiples of 16)",
-                     cache.len, N, H, D, isz, BLOCK);
+                     t->cache.len, N, H, D, isz, BLOCK);
         goto done;
     }
     seq = PySequence_Fast(pages_in, "pages must be a sequence of (src, block_ids, skip) tuples");
     if (seq == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(seq);
-    jobs = PyMem_Calloc(n ? n : 1, sizeof(page_job));
-    sums = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
-    if (jobs == NULL || sums == NULL) {
+    size_t slots = n ? (size_t)n : 1;
+    t->jobs = PyMem_RawCalloc(slots, sizeof(page_job));
+    t->sums = PyMem_RawCalloc(slots, sizeof(uint64_t));
+    t->hsums = PyMem_RawCalloc(slots, sizeof(uint64_t));
+    t->state = PyMem_RawCalloc(slots, sizeof(*t->state));
+    if (t->jobs == NULL || t->sums == NULL || t->hsums == NULL || t->state == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (; held < n; held++)
-        if (parse_page(PySequence_Fast_GET_ITEM(seq, held), &jobs[held], cache.buf, (size_t)cache.len / (2 * half),
-                       half) < 0)
+    for (; t->held < n; t->held++)
+        if (parse_page(PySequence_Fast_GET_ITEM(seq, t->held), &t->jobs[t->held], t->cache.buf,
+                       (size_t)t->cache.len / (2 * half), half) < 0)
             goto done;
-    if (threads < 1)
-        threads = 1;
-    if (threads > 256)
-        threads = 256;
+    t->n = n;
+    t->N = (size_t)N;
+    t->H = (size_t)H;
+    t->D = (size_t)D;
+    t->isz = (size_t)isz;
+    t->vnni = vnni;
     Py_BEGIN_ALLOW_THREADS
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads((int)threads) if (threads > 1 && n > 1)
-#endif
-    for (Py_ssize_t i = 0; i < n; i++) {
-        sums[i] = kt_copy_page(jobs[i].src.buf, (size_t)jobs[i].src.len, jobs[i].dst, jobs[i].skip, (size_t)N,
-                               (size_t)H, (size_t)D, (size_t)isz, vnni);
-#ifdef HAVE_AVX2_PATH
-        _mm_sfence();      /* each thread's streamed lines are visible before the caller's checks */
-#endif
-    }
+    crew_run(t, threads);
     Py_END_ALLOW_THREADS
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        PyObject *v = PyLong_FromUnsignedLongLong(t->sums[i]);
         if (v == NULL)
             Py_CLEAR(out);
         else
             PyList_SET_ITEM(out, i, v);
     }
 done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&jobs[i].src);
-        PyMem_Free(jobs[i].dst);
-    }
-    PyMem_Free(jobs);
-    PyMem_Free(sums);
+    task_release(t);
     Py_XDECREF(seq);
-    PyBuffer_Release(&cache);
     return out;
 }
 
-PyDoc_STRVAR(openmp_function_doc,
-             "openmp_function() -> int: the address omp_get_max_threads resolved to for this kernel (0 when built "
-             "without OpenMP). Another library that resolves it to the same address shares this OpenMP runtime, "
-             "and with it the pool of threads.");
-
-static PyObject *py_openmp_function(PyObject *self, PyObject *unused)
-{
-#ifdef _OPENMP
-    return PyLong_FromVoidPtr((void *)&omp_get_max_threads);
-#else
-    return PyLong_FromLong(0);
-#endif
-}
-
 static PyMethodDef methods[] = {
-    {"openmp_function", py_openmp_function, METH_NOARGS, openmp_function_doc},
     {"kt_copy_pages", py_kt_copy_pages, METH_VARARGS, kt_copy_pages_doc},
+    {"settle", py_settle, METH_NOARGS, settle_doc},
+    {"crew_stats", py_crew_stats, METH_NOARGS, crew_stats_doc},
     {"checksums", py_checksums, METH_VARARGS, checksums_doc},
     {"copy_checksums", py_copy_checksums, METH_VARARGS, copy_checksums_doc},
     {"gather_checksums", py_gather_checksums, METH_VARARGS, gather_checksums_doc},
@@ -1055,6 +1362,9 @@ PyMODINIT_FUNC PyInit__pagesum(void)
     if (__builtin_cpu_supports("avx2"))
         sum_blocks = sum_blocks_avx2;
 #endif
+    pthread_atfork(NULL, NULL, crew_after_fork);
+    const char *stall = getenv("POF_CREW_STALL_US");
+    crew_stall_us = stall != NULL ? atol(stall) : 0;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", sum_blocks == sum_blocks_generic ? "generic" : "avx2") < 0) {
         Py_DECREF(m);

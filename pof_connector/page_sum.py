@@ -45,8 +45,6 @@ except ImportError:       # built without a C compiler, or a source checkout wit
     _native = None
 NATIVE: str | None = None if _native is None else _native.KERNEL
 """The native kernel in use ("avx2" or "generic"); ``None``: the numpy fallback."""
-OPENMP: bool = _native is not None and hasattr(_native, "openmp_function") and _native.openmp_function() != 0
-"""Whether the native kernel was built with OpenMP (:func:`kt_copy_pages` can use several threads)."""
 
 
 def _words(seg: np.ndarray) -> np.ndarray:
@@ -147,20 +145,23 @@ def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[
     ``(segment, block_ids, skip)`` per page; its block ``b >= skip`` goes to cache block
     ``block_ids[b - skip]`` (each block ``[heads, 2, block_tokens * head_dim]``: K^T then V per
     head; with ``vnni``, the ``amx`` ISA's bf16 tiles, see :mod:`pof_connector.adapters.vllm_layout`).
-    ``cache``: the whole cache as writable bytes. ``threads > 1`` copies pages in parallel on
-    OpenMP's threads where the kernel was built with OpenMP (:data:`OPENMP`). Native kernel only
-    (callers check :data:`NATIVE`)."""
+    ``cache``: the whole cache as writable bytes. ``threads > 1``: up to ``threads - 1`` helper
+    threads of the kernel's own copy pages alongside the caller; a page goes to whoever is free
+    first, and a page a descheduled helper holds is copied again by the caller, so a core the OS
+    gives to another process delays the call by a page at most. Such a helper may write its page
+    (the same bytes) after the call returned: :func:`settle` before the segments may change.
+    Native kernel only (callers check :data:`NATIVE`)."""
     if _native is None:
         raise RuntimeError("kt_copy_pages needs the native kernel (pof_connector._pagesum)")
     result: list[int] = _native.kt_copy_pages(cache, pages, block_tokens, heads, head_dim, itemsize, vnni, threads)
     return result
 
 
-def openmp_function() -> int:
-    """The address ``omp_get_max_threads`` resolved to for the native kernel: a library resolving
-    it to the same address shares the kernel's OpenMP runtime (and its threads); 0 without
-    OpenMP (see :data:`OPENMP`)."""
-    return int(_native.openmp_function()) if _native is not None and OPENMP else 0
+def settle() -> None:
+    """Return once no helper thread of :func:`kt_copy_pages` still copies a page of an earlier call
+    (normally at once: only a helper the OS descheduled mid-page is late)."""
+    if _native is not None:
+        _native.settle()
 
 
 def torch_checksums(segments: Any) -> Any:

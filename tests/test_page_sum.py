@@ -4,8 +4,13 @@ anywhere in a page gets past a load."""
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -164,8 +169,8 @@ def test_kt_copy_writes_the_cpu_cache_layout_and_sums_the_segment(tokens: int, h
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kt_copy_of_many_pages_on_several_threads_writes_and_sums_each_page(threads: int) -> None:
-    """Many pages in one call (as a vLLM layer's load is), copied side by side on OpenMP threads
-    where the kernel has them: every page lands in its own blocks, byte for byte what a page
+    """Many pages in one call (as a vLLM layer's load is), copied side by side by the caller and
+    the kernel's helper threads: every page lands in its own blocks, byte for byte what a page
     copied alone writes, and each page's checksum is its own."""
     if page_sum.NATIVE is None:
         pytest.skip("the native kernel was not built here")
@@ -181,6 +186,115 @@ def test_kt_copy_of_many_pages_on_several_threads_writes_and_sums_each_page(thre
         alone = kt_blocks(tokens, heads, dim, np.uint32, blocks)
         page_sum.kt_copy_pages(alone.view(np.uint8), [(seg, [0, 1], 0)], tokens, heads, dim, 4)
         assert np.array_equal(cache[ids], alone)
+
+
+def test_kt_copy_from_several_callers_at_once_copies_each_callers_pages() -> None:
+    """Callers on several threads at once (the crew of helpers serves one of them, the others copy
+    alone): every call writes its own pages and returns its own checksums, many times over."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    tokens, heads, dim = 16, 2, 16
+    seg_bytes = 2 * tokens * heads * dim * 4
+
+    def caller(seed: int) -> bool:
+        rng = np.random.default_rng(seed)
+        segments = [rng.integers(0, 256, seg_bytes, dtype=np.uint8) for _ in range(8)]
+        want = [page_sum.checksum(s) for s in segments]
+        cache = kt_blocks(tokens, heads, dim, np.uint32, 8)
+        ok = True
+        for _ in range(200):
+            got = page_sum.kt_copy_pages(cache.view(np.uint8), [(s, [i], 0) for i, s in enumerate(segments)],
+                                         tokens, heads, dim, 4, threads=3)
+            ok = ok and got == want
+        alone = kt_blocks(tokens, heads, dim, np.uint32, 8)
+        page_sum.kt_copy_pages(alone.view(np.uint8), [(s, [i], 0) for i, s in enumerate(segments)],
+                               tokens, heads, dim, 4)
+        return ok and np.array_equal(cache, alone)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(caller, range(4)))
+
+
+HELPERS_CHILD = """
+import json, os
+import numpy as np
+from pof_connector import page_sum
+os.sched_setaffinity(0, {0})          # pinned, as a CPU engine pins its forward thread
+seg = np.arange(2 * 16 * 2 * 16 * 4, dtype=np.uint32).view(np.uint8)[: 2 * 16 * 2 * 16 * 4]
+cache = np.zeros((4, 2, 2, 16 * 16 * 4), dtype=np.uint8)
+before = set(os.listdir("/proc/self/task"))
+page_sum.kt_copy_pages(cache.reshape(-1), [(seg, [i], 0) for i in range(4)], 16, 2, 16, 4, threads=2)
+helpers = set(os.listdir("/proc/self/task")) - before
+cpus = [os.sched_getaffinity(int(t)) for t in helpers]
+pid = os.fork()
+if pid == 0:          # a child of fork starts a crew of its own (none of the parent's threads came along)
+    got = page_sum.kt_copy_pages(cache.reshape(-1), [(seg, [i], 0) for i in range(4)], 16, 2, 16, 4, threads=2)
+    os._exit(0 if got == [page_sum.checksum(seg)] * 4 else 1)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"helpers": len(helpers), "cpus": sorted(set().union(*cpus)),
+                  "child": os.waitstatus_to_exitcode(status)}))
+"""
+
+
+def test_kt_copy_helpers_run_beside_a_pinned_caller_and_survive_fork() -> None:
+    """The first call with ``threads=2`` starts one helper, placed on the cores the (pinned)
+    caller does not use; a forked child copies right (its own crew, no lock held from the parent)."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    cpus = os.sched_getaffinity(0)
+    if 0 not in cpus or len(cpus) < 2:
+        pytest.skip("needs CPU 0 and another one")
+    out = json.loads(subprocess.run([sys.executable, "-c", HELPERS_CHILD], capture_output=True, text=True,
+                                    timeout=60, check=True).stdout)
+    assert out["helpers"] == 1 and out["cpus"] and 0 not in out["cpus"]
+    assert out["child"] == 0
+
+
+LATE_HELPER_CHILD = """
+import json, os, time
+import numpy as np
+from pof_connector import page_sum
+native = page_sum._native
+tokens, heads, dim = 32, 4, 32
+rng = np.random.default_rng(0)
+segs = [rng.integers(0, 256, 2 * tokens * heads * dim * 4, dtype=np.uint8) for _ in range(64)]
+want = [page_sum.checksum(s) for s in segs]
+cache = np.zeros((64, 2 * tokens * heads * dim * 4), dtype=np.uint8)
+alone = cache.copy()
+page_sum.kt_copy_pages(alone.reshape(-1), [(s, [i], 0) for i, s in enumerate(segs)], tokens, heads, dim, 4)
+calls = []
+for _ in range(40):          # until the helper claims a page (it may not wake before the caller is done)
+    t0 = time.perf_counter()
+    got = page_sum.kt_copy_pages(cache.reshape(-1), [(s, [i], 0) for i, s in enumerate(segs)], tokens, heads, dim,
+                                 4, threads=2)
+    calls.append((time.perf_counter() - t0, got == want))
+    if native.crew_stats()[1]:
+        break
+late = native.crew_stats()
+t0 = time.perf_counter()
+page_sum.settle()
+print(json.dumps({"calls": calls, "late": late, "settle_s": time.perf_counter() - t0,
+                  "after": native.crew_stats(), "same": bool(np.array_equal(cache, alone))}))
+"""
+
+
+def test_kt_copy_does_not_wait_for_a_late_helper_and_settle_does() -> None:
+    """A helper stalled mid-page (fault injection: it sleeps 0.5 s on every page it claims, as a
+    helper the OS descheduled) holds nobody up: the caller copies that page again itself and
+    returns with every page right; the late helper's call stays alive until it left, and
+    ``settle`` returns only then."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    env = {**os.environ, "POF_CREW_STALL_US": "500000"}
+    run = subprocess.run([sys.executable, "-c", LATE_HELPER_CHILD], capture_output=True, text=True, timeout=120,
+                         check=True, env=env)
+    out = json.loads(run.stdout)
+    _, stolen, retired = out["late"]
+    assert stolen >= 1 and retired == 1, out          # the caller took the helper's page over
+    assert all(right for _, right in out["calls"]), out
+    assert out["calls"][-1][0] < 0.25, out           # ... without waiting out the helper's 0.5 s
+    assert out["settle_s"] > 0.1 and out["after"][2] == 0, out
+    assert out["same"]
 
 
 def test_kt_copy_refuses_pages_that_do_not_fit_the_cache() -> None:

@@ -141,7 +141,7 @@ def _measure(worker: Any, kv: dict[str, Any], pages: int, repeat: int, vllm_layo
         "one_thread_ratio": round(best["fused_one_thread"] / mc, 3), "torch_ratio": round(best["torch"] / mc, 3),
         "fused_available": original(worker.layout, next(iter(kv.values()))),
         "baseline": "memcpy_s: one numpy.copyto of loaded_bytes, same run; memcpy_threads_s: the same bytes copied "
-                    "in copy_threads parts side by side; ratio = fused load (copy_threads OpenMP threads, as in "
+                    "in copy_threads parts side by side; ratio = fused load (copy_threads threads, as in "
                     "the engine) / memcpy_s, ratio_vs_memcpy_threads = fused / memcpy_threads_s, one_thread_ratio "
                     "= fused on one thread / memcpy_s (best of repeats each)",
     }

@@ -14,7 +14,7 @@ from pof_connector import page_sum
 from pof_connector.adapters.vllm import PoFConnector
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
-from pof_connector.adapters.vllm_worker import PoFWorker, copy_threads, shares_torch_openmp
+from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 
@@ -36,36 +36,20 @@ def make_worker(runtime_dir: str, overlap: bool | None = None) -> tuple[PoFWorke
 
 @pytest.fixture(params=["inline", "inline-threads", "overlapped"])
 def worker(runtime_dir: str, request: pytest.FixtureRequest) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor]]]:
-    """A worker that copies loads on the forward's thread (alone, or on torch's two OpenMP
-    threads as in a vLLM CPU worker on two cores), or on a thread of its own."""
+    """A worker that copies loads on the forward's thread (alone, or with the kernel's helper
+    threads as in a vLLM CPU worker whose torch computes on two cores), or on a thread of its own."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2 if request.param == "inline-threads" else 1)
     try:
         w, kv = make_worker(runtime_dir, overlap=request.param == "overlapped")
     finally:
         torch.set_num_threads(threads)
-    if request.param == "inline-threads" and page_sum.OPENMP:
-        assert w.copy_threads == 2          # the kernel runs on torch's own OpenMP runtime
+    if request.param == "inline-threads" and page_sum.NATIVE is not None:
+        assert w.copy_threads == 2          # as many as torch computes with
     else:
         assert w.copy_threads == 1
     yield w, kv
     w.close()
-
-
-def test_the_kernel_shares_torchs_openmp_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Built with OpenMP, the native kernel binds to the runtime torch loaded (one pool of
-    threads); a kernel bound to another runtime is told apart (one thread copies then)."""
-    if not page_sum.OPENMP:
-        pytest.skip("the native kernel was built without OpenMP here")
-    assert shares_torch_openmp()
-    monkeypatch.setattr(page_sum, "openmp_function", lambda: page_sum._native.openmp_function() + 16)
-    assert not shares_torch_openmp()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert copy_threads(torch.device("cpu")) == 1
-    finally:
-        torch.set_num_threads(threads)
 
 
 def step(worker: PoFWorker, kv: dict[str, torch.Tensor], meta: PoFConnectorMetadata) -> set[int]:
