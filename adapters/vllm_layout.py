@@ -167,7 +167,8 @@ class BlockLayout:
         strided torch copies per block and a second read for the check). ``pages``: one
         ``(segment, block_ids, skip)`` per page, written to ``block_ids``, the page's blocks after
         the first ``skip``. ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. ``threads``:
-        how many OpenMP threads may copy pages side by side. Only where :meth:`can_copy_checked`."""
+        how many threads (the caller and the kernel's helpers) may copy pages side by side. Only
+        where :meth:`can_copy_checked`."""
         return page_sum.kt_copy_pages(kv_bytes, pages, self.block_size, self.kv_heads, self.head_dim,
                                       self.dtype.itemsize, self.name == "cpu_vnni", threads)
 

@@ -69,7 +69,7 @@ NOTE = ("ratio = median pof TTFT / the fastest median recompute (with or without
         "loaded_bytes = page bytes pof loaded per timed request (its counters); "
         "memcpy_s = one numpy.copyto of loaded_bytes in this run; overhead_ratio = (pof_s - floor_s) / memcpy_s; "
         "memcpy_threads_s = the same bytes copied in as many parts side by side as the engine has threads (pof's "
-        "load copies on the engine's OpenMP threads); overhead_ratio_vs_memcpy_threads = (pof_s - floor_s) / "
+        "load copies on as many threads); overhead_ratio_vs_memcpy_threads = (pof_s - floor_s) / "
         "memcpy_threads_s; load_wait_s = mean time the forward's thread spent in pof in a step that loaded "
         "(the server's vllm:pof_load_wait_seconds: opening the pages, the copies and checks it waited for), "
         "load_wait_ratio = load_wait_s / memcpy_s: pof's own part of overhead_ratio, without the TTFT's noise; "
