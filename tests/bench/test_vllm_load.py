@@ -17,7 +17,7 @@ def test_the_load_bench_runs_both_paths_and_checks_the_blocks(dtype: str, page_b
     from pof_connector.bench.vllm_load import run
 
     result = run(pages=2, repeat=1, dtype=dtype, threads=2)
-    assert result["copy_threads"] == (2 if page_sum.OPENMP else 1)        # torch's own threads copy
+    assert result["copy_threads"] == (2 if page_sum.NATIVE else 1)     # as many as torch computes with
     # the engine's own kernel decides the block order: K^T with the vec ISA, VNNI tiles with AMX
     # (bf16 on AMX CPUs); both take the fused native path, any other probed order torch copies
     isa = str(_get_attn_isa(getattr(torch, dtype), 128, 64, "auto"))
