@@ -1118,6 +1118,17 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The caller copies page i if it is still in state `from` (unclaimed, or a helper's); returns 1
+ * when it did. */
+static int copy_here(copy_task *t, Py_ssize_t i, unsigned char from)
+{
+    if (!take(t, i, from, PAGE_CALLER))
+        return 0;
+    t->sums[i] = copy_item(t, i);
+    atomic_store_explicit(&t->state[i], PAGE_CALLER_DONE, memory_order_release);
+    return 1;
+}
+
 /* Copy every page of `t`, on the caller's thread and up to threads - 1 helpers. Without the GIL. */
 static void crew_run(copy_task *t, Py_ssize_t threads)
 {
@@ -1136,13 +1147,8 @@ static void crew_run(copy_task *t, Py_ssize_t threads)
     pthread_mutex_unlock(&crew_mu);
     double t0 = now_s();
     Py_ssize_t mine = 0;
-    while ((i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n) {
-        if (!take(t, i, PAGE_FREE, PAGE_CALLER))
-            continue;
-        t->sums[i] = copy_item(t, i);
-        atomic_store_explicit(&t->state[i], PAGE_CALLER_DONE, memory_order_release);
-        mine++;
-    }
+    while ((i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n)
+        mine += copy_here(t, i, PAGE_FREE);
     /* Left: pages a helper is copying. Give it a few of this thread's page times, then copy them here. */
     double per_page = mine > 0 ? (now_s() - t0) / (double)mine : 0.0;
     double deadline = now_s() + (4 * per_page > 100e-6 ? 4 * per_page : 100e-6);
@@ -1155,13 +1161,9 @@ static void crew_run(copy_task *t, Py_ssize_t threads)
         if (pending == 0)
             break;
         if ((spins & 63) == 63 && now_s() > deadline) {
-            for (i = 0; i < t->n; i++) {
-                if (take(t, i, PAGE_FREE, PAGE_CALLER) || take(t, i, PAGE_HELPER, PAGE_CALLER)) {
+            for (i = 0; i < t->n; i++)
+                if (copy_here(t, i, PAGE_FREE) || copy_here(t, i, PAGE_HELPER))
                     atomic_fetch_add_explicit(&crew_stolen, 1, memory_order_relaxed);
-                    t->sums[i] = copy_item(t, i);
-                    atomic_store_explicit(&t->state[i], PAGE_CALLER_DONE, memory_order_release);
-                }
-            }
             break;
         }
 #ifdef HAVE_AVX2_PATH
