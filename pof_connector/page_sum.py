@@ -27,6 +27,8 @@ several times slower, two passes). :data:`NATIVE` says which one runs.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -45,6 +47,20 @@ except ImportError:       # built without a C compiler, or a source checkout wit
     _native = None
 NATIVE: str | None = None if _native is None else _native.KERNEL
 """The native kernel in use ("avx2" or "generic"); ``None``: the numpy fallback."""
+
+
+def kernel_line() -> tuple[int, str]:
+    """What a node logs at start about its page copies: the level and the line. The numpy
+    fallback is a warning, because pages then move at a fraction of memcpy speed and nothing
+    else would tell: the line says where the package was imported from (a source checkout
+    without ``build_ext`` shadows an installed build) and how to build the kernel."""
+    if NATIVE is not None:
+        return logging.INFO, f"pof: pages are copied and checked by the native kernel ({NATIVE})"
+    where = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return logging.WARNING, (
+        "pof: the native copy kernel (pof_connector._pagesum) is not built, so pages are copied and checked "
+        f"in numpy (the same checks, several times slower); pof_connector was imported from {where}: "
+        "`pip install .` (or `pip install -e .` in a checkout) builds it where a C compiler is installed")
 
 
 def _words(seg: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from pof_connector import page_sum
 from pof_connector.config import PofConfig
 from pof_connector.fabric import require_nixl
 from pof_connector.index import LocalityIndex, Location, NodeInfo, open_index
@@ -59,6 +60,9 @@ __all__ = ["INDEX_BATCH", "NODES_MISS_REFRESH_S", "UNWITHDRAWN_MAX", "LoadHandle
 
 Role = Literal["worker", "client"]
 
+log = logging.getLogger(__name__)
+_kernel_logged = False
+
 
 class Pool:
     def __init__(self, config: PofConfig, spec: PageSpec, namespace: bytes, *, role: Role = "worker",
@@ -74,6 +78,7 @@ class Pool:
         self.stats = PoolStats()
         self.tiers: list[Tier] = []
         if role == "worker":
+            _log_kernel()
             self.tiers = [make_tier(t, spec, config.runtime_dir) for t in config.tiers]
         self._fabric: FabricNode | None = None    # None: fabric disabled, or a client (it reads nothing)
         if config.fabric.enabled:
@@ -205,3 +210,11 @@ class Pool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_kernel() -> None:
+    """Once per process, which kernel copies this node's pages (a warning for the numpy fallback)."""
+    global _kernel_logged
+    if not _kernel_logged:
+        _kernel_logged = True
+        log.log(*page_sum.kernel_line())

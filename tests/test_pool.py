@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -9,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pof_connector import page_sum
+from pof_connector import pool as pool_module
 from pof_connector.config import PofConfig
 from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
 from pof_connector.index.redis import RedisIndex
@@ -547,3 +550,25 @@ def test_a_corrupt_page_in_a_lent_slot_is_no_longer_offered(runtime_dir: str, na
         assert n == 2 and failed == {1: "bad_checksum"}
         assert_pages(bufs, keys, skip={1})
         assert a.lookup(keys).pages == 1 and tier.is_lent(refs[1].slot)    # withdrawn; the lease is B's
+
+
+@pytest.mark.parametrize("native", ["avx2", None])
+def test_a_worker_says_which_kernel_copies_its_pages(runtime_dir: str, namespace: bytes,
+                                                     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                     native: str | None) -> None:
+    """A build without the native kernel still works, but at a fraction of memcpy speed: the first
+    worker of a process says so in a warning that names where the package came from and how to
+    build it (a checkout without build_ext on sys.path shadows an installed build silently)."""
+    monkeypatch.setattr(page_sum, "NATIVE", native)
+    monkeypatch.setattr(pool_module, "_kernel_logged", False)
+    caplog.set_level(logging.INFO, logger="pof_connector.pool")
+    for node in ("a", "b"):                                  # once per process, not per pool
+        Pool(cfg(node, runtime_dir), SPEC, namespace).close()
+    lines = [r for r in caplog.records if "kernel" in r.getMessage()]
+    assert len(lines) == 1
+    if native is None:
+        assert lines[0].levelno == logging.WARNING
+        assert "numpy" in lines[0].getMessage() and "pip install" in lines[0].getMessage()
+        assert os.path.dirname(os.path.dirname(page_sum.__file__)) in lines[0].getMessage()
+    else:
+        assert lines[0].levelno == logging.INFO and "native kernel (avx2)" in lines[0].getMessage()
