@@ -21,7 +21,7 @@
 # Without any torch it tries `pip install torch` there (a plain requirement pulls the CUDA build).
 # For a host without network, build a wheelhouse elsewhere and carry it (a few MB), e.g.
 #   pip download -d wh --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
-#       xxhash pyyaml redis prometheus_client pytest hypothesis
+#       xxhash pyyaml redis pydantic prometheus_client pytest hypothesis
 # and run with POF_WHEELHOUSE=wh.
 # Artifacts (pytest log, bench JSON, summary JSON) go to $POF_GPU_CHECK_OUT, else $OUT, else
 # /tmp/pof-gpu-check. The last line printed is the summary JSON.
@@ -34,7 +34,7 @@ DRY="${POF_GPU_CHECK_DRY:-0}"
 VENV="${POF_GPU_VENV:-$HOME/.cache/pof/venvs/gpu}"
 ART="${POF_GPU_CHECK_OUT:-${OUT:-/tmp/pof-gpu-check}}"
 mkdir -p "$ART"
-DEPS_IMPORT="numpy xxhash yaml redis prometheus_client pytest hypothesis"
+DEPS_IMPORT="numpy xxhash yaml redis pydantic prometheus_client pytest hypothesis"   # pydantic: the CLI's router config
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 if [[ "$DRY" == "1" ]]; then
@@ -51,8 +51,13 @@ has_torch() {   # has_torch PY: torch imports (and sees CUDA unless dry)
 
 missing_deps() {  # missing_deps PY: prints the import names that fail
     timeout 60 "$1" - $DEPS_IMPORT <<'EOF' 2>/dev/null || echo "$DEPS_IMPORT"
-import importlib, sys
-print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
+import importlib.util, sys
+def missing(name):
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+print(" ".join(m for m in sys.argv[1:] if missing(m)))
 EOF
 }
 
@@ -90,16 +95,20 @@ fi
 MISSING="$(missing_deps "$PY")"
 if [[ -n "${MISSING// /}" ]]; then
     PIP_NAMES="$(echo "$MISSING" | sed 's/\byaml\b/pyyaml/')"     # only what is missing: keep torch's numpy
-    say "missing in $PY: $MISSING; installing $PIP_NAMES into $VENV (reuses the host's torch)"
-    if [[ "$PY" != "$VENV/bin/python" ]] && "$PY" -m venv --system-site-packages "$VENV" >/dev/null 2>&1; then
+    say "missing in $PY: $MISSING; installing $PIP_NAMES (a venv with --system-site-packages, or a target dir when $PY is a venv)"
+    # A venv made from a python that is itself a venv's would see the base interpreter's packages, not
+    # that venv's torch: such a python gets the private target directory below instead.
+    in_venv="$("$PY" -c 'import sys; print(int(sys.prefix != sys.base_prefix))' 2>/dev/null)"
+    if [[ "$PY" != "$VENV/bin/python" && "$in_venv" == "0" ]] \
+            && "$PY" -m venv --system-site-packages "$VENV" >/dev/null 2>&1; then
         PY="$VENV/bin/python"
     fi
     # shellcheck disable=SC2086
     if [[ "$PY" == "$VENV/bin/python" ]]; then
         pip_install "$PY" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
-    else     # no venv module: a private target directory on PYTHONPATH, the system stays untouched
+    else     # no venv module, or PY is a venv: a private target directory on PYTHONPATH, the system stays untouched
         DEPS_DIR="$HOME/.cache/pof/gpu-deps"
-        pip_install "$PY" --target "$DEPS_DIR" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
+        pip_install "$PY" --upgrade --target "$DEPS_DIR" $PIP_NAMES || say "pip failed (offline? set POF_WHEELHOUSE)"
         export PYTHONPATH="$PYTHONPATH:$DEPS_DIR"
     fi
     MISSING="$(missing_deps "$PY")"
