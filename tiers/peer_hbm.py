@@ -282,19 +282,63 @@ class PeerHbmTier(Tier):
         dst = self._as_tensor(into)[:spec.page_bytes]
         if dst.numel() < spec.page_bytes:
             raise ValueError(f"page buffer of {dst.numel()} bytes, need {spec.page_bytes}")
+        if not self._cuda:
+            return self._read_host_region(ref, key, dst)
+        # One wait per page on a GPU: the copy, the sums where the bytes landed (torch, format v2),
+        # the header and the live generation word queue on the tier's stream, and only the header,
+        # the sums and that word come to the host. The generation is read after the copy finished
+        # (stream order), which is what the writer's zero-first protocol needs.
+        hb, seg, layers = spec.header_bytes, spec.segment_bytes, spec.num_layers
+        on_gpu = dst.device.type == "cuda"
+        landed = self._landed()          # pinned: sums (int64 each) | generation word | header
         with self._on_stream():
-            dst.copy_(self._slot_t(ref.slot))
+            dst.copy_(self._slot_t(ref.slot), non_blocking=True)
+            if on_gpu:
+                sums = page_sum.torch_checksums(dst[hb:].view(layers, seg))
+                landed[:8 * layers].view(self._torch.int64).copy_(sums, non_blocking=True)
+                landed[8 * layers + 8:].copy_(dst[:hb], non_blocking=True)
+            start = ref.slot * self.slot_bytes + GENERATION_AT
+            landed[8 * layers:8 * layers + 8].copy_(self._dev[start:start + 8], non_blocking=True)
         self._sync(dst)
-        hb = spec.header_bytes
-        header = PageHeader.parse(self._host(dst[:hb]).copy())     # only the header comes to the host
+        host = landed.numpy()
+        header = PageHeader.parse(host[8 * layers + 8:].copy() if on_gpu else dst[:hb].numpy().copy())
         header.expect(spec, key, ref.generation)
         if header.version == 1:          # xxh3 is host-only: the page comes back once
             got = self._host(dst)
             for layer, expected in enumerate(header.segment_checksums):
                 if checksum(spec.segment(got, layer), 1) != expected:
                     raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
-        else:                            # summed where the bytes landed (a GPU: by torch, there)
-            expect_checksums(header, self._checksums(dst[hb:], spec.segment_bytes), f"slot {ref.slot}")
+        elif on_gpu:
+            expect_checksums(header, [int(v) for v in host[:8 * layers].view(np.uint64)], f"slot {ref.slot}")
+        else:
+            expect_checksums(header, page_sum.checksums(dst[hb:].numpy(), seg), f"slot {ref.slot}")
+        if int(host[8 * layers:8 * layers + 8].view(np.uint64)[0]) != ref.generation:
+            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+        return header
+
+    def _landed(self) -> Any:
+        """This thread's pinned buffer for what a GPU read brings to the host."""
+        buf = getattr(self._local, "landed", None)
+        if buf is None:
+            nbytes = 8 * self.spec.num_layers + 8 + self.spec.header_bytes
+            buf = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+            self._local.landed = buf
+        return buf
+
+    def _read_host_region(self, ref: SlotRef, key: PageKey, dst: Any) -> PageHeader:
+        """:meth:`read` of a ``cpu`` region (tests and CI): plain host copies, checked on the host."""
+        spec = self.spec
+        dst.copy_(self._slot_t(ref.slot))
+        hb = spec.header_bytes
+        header = PageHeader.parse(self._host(dst[:hb]).copy())
+        header.expect(spec, key, ref.generation)
+        got = self._host(dst)
+        if header.version == 1:
+            for layer, expected in enumerate(header.segment_checksums):
+                if checksum(spec.segment(got, layer), 1) != expected:
+                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+        else:
+            expect_checksums(header, page_sum.checksums(got[hb:], spec.segment_bytes), f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header

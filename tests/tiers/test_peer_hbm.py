@@ -199,6 +199,11 @@ def test_device_to_device_read(device: str, runtime_dir: str) -> None:
         with pytest.raises(PageError) as e:
             t.read(SlotRef(slot, gen), key(i), into)
         assert e.value.reason == "bad_checksum"
+        flip(t, t.slot_offset(slot) + SPEC.segment_offset(3) + 11, 0x40)          # repaired: accepted again
+        t.read(SlotRef(slot, gen), key(i), into)
+        t._set_live_generation(slot, 0)          # a writer took the slot: a read into the GPU refuses it
+        with pytest.raises(PageError):
+            t.read(SlotRef(slot, gen), key(i), into)
     finally:
         t.close()
 
