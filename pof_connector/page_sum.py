@@ -40,6 +40,8 @@ MIX = 0x9E3779B97F4A7C16
 _MASK = (1 << 64) - 1
 _MIX_SIGNED = MIX - (1 << 64)      # the same residue as an int64, for torch
 
+log = logging.getLogger(__name__)
+
 _native: ModuleType | None
 try:
     from pof_connector import _pagesum as _native
@@ -186,6 +188,10 @@ def torch_checksums(segments: Any) -> Any:
     each checksum's two's-complement value (compare with :func:`as_int64`). Only the last
     dimension must be contiguous: ``pages[:, header_bytes:].view(P, layers, seg)``-style views of
     whole pages are summed in place."""
+    if segments.device.type == "cuda":
+        got = _triton_checksums(segments)
+        if got is not None:
+            return got
     import torch  # only callers that already hold tensors get here
 
     seg = segments.shape[-1]
@@ -200,6 +206,38 @@ def torch_checksums(segments: Any) -> Any:
     a = w.sum(dim=-1)
     b = (w * weights).sum(dim=-1)           # int64 arithmetic wraps: the sums are taken mod 2**64
     return a + _MIX_SIGNED * b
+
+
+_triton_state = "untried"
+"""``"ok"``: GPU tensors are summed by the Triton kernel; ``"off"``: by torch ops (no Triton here,
+or its first launch failed)."""
+
+
+def _triton_checksums(segments: Any) -> Any | None:
+    """:func:`torch_checksums` by one Triton kernel (:mod:`pof_connector.page_sum_triton`: reads
+    each byte once, where the torch ops read it several times); ``None``: use the torch ops."""
+    global _triton_state
+    if _triton_state == "off":
+        return None
+    try:
+        from pof_connector import page_sum_triton
+    except ImportError:
+        _triton_state = "off"
+        log.info("pof: no Triton here; pages on a GPU are checked by torch ops")
+        return None
+    if _triton_state == "ok":
+        return page_sum_triton.checksums(segments, _MIX_SIGNED)
+    try:        # the first launch compiles the kernel for this GPU
+        got = page_sum_triton.checksums(segments, _MIX_SIGNED)
+    except Exception as e:
+        _triton_state = "off"
+        log.warning("pof: the Triton checksum kernel failed to build or run here (%s: %s); pages on a GPU "
+                    "are checked by torch ops instead (the same checksums, several times slower)",
+                    type(e).__name__, e)
+        return None
+    if got is not None:
+        _triton_state = "ok"
+    return got
 
 
 def as_int64(value: int) -> int:

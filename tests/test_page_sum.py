@@ -4,13 +4,16 @@ anywhere in a page gets past a load."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import struct
 import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,8 @@ from pof_connector import page_sum
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageError, PageHeader, PageSpec, encode_header, pack_page, verify_page
 from pof_connector.tiers import CpuDramTier, SlotRef
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KEY = PageKey(bytes(range(16)), bytes(range(32)))
 SPEC = PageSpec(num_layers=3, segment_bytes=1000, page_tokens=4)     # 1000: not a multiple of 64
@@ -479,6 +484,62 @@ def test_torch_computes_the_same_checksums() -> None:
         host = raw.cpu().numpy()
         assert got.tolist() == [[page_sum.as_int64(page_sum.checksum(host[p, 128 + 512 * j:128 + 512 * (j + 1)]))
                                  for j in range(3)] for p in range(4)]
+
+
+_TRITON_CHECK = """
+import numpy as np, torch
+from pof_connector import page_sum, page_sum_triton
+rng = np.random.default_rng(9)
+shapes = ((5, 64), (2, 3, 1000), (2, 2, 2, 4096), (2, 65_548))    # the last: 3 programs per segment
+cases = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in shapes]
+cases.append(np.full((2, 3, 4096), 255, dtype=np.uint8))          # every word at its maximum: the sums wrap
+raw = torch.from_numpy(rng.integers(0, 256, (4, 128 + 3 * 512), dtype=np.uint8))
+tensors = [torch.from_numpy(c) for c in cases] + [raw[:, 128:].view(4, 3, 512)]     # whole pages, in place
+for t in tensors:
+    got = page_sum_triton.checksums(t, page_sum._MIX_SIGNED)
+    flat = t.reshape(-1, t.shape[-1]).numpy()
+    want = [page_sum.as_int64(page_sum.checksum(np.ascontiguousarray(row))) for row in flat]
+    assert got is not None and got.shape == t.shape[:-1] and got.reshape(-1).tolist() == want, t.shape
+assert page_sum_triton.checksums(torch.zeros(2, 6, dtype=torch.uint8), page_sum._MIX_SIGNED) is None
+print("ok")
+"""
+
+
+@pytest.mark.torch
+def test_the_triton_kernel_computes_the_same_checksums() -> None:
+    """The kernel that sums pages on a GPU (ci/gpu_check.sh runs it there), here on CPU tensors in
+    Triton's interpreter (set before Triton is imported, hence a child process)."""
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no Triton in this venv (torch CUDA builds bring it; the GPU check runs the kernel)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.torch
+def test_a_triton_kernel_that_cannot_build_leaves_the_torch_sums(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU whose Triton fails at the first launch still gets its pages checked (by torch ops,
+    same values), and the log says so once."""
+    torch = pytest.importorskip("torch")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no Triton in this venv")
+    from pof_connector import page_sum_triton
+
+    def broken(segments: object, mix: int) -> object:
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_99")
+
+    monkeypatch.setattr(page_sum_triton, "checksums", broken)
+    monkeypatch.setattr(page_sum, "_triton_state", "untried")
+    t = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (2, 64), dtype=np.uint8))
+    with caplog.at_level(logging.WARNING, logger="pof_connector.page_sum"):
+        assert page_sum._triton_checksums(t) is None
+        assert page_sum._triton_checksums(t) is None
+    assert page_sum._triton_state == "off"
+    assert [r.getMessage().count("sm_99") for r in caplog.records] == [1]
+    assert page_sum.torch_checksums(t).tolist() == [page_sum.as_int64(page_sum.checksum(r)) for r in t.numpy()]
 
 
 @pytest.mark.parametrize("spec", [SPEC, PageSpec(num_layers=8, segment_bytes=8192, page_tokens=64)])

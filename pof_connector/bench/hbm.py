@@ -9,6 +9,8 @@ row                         pof                                             raw 
 ``peer_read_to_device``     ``PeerHbmTier.read`` into a tensor on the       ``copy_`` region → engine
                             engine's GPU (copy + header/checksum/           device (peer copy with two
                             generation checks)                              GPUs)
+``peer_read_many_to_device``  ``PeerHbmTier.read_many``: the same pages as  ``copy_`` region → engine
+                            one batch (one wait, one checksum launch)       device
 ``peer_read_to_host``       ``PeerHbmTier.read`` into pinned host memory    ``copy_`` device → pinned
 ``peer_write_from_host``    ``PeerHbmTier.write`` of pinned host segments   ``copy_`` pinned → device
 ``host_tier_to_device``     ``CpuDramTier.read`` (pinned, checked), then    ``copy_`` pinned → device
@@ -19,8 +21,10 @@ row                         pof                                             raw 
                             torch, then the live generations
 ==========================  ==============================================  =========================
 
-``ratio`` (the headline) is ``peer_read_to_device``; ``peer_vs_host_tier`` compares the two ways
-an engine gets a page onto its GPU: from a peer GPU's HBM or from this host's DRAM tier.
+``ratio`` (the headline) is ``peer_read_to_device`` (page by page, comparable with earlier runs),
+``ratio_batched`` is ``peer_read_many_to_device`` (what an engine loading a prefix would call);
+``peer_vs_host_tier`` compares the two ways an engine gets a page onto its GPU: from a peer GPU's
+HBM or from this host's DRAM tier.
 Throughputs are medians over repeats, in GB/s (10^9 bytes per second). ``raw_gbps.checksum_host``
 is the page format's segment checksum alone on the host (v2, :mod:`pof_connector.page_sum`);
 ``raw_gbps.checksum_device`` is the same checksum computed by torch on the engine's device over
@@ -168,6 +172,12 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
         for k, r, dst in zip(keys, refs, dev_pages, strict=True):
             peer_tier.read(r, k, dst)
 
+    dev_rows = dev_out.view(pages, pb)
+
+    def pof_read_many_dev() -> None:
+        if not all(isinstance(h, PageHeader) for h in peer_tier.read_many(refs, keys, dev_rows)):
+            raise RuntimeError("bench: a page of the batch was refused")
+
     def pof_read_host() -> None:
         for k, r, dst in zip(keys, refs, host_pages, strict=True):
             peer_tier.read(r, k, dst)
@@ -186,11 +196,13 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
 
     raw = {"d2d": m(raw_d2d), "d2h_pinned": m(raw_d2h), "h2d_pinned": m(raw_h2d),
            "checksum_host": m(checksum_host), "checksum_device": m(checksum_device)}
-    ours = {"peer_read_to_device": m(pof_read_dev), "peer_read_to_host": m(pof_read_host),
+    ours = {"peer_read_to_device": m(pof_read_dev), "peer_read_many_to_device": m(pof_read_many_dev),
+            "peer_read_to_host": m(pof_read_host),
             "peer_write_from_host": m(pof_write), "host_tier_to_device": m(host_tier_to_dev),
             "host_tier_dma_verify": m(host_tier_dma_verify)}
-    base = {"peer_read_to_device": "d2d", "peer_read_to_host": "d2h_pinned", "peer_write_from_host": "h2d_pinned",
-            "host_tier_to_device": "h2d_pinned", "host_tier_dma_verify": "h2d_pinned"}
+    base = {"peer_read_to_device": "d2d", "peer_read_many_to_device": "d2d", "peer_read_to_host": "d2h_pinned",
+            "peer_write_from_host": "h2d_pinned", "host_tier_to_device": "h2d_pinned",
+            "host_tier_dma_verify": "h2d_pinned"}
     # Everything read back must still be the pages: a fast wrong answer is no result.
     for k, r, dst in zip(keys, refs, dev_pages, strict=True):
         peer_tier.read(r, k, dst)
@@ -206,6 +218,7 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
         "page_bytes": pb, "layers": spec.num_layers, "segment_bytes": spec.segment_bytes, "pages": pages,
         "bytes_per_pass": nbytes, "raw_gbps": {k: round(v, 3) for k, v in raw.items()}, "rows": rows,
         "ratio": rows["peer_read_to_device"]["ratio"],
+        "ratio_batched": rows["peer_read_many_to_device"]["ratio"],
         "peer_vs_host_tier": round(ours["peer_read_to_device"] / ours["host_tier_to_device"], 4),
         # A checked read to a GPU copies device→device, then torch sums the copy there (format v2):
         # its bound from this run's raw rates, to tell pof's overhead from the design's.

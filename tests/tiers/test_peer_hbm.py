@@ -208,6 +208,30 @@ def test_device_to_device_read(device: str, runtime_dir: str) -> None:
         t.close()
 
 
+def test_read_many_reports_each_page_on_its_own(device: str, runtime_dir: str) -> None:
+    """A batch read into the engine's GPU (one wait for the batch there): good pages land byte-exact
+    beside a corrupted, a mis-keyed and a stale one, each refused with its reason."""
+    t = tier(device, runtime_dir)
+    try:
+        written = [write(t, i) for i in range(20, 25)]
+        refs = [SlotRef(slot, gen) for _, slot, gen in written]
+        keys = [key(i) for i, _, _ in written]
+        flip(t, t.slot_offset(refs[1].slot) + SPEC.segment_offset(SPEC.num_layers - 1) + 5, 0x02)
+        keys[2] = key(99)                                          # asked for another page's bytes
+        refs[3] = SlotRef(refs[3].slot, refs[3].generation + 1)     # a generation the slot never had
+        engine = "cuda:0" if device.startswith("cuda") else "cpu"
+        out = torch.zeros((6, SPEC.page_bytes + 64), dtype=torch.uint8, device=engine)
+        got = t.read_many(refs, keys, out)
+        assert [g.reason if isinstance(g, PageError) else "ok" for g in got] == \
+            ["ok", "bad_checksum", "wrong_key", "stale_generation", "ok"]
+        for row, (i, _, _) in ((0, written[0]), (4, written[4])):
+            assert exact(out[row].cpu().numpy(), key(i))
+        assert not out[5].any()                                    # a row past the batch is not touched
+        assert t.read_many([], [], out) == []
+    finally:
+        t.close()
+
+
 def test_pool_hands_pages_to_the_engine_only_after_checks(device: str, runtime_dir: str, namespace: bytes) -> None:
     cfg = PofConfig.from_mapping({"node_id": "a", "index_url": "local", "runtime_dir": runtime_dir,
                                   "tiers": {"peer_hbm": {"device": device, "size": "1MiB", "partitions": 2}}})
@@ -345,8 +369,9 @@ def test_pof_bench_hbm_moves_pages_both_ways_on_cpu_tensors(capsys: pytest.Captu
     assert main(["bench", "hbm", "--json", "--device", "cpu", "--peer", "cpu", "--pages", "2", "--layers", "2",
                  "--segment-bytes", "64KiB", "--min-seconds", "0.01"]) == 0
     result = json.loads(capsys.readouterr().out)      # stdout is the JSON alone (progress: stderr)
-    assert set(result["rows"]) == {"peer_read_to_device", "peer_read_to_host", "peer_write_from_host",
-                                   "host_tier_to_device", "host_tier_dma_verify"}
+    assert set(result["rows"]) == {"peer_read_to_device", "peer_read_many_to_device", "peer_read_to_host",
+                                   "peer_write_from_host", "host_tier_to_device", "host_tier_dma_verify"}
+    assert result["ratio_batched"] == result["rows"]["peer_read_many_to_device"]["ratio"]
     assert result["raw_gbps"]["checksum_host"] > 0 and result["raw_gbps"]["checksum_device"] > 0
     assert all(row["pof_gbps"] > 0 and row["raw_gbps"] > 0 for row in result["rows"].values())
     assert result["page_bytes"] > 2 * 64 * 1024 and result["peer_is_other_gpu"] is False
