@@ -232,6 +232,31 @@ def test_read_many_reports_each_page_on_its_own(device: str, runtime_dir: str) -
         t.close()
 
 
+def test_a_write_is_done_with_its_sources_when_it_returns(device: str, runtime_dir: str) -> None:
+    """Segments are queued without a wait each, so the one wait at the end must cover them: big
+    pinned sources overwritten right after ``write`` returns leave the page as it was written."""
+    spec = PageSpec(num_layers=8, segment_bytes=1 << 20, page_tokens=16)
+    t = make_tier(TierConfig("peer_hbm", 3 * spec.page_bytes, partitions=1, device=device), spec, runtime_dir)
+    assert isinstance(t, PeerHbmTier)
+    try:
+        rng = np.random.default_rng(4)
+        want = [rng.integers(0, 256, spec.segment_bytes, dtype=np.uint8) for _ in range(spec.num_layers)]
+        srcs = [torch.from_numpy(w.copy()) for w in want]
+        if torch.cuda.is_available():
+            srcs = [s.pin_memory() for s in srcs]
+        got = t.prepare_store(key(40))
+        assert got is not None
+        t.write(got[0], key(40), srcs)
+        for src in srcs:
+            src.fill_(0xFF)
+        t.complete_store(key(40), ok=True)
+        out = np.empty(spec.page_bytes, np.uint8)
+        t.read(got[0], key(40), out)
+        assert all(np.array_equal(spec.segment(out, i), w) for i, w in enumerate(want))
+    finally:
+        t.close()
+
+
 def test_pool_hands_pages_to_the_engine_only_after_checks(device: str, runtime_dir: str, namespace: bytes) -> None:
     cfg = PofConfig.from_mapping({"node_id": "a", "index_url": "local", "runtime_dir": runtime_dir,
                                   "tiers": {"peer_hbm": {"device": device, "size": "1MiB", "partitions": 2}}})
