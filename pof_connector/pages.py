@@ -268,3 +268,11 @@ def expect_checksums(header: PageHeader, got: Sequence[int], where: str) -> None
     if tuple(got) != header.segment_checksums:
         layer = next(i for i, (a, b) in enumerate(zip(got, header.segment_checksums, strict=True)) if a != b)
         raise PageError("bad_checksum", f"layer {layer} of {where}")
+
+
+def expect_xxh3_checksums(spec: PageSpec, header: PageHeader, page: Any, where: str) -> None:
+    """Format v1 (xxh3, host only): raise ``bad_checksum`` naming the first layer of ``page`` (a
+    whole page in host memory) whose checksum is not the header's."""
+    for layer, expected in enumerate(header.segment_checksums):
+        if checksum(spec.segment(page, layer), 1) != expected:
+            raise PageError("bad_checksum", f"layer {layer} of {where}")

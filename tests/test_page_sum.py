@@ -415,6 +415,9 @@ def test_v1_pages_are_still_read_and_checked() -> None:
     with pytest.raises(PageError) as e:
         tier.check_segment(ref, header, 2)
     assert e.value.reason == "bad_checksum"
+    with pytest.raises(PageError) as e:            # the whole-page read checks v1 sums too, by layer
+        tier.read(ref, KEY, out)
+    assert e.value.reason == "bad_checksum" and "layer 2" in str(e.value)
     bad = page.copy()
     bad[SPEC.segment_offset(1)] ^= 4
     with pytest.raises(PageError) as e:

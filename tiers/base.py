@@ -41,6 +41,7 @@ from pof_connector.pages import (
     checksum,
     encode_header,
     expect_checksums,
+    expect_xxh3_checksums,
     header_template,
 )
 from pof_connector.tiers.ordering import require_store_order
@@ -348,9 +349,7 @@ class Tier(ABC):
         header = PageHeader.parse(dst[:hb], key)
         header.expect(spec, key, ref.generation)
         if header.version == 1:       # xxh3: a second pass over each copied segment
-            for layer, expected in enumerate(header.segment_checksums):
-                if checksum(spec.segment(dst, layer), 1) != expected:
-                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+            expect_xxh3_checksums(spec, header, dst, f"slot {ref.slot}")
         else:
             expect_checksums(header, sums, f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:

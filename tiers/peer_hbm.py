@@ -51,6 +51,7 @@ from pof_connector.pages import (
     checksum,
     encode_header,
     expect_checksums,
+    expect_xxh3_checksums,
 )
 from pof_connector.tiers.base import SlotRef, Tier, slot_bytes_for
 from pof_connector.tiers.peer_region import PeerRegion
@@ -308,10 +309,7 @@ class PeerHbmTier(Tier):
         header = PageHeader.parse(host[8 * layers + 8:] if on_gpu else dst[:hb].numpy(), key)   # keeps no view
         header.expect(spec, key, ref.generation)
         if header.version == 1:          # xxh3 is host-only: the page comes back once
-            got = self._host(dst)
-            for layer, expected in enumerate(header.segment_checksums):
-                if checksum(spec.segment(got, layer), 1) != expected:
-                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+            expect_xxh3_checksums(spec, header, self._host(dst), f"slot {ref.slot}")
         elif on_gpu:
             expect_checksums(header, host[:8 * layers].view(np.uint64).tolist(), f"slot {ref.slot}")
         else:
@@ -331,7 +329,9 @@ class PeerHbmTier(Tier):
         if len(keys) != n or out.dim() != 2 or out.shape[0] < n or out.shape[1] < spec.page_bytes:
             raise ValueError(f"{n} refs, {len(keys)} keys and an out of shape {tuple(out.shape)}: "
                              f"need [{n}, >= {spec.page_bytes}]")
-        if not (self._cuda and out.device.type == "cuda" and out.stride(1) == 1) or n == 0:
+        batched = self._cuda and out.device.type == "cuda" and out.stride(1) == 1 and n > 0
+        if not batched or not all(0 <= r.slot < self.num_slots for r in refs):
+            # Page by page; also where a slot is out of range, so read refuses that page alone.
             results: list[PageHeader | PageError] = []
             for ref, key, row in zip(refs, keys, out, strict=False):
                 try:
@@ -341,8 +341,6 @@ class PeerHbmTier(Tier):
             return results
         torch = self._torch
         hb, seg, layers = spec.header_bytes, spec.segment_bytes, spec.num_layers
-        for ref in refs:
-            self._check_slot(ref.slot)
         rows = out[:n, :spec.page_bytes]
         starts = torch.tensor([r.slot * self.slot_bytes + GENERATION_AT for r in refs], dtype=torch.int64)
         word_at = (starts[:, None] + torch.arange(8)).reshape(-1)
@@ -396,9 +394,7 @@ class PeerHbmTier(Tier):
         header.expect(spec, key, ref.generation)
         got = self._host(dst)
         if header.version == 1:
-            for layer, expected in enumerate(header.segment_checksums):
-                if checksum(spec.segment(got, layer), 1) != expected:
-                    raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
+            expect_xxh3_checksums(spec, header, got, f"slot {ref.slot}")
         else:
             expect_checksums(header, page_sum.checksums(got[hb:], spec.segment_bytes), f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 from pof_connector.config import PofConfig, TierConfig  # noqa: E402
 from pof_connector.index.server import RedisServer  # noqa: E402
 from pof_connector.keys import PageKey  # noqa: E402
-from pof_connector.pages import PageError, PageSpec  # noqa: E402
+from pof_connector.pages import PageError, PageHeader, PageSpec, checksum, encode_header  # noqa: E402
 from pof_connector.pool import Pool  # noqa: E402
 from pof_connector.tiers import SlotRef, make_tier  # noqa: E402
 from pof_connector.tiers.peer_hbm import PeerHbmTier  # noqa: E402
@@ -227,6 +227,9 @@ def test_read_many_reports_each_page_on_its_own(device: str, runtime_dir: str) -
         for row, (i, _, _) in ((0, written[0]), (4, written[4])):
             assert exact(out[row].cpu().numpy(), key(i))
         assert not out[5].any()                                    # a row past the batch is not touched
+        beyond = [SlotRef(t.num_slots, 1), SlotRef(written[0][1], written[0][2])]     # a slot the tier has not
+        assert [g.reason if isinstance(g, PageError) else "ok" for g in t.read_many(beyond, [key(98), key(20)], out)] \
+            == ["bad_location", "ok"]
         assert t.read_many([], [], out) == []
     finally:
         t.close()
@@ -253,6 +256,38 @@ def test_a_write_is_done_with_its_sources_when_it_returns(device: str, runtime_d
         out = np.empty(spec.page_bytes, np.uint8)
         t.read(got[0], key(40), out)
         assert all(np.array_equal(spec.segment(out, i), w) for i, w in enumerate(want))
+    finally:
+        t.close()
+
+
+def test_v1_pages_are_read_and_checked_on_the_host(device: str, runtime_dir: str) -> None:
+    """A page of format v1 (xxh3, which no GPU computes) is still read, by ``read`` and by
+    ``read_many`` into the engine's device, and a flipped bit in it is still refused."""
+    t = tier(device, runtime_dir)
+    try:
+        k = key(50)
+        segments = content(k)
+        header = encode_header(SPEC, k, 1, [checksum(s, 1) for s in segments], version=1)
+        page = np.zeros(SPEC.page_bytes, np.uint8)
+        page[:len(header)] = np.frombuffer(header, np.uint8)
+        for layer, data in enumerate(segments):
+            SPEC.segment(page, layer)[:] = data
+        got = t.prepare_store(k)
+        assert got is not None
+        ref = got[0]
+        t.write_page(ref, page)                       # re-stamped with the slot's generation, still v1
+        t.complete_store(k, ok=True)
+        engine = "cuda:0" if device.startswith("cuda") else "cpu"
+        out = torch.zeros((1, SPEC.page_bytes), dtype=torch.uint8, device=engine)
+        assert t.read(ref, k, out[0]).version == 1
+        (first,) = t.read_many([ref], [k], out)
+        assert isinstance(first, PageHeader) and first.version == 1 and exact(out[0].cpu().numpy(), k)
+        flip(t, t.slot_offset(ref.slot) + SPEC.segment_offset(1) + 3, 0x10)
+        (refused,) = t.read_many([ref], [k], out)
+        assert isinstance(refused, PageError) and refused.reason == "bad_checksum" and "layer 1" in str(refused)
+        with pytest.raises(PageError) as e:
+            t.read(ref, k, out[0])
+        assert e.value.reason == "bad_checksum" and "layer 1" in str(e.value)
     finally:
         t.close()
 
