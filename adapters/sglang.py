@@ -263,6 +263,20 @@ class PoFHiCacheStorage(HiCacheStorage):
         log.warning("pof: a store took over %g s; SGLang is told it failed, later stores are refused until "
                     "it is written", STORE_TIMEOUT_S)
 
+    def _load_layer(self, reader: Any, i: int, layer: int, dst: Any) -> bool:
+        """Layer ``layer`` of page ``i`` into ``dst`` (a canonical view into SGLang's memory),
+        checked as it landed there: summed as it is copied where ``dst`` is contiguous, else
+        summed from ``dst`` after the copy."""
+        if dst.is_contiguous() and dst.device.type == "cpu":
+            return bool(reader.copy_into(i, layer, dst))
+        seg = reader.segment(i, layer)
+        if seg is None:
+            return False
+        pages = self._pages()
+        dst.copy_(torch.from_numpy(seg).view(pages.dtype).view(pages.canonical_shape))
+        landed = dst.contiguous().cpu().view(-1).view(torch.uint8).numpy()
+        return bool(reader.check(i, layer, reader.landed_sum(i, landed)))
+
     def _load(self, hex_keys: list[str], dest: Any, extra_info: Any) -> list[bool]:
         """Copy the leading pages the pool has, layer by layer, straight from tier memory into
         ``dest(page, layer)`` (a canonical view into SGLang's memory), checking each copy."""
@@ -276,12 +290,7 @@ class PoFHiCacheStorage(HiCacheStorage):
             for i in range(found.pages):
                 good = True
                 for layer in range(pages.num_layers):
-                    seg = reader.segment(i, layer)
-                    if seg is None:
-                        good = False
-                        break
-                    dest(i, layer).copy_(torch.from_numpy(seg).view(pages.dtype).view(pages.canonical_shape))
-                    if not reader.check(i, layer):
+                    if not self._load_layer(reader, i, layer, dest(i, layer)):
                         good = False
                         break
                 ok[i] = good

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -113,6 +114,15 @@ class PoFConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Every rank's load errors and reports of a step: the verdict on the saves held in it."""
+        assert self._scheduler is not None
+        try:
+            self._scheduler.update_output(connector_output)
+        except Exception as e:     # a bug here must not stop the engine: nothing held is published
+            self._scheduler.pool.report_adapter_error("update_connector_output", e)
+            self._scheduler.fail_unsettled()
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves were copied out of the blocks during the forward: vLLM may free them now.
         assert self._scheduler is not None
@@ -179,6 +189,12 @@ class PoFConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Sent every step, even an idle one: vLLM hands a step's output to the scheduler half
+        (``update_connector_output``) only when it is not empty, and the verdicts need each one."""
+        assert self._worker is not None
+        return self._worker.report()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counter deltas since the last call; vLLM asks both roles (lookups and hits come from the

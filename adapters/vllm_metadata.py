@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from pof_connector.index import Location
 from pof_connector.keys import PageKey
@@ -43,6 +43,16 @@ class SaveJob:
 
 
 @dataclass
+class Verdict:
+    """The scheduler's word on the saves the workers held in step ``step``: publish them, but drop
+    those of ``discard`` (requests that, on some rank, computed on a block whose load failed, or
+    shared such a block)."""
+
+    step: int
+    discard: list[str] = field(default_factory=list)
+
+
+@dataclass
 class PoFConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
@@ -57,3 +67,28 @@ class PoFConnectorMetadata(KVConnectorMetadata):
     compute from now on is computed afresh, on validated KV only, and may be stored again."""
     finished: list[str] = field(default_factory=list)
     """Requests that ended since the last step (the worker forgets them)."""
+    step: int = 0
+    """The scheduler's number for this step (0: a metadata built by hand, in tests)."""
+    hold: bool = False
+    """Store this step's saves held, unpublished, until a :class:`Verdict` for :attr:`step`: this
+    step, or one whose output the scheduler has not seen yet, promised KV from the pool, so some
+    rank's load may have failed under a block this step's compute read."""
+    verdicts: list[Verdict] = field(default_factory=list)
+    """The scheduler's word on earlier held steps, oldest first."""
+
+
+@dataclass
+class PoFWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler half after a step (vLLM aggregates every rank's):
+    which step this was, and the pages rank 0 stored held in it, per request, in ``medium``."""
+
+    step: int
+    held: dict[str, list[PageKey]] = field(default_factory=dict)
+    medium: str = ""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PoFWorkerMeta:
+        if not isinstance(other, PoFWorkerMeta):
+            return self
+        held = {**other.held, **self.held}
+        # Every rank runs the same step; should two ever differ, the older one is the safe answer.
+        return PoFWorkerMeta(min(self.step, other.step), held, self.medium or other.medium)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from pof_connector.adapters.vllm_geometry import VllmGeometry
-from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, SaveJob, Verdict
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
@@ -30,6 +31,24 @@ LOOKUP_REUSE_S = 0.25
 every step for the request at the head of its queue while KV memory is full; an index round trip
 each time cost a saturated CPU engine ~10% of its scheduler process (measured). A page evicted
 meanwhile fails its load and is recomputed; one published meanwhile is a smaller hit."""
+APPROVED_KEEP_S = 30.0
+"""How long the scheduler half offers pages it approved itself (held by the workers, published at
+their next step) to its own lookups: an idle engine's last step would otherwise stay invisible
+until its next one. By then the index has them."""
+APPROVED_MAX = 1 << 16
+
+
+@dataclass
+class _Step:
+    """A step whose output the scheduler half has not seen yet."""
+
+    promised: bool
+    """It loads KV from the pool, or reports promised blocks as failed: some rank may fail a load."""
+    held: bool
+    """Its saves wait for a :class:`Verdict`."""
+    saves: dict[str, frozenset[int]]
+    """Per request with saves in it, every block the request held (and its compute could read)."""
+    discard: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -110,6 +129,18 @@ class PoFScheduler:
         self._hit_tiers: dict[str, dict[str, int]] = {}
         self._looked: dict[str, tuple[float, int, int, Lookup]] = {}
         """request id -> (when, first page, page limit, answer) of its last lookup"""
+        self._step = 0
+        self._unsettled: dict[int, _Step] = {}
+        self._verdicts: list[Verdict] = []
+        self._approved: OrderedDict[bytes, tuple[float, Location]] = OrderedDict()
+        """digest -> (when, where) of pages rank 0 held and this half approved"""
+        self._local: dict[str, int] = {}
+        """request id -> tokens vLLM's own prefix cache gave it when it was admitted"""
+        self._suspect: set[int] = set()
+        """Blocks that may hold KV of a failed load or computed on one, still in vLLM's prefix
+        cache (its recompute policy keeps them registered until they are computed again)."""
+        self._poisoned: set[str] = set()
+        """Requests that read a suspect block: nothing they compute is stored, until they end."""
 
     def _chain(self, request: Any) -> _Chain:
         chain = self._chains.get(request.request_id)
@@ -127,12 +158,13 @@ class PoFScheduler:
         limit = (len(tokens) - 1) // P
         first = num_computed // P
         self._plans.pop(request.request_id, None)
+        self._local[request.request_id] = num_computed
         if limit <= first or not self.loads:
             return 0
         keys = self._chain(request).upto(tokens, limit, P)[first:]
         if not keys:
             return 0
-        found = self._lookup(request.request_id, first, limit, keys)
+        found = self._with_approved(keys, self._lookup(request.request_id, first, limit, keys))
         if found.pages == 0 or (first + found.pages) * P <= num_computed:
             return 0
         self._plans[request.request_id] = _Plan(first, num_computed, keys[:found.pages], found.sources)
@@ -146,6 +178,24 @@ class PoFScheduler:
         found = self.pool.lookup(keys)
         self._looked[req_id] = (now, first, limit, found)
         return found
+
+    def _with_approved(self, keys: list[PageKey], found: Lookup) -> Lookup:
+        """``found`` extended by the pages that follow it among those this half approved (see
+        :meth:`update_output`): the worker makes them readable before this step's loads start."""
+        if found.pages >= len(keys) or not self._approved:
+            return found
+        now = time.monotonic()
+        extra: list[Location] = []
+        for key in keys[found.pages:]:
+            got = self._approved.get(key.digest)
+            if got is None or now - got[0] > APPROVED_KEEP_S:
+                break
+            extra.append(got[1])
+        if not extra:
+            return found
+        for loc in extra:
+            self.pool.stats.add("hit_pages", tier=loc.medium)
+        return Lookup(found.keys, found.sources + extra, found.elsewhere)
 
     def hit_tiers(self, request: Any) -> dict[str, int]:
         """Tokens per medium of the last plan for ``request`` (for vLLM's hit-source metrics)."""
@@ -199,15 +249,121 @@ class PoFScheduler:
     # ---- build_connector_meta ----------------------------------------------------------------
 
     def build_meta(self, so: Any) -> PoFConnectorMetadata:
+        """This step's plan for the workers. Its saves are held (``hold``) when this step, or one
+        whose output is not in yet, promised pool KV: only once every rank's load errors of those
+        steps are known can a page be published (:meth:`update_output`)."""
+        self._step += 1
+        promised = bool(self._loads or self._fail_blocks)
+        held = promised or any(s.promised for s in self._unsettled.values())
         meta = PoFConnectorMetadata(loads=self._loads, fail_blocks=self._fail_blocks, tainted=self._tainted,
-                                    finished=self._finished)
-        self._loads, self._fail_blocks, self._tainted, self._finished = [], [], [], []
+                                    finished=self._finished, step=self._step, hold=held, verdicts=self._verdicts)
+        self._loads, self._fail_blocks, self._tainted, self._finished, self._verdicts = [], [], [], [], []
         try:
             self._plan_step_saves(so, meta)
         except Exception as e:     # saving is best effort: this step's pages are simply not stored
             self.pool.report_adapter_error("build_connector_meta", e)
             meta.saves = []
+        try:
+            self._guard_suspects(so)
+        except Exception as e:     # the safe answer: nothing scheduled in this step is stored
+            self.pool.report_adapter_error("build_connector_meta", e)
+            self._poisoned.update(self._scheduled(so))
+        meta.tainted += sorted(self._poisoned)
+        self._unsettled[self._step] = _Step(promised, held, {
+            job.req_id: frozenset(self._blocks.get(job.req_id, ())) for job in meta.saves})
         return meta
+
+    @staticmethod
+    def _scheduled(so: Any) -> list[str]:
+        return [new.req_id for new in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+
+    def _guard_suspects(self, so: Any) -> None:
+        """Blocks this step computes or loads anew are no longer suspect; a request that reads a
+        suspect block without writing it (its prefix-cache hits, or what it computed before) is
+        poisoned: vLLM keeps serving a block whose load failed from its prefix cache until it is
+        recomputed, and a request admitted meanwhile computes on it with no error reported."""
+        N = self.geo.block_size
+        spans: list[tuple[str, int, int, int]] = []       # request, read end, write start, write end
+        for new in so.scheduled_new_reqs:
+            start = self._local.get(new.req_id, new.num_computed_tokens)
+            spans.append((new.req_id, start, start, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed = cached.num_computed_tokens[i]
+            spans.append((req_id, computed, computed, computed + so.num_scheduled_tokens[req_id]))
+        if not self._suspect:
+            return
+        # Every write of a step lands before any read: a block a clean request writes is good again,
+        # one a poisoned request writes is garbage too; who is poisoned depends on both: iterate.
+        poisoned = {req_id for req_id, _, _, _ in spans if req_id in self._poisoned}
+        while True:
+            suspect = set(self._suspect)
+            for req_id, _, start, end in spans:
+                written = self._blocks.get(req_id, [])[start // N:end // N]
+                (suspect.update if req_id in poisoned else suspect.difference_update)(written)
+            grown = poisoned | {req_id for req_id, read, _, _ in spans
+                                if not suspect.isdisjoint(self._blocks.get(req_id, [])[:-(-read // N)])}
+            if grown == poisoned:
+                break
+            poisoned = grown
+        self._suspect = suspect
+        for req_id in sorted(poisoned - self._poisoned):
+            log.warning("pof: request %s reads KV of a failed load that vLLM's prefix cache still serves (not "
+                        "computed again yet); none of its pages are stored", req_id)
+        self._poisoned |= poisoned
+
+    # ---- update_connector_output ---------------------------------------------------------------
+
+    def update_output(self, output: Any) -> None:
+        """A step's output from every rank (vLLM's aggregated ``KVConnectorOutput``): the blocks any
+        rank failed to load, and the worker's report. Every request that held such a block, in this
+        step or in one planned before vLLM saw the failure, computed on it (a request that shares
+        a block through vLLM's prefix cache included): its held saves of those steps are dropped.
+        The verdict on this step goes to the workers with the next step's plan."""
+        report = getattr(output, "kv_connector_worker_meta", None)
+        report = report if isinstance(report, PoFWorkerMeta) else None
+        if report is not None and report.step in self._unsettled:
+            step = report.step
+        elif self._unsettled:
+            step = min(self._unsettled)       # no report: outputs come in the order steps were planned
+        else:
+            return
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        if invalid:
+            for s, plan in self._unsettled.items():
+                if s >= step:
+                    plan.discard.update(r for r, blocks in plan.saves.items() if not blocks.isdisjoint(invalid))
+            for blocks in self._blocks.values():     # from a request's first failed block on: suspect
+                first = next((i for i, b in enumerate(blocks) if b in invalid), None)
+                if first is not None:
+                    self._suspect.update(blocks[first:])
+        for s in sorted(s for s in self._unsettled if s <= step):
+            plan = self._unsettled.pop(s)
+            if s < step:           # its output never came: nothing of it is known good
+                plan.discard.update(plan.saves)
+            if plan.held:
+                self._verdicts.append(Verdict(s, sorted(plan.discard)))
+            if s == step and plan.held and report is not None:
+                self._approve(report, plan.discard)
+
+    def _approve(self, report: PoFWorkerMeta, discard: set[str]) -> None:
+        now = time.monotonic()
+        where = Location(self.config.node_id, report.medium, -1, 0)     # the worker finds its pages by key
+        for req_id, keys in report.held.items():
+            if req_id in discard:
+                continue
+            for key in keys:
+                self._approved[key.digest] = (now, where)
+                self._approved.move_to_end(key.digest)
+        while len(self._approved) > APPROVED_MAX:
+            self._approved.popitem(last=False)
+
+    def fail_unsettled(self) -> None:
+        """After an error in :meth:`update_output`: drop every held save not judged yet."""
+        for s in sorted(self._unsettled):
+            plan = self._unsettled.pop(s)
+            if plan.held:
+                self._verdicts.append(Verdict(s, sorted(plan.saves)))
 
     def _plan_step_saves(self, so: Any, meta: PoFConnectorMetadata) -> None:
         for new in so.scheduled_new_reqs:
@@ -258,8 +414,9 @@ class PoFScheduler:
 
     def finished(self, req_id: str) -> None:
         for books in (self._chains, self._plans, self._requests, self._blocks, self._saved_pages, self._hit_tiers,
-                      self._progress, self._looked):
+                      self._progress, self._looked, self._local):
             books.pop(req_id, None)  # type: ignore[attr-defined]
+        self._poisoned.discard(req_id)
         self._finished.append(req_id)
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -36,7 +36,7 @@ from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
-from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict
 from pof_connector.config import PofConfig
 from pof_connector.keys import PageKey
 from pof_connector.page_reader import PageReader
@@ -45,6 +45,10 @@ from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
 
 log = logging.getLogger("pof_connector.vllm")
+HELD_STEPS_MAX = 16
+"""Steps whose held saves wait for the scheduler's verdict at most (vLLM hands the output back one
+step later, two with async scheduling, a few more with pipeline stages): older ones are dropped,
+so a lost verdict never pins tier slots."""
 
 
 @dataclass
@@ -96,6 +100,11 @@ class PoFWorker:
         self._saves: list[_PendingSave] = []
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
+        self._step = 0                    # the scheduler's number of the step being run
+        self._hold = False                # this step's saves wait for the scheduler's verdict
+        self._held: dict[int, list[tuple[str, Future[int]]]] = {}   # step -> (request, its held store)
+        self._report = PoFWorkerMeta(0)   # what this step tells the scheduler half
+        self._lost_verdict_logged = False
         self.staging = StagingPool()
         self.load_latencies: list[float] = []
         self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
@@ -184,23 +193,60 @@ class PoFWorker:
     def _copy_layer(self, layer: int) -> None:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
         assert self.layout is not None
-        lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         per_load = [(active, active.reader.segments(layer)) for active in self._loads]
-        if lay.can_copy_checked(kv):      # convert, copy and checksum in one pass; the check re-reads nothing
+        if self.layout.can_copy_checked(self.kv[layer]):
+            self._copy_fused(layer, per_load)
+        else:
+            self._copy_strided(layer, per_load)
+
+    def _copy_fused(self, layer: int, per_load: list[tuple[_ActiveLoad, list[tuple[int, np.ndarray]]]]) -> None:
+        """Convert, copy and checksum in one native pass (the sums are of the bytes as they are
+        stored into the blocks). A page whose source nobody rewrites before the read closes (a
+        slot of ours this read pins) is copied by the native crew, whose late helper may copy it
+        once more, the same bytes, after the check; any other source (another node's slot in a
+        shared region, a lent slot, staging) is copied once, by this thread, before its check:
+        nothing writes into an accepted block afterwards."""
+        assert self.layout is not None
+        lay = self.layout
+        cache = lay.cache_bytes(self.kv[layer])
+        for crew in (True, False):
             # targets: the blocks each page writes, after the first page's head blocks (the engine's own)
-            todo = [(seg, *active.targets[i]) for active, segs in per_load for i, seg in segs]
-            sums = iter(lay.copy_checked(lay.cache_bytes(kv), todo, self.copy_threads))
-            for active, segs in per_load:
-                active.reader.check_all(layer, [(i, next(sums)) for i, _ in segs])
-            return
+            picked = [(active, i, seg) for active, segs in per_load for i, seg in segs
+                      if active.reader.stable(i) == crew]
+            if not picked:
+                continue
+            sums = lay.copy_checked(cache, [(seg, *active.targets[i]) for active, i, seg in picked],
+                                    self.copy_threads if crew else 1)
+            landed: dict[int, tuple[_ActiveLoad, list[tuple[int, int]]]] = {}
+            for (active, i, _), got in zip(picked, sums, strict=True):
+                landed.setdefault(id(active), (active, []))[1].append((i, got))
+            for active, checks in landed.values():
+                active.reader.check_all(layer, checks)
+
+    def _copy_strided(self, layer: int, per_load: list[tuple[_ActiveLoad, list[tuple[int, np.ndarray]]]]) -> None:
+        """Torch copies into the blocks (any layout, any device), then the check of each page as
+        the blocks hold it: gathered back from the engine's memory, never re-read from the tier."""
+        assert self.layout is not None
+        lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
         for active, segs in per_load:
             for i, seg in segs:
                 blocks, skip = active.targets[i]
                 page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
-                # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for),
-                # so the check below covers what the engine received, and the tier may reuse the source.
+                # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for).
                 lay.write_blocks(kv, blocks, lay.pages_to_blocks(page, bpp)[skip:])
-                active.reader.check(i, layer)          # after the copy: were those bytes the page's?
+                active.reader.check(i, layer, self._landed_sum(active.reader, i, kv, page, blocks, skip))
+
+    def _landed_sum(self, reader: PageReader, i: int, kv: torch.Tensor, page: torch.Tensor, blocks: list[int],
+                    skip: int) -> int:
+        """The checksum of page ``i``'s segment as ``blocks`` of ``kv`` hold it now; its leading
+        ``skip`` blocks (the engine's own, not written) are taken from ``page``."""
+        assert self.layout is not None
+        lay, bpp = self.layout, self.geo.blocks_per_page
+        got = lay.gather(kv, torch.tensor(blocks, dtype=torch.long, device=kv.device)).cpu()
+        if skip:
+            got = torch.cat([lay.pages_to_blocks(page, bpp)[:skip], got])
+        landed = lay.blocks_to_pages(got, bpp).contiguous()
+        return reader.landed_sum(i, landed.view(-1).view(torch.uint8).numpy())
 
     def _finish_loads(self) -> None:
         """After the forward: wait for the loader (the layers the engine did not ask for too), then
@@ -263,6 +309,37 @@ class PoFWorker:
         self._tainted.difference_update(meta.rewound)
         self._tainted.difference_update(meta.finished)
         self._tainted.update(meta.tainted)
+        for verdict in meta.verdicts:
+            self._settle(verdict)
+        if meta.step and any(s <= meta.step - HELD_STEPS_MAX for s in self._held):
+            self._settle(Verdict(meta.step - HELD_STEPS_MAX, discard=sorted({r for s in self._held.values()
+                                                                             for r, _ in s})))
+        self._step, self._hold = meta.step, meta.hold
+        self._report = PoFWorkerMeta(meta.step)
+
+    def _settle(self, verdict: Verdict) -> None:
+        """Publish or drop the saves held in ``verdict.step``. Published pages are readable here
+        when this returns: the scheduler may plan this very step's loads from them. Steps before
+        it still held never got a verdict (their output was lost): dropped, the safe answer."""
+        assert self.pool is not None
+        discard = set(verdict.discard)
+        for step in sorted(s for s in self._held if s <= verdict.step):
+            for req_id, stored in self._held.pop(step):
+                tag = (step, req_id)
+                # exception() waits for the store (normally done long ago: the store thread writes
+                # within a step); a store that failed has nothing to publish
+                if step == verdict.step and req_id not in discard and stored.exception() is None:
+                    self.pool.release_now(tag)
+                else:
+                    self.pool.release(tag, publish=False)
+                    if step != verdict.step and not self._lost_verdict_logged:
+                        self._lost_verdict_logged = True
+                        log.warning("pof: no verdict came for the saves held in step %d; they are dropped (the "
+                                    "scheduler half lost that step's output). Logged once.", step)
+
+    def report(self) -> PoFWorkerMeta:
+        """This step's report for the scheduler half (vLLM's ``build_connector_worker_meta``)."""
+        return self._report
 
     def prepare_saves(self, meta: PoFConnectorMetadata) -> None:
         """Pick the pages to save this step (skipping those this node stores already)."""
@@ -293,29 +370,46 @@ class PoFWorker:
             dst.copy_(pages)
 
     def end_step(self) -> None:
-        """After the forward: report loads, hand staged pages to the pool's store thread."""
+        """After the forward: report loads, hand staged pages to the pool's store thread (held
+        until the scheduler's verdict when this step was told to hold them)."""
         self._finish_loads()
         if not self._saves:
             return
         assert self.pool is not None
         layers = self.pool.spec.num_layers
-        items: list[tuple[PageKey, list[np.ndarray]]] = []
+        batches: list[tuple[str, list[tuple[PageKey, list[np.ndarray]]]]] = []
         buffers: list[np.ndarray] = []
         for save in self._saves:
             buffers.append(save.segments)
             if save.req_id in self._tainted:      # its load failed in this very step
                 continue
-            for i, key in enumerate(save.keys):
-                items.append((key, [save.segments[layer, i] for layer in range(layers)]))
+            batches.append((save.req_id, [(key, [save.segments[layer, i] for layer in range(layers)])
+                                          for i, key in enumerate(save.keys)]))
         self._saves = []
+
         def release(_: object) -> None:      # the buffers are reusable once the pool wrote them
             for b in buffers:
                 self.staging.give(b)
 
-        self.pool.store(items).add_done_callback(release)
+        if not self._hold:
+            self.pool.store([item for _, items in batches for item in items]).add_done_callback(release)
+            return
+        futures: list[Future[int]] = []
+        for req_id, items in batches:
+            stored = self.pool.store(items, hold=(self._step, req_id))
+            futures.append(stored)
+            self._held.setdefault(self._step, []).append((req_id, stored))
+            if self.tp_rank == 0 and self.pp_rank == 0:     # the scheduler plans with rank 0's keys
+                self._report.held[req_id] = [key for key, _ in items]
+        self._report.medium = self.pool.tiers[0].medium if self.pool.tiers else ""
+        if futures:
+            futures[-1].add_done_callback(release)      # the store thread runs them in order
+        else:
+            release(None)
 
     def close(self) -> None:
         self.abort_loads()
+        self._held = {}           # the pool drops what is still held as it closes
         if self._load_thread is not None:
             self._load_thread.shutdown(wait=True)
         if self.pool is not None:

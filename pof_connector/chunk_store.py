@@ -179,7 +179,8 @@ class ChunkStore:
                         continue
                     dst = into[i][:, layer]
                     np.copyto(dst, seg.reshape(dst.shape))
-                    reader.check(j, layer)
+                    # summed from where the bytes landed (a strided slice of the caller's chunk)
+                    reader.check(j, layer, reader.landed_sum(j, np.ascontiguousarray(dst).reshape(-1).view(np.uint8)))
         finally:
             reader.close()
         for j, i in enumerate(have):

@@ -7,7 +7,6 @@ import threading
 
 import numpy as np
 
-from pof_connector import page_sum
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import PageSpec
 
@@ -72,10 +71,7 @@ def copy_layers(handle: LoadHandle, reader: PageReader, pages: list[np.ndarray],
     caller finishes the handle (whatever happens here) and closes the reader."""
     for layer in range(spec.num_layers):
         for i, page in enumerate(pages):
-            seg = reader.segment(i, layer)
-            if seg is not None:        # copied and summed in one pass; the check re-reads nothing
-                (copied,) = page_sum.copy_checksums(spec.segment(page, layer), seg, len(seg))
-                reader.check(i, layer, copied)
+            reader.copy_into(i, layer, spec.segment(page, layer))    # copied and summed in one pass
         for i, reason in reader.failed.items():
             handle._fail(i, reason)
         handle._layers[layer].set()

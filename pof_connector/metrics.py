@@ -22,6 +22,8 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "Page bytes read and validated, by tier",
     "load_failures": "Pages rejected or unreadable (the engine recomputes them), by reason",
     "evicted_pages": "Pages evicted, by tier",
+    "dropped_pages": "Pages written but never published: some rank failed a load under a block the step that "
+                     "computed them read (the engine's scheduler said so), by tier",
     "demoted_pages": "Pages moved to the next tier on eviction, by tier",
     "spilled_pages": "Pages evicted from the last tier and written into another node's granted slots, by tier",
     "spill_failures": "Evicted pages that could not be spilled (dropped instead), by reason",
@@ -39,7 +41,8 @@ COUNTERS: dict[str, str] = {
 
 COUNTER_LABELS: dict[str, str] = {
     "hit_pages": "tier", "stored_pages": "tier", "stored_bytes": "tier", "loaded_pages": "tier",
-    "loaded_bytes": "tier", "load_failures": "reason", "evicted_pages": "tier", "demoted_pages": "tier",
+    "loaded_bytes": "tier", "load_failures": "reason", "evicted_pages": "tier", "dropped_pages": "tier",
+    "demoted_pages": "tier",
     "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
     "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
 }

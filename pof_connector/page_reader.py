@@ -7,11 +7,15 @@ I/O thread competes with the forward pass for cores. Safety is the same as for a
 
 1. :meth:`Pool.open_read <pof_connector.pool.Pool.open_read>` copies and checks every page header
    (key, generation, geometry) and pins this node's slots;
-2. :meth:`PageReader.segment` gives layer ``l`` of page ``i`` in place; the caller copies it;
-3. :meth:`PageReader.check` then verifies the checksum of those same bytes and that the slot's
-   live generation did not change (a writer zeroes it before touching any byte). A page that
-   fails is reported in :attr:`failed`; the caller must have the engine recompute it — the bytes
-   it copied are not to be used.
+2. :meth:`PageReader.segment` gives layer ``l`` of page ``i``: in place, or (a source the host
+   cannot address, such as a GPU region) copied into a buffer of that page's own; the caller
+   copies it to where the engine reads it;
+3. :meth:`PageReader.check` then takes the checksum of **the bytes where they landed** (computed
+   by the caller, in the same pass as its copy where it can) and verifies it against the header,
+   and that the slot's live generation did not change (a writer zeroes it before touching any
+   byte). Nothing is ever re-read from the source to be checked. A page that fails is reported
+   in :attr:`failed`; the caller must have the engine recompute it — the bytes it copied are not
+   to be used.
 
 Pages of another node's tier that no shared region connects (fabric enabled) are fetched in one
 batch into pof's staging memory, layer 0 first (:mod:`pof_connector.fabric.remote_reader`); the
@@ -30,10 +34,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from pof_connector import page_sum
 from pof_connector.index import Location
 from pof_connector.keys import PageKey
 from pof_connector.metrics import PoolStats
-from pof_connector.pages import PageError, PageHeader, PageSpec
+from pof_connector.pages import PageError, PageHeader, PageSpec, as_array
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
@@ -49,9 +54,22 @@ class SlotSource(Protocol):
     @property
     def medium(self) -> str: ...
 
-    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray: ...
+    @property
+    def in_place(self) -> bool:
+        """Whether :meth:`segment_view` hands out the source's own (host) memory; else it copies
+        into the caller's ``into``, from memory the host cannot address (a GPU region)."""
+        ...
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None: ...
+    def segment_view(self, ref: SlotRef, layer: int, into: np.ndarray | None = None) -> np.ndarray: ...
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Host memory for ``into`` (pinned where the source copies from a GPU)."""
+        ...
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, landed: int) -> None:
+        """Raise :class:`PageError` unless ``landed`` (the checksum of the bytes the caller copied,
+        where they landed) is the header's for ``layer`` and the slot was not rewritten meanwhile."""
+        ...
 
     def unpin(self, slot: int) -> None: ...
 
@@ -92,6 +110,7 @@ class PageReader:
         self.failed: dict[int, str] = {}
         self._pages: list[tuple[SlotSource, SlotRef, PageHeader, bool] | None] = []
         self._headers = headers
+        self._scratch: np.ndarray | None = None     # [pages, segment_bytes]: segments of sources not in place
         self._started = time.perf_counter()
         scratch = np.empty(source.spec.header_bytes, dtype=np.uint8)
         # Remote pages: posted now, resolved on first use (segment); the load owns their staging.
@@ -130,17 +149,29 @@ class PageReader:
         if entry is None:
             return None
         tier, ref, _, _ = entry
-        return tier.segment_view(ref, layer)
+        if tier.in_place:
+            return tier.segment_view(ref, layer)
+        # Each page gets its own buffer: a source's per-thread scratch would be refilled by the next
+        # page's call while the caller still holds this one (a layer's segments are taken at once).
+        return tier.segment_view(ref, layer, into=self._scratch_row(tier, page))
+
+    def _scratch_row(self, tier: SlotSource, page: int) -> np.ndarray:
+        seg = self._source.spec.segment_bytes
+        if self._scratch is None:
+            self._scratch = tier.host_buffer(len(self._pages) * seg).reshape(len(self._pages), seg)
+        row: np.ndarray = self._scratch[page]
+        return row
 
     def segments(self, layer: int) -> list[tuple[int, np.ndarray]]:
         """``(page, segment)`` of every page not failed: :meth:`segment` for a whole layer at once
-        (a step's load reads hundreds of segments; this spares a call per segment)."""
+        (a step's load reads hundreds of segments; this spares a call per segment). The segments
+        never share memory: each stays valid until this layer's :meth:`check_all`."""
         out: list[tuple[int, np.ndarray]] = []
         failed, remote = self.failed, self._remote_at
         for i, entry in enumerate(self._pages):
             if i in failed:
                 continue
-            if i in remote:
+            if i in remote or (entry is not None and not entry[0].in_place):
                 seg = self.segment(i, layer)
                 if seg is not None:
                     out.append((i, seg))
@@ -148,11 +179,21 @@ class PageReader:
                 out.append((i, entry[0].segment_view(entry[1], layer)))
         return out
 
-    def check_all(self, layer: int, copied: Sequence[tuple[int, int | None]]) -> None:
+    def stable(self, page: int) -> bool:
+        """Whether nothing rewrites the bytes :meth:`segment` gives for page ``page`` before
+        :meth:`close`: a slot of this node pinned by this read (its own pool never reuses a pinned
+        slot), read in place. Then a copy may be repeated from them (the native copy crew's late
+        helper writes the same bytes again). Any other source — another node's slot in a shared
+        region, a slot lent to another node, a remote page in staging, a buffer the next layer
+        refills — is copied by one writer, once, before its check."""
+        entry = self._pages[page] if 0 <= page < len(self._pages) else None
+        return entry is not None and entry[3] and entry[0].in_place
+
+    def check_all(self, layer: int, landed: Sequence[tuple[int, int]]) -> None:
         """:meth:`check` of each ``(page, checksum)`` (a whole layer at once, after a fused copy):
         pages that fail land in :attr:`failed`."""
         pages, failed = self._pages, self.failed
-        for page, got in copied:
+        for page, got in landed:
             entry = pages[page]
             if entry is None or page in failed:
                 continue
@@ -162,12 +203,27 @@ class PageReader:
             except PageError as e:
                 self._fail(page, e, (ref, pinned))
 
-    def check(self, page: int, layer: int, copied: int | None = None) -> bool:
-        """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?
-        ``copied``: the format-v2 checksum a fused copy computed over the bytes it read
-        (:mod:`pof_connector.page_sum`), so they are not read a second time; ``None``: summed here."""
-        self.check_all(layer, [(page, copied)])
+    def check(self, page: int, layer: int, landed: int) -> bool:
+        """After copying :meth:`segment` to where the engine reads it: were those bytes the page's?
+        ``landed``: the checksum of the bytes where they landed (:func:`landed_sum`, or the one a
+        fused copy computed as it stored them). Also checks that the slot was not rewritten."""
+        self.check_all(layer, [(page, landed)])
         return self._pages[page] is not None and page not in self.failed
+
+    def copy_into(self, page: int, layer: int, dst: object) -> bool:
+        """Copy layer ``layer`` of page ``page`` into ``dst`` (writable host memory of
+        ``segment_bytes``: a numpy array, a contiguous CPU tensor) and check the copy, summed in
+        the same pass. False: the page failed (it is in :attr:`failed`; ``dst`` is garbage)."""
+        seg = self.segment(page, layer)
+        if seg is None:
+            return False
+        (landed,) = page_sum.copy_checksums(as_array(dst), seg, len(seg))
+        return self.check(page, layer, landed)
+
+    def landed_sum(self, page: int, landed: np.ndarray) -> int:
+        """The checksum of a segment of page ``page`` as it landed (host bytes, canonical order),
+        for :meth:`check`."""
+        return page_sum.checksum(landed)
 
     def _resolve_remote(self, page: int, layer: int) -> bool:
         """Wait for ``layer`` of remote page ``page``; False when the page failed (by now)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,19 +45,43 @@ class Placement:
         self._staging = np.empty(parts.spec.page_bytes, dtype=np.uint8)    # store thread only
         self._spill_buf = np.empty(parts.spec.page_bytes, dtype=np.uint8)  # store thread only
         self._maintaining = threading.Event()     # a spill-lease upkeep is queued on the store thread
+        # Pages written under a hold tag and not released yet (store thread only): in their slots,
+        # invisible to lookups and to the index, never evicted, until release() says publish or drop.
+        self._held: dict[Hashable, list[tuple[Tier, PageKey, SlotRef]]] = {}
+        self._held_lock = threading.Lock()     # release_now runs on the caller's thread
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn`` on the store thread (after what is queued). Raises ``RuntimeError`` once closed."""
         return self._store.submit(fn, *args)
 
-    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]]) -> Future[int]:
-        return self._store.submit(self._store_batch, list(items))
+    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None) -> Future[int]:
+        return self._store.submit(self._store_batch, list(items), hold)
+
+    def release(self, hold: Hashable, publish: bool) -> Future[int]:
+        """Publish (``publish``) or drop the pages stored under ``hold``, after every store queued
+        so far; the result is how many pages were published."""
+        return self._store.submit(self._release, hold, publish)
+
+    def release_now(self, hold: Hashable) -> int:
+        """Make the pages stored under ``hold`` readable by this node at once (its own lookups and
+        loads find them when this returns); the index learns of them on the store thread. The
+        stores themselves must have completed (:meth:`flush`, or the store future)."""
+        with self._held_lock:
+            entries = self._held.pop(hold, [])
+        events: list[Event] = []
+        for tier, key, ref in entries:
+            self._commit(tier, key, ref, events)
+        if events:
+            self._store.submit(self.publisher.publish, events)
+        return len(events)
 
     def flush(self) -> None:
         """Wait until every store submitted so far is written and published."""
         self._store.submit(lambda: None).result()
 
-    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]]) -> int:
+    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None) -> int:
+        """Write ``items`` into the first live tier; with ``hold``, keep them unpublished and
+        invisible until :meth:`release` (the pages' evictions are published at once all the same)."""
         events: list[Event] = []
         live = self.own.live()
         if not live:
@@ -71,7 +95,11 @@ class Placement:
                 if self.own.contains(key):
                     continue
                 self._make_room(level, events)
-                if self._put(first, key, functools.partial(_write_layers, first, key, layers), events) is None:
+                write = functools.partial(_write_layers, first, key, layers)
+                if hold is not None:
+                    written += self._put_held(first, key, write, hold, events)
+                    continue
+                if self._put(first, key, write, events) is None:
                     continue
                 self.stats.add("stored_pages", tier=first.medium)
                 self.stats.add("stored_bytes", self.spec.page_bytes, tier=first.medium)
@@ -100,6 +128,53 @@ class Placement:
         loc = Location(self.node_id, tier.medium, ref.slot, ref.generation)
         events.append((True, key, loc))
         return loc
+
+    def _put_held(self, tier: Tier, key: PageKey, write: Callable[[SlotRef], None], hold: Hashable,
+                  events: list[Event]) -> int:
+        """:meth:`_put` that leaves the written page pending under ``hold``; 1 when it was written."""
+        got = tier.prepare_store(key)
+        if got is None:
+            return 0
+        ref, evicted = got
+        if evicted is not None:
+            events.append((False, evicted, Location(self.node_id, tier.medium, ref.slot, ref.generation - 1)))
+            self.stats.add("evicted_pages", tier=tier.medium)
+        try:
+            write(ref)
+        except BaseException:
+            tier.cancel_store(key)
+            raise
+        with self._held_lock:
+            self._held.setdefault(hold, []).append((tier, key, ref))
+        return 1
+
+    def _release(self, hold: Hashable, publish: bool) -> int:
+        with self._held_lock:
+            entries = self._held.pop(hold, [])
+        events: list[Event] = []
+        for tier, key, ref in entries:
+            if publish:
+                self._commit(tier, key, ref, events)
+            else:
+                tier.cancel_store(key)
+                self.stats.add("dropped_pages", tier=tier.medium)
+        self.publisher.publish(events)
+        return len(events)
+
+    def _commit(self, tier: Tier, key: PageKey, ref: SlotRef, events: list[Event]) -> None:
+        """A held page becomes a stored one (unless its tier was lost meanwhile: then dropped)."""
+        if self.own.is_broken(tier.medium):
+            tier.cancel_store(key)
+            return
+        tier.complete_store(key, True)
+        events.append((True, key, Location(self.node_id, tier.medium, ref.slot, ref.generation)))
+        self.stats.add("stored_pages", tier=tier.medium)
+        self.stats.add("stored_bytes", self.spec.page_bytes, tier=tier.medium)
+
+    def held(self) -> list[Hashable]:
+        """The hold tags with pages not released yet."""
+        with self._held_lock:
+            return list(self._held)
 
     def _make_room(self, level: int, events: list[Event]) -> None:
         """Free one slot of ``tiers[level]`` by moving its LRU page to the next live tier, or past
@@ -200,8 +275,10 @@ class Placement:
             self.publisher.publish_all(self.fabric.writer.entries())
 
     def close(self) -> None:
-        """Give back the spilled pages' slots (withdrawing them), then stop the store thread once
-        what is queued ran."""
+        """Drop the pages still held, give back the spilled pages' slots (withdrawing them), then
+        stop the store thread once what is queued ran."""
+        for hold in self._store.submit(self.held).result():    # after the stores queued so far
+            self.release(hold, publish=False)
         if self.fabric is not None and self.fabric.writer is not None:
             gone = self._store.submit(self.fabric.writer.close).result()    # the writer's own thread
             if gone:

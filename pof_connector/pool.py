@@ -28,7 +28,7 @@ never raise).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -145,15 +145,27 @@ class Pool:
 
     # ---- store -------------------------------------------------------------------------------
 
-    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]]) -> Future[int]:
+    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], *, hold: Hashable | None = None) -> Future[int]:
         """Write pages (key, per-layer segments in canonical layout) in the background.
 
         The segment buffers must stay unchanged until the future completes. The result is the
-        number of pages written (keys already stored are skipped).
+        number of pages written (keys already stored are skipped). ``hold``: a tag under which the
+        written pages wait, unpublished and unreadable, until :meth:`release` (two-phase: an
+        engine stores a step's pages before it knows whether that step computed on valid KV);
+        ``None``: published as soon as they are written.
         """
         if not self.tiers:
             raise RuntimeError("a client pool has no tiers to store into")
-        return self.placement.store(items)
+        return self.placement.store(items, hold)
+
+    def release(self, hold: Hashable, publish: bool) -> Future[int]:
+        """Publish or drop the pages stored under ``hold`` (after every store queued so far)."""
+        return self.placement.release(hold, publish)
+
+    def release_now(self, hold: Hashable) -> int:
+        """Publish the pages stored under ``hold`` and make them readable here before returning
+        (the index is told in the background). Only after the store under ``hold`` completed."""
+        return self.placement.release_now(hold)
 
     def flush(self) -> None:
         """Wait until every store submitted so far is written and published."""

@@ -339,7 +339,7 @@ def test_zero_copy_reader_checks_what_was_copied(pool: Pool) -> None:
                 victim = tier.find(keys[2])
                 assert victim is not None
                 tier.region[tier.slot_offset(victim.slot) + SPEC.segment_offset(layer) + 3] ^= 0xFF   # corrupt page 2
-            ok = reader.check(i, layer)
+            ok = reader.check(i, layer, reader.landed_sum(i, copies[(i, layer)]))
             assert ok == (not (i == 2 and layer >= 1))
     assert reader.failed == {2: "bad_checksum"}
     for i in range(2):
@@ -392,8 +392,9 @@ def test_zero_copy_reader_rejects_a_slot_rewritten_mid_read(pool: Pool) -> None:
     tier = pool.tiers[0]
     ref = tier.find(keys[0])
     assert ref is not None
+    landed = reader.landed_sum(0, seg.copy())
     tier._set_live_generation(ref.slot, 0)       # what a writer does first when it reuses the slot
-    assert not reader.check(0, 0) and reader.failed == {0: "stale_generation"}
+    assert not reader.check(0, 0, landed) and reader.failed == {0: "stale_generation"}
     reader.close()
 
 
@@ -422,7 +423,7 @@ def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtim
             seg = reader.segment(0, layer)
             assert seg is not None
             copy = seg.copy()
-            assert reader.check(0, layer), reader.failed
+            assert reader.check(0, layer, reader.landed_sum(0, copy)), reader.failed
             assert copy.tobytes() == content(victim)[layer].tobytes()
         reader.close()
         assert reader.failed == {} and tier.find(keys[2]) is not None
@@ -476,7 +477,7 @@ def test_a_node_loads_pages_spilled_into_slots_it_lent(runtime_dir: str, namespa
             for i in range(3):
                 seg = reader.segment(i, layer)
                 assert seg is not None and seg.tobytes() == content(keys[i])[layer].tobytes()
-                assert reader.check(i, layer)
+                assert reader.check(i, layer, reader.landed_sum(i, seg.copy()))
         reader.close()
         assert reader.failed == {}
         assert tier.take_back(refs[0].slot)      # the lease ended: the page is gone, a miss, never wrong
@@ -572,3 +573,34 @@ def test_a_worker_says_which_kernel_copies_its_pages(runtime_dir: str, namespace
         assert os.path.dirname(os.path.dirname(page_sum.__file__)) in lines[0].getMessage()
     else:
         assert lines[0].levelno == logging.INFO and "native kernel (avx2)" in lines[0].getMessage()
+
+
+def test_pages_stored_held_stay_invisible_until_released(pool: Pool) -> None:
+    """Two-phase stores (an engine's step stores its pages before it knows whether the step computed
+    on valid KV): held pages are in their slots but neither found nor published until release says
+    publish; a dropped page's slot is invalidated and freed; close drops what is still held."""
+    keys = pool.keys_for(np.arange(16 * 3))
+    assert pool.store([(k, content(k)) for k in keys[:2]], hold=("step", 1)).result() == 2
+    assert pool.store([(keys[2], content(keys[2]))], hold=("step", 2)).result() == 1
+    assert pool.lookup(keys).pages == 0 and pool.stats.get("stored_pages") == 0
+    assert all(pool.contains(k) for k in keys)                  # not stored again meanwhile
+    tier = pool.tiers[0]
+    assert pool.release(("step", 1), publish=True).result() == 2
+    assert pool.lookup(keys).pages == 2
+    wait_for(lambda: pool.index.longest_prefix(keys[:2]) != {})
+    slot = tier._books.pending_slot(keys[2])
+    assert slot is not None
+    pool.release(("step", 2), publish=False).result()
+    assert not pool.contains(keys[2]) and tier.live_generation(slot) == 0
+    assert pool.stats.get("dropped_pages") == 1 and pool.stats.get("stored_pages") == 2
+    assert tier.free_slots == tier.capacity_slots - 2
+    pool.store([(keys[2], content(keys[2]))], hold=("step", 3)).result()
+    assert pool.release_now(("step", 3)) == 1 and pool.lookup(keys).pages == 3     # readable on return
+
+
+def test_close_drops_held_pages(runtime_dir: str, namespace: bytes) -> None:
+    p = Pool(cfg("a", runtime_dir), SPEC, namespace)
+    keys = p.keys_for(np.arange(16 * 2))
+    p.store([(k, content(k)) for k in keys], hold="never released").result()
+    p.close()
+    assert p.stats.get("dropped_pages") == 2

@@ -8,9 +8,9 @@ that was reused under them:
 * writer: bump the slot's generation in the table, zero the generation field of the slot's page
   header, write the segments, write the header (which carries the new generation) last;
 * reader: copy the header and check magic, key, generation and header checksum; copy each
-  segment (:meth:`Tier.segment_view`), then check the checksum of those bytes and re-read the
-  live generation field (:meth:`Tier.check_segment`): if it changed, the copy may be torn and
-  the page is rejected.
+  segment (:meth:`Tier.segment_view`) to where it is used, then check the checksum of the copy and
+  re-read the live generation field (:meth:`Tier.check_segment`): if it changed, the copy may be
+  torn and the page is rejected.
 
 The protocol uses plain ``numpy`` loads and stores, no fences: it relies on x86's total store
 order (stores and loads each stay in program order). Tiers therefore refuse to start on other
@@ -38,7 +38,6 @@ from pof_connector.pages import (
     PageHeader,
     PageSpec,
     as_array,
-    checksum,
     encode_header,
     expect_checksums,
     expect_xxh3_checksums,
@@ -140,6 +139,17 @@ class Tier(ABC):
 
     def complete_store(self, key: PageKey, ok: bool) -> None:
         self._books.complete_store(key, ok)
+
+    def cancel_store(self, key: PageKey) -> bool:
+        """Give up a store that was prepared (and maybe written) but not completed: the slot is
+        invalidated first (its page, whole or not, is never read), then freed. ``False`` when no
+        store of ``key`` is in flight."""
+        slot = self._books.pending_slot(key)
+        if slot is None:
+            return False
+        self._set_live_generation(slot, 0)
+        self._books.complete_store(key, False)
+        return True
 
     def remove(self, key: PageKey, *, slot: int | None = None) -> SlotRef | None:
         """Drop ``key`` (only if it sits in ``slot``, when given) and invalidate its slot; returns
@@ -302,8 +312,12 @@ class Tier(ABC):
         header.expect(spec, key, ref.generation)
         return header
 
-    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
-        """Layer ``layer`` of the page at ``ref``, in place in tier memory (zero-copy read, step 1).
+    in_place: ClassVar[bool] = True
+    """:meth:`segment_view` hands out the tier's own memory (host-addressable regions)."""
+
+    def segment_view(self, ref: SlotRef, layer: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Layer ``layer`` of the page at ``ref``, in place in tier memory (zero-copy read, step 1;
+        ``into`` is for tiers that are not :attr:`in_place`).
 
         Whatever the caller copies out of it is trusted only after :meth:`check_segment` passed."""
         if self._segments is not None:
@@ -314,15 +328,18 @@ class Tier(ABC):
         start = self.spec.segment_offset(layer)
         return self._slot(ref.slot)[start:start + self.spec.segment_bytes]
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
-        """Zero-copy read, step 2: after the caller copied :meth:`segment_view`, check the checksum
-        of those same bytes and that the slot was not rewritten meanwhile (a writer zeroes the
-        generation before touching any byte). ``copied``: the format-v2 checksum the caller's copy
-        computed over the bytes it read (a fused copy), used instead of a second pass; ``None``:
-        sum them here. Raises :class:`PageError`."""
-        if copied is None or header.version == 1:
-            copied = checksum(self.segment_view(ref, layer), header.version)
-        if copied != header.segment_checksums[layer]:
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Host memory a reader copies segments into (for tiers that are not :attr:`in_place`)."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, landed: int) -> None:
+        """Zero-copy read, step 2: after the caller copied :meth:`segment_view` to where the engine
+        reads it, ``landed`` is the checksum of those bytes *where they landed* (summed in the same
+        pass as the copy where the copy can); it must be the header's, and the slot must not have
+        been rewritten meanwhile (a writer zeroes the generation before touching any byte). The
+        tier's bytes are not read again: a check covers what the engine got, not the source.
+        Raises :class:`PageError`."""
+        if landed != header.segment_checksums[layer]:
             raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")

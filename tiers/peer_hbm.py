@@ -48,7 +48,6 @@ from pof_connector.pages import (
     PageHeader,
     PageSpec,
     as_array,
-    checksum,
     encode_header,
     expect_checksums,
     expect_xxh3_checksums,
@@ -140,18 +139,16 @@ class PeerHbmTier(Tier):
             self._local.buf = buf
         return buf[:nbytes]
 
-    def _host(self, t: Any, tag: tuple[int, int, int] | None = None) -> np.ndarray:
+    def _host(self, t: Any) -> np.ndarray:
         """The bytes of ``t`` as a host array: ``t`` itself when it is in host memory, else a copy in
-        this thread's scratch buffer (``tag`` remembers what it holds, for :meth:`check_segment`)."""
+        this thread's scratch buffer (valid until this thread's next call: headers only)."""
         if t.device.type == "cpu":
-            self._local.tag = None
             out: np.ndarray = t.numpy()
             return out
         scratch = self._scratch(t.numel())
         with self._on_stream():
             scratch.copy_(t)
         self._sync(t)
-        self._local.tag = tag
         out = scratch.numpy()
         return out
 
@@ -257,27 +254,33 @@ class PeerHbmTier(Tier):
         header.expect(spec, key, ref.generation)
         return header
 
-    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
+    @property
+    def in_place(self) -> bool:  # type: ignore[override]
+        """A ``cpu`` region is host memory a reader copies from in place; a GPU region is not."""
+        return not self._cuda
+
+    def segment_view(self, ref: SlotRef, layer: int, into: np.ndarray | None = None) -> np.ndarray:
         """Layer ``layer`` of the page at ``ref`` as host bytes: in place for a ``cpu`` region, else
-        a copy in this thread's pinned scratch buffer, valid until the thread's next call here.
+        copied into ``into`` (the caller's own buffer per page, from :meth:`host_buffer`: a
+        per-thread scratch would be refilled under a caller that holds several segments at once).
         Trusted only after :meth:`check_segment` passed."""
         self._check_slot(ref.slot)
-        return self._host(self._seg_t(ref.slot, layer), tag=(ref.slot, ref.generation, layer))
+        seg = self._seg_t(ref.slot, layer)
+        if self.in_place:
+            out: np.ndarray = seg.numpy()
+            return out
+        if into is None:
+            raise ValueError("a GPU region's segment is copied into the caller's buffer: pass into")
+        dst = self._torch.from_numpy(into)
+        with self._on_stream():
+            dst.copy_(seg, non_blocking=True)
+        self._sync(seg)
+        return into
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
-        """After the caller copied :meth:`segment_view`: the checksum of those bytes (the scratch
-        copy it was given, when there is one; ``copied``: the v2 checksum the caller's fused copy
-        computed over them), then the slot's live generation."""
-        if copied is None or header.version == 1:
-            if getattr(self._local, "tag", None) == (ref.slot, ref.generation, layer):
-                data = self._scratch(self.spec.segment_bytes).numpy()
-            else:
-                data = self._host(self._seg_t(ref.slot, layer))
-            copied = checksum(data, header.version)
-        if copied != header.segment_checksums[layer]:
-            raise PageError("bad_checksum", f"layer {layer} of slot {ref.slot}")
-        if self.live_generation(ref.slot) != ref.generation:
-            raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Host memory for :meth:`segment_view` (pinned on a GPU host: device→host at full speed)."""
+        buf: np.ndarray = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=self._cuda).numpy()
+        return buf
 
     def read(self, ref: SlotRef, key: PageKey, into: Any) -> PageHeader:
         """Copy and check a whole page into ``into`` (``spec.page_bytes``): host memory, or a tensor

@@ -109,6 +109,12 @@ class SlotTable:
             self._pending[key] = slot
             return slot, evicted
 
+    def pending_slot(self, key: PageKey) -> int | None:
+        """The slot reserved for ``key`` by :meth:`prepare_store` and not completed yet; ``None``:
+        no store of ``key`` is in flight."""
+        with self._lock:
+            return self._pending.get(key)
+
     def complete_store(self, key: PageKey, ok: bool) -> None:
         with self._lock:
             slot = self._pending.pop(key, None)

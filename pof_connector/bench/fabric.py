@@ -202,12 +202,13 @@ def _pof_fetch(pool: Pool, keys: list[PageKey], sources: list[Location], dest: n
         # part is only read (and checked) once a layer in it is asked for.
         for layer in range(spec.num_layers):
             for i in range(len(keys)):
-                seg = reader.segment(i, layer)
-                if seg is not None:
-                    if dest is not None:
-                        start = i * spec.page_bytes + spec.segment_offset(layer)
-                        np.copyto(dest[start:start + spec.segment_bytes], seg)
-                    reader.check(i, layer)
+                if dest is not None:
+                    start = i * spec.page_bytes + spec.segment_offset(layer)
+                    reader.copy_into(i, layer, dest[start:start + spec.segment_bytes])
+                else:
+                    seg = reader.segment(i, layer)
+                    if seg is not None:
+                        reader.check(i, layer, reader.landed_sum(i, seg))
         elapsed = time.perf_counter() - t0
         for j, i in enumerate(index):
             if j in reader.failed:

@@ -17,7 +17,7 @@ import numpy as np
 
 from pof_connector.fabric.agent import NixlAgent
 from pof_connector.fabric.spans import span_descs
-from pof_connector.pages import PageHeader, PageSpec
+from pof_connector.pages import PageError, PageHeader, PageSpec
 from pof_connector.tiers import SlotRef
 
 SLOT_ALIGN = 64
@@ -111,19 +111,28 @@ class StagedPage:
     """Validated remote pages in staging, read through the same calls as a tier
     (:class:`pof_connector.page_reader.SlotSource`); ``ref.slot`` is the staging slot."""
 
+    in_place = True
+
     def __init__(self, staging: StagingArea, spec: PageSpec, medium: str) -> None:
         self._staging = staging
         self._spec = spec
         self.medium = medium
 
-    def segment_view(self, ref: SlotRef, layer: int) -> np.ndarray:
+    def segment_view(self, ref: SlotRef, layer: int, into: np.ndarray | None = None) -> np.ndarray:
         page: np.ndarray = self._staging.page(ref.slot)
         return page[self._spec.segment_offset(layer):self._spec.segment_offset(layer) + self._spec.segment_bytes]
 
-    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, copied: int | None = None) -> None:
-        """Nothing left to check (``copied`` is not needed): a layer is handed out only after it was
-        validated on arrival (:meth:`~pof_connector.fabric.remote_reader.RemoteLoad.get`), and
-        staging slots are pof's own (no one writes them until they are given back)."""
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, landed: int) -> None:
+        """The copy out of staging is checked where it landed, like any other: a layer is handed
+        out only after it was validated on arrival
+        (:meth:`~pof_connector.fabric.remote_reader.RemoteLoad.get`), but that covered staging,
+        not the engine's memory. No generation to re-read: staging slots are pof's own (no one
+        writes them until they are given back)."""
+        if landed != header.segment_checksums[layer]:
+            raise PageError("bad_checksum", f"layer {layer} of staged page {ref.slot}")
 
     def header(self, ref: SlotRef) -> np.ndarray:
         return self._staging.page(ref.slot)[:self._spec.header_bytes]

@@ -5,6 +5,7 @@ before its fix."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from pof_connector.adapters.vllm_geometry import VllmGeometry
@@ -26,6 +28,7 @@ from pof_connector.config import PofConfig
 from pof_connector.index import Location
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace
+from pof_connector.tiers.peer_hbm import PeerHbmTier
 
 pytestmark = pytest.mark.vllm
 
@@ -249,3 +252,206 @@ def test_pipeline_stages_have_keys_and_nodes_of_their_own(runtime_dir: str) -> N
     assert two.namespace(cfg, 0, 0) != two.namespace(cfg, 0, 1)
     assert len({two.namespace(cfg, t, p) for t in (0, 1) for p in (0, 1)}) == 4
     assert [two.node_id(cfg, t, p) for t in (0, 1) for p in (0, 1)] == ["a", "a-pp1", "a-tp1", "a-tp1-pp1"]
+
+
+# ---- issue 39: a page is published only when no rank and no sharer computed on a failed load ---------
+
+def vllm_step(scheduler: PoFScheduler, workers: list[PoFWorker], so: Any) -> set[int]:
+    """One engine step as vLLM drives both halves: the plan, every rank's forward, then the
+    aggregated output handed back to the scheduler half. (vLLM's base connector answers ``None``
+    for the worker's report and ignores the output: so does a connector without these hooks.)"""
+    meta = scheduler.build_meta(so)
+    invalid: set[int] = set()
+    reports = []
+    for w in workers:
+        invalid |= step(w, meta)
+        reports.append(getattr(w, "report", lambda: None)())
+    report = reports[0]
+    for more in reports[1:]:
+        report = report.aggregate(more) if report is not None and more is not None else report
+    update = getattr(scheduler, "update_output", None)
+    if update is not None:
+        update(KVConnectorOutput(invalid_block_ids=invalid, kv_connector_worker_meta=report))
+    return invalid
+
+
+def test_a_page_rank_0_computed_while_rank_1_failed_a_load_is_never_published(runtime_dir: str,
+                                                                              index: RedisServer) -> None:
+    """TP = 2: rank 1 lacks a page rank 0 has. Both compute the step's new pages (attention's
+    all-reduce mixes rank 1's garbage into every rank's tokens), so rank 0's new page is wrong
+    under its right key: it must not reach the pool, on any rank."""
+    cfg = config(runtime_dir, index.url, {"cpu_dram": {"size": "8MiB"}})
+    geo = geometry(tp_size=2)
+    ranks = [worker(cfg, geo, tp_rank=r)[0] for r in range(2)]
+    scheduler = PoFScheduler(cfg, geo)
+    try:
+        tokens = list(range(3 * P + 7))
+        keys = scheduler.pool.keys_for(tokens)
+        for w in ranks:          # pages 0 and 1 stored by both ranks, published
+            step(w, PoFConnectorMetadata(saves=[SaveJob("first", keys[:2], [[0, 1], [2, 3]])]))
+        wait_for(lambda: scheduler.pool.lookup(keys[:2]).pages == 2)
+        assert ranks[1].pool is not None and ranks[1].pool.tiers[0].remove(ranks[1]._own_keys(keys)[1])
+        req = request("r", tokens)
+        blocks = list(range(4, 12))
+        assert scheduler.matched_tokens(req, 0) == 2 * P
+        scheduler.after_alloc(req, blocks, 2 * P)
+        req.num_computed_tokens = 2 * P
+        invalid = vllm_step(scheduler, ranks, scheduled([(req, blocks, len(tokens) - 2 * P)], []))
+        assert invalid == {6, 7}                                  # rank 1's page 1
+        vllm_step(scheduler, ranks, scheduled([], []))            # the next plan carries the verdict
+        for r, w in enumerate(ranks):
+            assert w.pool is not None
+            own = w._own_keys(keys)
+            w.pool.flush()
+            assert not w.pool.contains(own[2]), f"rank {r} stored a page computed on rank 1's failed load"
+            assert w.pool.lookup(own[2:3], count=False).pages == 0
+        assert ranks[0].pool is not None and ranks[0].pool.stats.get("dropped_pages") == 1
+    finally:
+        scheduler.close()
+        for w in ranks:
+            w.close()
+
+
+def test_a_request_sharing_a_block_whose_load_failed_publishes_nothing_computed_on_it(
+        runtime_dir: str, index: RedisServer) -> None:
+    """R1 loads pages 0-1; R2, scheduled in the same step, shares page 1's blocks through vLLM's
+    prefix cache and computes its own page 2 on top of them. R1's load of page 1 fails: vLLM
+    rewinds both (``_update_requests_with_invalid_blocks`` scans shared blocks); R2's page 2 is
+    wrong under its right key and must not be published."""
+    cfg = config(runtime_dir, index.url, {"cpu_dram": {"size": "8MiB"}})
+    w, _ = worker(cfg, geometry())
+    scheduler = PoFScheduler(cfg, geometry())
+    try:
+        shared = list(range(2 * P))
+        first = scheduler.pool.keys_for(shared)
+        step(w, PoFConnectorMetadata(saves=[SaveJob("first", first, [[0, 1], [2, 3]])]))
+        wait_for(lambda: scheduler.pool.lookup(first).pages == 2)
+        r1 = request("r1", shared + list(range(5000, 5000 + P + 3)))
+        r2 = request("r2", shared + list(range(7000, 7000 + P + 3)))
+        b1 = [4, 5, 6, 7, 8, 9]
+        assert scheduler.matched_tokens(r1, 0) == 2 * P
+        scheduler.after_alloc(r1, b1, 2 * P)
+        r1.num_computed_tokens = 2 * P
+        b2 = [*b1[:4], 10, 11]                 # vLLM's prefix cache: r1's blocks of pages 0-1
+        assert scheduler.matched_tokens(r2, 2 * P) == 0
+        scheduler.after_alloc(r2, b2, 0)
+        r2.num_computed_tokens = 2 * P
+        assert w.pool is not None and w.pool.tiers[0].remove(first[1])     # evicted after the lookup
+        so = scheduled([(r1, b1, P + 3), (r2, b2, P + 3)], [])
+        assert vllm_step(scheduler, [w], so) == {6, 7}
+        vllm_step(scheduler, [w], scheduled([], []))
+        w.pool.flush()
+        r2_page = scheduler.pool.keys_for(r2.all_token_ids)[2]
+        assert not w.pool.contains(r2_page), "r2's page computed on the failed block was stored"
+        assert scheduler.pool.lookup([*first[:2], r2_page]).pages < 3      # (page 1 is still indexed)
+    finally:
+        scheduler.close()
+        w.close()
+
+
+def test_held_pages_of_a_clean_step_are_published_and_readable_in_the_next_step(
+        runtime_dir: str, index: RedisServer) -> None:
+    """The price of holding: nothing. A step that loads stores its new pages held; the verdict
+    in the next plan publishes them, and the scheduler may plan that same step's loads from them
+    (the engine went idle in between: no third step came to publish them)."""
+    cfg = config(runtime_dir, index.url, {"cpu_dram": {"size": "8MiB"}})
+    w, _ = worker(cfg, geometry())
+    scheduler = PoFScheduler(cfg, geometry())
+    try:
+        head = list(range(2 * P))
+        first = scheduler.pool.keys_for(head)
+        step(w, PoFConnectorMetadata(saves=[SaveJob("first", first[:1], [[0, 1]])]))
+        wait_for(lambda: scheduler.pool.lookup(first[:1]).pages == 1)
+        r1 = request("r1", head + [9] * 3)
+        b1 = [2, 3, 4, 5, 6]
+        assert scheduler.matched_tokens(r1, 0) == P
+        scheduler.after_alloc(r1, b1, P)
+        r1.num_computed_tokens = P
+        assert vllm_step(scheduler, [w], scheduled([(r1, b1, P + 3)], [])) == set()
+        assert w.pool is not None and not w.pool.finder.lookup(first[1:2], count=False).pages   # held
+        scheduler.finished("r1")
+        r2 = request("r2", head + [8] * 5)
+        assert scheduler.matched_tokens(r2, 0) == 2 * P            # page 1 approved, not yet published
+        b2 = [7, 8, 9, 10, 11]
+        scheduler.after_alloc(r2, b2, 2 * P)
+        r2.num_computed_tokens = 2 * P
+        assert vllm_step(scheduler, [w], scheduled([(r2, b2, 5)], [])) == set()
+        wait_for(lambda: scheduler.pool.lookup(first).pages == 2)   # and the index has it now
+    finally:
+        scheduler.close()
+        w.close()
+
+
+# ---- issue 39, finding 1: a check verifies the bytes copied into the engine -----------------------------
+
+class GpuShapedRegion(PeerHbmTier):
+    """Stands in for a peer-HBM region on a GPU, on a ``cpu`` region (no GPU here): segments reach
+    the host through a copy, not in place — today's per-page buffer of the reader; before the fix
+    the tier's per-thread scratch (``_host``'s CUDA branch), which every page of a layer shared."""
+
+    in_place = False
+
+    def _host(self, t: Any, tag: Any = None) -> Any:
+        scratch = self._scratch(t.numel())
+        scratch.copy_(t)
+        self._local.tag = tag
+        return scratch.numpy()
+
+
+@pytest.mark.parametrize("copy", ["fused", "strided"])
+def test_each_page_of_a_multi_page_load_through_a_copied_region_lands_in_its_own_blocks(
+        copy: str, runtime_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three pages loaded from a region read through a host copy (a GPU peer region's shape): each
+    page's blocks must hold that page, every page must pass, and none of this node's good pages may
+    be dropped. Before the fix the layer's views aliased one scratch buffer: the strided copy put
+    page 2 into page 0's blocks with every check passing (the check re-read the source); the fused
+    copy failed pages 0-1 as corrupt and withdrew them."""
+    from pof_connector.adapters.vllm_layout import BlockLayout
+    from pof_connector.tiers import peer_hbm
+
+    monkeypatch.setattr(peer_hbm, "PeerHbmTier", GpuShapedRegion)
+    if copy == "strided":
+        monkeypatch.setattr(BlockLayout, "can_copy_checked", lambda self, kv: False)
+    cfg = PofConfig.from_mapping({"node_id": "g", "index_url": "local", "runtime_dir": runtime_dir,
+                                  "tiers": {"peer_hbm": {"device": "cpu", "size": "8MiB"}}})
+    w, kv = worker(cfg, geometry())
+    assert w.pool is not None and isinstance(w.pool.tiers[0], GpuShapedRegion)
+    try:
+        keys = w.pool.keys_for(list(range(3 * P)))
+        step(w, PoFConnectorMetadata(saves=[SaveJob("s", keys, [[0, 1], [2, 3], [4, 5]])]))
+        stored = [t[:6].clone() for t in kv]
+        for t in kv:
+            t[6:12] = 0
+        load = LoadJob("r", keys, w.pool.lookup(keys).sources, [[6, 7], [8, 9], [10, 11]])
+        assert step(w, PoFConnectorMetadata(loads=[load])) == set()
+        for layer, t in enumerate(kv):
+            for page in range(3):
+                got, want = t[6 + 2 * page:8 + 2 * page], stored[layer][2 * page:2 * page + 2]
+                assert torch.equal(got, want), f"layer {layer}: page {page}'s blocks hold another page"
+        assert w.pool.lookup(keys).pages == 3, "good pages were dropped as corrupt"
+    finally:
+        w.close()
+
+
+# ---- issue 39, finding 2: nothing writes into an accepted block ------------------------------------------
+
+def test_no_late_copy_helper_writes_into_blocks_after_their_check(runtime_dir: str, shm_path: str) -> None:
+    """Another node's pages in a shared CXL region, loaded with the native copy crew while a
+    helper is stalled after claiming a page (``POF_CREW_STALL_US``); the owner rewrites its slots
+    once the forward read the blocks. Before the fix the helper woke and copied the new bytes into
+    blocks that had passed every check (4 blocks in 3 rounds, 2 pages copied again for late
+    helpers); now such a source is copied once, by the caller, before its check."""
+    import json
+    import subprocess
+    import sys
+
+    from pof_connector import page_sum
+
+    assert page_sum.NATIVE is not None, "the native kernel must be built (pip install -e .)"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "tests.adapters.late_helper_case", "--shm", shm_path,
+                          "--runtime", runtime_dir], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "POF_CREW_STALL_US": "200000", "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["differing_blocks"] == 0, got

@@ -69,10 +69,7 @@ class Node:
             reader = self.pool.open_read(keys, lk.sources)
             for layer in range(SPEC.num_layers):
                 for i, buf in enumerate(bufs):
-                    seg = reader.segment(i, layer)
-                    if seg is not None:
-                        np.copyto(SPEC.segment(buf, layer), seg)
-                        reader.check(i, layer)
+                    reader.copy_into(i, layer, SPEC.segment(buf, layer))
             failed = dict(reader.failed)
             reader.close()
         else:

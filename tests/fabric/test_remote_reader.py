@@ -159,7 +159,8 @@ def test_a_peers_cxl_region_that_is_not_shared_is_read_over_the_fabric(
             for i, k in enumerate(keys):
                 for layer, data in enumerate(content(k)):
                     seg = reader.segment(i, layer)
-                    assert seg is not None and seg.tobytes() == data.tobytes() and reader.check(i, layer)
+                    assert seg is not None and seg.tobytes() == data.tobytes()
+                    assert reader.check(i, layer, reader.landed_sum(i, seg.copy()))
             assert reader.failed == {}
         finally:
             reader.close()

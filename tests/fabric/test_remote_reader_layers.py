@@ -139,13 +139,14 @@ def test_layer_0_is_released_before_the_last_part_arrives(a_and_b: tuple[Pool, P
     try:
         for i, k in enumerate(keys):
             seg = reader.segment(i, 0)
-            assert seg is not None and seg.tobytes() == segments(k)[0] and reader.check(i, 0)
+            assert seg is not None and seg.tobytes() == segments(k)[0]
+            assert reader.check(i, 0, reader.landed_sum(i, seg.copy()))
         gate.opened.set()
         for layer in range(1, BIG.num_layers):
             for i, k in enumerate(keys):
                 seg = reader.segment(i, layer)
                 assert seg is not None and seg.tobytes() == segments(k)[layer]
-                assert reader.check(i, layer)
+                assert reader.check(i, layer, reader.landed_sum(i, seg.copy()))
         assert reader.failed == {}
     finally:
         reader.close()

@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from pof_connector import page_sum  # noqa: E402
 from pof_connector.config import PofConfig, TierConfig  # noqa: E402
 from pof_connector.index.server import RedisServer  # noqa: E402
 from pof_connector.keys import PageKey  # noqa: E402
@@ -164,15 +165,17 @@ def test_layer_reads_are_checked_after_the_copy(device: str, runtime_dir: str) -
         ref = SlotRef(slot, gen)
         head = np.empty(SPEC.header_bytes, np.uint8)
         header = t.read_header(ref, key(i), head)
+        into = t.host_buffer(SPEC.segment_bytes)
         for layer, data in enumerate(content(key(i))):
-            assert bytes(t.segment_view(ref, layer)) == data.tobytes()
-            t.check_segment(ref, header, layer)
+            seg = t.segment_view(ref, layer, into=into)
+            assert bytes(seg) == data.tobytes()
+            t.check_segment(ref, header, layer, page_sum.checksum(seg))
         # A writer reuses the slot after the reader copied layer 0 but before it checked it.
-        seg = t.segment_view(ref, 0).copy()
+        seg = t.segment_view(ref, 0, into=into).copy()
         assert seg.tobytes() == content(key(i))[0].tobytes()
         t.remove(key(i))
         with pytest.raises(PageError) as e:
-            t.check_segment(ref, header, 0)
+            t.check_segment(ref, header, 0, page_sum.checksum(seg))
         assert e.value.reason == "stale_generation"
     finally:
         t.close()
@@ -322,10 +325,7 @@ def test_pool_hands_pages_to_the_engine_only_after_checks(device: str, runtime_d
         try:
             for layer in range(SPEC.num_layers):
                 for i in range(3):
-                    seg = reader.segment(i, layer)
-                    if seg is not None:
-                        np.copyto(SPEC.segment(bufs[i], layer), seg)
-                        reader.check(i, layer)
+                    reader.copy_into(i, layer, SPEC.segment(bufs[i], layer))
             assert reader.failed == {1: "evicted", 2: "bad_checksum"}
             assert exact(bufs[0], keys[0])
         finally:
