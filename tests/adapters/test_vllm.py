@@ -251,3 +251,62 @@ def test_memory_overhead_is_bounded(model: Path, workdir: Path, reference: Refer
     finally:
         server.stop()
         stop_embedded(rt)
+
+
+def corrupt_page(path: Path, digest: bytes) -> bool:
+    """Flip one byte in segment 0 of the page whose key digest is ``digest`` in a CXL region file."""
+    import mmap
+
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        _, _, _, slot_bytes, num_slots, _, data_at, _ = struct.unpack_from("<8sIIQQQQ16s", mm, 0)
+        for slot in range(num_slots):
+            at = data_at + slot * slot_bytes
+            if mm[at + 24:at + 56] == digest:         # the header's chain digest (pages.py)
+                mm[at + 4096 + 17] ^= 0xFF
+                return True
+    return False
+
+
+def test_requests_sharing_a_block_whose_load_failed_store_nothing_computed_on_it(
+        model: Path, workdir: Path, reference: Reference) -> None:
+    """Issue 39, finding 4 on a real server: two requests with one 896-token prefix arrive in one
+    request body, so vLLM schedules them in one step; the first loads the prefix from the pool and
+    the second shares its blocks through vLLM's prefix cache (registered as they are allocated).
+    Page 3's load fails: vLLM rewinds both ("2 request(s) rescheduled"). Both answers must equal a
+    server without the connector, the pages the second computed in that step on top of page 3's
+    blocks must never be published (``pof_dropped_pages``), and what the pool holds afterwards
+    must be right (a later pool hit of the second prompt answers as the reference does)."""
+    from pof_connector.keys import chain_digests
+
+    rt = workdir / "rt-shared"
+    region = Path(tempfile.mkdtemp(prefix="pof-vllm-", dir="/dev/shm")) / "cxl.region"
+    server = pool_server(model, workdir, "shared", rt, {"cxl": {"path": str(region), "size": "256MiB"}}).start()
+    try:
+        shared_step = False
+        for attempt in range(4):           # both in one engine step is likely, not certain: try again
+            base = prompt(1000, seed=60 + attempt)
+            assert server.complete(base) == reference(base)
+            time.sleep(1.0)                                     # the store thread publishes the pages
+            assert corrupt_page(region, chain_digests(base[:4 * BLOCK], BLOCK, None)[3])
+            server.reset_prefix_cache()
+            r1, r2 = base + prompt(50, seed=70 + attempt), base[:896] + prompt(400, seed=80 + attempt)
+            before = server.log.read_text().count("2 request(s) rescheduled")
+            out = server.post("/v1/completions", {"model": "m", "prompt": [r1, r2], "max_tokens": 8,
+                                                  "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+            got = {c["index"]: list(c["token_ids"]) for c in out["choices"]}
+            assert got == {0: reference(r1)[:8], 1: reference(r2)[:8]}
+            if server.log.read_text().count("2 request(s) rescheduled") > before:
+                shared_step = True
+                break
+        assert shared_step, "vLLM never scheduled the two requests in one step: " + server.tail()
+        wait_for(lambda: sum(v for k, v in server.metrics().items()
+                             if k.startswith("vllm:pof_dropped_pages_total{")) >= 1)
+        time.sleep(1.0)
+        server.reset_prefix_cache()
+        hits = server.metrics()[HITS]
+        assert server.complete(r2) == reference(r2)
+        assert server.metrics()[HITS] - hits >= 896                    # the pool's pages, checked by the answer
+    finally:
+        server.stop()
+        stop_embedded(rt)
+        shutil.rmtree(region.parent, ignore_errors=True)
