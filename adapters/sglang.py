@@ -41,8 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from pof_connector.adapters.sglang_layout import HostPages
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.keys import Namespace, PageKey, keys_from_hex
-from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.keys import PageKey, keys_from_hex
 from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
 
@@ -97,14 +96,11 @@ class PoFHiCacheStorage(HiCacheStorage):
             if int(getattr(sc, field, 1)) > 1:
                 raise ConfigError(f"pof does not support (decode) context parallelism: {field} is "
                                   f"{getattr(sc, field)}; allowed: 1")
-        tp_rank, tp_size = (0, 1) if pages.is_mla else (int(sc.tp_rank), int(sc.tp_size))
         model = self.config.model or str(sc.model_name)
-        # The PP stage: stages hold different layers, equal in number when the model divides evenly.
-        self.namespace = Namespace(model, str(pages.dtype).removeprefix("torch."), pages.layout_name,
-                                   pages.page_size, tp_rank, tp_size, self.config.namespace,
-                                   pp_rank=int(sc.pp_rank), pp_size=int(sc.pp_size)).digest
-        spec = PageSpec(pages.num_layers, pages.segment_bytes, pages.page_size,
-                        KIND_MLA if pages.is_mla else KIND_MHA)
+        self.namespace = pages.namespace(model, tp_rank=int(sc.tp_rank), tp_size=int(sc.tp_size),
+                                         pp_rank=int(sc.pp_rank), pp_size=int(sc.pp_size),
+                                         extra=self.config.namespace).digest
+        spec = pages.spec
         config = replace(self.config, node_id=rank_node_id(self.config.node_id, sc))
         self.pages = pages
         self.pool = Pool(config, spec, self.namespace, meta={"engine": "sglang", "model": model})

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from pof_connector.keys import Namespace
+from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
@@ -60,6 +63,21 @@ class HostPages:
         """The page geometry as vLLM's adapter names it (part of the key namespace)."""
         kind = "mla" if self.is_mla else "mha"
         return f"{kind}:kv_heads={self.kv_heads}:head_dim={self.head_dim}:layers={self.num_layers}"
+
+    @property
+    def spec(self) -> PageSpec:
+        return PageSpec(self.num_layers, self.segment_bytes, self.page_size, KIND_MLA if self.is_mla else KIND_MHA)
+
+    def namespace(self, model: str, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
+                  extra: str) -> Namespace:
+        """The key namespace of these pages: vLLM's adapter computes the same one for the same model,
+        dtype and geometry (:meth:`~pof_connector.adapters.vllm_geometry.VllmGeometry.namespace`)."""
+        # MLA latents are identical on every TP rank: one namespace for all of them.
+        if self.is_mla:
+            tp_rank, tp_size = 0, 1
+        # The PP stage: stages hold different layers, equal in number when the model divides evenly.
+        return Namespace(model, str(self.dtype).removeprefix("torch."), self.layout_name, self.spec, tp_rank,
+                         tp_size, extra, pp_rank=pp_rank, pp_size=pp_size)
 
     def layer(self, t0: int, layer: int) -> torch.Tensor:
         """Layer ``layer`` of the page whose first host token is ``t0``, canonical order, a view."""

@@ -1,6 +1,6 @@
 """What both halves of the vLLM connector derive from ``vllm_config`` identically: the pool
-config, page size and key namespace. Kept in one place so the scheduler process and the worker
-process can never disagree on keys."""
+config, page geometry and key namespace. Kept in one place so the scheduler process and the worker
+process can never disagree on keys (the worker checks its KV tensors against :attr:`VllmGeometry.spec`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.keys import Namespace
+from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,30 @@ class VllmGeometry:
         tag = "" if self.layout_tag == "canonical" else f":{self.layout_tag}"
         return f"{kind}:kv_heads={self.kv_heads}:head_dim={self.head_dim}:layers={self.num_layers}{tag}"
 
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per element of the KV cache tensors, as vLLM allocates them for :attr:`kv_dtype`."""
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+        dtype = STR_DTYPE_TO_TORCH_DTYPE.get(self.kv_dtype)
+        if dtype is None:
+            raise ConfigError(f"pof does not know vLLM's KV cache dtype {self.kv_dtype!r}")
+        return int(dtype.itemsize)
+
+    @property
+    def spec(self) -> PageSpec:
+        """The pages' geometry, from the model config alone: the scheduler has no KV tensors, and its
+        keys must name the pages the worker of rank 0 writes (it checks its tensors against this)."""
+        per_token = self.head_dim if self.is_mla else 2 * self.kv_heads * self.head_dim
+        return PageSpec(self.num_layers, self.page_tokens * per_token * self.kv_itemsize, self.page_tokens,
+                        KIND_MLA if self.is_mla else KIND_MHA)
+
     def namespace(self, config: PofConfig, tp_rank: int, pp_rank: int = 0) -> bytes:
         """The key namespace of rank (``tp_rank``, ``pp_rank``): the scheduler looks up rank (0, 0)'s."""
         # MLA latents are identical on every TP rank: one namespace for all of them.
         rank, size = (0, 1) if self.is_mla else (tp_rank, self.tp_size)
         # Stages with equal layer counts hold different layers' KV (a single stage keeps the digest).
-        return Namespace(self.model, self.kv_dtype, self.layout, self.page_tokens, rank, size,
+        return Namespace(self.model, self.kv_dtype, self.layout, self.spec, rank, size,
                          config.namespace, pp_rank=pp_rank, pp_size=self.pp_size).digest
 
     def node_id(self, config: PofConfig, tp_rank: int, pp_rank: int = 0) -> str:

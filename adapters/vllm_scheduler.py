@@ -22,7 +22,6 @@ from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, 
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
-from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Lookup, Pool
 
 log = logging.getLogger("pof_connector.vllm")
@@ -113,9 +112,8 @@ class PoFScheduler:
         self.geo = geo
         self.loads = loads
         self.saves = saves
-        # Only page_tokens matters on this side: the client pool never touches bytes.
-        spec = PageSpec(geo.num_layers, 1, geo.page_tokens, KIND_MLA if geo.is_mla else KIND_MHA)
-        self.pool = Pool(config, spec, geo.namespace(config, tp_rank=0), role="client")
+        # The client pool never touches bytes, but its keys (rank 0's) name the whole page geometry.
+        self.pool = Pool(config, geo.spec, geo.namespace(config, tp_rank=0), role="client")
         self._chains: dict[str, _Chain] = {}
         self._plans: dict[str, _Plan] = {}
         self._requests: dict[str, Any] = {}

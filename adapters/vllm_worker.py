@@ -131,6 +131,12 @@ class PoFWorker:
                              "not supported)")
         spec = PageSpec(len(names), self.layout.segment_bytes(geo.page_tokens), geo.page_tokens,
                         KIND_MLA if geo.is_mla else KIND_MHA)
+        if spec != geo.spec:
+            # The namespace names geo.spec (the scheduler has only the model config): pages of another
+            # geometry under it would be found by lookups and refused by every load.
+            raise ValueError(f"pof: the worker's KV tensors make pages of {spec}, the model config "
+                             f"{geo.spec}; keys would not match (KV caches of layers the model config "
+                             "does not count, e.g. a speculative draft model's, are not supported)")
         # Each rank stores its own heads (TP) or layers (PP) as a node of its own; the scheduler looks
         # up rank 0's pages, and the other ranks find their own in start().
         config = replace(self.config, node_id=geo.node_id(self.config, self.tp_rank, self.pp_rank))

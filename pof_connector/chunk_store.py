@@ -10,8 +10,9 @@ caller's array and checks it (:class:`~pof_connector.page_reader.PageReader`): o
 chunk that fails any check is a miss.
 
 Keys (:func:`chunk_key`): the namespace is a digest of everything that makes a chunk's bytes
-differ for the same hash (model, world size, worker rank, dtype, chunk geometry, the operator's
-``namespace`` and the cache's tags, e.g. a tenant), the digest is a sha256 of the chunk hash. The
+differ for the same hash (model, world size, worker rank, dtype, chunk geometry — the page's
+:class:`~pof_connector.pages.PageSpec`, layers included — the operator's ``namespace`` and the
+cache's tags, e.g. a tenant), the digest is a sha256 of the chunk hash. The
 chunk hash is the engine cache's: a pof page key of vLLM or SGLang (a chain over token ids) can
 never equal it, so these pages live beside native ones and are never mistaken for them.
 
@@ -83,7 +84,7 @@ class ChunkOwner:
     def namespace(self, geometry: ChunkGeometry, extra: str = "") -> bytes:
         """The pof namespace of this owner's chunks; ``extra``: the operator's ``namespace``."""
         tagged = json.dumps([extra, [list(t) for t in self.tags]], separators=(",", ":"))
-        return Namespace(self.model, self.dtype, geometry.layout, geometry.tokens, self.worker_id,
+        return Namespace(self.model, self.dtype, geometry.layout, geometry.spec, self.worker_id,
                          self.world_size, tagged).digest
 
 

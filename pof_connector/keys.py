@@ -12,9 +12,11 @@ pages ``0..i-1``; the SGLang adapter takes the engine's hex keys as given and th
 computes the same chain from token ids.
 
 The namespace (16 bytes) is a digest of what makes KV bytes differ for the same tokens: model,
-KV dtype, page geometry, tensor- and pipeline-parallel rank and size, and the operator's namespace
-string. It is stored beside the chain digest in every key, so two models, two TP ranks or two PP
-stages never collide.
+KV dtype, layout, the page geometry (a :class:`~pof_connector.pages.PageSpec`: kind, layers,
+segment bytes, page tokens), tensor- and pipeline-parallel rank and size, and the operator's
+namespace string. It is stored beside the chain digest in every key, so two models, two TP ranks
+or two PP stages never collide. Every field a page header is checked against on a load is in the
+digest, so a lookup never finds a page that its own engine's loads would refuse.
 Nothing here uses Python's ``hash()``: keys are the same in every process and on every host.
 """
 
@@ -26,8 +28,12 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pof_connector.pages import PageSpec  # pages imports this module: no import at run time
 
 NAMESPACE_BYTES = 16
 DIGEST_BYTES = 32
@@ -111,27 +117,38 @@ class PageKey:
 class Namespace:
     """What makes KV bytes of the same tokens differ; its :attr:`digest` prefixes every key.
 
-    ``layout`` names the canonical page geometry (e.g. ``"mha:kv_heads=2:head_dim=64"``).
+    ``layout`` names the canonical page layout (e.g. ``"mha:kv_heads=2:head_dim=64"``).
+    ``spec``: the geometry of the pages stored under it, required: a page header is checked
+    against kind, layers, segment bytes and page tokens on every load, so two engines that differ
+    in any of them must never share keys (else one's lookups promise pages its loads refuse).
     ``tp_rank``/``tp_size`` keep ranks that hold different heads apart; MLA writers whose
     latent is the same on every rank pass ``tp_rank=0, tp_size=1``. ``pp_rank``/``pp_size``
     keep pipeline stages apart (each holds other layers); with ``pp_size=1`` they are left out
-    of the digest, which is then the one every earlier version computed.
+    of the digest, so a single-stage engine's namespace is the same in every adapter.
     """
 
     model: str
     kv_dtype: str
     layout: str
-    page_tokens: int
+    spec: PageSpec
     tp_rank: int = 0
     tp_size: int = 1
     extra: str = ""
     pp_rank: int = 0
     pp_size: int = 1
 
+    def __post_init__(self) -> None:
+        from pof_connector.pages import PageSpec
+
+        if not isinstance(self.spec, PageSpec):
+            raise TypeError(f"Namespace needs the page geometry (a PageSpec), got {self.spec!r}")
+
     @property
     def digest(self) -> bytes:
-        fields: list[object] = ["pof-namespace-v1", self.model, self.kv_dtype, self.layout, self.page_tokens,
-                                self.tp_rank, self.tp_size, self.extra]
+        s = self.spec
+        # v2: v1 had page_tokens alone where the whole geometry now is.
+        fields: list[object] = ["pof-namespace-v2", self.model, self.kv_dtype, self.layout, s.kind, s.num_layers,
+                                s.segment_bytes, s.page_tokens, self.tp_rank, self.tp_size, self.extra]
         if self.pp_size != 1:
             fields += ["pp", self.pp_rank, self.pp_size]
         canonical = json.dumps(fields, separators=(",", ":")).encode()

@@ -61,8 +61,8 @@ def spec() -> PageSpec:
 
 
 @pytest.fixture
-def namespace() -> bytes:
-    return Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest
+def namespace(spec: PageSpec) -> bytes:
+    return Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", spec).digest
 
 
 TLS_PASSWORD = "pof-acl-S3cr3t-7b1e"

@@ -43,6 +43,20 @@ def test_namespaces_keep_models_ranks_dtypes_and_tags_apart() -> None:
     assert OWNER.namespace(GEO) == ChunkOwner("m", 1, 0, "bfloat16").namespace(GEO)     # stable
 
 
+def test_chunks_of_another_layer_count_are_not_found(store: ChunkStore) -> None:
+    """Issue 39, finding 6: the namespace had the chunk's kv, hidden bytes and tokens but not its
+    layers, so an engine with another layer count found these chunks by lookup, and every load of
+    one was refused by its header. Any geometry field of the page now makes another namespace."""
+    ns = OWNER.namespace(GEO)
+    keys = [chunk_key(ns, h) for h in range(3)]
+    assert store.put([(k, chunk(20 + i)) for i, k in enumerate(keys)]).result() == 3
+    for other in (ChunkGeometry(GEO.kv, GEO.layers - 1, GEO.tokens, GEO.hidden_bytes),
+                  ChunkGeometry(GEO.kv, GEO.layers + 1, GEO.tokens, GEO.hidden_bytes)):
+        theirs = [chunk_key(OWNER.namespace(other), h) for h in range(3)]
+        assert store.count_prefix(theirs) == 0
+    assert store.count_prefix(keys) == 3
+
+
 def test_chunk_digests_take_any_integer() -> None:
     hashes = [0, 1, -1, 2**63 - 1, -(2**63), 2**200, 12345]
     digests = {chunk_digest(h) for h in hashes}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -10,6 +11,9 @@ import numpy as np
 import pytest
 
 from pof_connector.keys import Namespace, PageKey, chain_digests, page_keys, storage_seed
+from pof_connector.pages import KIND_MHA, KIND_MLA, PageError, PageHeader, PageSpec, encode_header
+
+SPEC = PageSpec(num_layers=4, segment_bytes=4096, page_tokens=16)
 
 
 def sglang_reference(tokens: list[int], page_size: int, extra_key: str | None, cache_salt: str | None) -> list[str]:
@@ -61,13 +65,13 @@ def test_same_keys_in_another_process(namespace: bytes) -> None:
 
 def test_namespaces_and_salts_are_disjoint() -> None:
     tokens = list(range(64))
-    ns_a = Namespace("m", "bfloat16", "mha", 16).digest
+    ns_a = Namespace("m", "bfloat16", "mha", SPEC).digest
     variants = [
         ns_a,
-        Namespace("m2", "bfloat16", "mha", 16).digest,
-        Namespace("m", "float16", "mha", 16).digest,
-        Namespace("m", "bfloat16", "mha", 16, tp_rank=1, tp_size=2).digest,
-        Namespace("m", "bfloat16", "mha", 16, extra="tenant").digest,
+        Namespace("m2", "bfloat16", "mha", SPEC).digest,
+        Namespace("m", "float16", "mha", SPEC).digest,
+        Namespace("m", "bfloat16", "mha", SPEC, tp_rank=1, tp_size=2).digest,
+        Namespace("m", "bfloat16", "mha", SPEC, extra="tenant").digest,
     ]
     assert len(set(variants)) == len(variants)
     sets = [set(page_keys(ns, tokens, 16)) for ns in variants]
@@ -77,23 +81,47 @@ def test_namespaces_and_salts_are_disjoint() -> None:
             assert not sets[i] & sets[j]
 
 
+def test_every_field_a_page_header_is_checked_against_is_in_the_namespace() -> None:
+    """Issue 39, finding 6: a reader refuses a page whose header differs from its spec in any
+    geometry field (``PageHeader.expect``). Were one of them outside the key, an engine would find
+    another's pages by lookup and fail every load (LMCache's namespace had no layer count: a full
+    lookup hit, no load). Each such field alone gives another namespace, and a namespace cannot be
+    built without them."""
+    key = PageKey(bytes(16), bytes(32))
+    header = PageHeader.parse(encode_header(SPEC, key, 1, [0] * SPEC.num_layers))
+    base = Namespace("m", "bfloat16", "mha", SPEC).digest
+    changes = {"num_layers": 5, "segment_bytes": 8192, "page_tokens": 32, "kind": KIND_MLA}
+    assert SPEC.kind == KIND_MHA
+    assert set(changes) == {f.name for f in dataclasses.fields(PageSpec)}     # a new field joins this test
+    for name, value in changes.items():
+        other = dataclasses.replace(SPEC, **{name: value})
+        with pytest.raises(PageError, match="geometry"):
+            header.expect(other, key, 1)                 # a reader of `other` pages refuses this one ...
+        assert Namespace("m", "bfloat16", "mha", other).digest != base, name     # ... so never finds it
+    with pytest.raises(TypeError, match="PageSpec"):
+        Namespace("m", "bfloat16", "mha", 16)  # type: ignore[arg-type]
+
+
 def test_pipeline_stages_get_their_own_namespace() -> None:
     """PP stages with equal layer counts hold different layers' KV for the same tokens (issue 20, item 4)."""
-    stages = {Namespace("m", "bfloat16", "mha", 16, pp_rank=r, pp_size=2).digest for r in range(2)}
-    stages |= {Namespace("m", "bfloat16", "mha", 16, pp_rank=r, pp_size=4).digest for r in range(4)}
+    stages = {Namespace("m", "bfloat16", "mha", SPEC, pp_rank=r, pp_size=2).digest for r in range(2)}
+    stages |= {Namespace("m", "bfloat16", "mha", SPEC, pp_rank=r, pp_size=4).digest for r in range(4)}
     assert len(stages) == 6
-    assert Namespace("m", "bfloat16", "mha", 16).digest not in stages
-    with_tp = {Namespace("m", "bfloat16", "mha", 16, tp_rank=t, tp_size=2, pp_rank=p, pp_size=2).digest
+    assert Namespace("m", "bfloat16", "mha", SPEC).digest not in stages
+    with_tp = {Namespace("m", "bfloat16", "mha", SPEC, tp_rank=t, tp_size=2, pp_rank=p, pp_size=2).digest
                for t in range(2) for p in range(2)}
     assert len(with_tp) == 4
 
 
-def test_namespace_digest_without_pp_is_unchanged() -> None:
-    """pp_size 1 keeps the digest every deployed node (and the vLLM adapter) computes: pinned values."""
-    assert Namespace("m", "bfloat16", "mha", 16).digest.hex() == "efdce9fcc9696de095628e62f97d4562"
-    assert Namespace("m", "bfloat16", "mha", 16, pp_rank=0, pp_size=1).digest.hex() == \
-        "efdce9fcc9696de095628e62f97d4562"
-    assert Namespace("m", "bfloat16", "mha", 16, 1, 2, "x").digest.hex() == "1fc649d4e1dab8d2f5b6c3f489fa73b1"
+def test_namespace_digest_is_pinned() -> None:
+    """Every process and host computes the same digest (pinned values); ``pp_size`` 1 leaves the
+    stage out, so a single-stage engine's namespace is the same in every adapter. The values
+    changed once, when the page geometry joined the digest (``pof-namespace-v2``): pages stored
+    under a v1 namespace are misses after an upgrade, never loaded."""
+    assert Namespace("m", "bfloat16", "mha", SPEC).digest.hex() == "7e9154d681eb78e133b133956ea0e9d1"
+    assert Namespace("m", "bfloat16", "mha", SPEC, pp_rank=0, pp_size=1).digest.hex() == \
+        "7e9154d681eb78e133b133956ea0e9d1"
+    assert Namespace("m", "bfloat16", "mha", SPEC, 1, 2, "x").digest.hex() == "0c261646290215f70f314d41f2ecab9c"
 
 
 def test_prefix_property() -> None:

@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     out = console()
     spec = PageSpec(num_layers=LAYERS, segment_bytes=args.page_kib * 1024 // LAYERS, page_tokens=64)
-    ns = Namespace("examples/fake-model", "bfloat16", "mha", spec.page_tokens).digest
+    ns = Namespace("examples/fake-model", "bfloat16", "mha", spec).digest
     tokens = np.random.default_rng(0).integers(0, 32000, spec.page_tokens * args.pages)
     runtime_dir = tempfile.mkdtemp(prefix="pof-demo-", dir="/tmp")
     region = os.path.join(tempfile.mkdtemp(prefix="pof-demo-", dir="/dev/shm"), "cxl.region")

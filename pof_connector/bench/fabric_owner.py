@@ -29,7 +29,7 @@ def bench_spec(layers: int, segment_bytes: int) -> PageSpec:
 
 
 def bench_namespace(spec: PageSpec) -> bytes:
-    return Namespace("bench/fabric", "uint8", f"bench:segment={spec.segment_bytes}", spec.page_tokens).digest
+    return Namespace("bench/fabric", "uint8", f"bench:segment={spec.segment_bytes}", spec).digest
 
 
 def bench_keys(spec: PageSpec, pages: int) -> list[PageKey]:

@@ -30,8 +30,11 @@ from pof_connector.index.redis import RedisIndex, flat_key, loc_key, segment_key
 from pof_connector.index.segments import SegmentQuery
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace, PageKey, page_keys
+from pof_connector.pages import PageSpec
 
 PAGE_TOKENS = 64
+SPEC = PageSpec(num_layers=32, segment_bytes=PAGE_TOKENS * 2 * 8 * 128 * 2, page_tokens=PAGE_TOKENS)
+"""The page geometry the keys name (a 32-layer model, 8 KV heads of 128, bf16); no page is written."""
 WARMUP = 10
 BATCH = 5000
 MEDIUM = "cpu_dram"
@@ -113,8 +116,7 @@ def _server(url: str | None, progress: Progress) -> Iterator[str]:
 
 
 def _namespace(run_id: str, part: str) -> bytes:
-    return Namespace("pof-bench", "bfloat16", "mha:kv_heads=8:head_dim=128", PAGE_TOKENS,
-                     extra=f"{run_id}:{part}").digest
+    return Namespace("pof-bench", "bfloat16", "mha:kv_heads=8:head_dim=128", SPEC, extra=f"{run_id}:{part}").digest
 
 
 def _publish_chain(clients: Sequence[RedisIndex], pages: int, run_id: str,

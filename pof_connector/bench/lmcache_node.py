@@ -156,6 +156,16 @@ def _request_configs(tags: dict[str, str] | None) -> dict[str, str] | None:
     return {f"lmcache.tag.{k}": v for k, v in tags.items()} if tags else None
 
 
+def _contains(engine: LMCacheEngine, tokens: torch.Tensor, tags: dict[str, str] | None) -> int | None:
+    """How many of the prompt's chunks the pof plugin says it holds, asked one key at a time as
+    LMCache's storage manager does (``None``: no plugin)."""
+    plugin = plugin_of(engine)
+    if plugin is None:
+        return None
+    chunks = engine.token_database.process_tokens(tokens, request_configs=_request_configs(tags))
+    return sum(bool(plugin.contains(key)) for _, _, key in chunks)
+
+
 def op_store(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int,
              tags: dict[str, str] | None = None) -> dict[str, Any]:
     put_s, durable_s = [], []
@@ -183,12 +193,14 @@ def op_load(engine: LMCacheEngine, host: HostKV, seeds: range, chunks: int,
         hit = engine.lookup(tokens, request_configs=_request_configs(tags))
         mask = engine.retrieve(tokens, request_configs=_request_configs(tags))
         get_s.append(time.perf_counter() - t0)
+        contains = _contains(engine, tokens, tags)      # the plugin asked directly, outside the timing
         got = int(mask.sum())
         want = expected_kv(seed, shape, chunks * shape.chunk)
         equal = bool(torch.equal(host.kv[:, :, :got].view(torch.uint8), want[:, :, :got].view(torch.uint8)))
         untouched = bool(torch.count_nonzero(host.kv[:, :, got:].view(torch.uint8)) == 0)
         equal = equal and out.get("bytes_equal", True)
-        out = {"lookup_tokens": int(hit), "retrieved_tokens": got, "bytes_equal": equal, "rest_untouched": untouched}
+        out = {"lookup_tokens": int(hit), "contains": contains, "retrieved_tokens": got, "bytes_equal": equal,
+               "rest_untouched": untouched}
     plugin = plugin_of(engine)
     return {**out, "get_s": get_s, "plugin": None if plugin is None else type(plugin).__name__,
             "stats": None if plugin is None else plugin.pool.stats.snapshot()}

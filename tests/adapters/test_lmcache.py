@@ -168,3 +168,26 @@ def test_a_bad_pof_key_is_named_and_the_plugin_left_out(tmp_path: Path, runtime_
     got, err = load(cfg)
     assert got["plugin"] is None                                # LMCache's launcher logs and skips it
     assert "tierz" in err
+
+
+
+def test_an_engine_with_another_layer_count_finds_nothing(configs: tuple[Path, Path],
+                                                           stored: subprocess.Popen[str]) -> None:
+    """Issue 39, finding 6: an engine of the same model name, dtype and chunk size with fewer layers
+    (its smaller pages fit A's region, which it reaches). Each of A's pages would be refused by its
+    header (geometry), so no lookup may promise one: LMCache, told the tokens are cached, would miss
+    on every request and never store the prefix itself. Before the fix: 128 of 128 tokens, 8 of 8."""
+    fewer = {"layers": SHAPE.layers // 2}
+    got, _ = load(configs[1], shape=fewer)
+    assert (got["lookup_tokens"], got["contains"], got["retrieved_tokens"]) == (0, 0, 0)
+    assert got["stats"].get("load_failures{reason=geometry}", 0) == 0         # nothing promised, nothing tried
+    worker_b = start_node(configs[1], seed=2, shape=fewer)     # LMCache's scheduler-side instance answers for it
+    try:
+        looked, _ = load(configs[1], "lookup", role="scheduler", shape=fewer)
+        assert looked["lookup_tokens"] == 0
+    finally:
+        stop_node(worker_b, timeout_s=30)
+    same, _ = load(configs[1])                                 # A's own shape reaches all of it
+    assert (same["lookup_tokens"], same["contains"], same["retrieved_tokens"]) == (CHUNKS * CHUNK, CHUNKS,
+                                                                                   CHUNKS * CHUNK)
+    assert same["bytes_equal"]

@@ -33,6 +33,7 @@ from pof_connector.adapters import sglang as sglang_adapter
 from pof_connector.adapters.sglang import PoFHiCacheStorage
 from pof_connector.index.redis import flat_key, loc_key, segment_key
 from pof_connector.index.server import RedisServer
+from pof_connector.keys import Namespace
 
 pytestmark = pytest.mark.sglang
 
@@ -228,6 +229,28 @@ def test_pp_stages_keep_distinct_keys_and_node_ids(extra: dict[str, Any], shm_pa
         assert b.pool is not None and b.pool.node_id == "s1-tp1-pp1"
     finally:
         b.close()
+
+
+def test_an_engine_with_another_layer_count_finds_nothing(extra: dict[str, Any], shm_path: str) -> None:
+    """Issue 39, finding 6 (found on LMCache; the rule holds for every adapter): every field a page
+    header is checked against is in the key. Two hosts sharing a CXL region, same model, dtype and
+    page size, one layer apart: the second neither counts nor loads the first's pages."""
+    keys = page_keys(list(range(90, 90 + 2 * PS)))
+    cxl = {**extra, "tiers": {"cxl": {"path": shm_path, "size": "16MiB", "partitions": 2}}}
+    pools = [host_pool("mha", "page_first_direct", layers=layers) for layers in (L, L - 1)]
+    engines = [backend(p, {**cxl, "node_id": f"h{i}"}) for i, p in enumerate(pools)]
+    try:
+        fill(pools[0], [1, 2], seed=11)
+        assert engines[0].batch_set_v1(keys, indices([1, 2])) == [True, True]
+        assert engines[0].batch_exists(keys) == 2
+        assert engines[1].batch_exists(keys) == 0
+        assert engines[1].batch_get_v1(keys, indices([5, 6])) == [False, False]
+        for e in engines:           # the namespace is built from the pages' own spec
+            assert e.pool is not None and e.pages is not None and e.pool.spec == e.pages.spec
+            assert e.namespace == Namespace("tests/model", "bfloat16", e.pages.layout_name, e.pool.spec).digest
+    finally:
+        for e in engines:
+            e.close()
 
 
 def test_prefix_keys_place_pages_in_segments_as_vllm_does(extra: dict[str, Any], shm_path: str,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +29,7 @@ from pof_connector.config import PofConfig
 from pof_connector.index import Location
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace
+from pof_connector.pages import KIND_MHA, PageSpec
 from pof_connector.tiers.peer_hbm import PeerHbmTier
 
 pytestmark = pytest.mark.vllm
@@ -213,6 +215,35 @@ def test_a_lora_request_does_not_hit_the_base_models_pages(stored_prompt: Any) -
     assert scheduler.matched_tokens(request("b2", tokens), 0) == 4 * P
 
 
+def test_pages_of_another_layer_count_are_never_found(stored_prompt: Any, runtime_dir: str,
+                                                     index: RedisServer) -> None:
+    """Issue 39, finding 6 (found on LMCache; the rule holds for every adapter): every field a page
+    header is checked against is in the key, so no lookup finds a page its engine's loads refuse.
+    The scheduler has only the model config: its keys name the geometry that config gives, and a
+    worker whose KV tensors make pages of another (a layer the config does not count) is refused at
+    start-up. It used to register, store pages of its own layer count under those keys, and have
+    its scheduler find the other engine's pages, each load then refused by the header."""
+    scheduler, tokens = stored_prompt
+    other = PofConfig.from_mapping({"node_id": "b", "index_url": index.url, "runtime_dir": runtime_dir,
+                                    "tiers": {"cpu_dram": {"size": "8MiB"}}})
+    extra_layer = PoFWorker(other, geometry(), tp_rank=0)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, H, N, 2 * D) for i in range(LAYERS + 1)}
+    with pytest.raises(ValueError, match="keys would not match"):
+        extra_layer.register(kv)
+    extra_layer.close()
+    # The scheduler's keys name the pages rank 0's worker writes (layers, segment bytes, tokens, kind).
+    written = PageSpec(LAYERS, P * 2 * H * D * 4, P, KIND_MHA)
+    assert scheduler.pool.spec == written
+    assert scheduler.pool.namespace == Namespace("m", "float32", geometry().layout, written).digest
+    deeper = PoFScheduler(config(runtime_dir, index.url, {"cpu_dram": {"size": "8MiB"}}),
+                          replace(geometry(), num_layers=LAYERS + 1))
+    try:
+        assert deeper.matched_tokens(request("deeper", tokens), 0) == 0     # same node, model, dtype, tokens
+    finally:
+        deeper.close()
+    assert scheduler.matched_tokens(request("same", tokens), 0) == 4 * P
+
+
 def test_a_request_vllm_cannot_schedule_yet_is_not_looked_up_every_step(stored_prompt: Any,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM asks again each step for the request at the head of a queue blocked on KV memory."""
@@ -248,7 +279,7 @@ def test_pipeline_stages_have_keys_and_nodes_of_their_own(runtime_dir: str) -> N
     cfg = PofConfig.from_mapping({"node_id": "a", "index_url": "local", "runtime_dir": runtime_dir})
     one, two = geometry(), geometry(pp_size=2)
     # A single stage keeps the namespace every other engine computes (cross-engine sharing).
-    assert one.namespace(cfg, 0) == Namespace("m", "float32", one.layout, P).digest
+    assert one.namespace(cfg, 0) == Namespace("m", "float32", one.layout, one.spec).digest
     assert two.namespace(cfg, 0, 0) != two.namespace(cfg, 0, 1)
     assert len({two.namespace(cfg, t, p) for t in (0, 1) for p in (0, 1)}) == 4
     assert [two.node_id(cfg, t, p) for t in (0, 1) for p in (0, 1)] == ["a", "a-pp1", "a-tp1", "a-tp1-pp1"]

@@ -24,7 +24,8 @@ from pof_connector.pages import PageSpec
 from pof_connector.pool import Lookup, Pool
 
 SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
-NAMESPACE = Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest
+NAMESPACE = Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", SPEC).digest
+"""Kept when ``main`` takes another geometry: the tests compute keys with this one."""
 
 
 def content(k: PageKey, spec: PageSpec | None = None) -> list[np.ndarray]:

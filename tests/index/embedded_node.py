@@ -25,7 +25,7 @@ from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
 
 SPEC = PageSpec(num_layers=2, segment_bytes=1024, page_tokens=16)
-NAMESPACE = Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", 16).digest
+NAMESPACE = Namespace("tests/model", "bfloat16", "mha:kv_heads=2:head_dim=64", SPEC).digest
 MODEL = "tests/model"
 CHAIN_PAGES = 4
 STORE_EVERY_S = 0.1

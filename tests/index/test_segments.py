@@ -18,6 +18,7 @@ from pof_connector.index.redis import RedisIndex, flat_key, loc_key, segment_key
 from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentQuery
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, keys_from_hex, page_keys
+from pof_connector.pages import PageSpec
 
 
 def _flat(keys: list[PageKey], namespace: bytes) -> list[PageKey]:
@@ -80,8 +81,9 @@ def test_lookups_match_the_per_page_schema(redis_server: RedisServer) -> None:
     """Random holdings of branching chains (more branches than an offset keeps, so some pages go
     to per-page fields), published and partly withdrawn in a placed namespace and, as placeless
     keys, in a twin namespace: every lookup, from any page of any chain, gives the same runs."""
-    placed_ns = Namespace("seg", "bfloat16", "x", 16, extra="placed").digest
-    flat_ns = Namespace("seg", "bfloat16", "x", 16, extra="flat").digest
+    spec = PageSpec(2, 1024, 16)
+    placed_ns = Namespace("seg", "bfloat16", "x", spec, extra="placed").digest
+    flat_ns = Namespace("seg", "bfloat16", "x", spec, extra="flat").digest
     nodes = [RedisIndex(redis_server.url, f"n{i}") for i in range(3)]
     reader = RedisIndex(redis_server.url, None)
     rng = random.Random(7)

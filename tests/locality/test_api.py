@@ -20,7 +20,7 @@ from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
 
 SPEC = PageSpec(num_layers=2, segment_bytes=512, page_tokens=16)
-NS = Namespace("org/model-a", "bfloat16", "mha", 16).digest
+NS = Namespace("org/model-a", "bfloat16", "mha", SPEC).digest
 
 
 def node(name: str, url: str, runtime_dir: str, **tiers: Any) -> Pool:
