@@ -188,7 +188,8 @@ class PoFWorker:
         per_load = [(active, active.reader.segments(layer)) for active in self._loads]
         if lay.can_copy_checked(kv):      # convert, copy and checksum in one pass; the check re-reads nothing
             # targets: the blocks each page writes, after the first page's head blocks (the engine's own)
-            todo = [(seg, *active.targets[i]) for active, segs in per_load for i, seg in segs]
+            todo = [(seg, *active.targets[i], active.reader.sum_seed(i))
+                    for active, segs in per_load for i, seg in segs]
             sums = iter(lay.copy_checked(lay.cache_bytes(kv), todo, self.copy_threads))
             for active, segs in per_load:
                 active.reader.check_all(layer, [(i, next(sums)) for i, _ in segs])

@@ -74,7 +74,7 @@ def copy_layers(handle: LoadHandle, reader: PageReader, pages: list[np.ndarray],
         for i, page in enumerate(pages):
             seg = reader.segment(i, layer)
             if seg is not None:        # copied and summed in one pass; the check re-reads nothing
-                (copied,) = page_sum.copy_checksums(spec.segment(page, layer), seg, len(seg))
+                (copied,) = page_sum.copy_checksums(spec.segment(page, layer), seg, len(seg), reader.sum_seed(i))
                 reader.check(i, layer, copied)
         for i, reason in reader.failed.items():
             handle._fail(i, reason)

@@ -162,10 +162,19 @@ class PageReader:
             except PageError as e:
                 self._fail(page, e, (ref, pinned))
 
+    def sum_seed(self, page: int) -> int:
+        """The checksum seed of page ``page``'s checked header: what a fused copy of its segments
+        sums under (for :meth:`check`). Only for a page :meth:`segment` gave a segment of."""
+        entry = self._pages[page]
+        if entry is None:
+            raise ValueError(f"page {page} has no checked header (it failed, or no segment of it was read yet)")
+        return entry[2].sum_seed
+
     def check(self, page: int, layer: int, copied: int | None = None) -> bool:
         """After copying :meth:`segment`: were those bytes the page's (checksum, unchanged slot)?
-        ``copied``: the format-v2 checksum a fused copy computed over the bytes it read
-        (:mod:`pof_connector.page_sum`), so they are not read a second time; ``None``: summed here."""
+        ``copied``: the checksum a fused copy computed over the bytes it read under
+        :meth:`sum_seed` (:mod:`pof_connector.page_sum`), so they are not read a second time;
+        ``None``: summed here."""
         self.check_all(layer, [(page, copied)])
         return self._pages[page] is not None and page not in self.failed
 
