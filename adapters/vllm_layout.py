@@ -159,16 +159,16 @@ class BlockLayout:
         return (fits and kv.device.type == "cpu" and page_sum.NATIVE is not None and kv.is_contiguous()
                 and (self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize) % 64 == 0)
 
-    def copy_checked(self, kv_bytes: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[int], int]],
+    def copy_checked(self, kv_bytes: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[int], int, int]],
                      threads: int = 1) -> list[int]:
         """Write pages' canonical segments (tier memory) into a cache, converting to the CPU
         cache's order (K^T, or the ``amx`` VNNI tiles) on the way, and return each segment's
-        format-v2 checksum, summed in the same pass (one native call for all of them instead of
-        strided torch copies per block and a second read for the check). ``pages``: one
-        ``(segment, block_ids, skip)`` per page, written to ``block_ids``, the page's blocks after
-        the first ``skip``. ``kv_bytes``: the cache as bytes, :meth:`cache_bytes`. ``threads``:
-        how many threads (the caller and the kernel's helpers) may copy pages side by side. Only
-        where :meth:`can_copy_checked`."""
+        checksum, summed in the same pass (one native call for all of them instead of strided
+        torch copies per block and a second read for the check). ``pages``: one
+        ``(segment, block_ids, skip, seed)`` per page, written to ``block_ids``, the page's blocks
+        after the first ``skip``, summed under ``seed`` (its header's checksum seed). ``kv_bytes``:
+        the cache as bytes, :meth:`cache_bytes`. ``threads``: how many threads (the caller and the
+        kernel's helpers) may copy pages side by side. Only where :meth:`can_copy_checked`."""
         return page_sum.kt_copy_pages(kv_bytes, pages, self.block_size, self.kv_heads, self.head_dim,
                                       self.dtype.itemsize, self.name == "cpu_vnni", threads)
 

@@ -221,8 +221,8 @@ class PoFWorker:
                       if active.reader.stable(i) == crew]
             if not picked:
                 continue
-            sums = lay.copy_checked(cache, [(seg, *active.targets[i]) for active, i, seg in picked],
-                                    self.copy_threads if crew else 1)
+            sums = lay.copy_checked(cache, [(seg, *active.targets[i], active.reader.sum_seed(i))
+                                            for active, i, seg in picked], self.copy_threads if crew else 1)
             landed: dict[int, tuple[_ActiveLoad, list[tuple[int, int]]]] = {}
             for (active, i, _), got in zip(picked, sums, strict=True):
                 landed.setdefault(id(active), (active, []))[1].append((i, got))

@@ -4,7 +4,7 @@
 #      another process through CUDA IPC) and on cpu;
 #   2. measures peer-HBM and host-tier page reads/writes against raw torch copies
 #      (device memcpy, pinned host copies) and prints the ratios as JSON, with the page checksum
-#      (format v2) computed by torch on the GPU over pages where they landed (raw_gbps.checksum_device)
+#      (format v3) computed on the GPU over pages where they landed (raw_gbps.checksum_device)
 #      and a host-tier read that DMAs the pages and verifies them there (rows.host_tier_dma_verify);
 #   3. when that python also has vLLM and LMCache (0.5.6): the LMCache end to end, two vLLM servers
 #      with LMCacheConnectorV1 and pof as LMCache's storage plugin (tests/adapters/test_lmcache_vllm.py;

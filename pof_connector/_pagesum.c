@@ -1,13 +1,18 @@
-/* Fused copy + per-layer checksum of page segments (page format v2), see pof_connector/page_sum.py.
+/* Fused copy + per-layer checksum of page segments (page format v3), see pof_connector/page_sum.py
+ * for the definition and its bound.
  *
- * The checksum of a segment of L bytes: zero-pad it to n = ceil(L / 4) little-endian 32-bit words
- * w_0 .. w_{n-1} and take, modulo 2^64,
- *     A = sum_i w_i,   B = sum_i (n - i) * w_i,   checksum = A + MIX * B.
- * A plain sum and a position-weighted one (Fletcher's pair, with 64-bit accumulators), so torch
- * can compute it on a GPU over the bytes where they landed (page_sum.torch_checksums).
+ * In short, with keys K[0..257] and a point r (mod p = 2^61 - 1) derived from a 64-bit seed by
+ * SplitMix64: each 1 KiB block of 256 little-endian 32-bit words (the segment zero-padded to whole
+ * blocks) is hashed by NH with a 2-fold Toeplitz key,
+ *     h1 = sum_i ((x_2i + K[2i]) mod 2^32) * ((x_2i+1 + K[2i+1]) mod 2^32)          mod 2^64
+ *     h2 = sum_i ((x_2i + K[2i+2]) mod 2^32) * ((x_2i+1 + K[2i+3]) mod 2^32)        mod 2^64
+ * and the 32-bit halves lo(h1), hi(h1), lo(h2), hi(h2) of every block, in order, are the
+ * coefficients of a polynomial evaluated at r (Horner, mod p): that is the checksum.
  *
- * A copy loads each byte once, stores it and adds it to the sums in the same loop, so the bytes
- * cross the memory bus once and the arithmetic hides behind the memory traffic. The GIL is
+ * A copy loads each byte once, stores it and feeds it to NH in the same loop, so the bytes cross
+ * the memory bus once and the arithmetic hides behind the memory traffic. The NH state streams
+ * (position in the block, lane sums, Horner accumulator), so a segment may be summed in any
+ * number of calls of whole 64-byte chunks, in order (the vLLM layouts sum row by row). The GIL is
  * released around large calls.
  */
 #ifndef _GNU_SOURCE
@@ -22,87 +27,216 @@
 #include <string.h>
 #include <time.h>
 
-#define MIX 0x9E3779B97F4A7C16ULL   /* 2 x odd: see page_sum.py for why */
-#define LANES 16                     /* 32-bit words per block: 64 bytes, one cache line */
-#define BLOCK (4 * LANES)
+#define LANES 16                     /* 32-bit words per chunk: 64 bytes, one cache line */
+#define BLOCK (4 * LANES)            /* bytes per chunk (the streaming granule) */
+#define NH_WORDS 256                 /* words per NH block: 1 KiB */
+#define NH_KEYS (NH_WORDS + 2)
+#define NH_CHUNKS (NH_WORDS / LANES) /* chunks per NH block */
+#define P61 ((1ULL << 61) - 1)
 #define RELEASE_GIL_BYTES (64 * 1024)
 
+/* The key material of one seed. */
 typedef struct {
-    uint64_t a[LANES];
-    uint64_t b[LANES];
+    uint32_t k[NH_KEYS];
+    uint64_t r[4];                   /* r, r^2, r^3, r^4 mod p */
+    uint64_t z1[NH_CHUNKS + 1];      /* h1's terms of zero words from chunk q to the block's end */
+    uint64_t z2[NH_CHUNKS + 1];
+    uint64_t seed;
+} nh_keys;
+
+typedef struct {
+    const nh_keys *keys;
+    size_t pos;                      /* words of the current NH block summed (a multiple of LANES) */
+    uint64_t h1[4], h2[4];           /* the block's lane sums, mod 2^64 */
+    uint64_t acc;                    /* the polynomial so far, < 2^61 + 2 (reduced at the end) */
+    uint64_t blocks;                 /* NH blocks folded into acc */
 } sum_state;
 
-/* Sum `nblocks` whole blocks at `p` into the lane sums; with `dst`, also copy them there (one
- * pass: each byte is loaded once, stored once and summed while in a register). `stream`: the
+static inline uint64_t splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+#ifdef __SIZEOF_INT128__
+typedef unsigned __int128 u128;
+#define MUL128(a, b) ((u128)(a) * (b))
+/* x mod p up to a small multiple, for x < 2^125: < 2^61 + 2 */
+static inline uint64_t reduce128(u128 x)
+{
+    uint64_t s = ((uint64_t)x & P61) + ((uint64_t)(x >> 61) & P61) + (uint64_t)(x >> 122);
+    return (s & P61) + (s >> 61);
+}
+#else
+#error "the page checksum kernel needs a compiler with 128-bit integers (GCC or Clang on a 64-bit target)"
+#endif
+
+static inline uint64_t canonical(uint64_t x)     /* x < 2^62: x mod p */
+{
+    x = (x & P61) + (x >> 61);
+    return x >= P61 ? x - P61 : x;
+}
+
+static inline uint64_t mulmod(uint64_t a, uint64_t b)
+{
+    return canonical(reduce128(MUL128(a, b)));
+}
+
+static void derive_keys(nh_keys *k, uint64_t seed)
+{
+    uint64_t state = seed, v;
+    for (int i = 0; i < NH_KEYS; i++)
+        k->k[i] = (uint32_t)splitmix64(&state);
+    do
+        v = splitmix64(&state) & P61;
+    while (v < 2 || v >= P61);
+    k->r[0] = v;
+    for (int i = 1; i < 4; i++)
+        k->r[i] = mulmod(k->r[i - 1], v);
+    k->z1[NH_CHUNKS] = k->z2[NH_CHUNKS] = 0;
+    for (int q = NH_CHUNKS - 1; q >= 0; q--) {
+        uint64_t a = 0, b = 0;
+        for (int w = q * LANES; w < (q + 1) * LANES; w += 2) {
+            a += (uint64_t)k->k[w] * k->k[w + 1];
+            b += (uint64_t)k->k[w + 2] * k->k[w + 3];
+        }
+        k->z1[q] = k->z1[q + 1] + a;
+        k->z2[q] = k->z2[q + 1] + b;
+    }
+    k->seed = seed;
+}
+
+/* The keys of `seed`: this thread's last ones, derived again when the seed changed (~1 us). Valid
+ * until this thread's next call with another seed. */
+static const nh_keys *keys_for(uint64_t seed)
+{
+    static __thread nh_keys cache;
+    static __thread int valid;
+    if (!valid || cache.seed != seed) {
+        derive_keys(&cache, seed);
+        valid = 1;
+    }
+    return &cache;
+}
+
+static inline void state_init(sum_state *s, const nh_keys *keys)
+{
+    memset(s, 0, sizeof *s);
+    s->keys = keys;
+}
+
+/* End of an NH block: its four elements into the polynomial, as four Horner steps at once:
+ * acc' = (acc + e0) r^4 + e1 r^3 + e2 r^2 + e3 r (independent multiplies, one reduction). */
+static inline void fold_block(sum_state *s, uint64_t h1, uint64_t h2)
+{
+    const uint64_t *r = s->keys->r;
+    u128 x = MUL128(s->acc + (h1 & 0xFFFFFFFFu), r[3]) + MUL128(h1 >> 32, r[2]) + MUL128(h2 & 0xFFFFFFFFu, r[1])
+             + MUL128(h2 >> 32, r[0]);                 /* < 2^62 * 2^61 + 3 * 2^93 */
+    s->acc = reduce128(x);
+    s->blocks++;
+}
+
+/* Feed `nchunks` whole 64-byte chunks at `p` into the state; with `dst`, also copy them there
+ * (one pass: each byte is loaded once, stored once and summed while in a register). `stream`: the
  * copy may bypass the caches (non-temporal stores: no read for ownership of the lines written);
  * only honoured with a 32-byte aligned `dst`. 1: fenced before returning, so stores issued after
  * the call (a tier slot's page header, its generation word last) become visible after these;
  * 2: not fenced, the caller fences once after many calls. */
-typedef void (*sum_blocks_fn)(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s, int stream);
+typedef void (*sum_blocks_fn)(const unsigned char *p, unsigned char *dst, size_t nchunks, sum_state *s, int stream);
 
-static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_t nblocks, sum_state *s,
+static void sum_blocks_generic(const unsigned char *p, unsigned char *dst, size_t nchunks, sum_state *s,
                                int stream)
 {
     (void)stream;
-    uint64_t a[LANES], b[LANES];
-    memcpy(a, s->a, sizeof a);
-    memcpy(b, s->b, sizeof b);
-    for (size_t j = 0; j < nblocks; j++) {
+    const uint32_t *K = s->keys->k;
+    size_t pos = s->pos;
+    uint64_t h1[4], h2[4];
+    memcpy(h1, s->h1, sizeof h1);
+    memcpy(h2, s->h2, sizeof h2);
+    for (size_t j = 0; j < nchunks; j++) {
         uint32_t w[LANES];
         memcpy(w, p + j * BLOCK, BLOCK);
         if (dst != NULL)
             memcpy(dst + j * BLOCK, w, BLOCK);
-        for (int l = 0; l < LANES; l++) {
-            a[l] += w[l];
-            b[l] += a[l];
+        const uint32_t *k = K + pos;
+        for (int i = 0; i < LANES; i += 2) {
+            h1[(i >> 1) & 3] += (uint64_t)(uint32_t)(w[i] + k[i]) * (uint32_t)(w[i + 1] + k[i + 1]);
+            h2[(i >> 1) & 3] += (uint64_t)(uint32_t)(w[i] + k[i + 2]) * (uint32_t)(w[i + 1] + k[i + 3]);
+        }
+        pos += LANES;
+        if (pos == NH_WORDS) {
+            fold_block(s, h1[0] + h1[1] + h1[2] + h1[3], h2[0] + h2[1] + h2[2] + h2[3]);
+            memset(h1, 0, sizeof h1);
+            memset(h2, 0, sizeof h2);
+            pos = 0;
         }
     }
-    memcpy(s->a, a, sizeof a);
-    memcpy(s->b, b, sizeof b);
+    memcpy(s->h1, h1, sizeof h1);
+    memcpy(s->h2, h2, sizeof h2);
+    s->pos = pos;
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_AVX2_PATH 1
 
+__attribute__((target("avx2"))) static inline uint64_t hsum4(__m256i v)
+{
+    __m128i x = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return (uint64_t)_mm_cvtsi128_si64(x) + (uint64_t)_mm_extract_epi64(x, 1);
+}
+
+/* Per 8 words: add the key words (vpaddd, aligned for h1 and shifted by 2 for h2), multiply each
+ * 64-bit lane's low word by its high one (vpsrlq 32, vpmuludq) and accumulate (vpaddq). */
+#define NH8(x, kp, h1, h2)                                                                             \
+    do {                                                                                              \
+        __m256i s_ = _mm256_add_epi32((x), _mm256_loadu_si256((const __m256i *)(kp)));                \
+        __m256i t_ = _mm256_add_epi32((x), _mm256_loadu_si256((const __m256i *)((kp) + 2)));          \
+        h1 = _mm256_add_epi64(h1, _mm256_mul_epu32(s_, _mm256_srli_epi64(s_, 32)));                   \
+        h2 = _mm256_add_epi64(h2, _mm256_mul_epu32(t_, _mm256_srli_epi64(t_, 32)));                   \
+    } while (0)
+
 __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char *p, unsigned char *dst,
-                                                            size_t nblocks, sum_state *s, int stream)
+                                                            size_t nchunks, sum_state *s, int stream)
 {
     int fence = stream == 1;
     stream = stream && dst != NULL && ((uintptr_t)dst & 31) == 0;
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)(s->a + 0)), a1 = _mm256_loadu_si256((const __m256i *)(s->a + 4));
-    __m256i a2 = _mm256_loadu_si256((const __m256i *)(s->a + 8)), a3 = _mm256_loadu_si256((const __m256i *)(s->a + 12));
-    __m256i b0 = _mm256_loadu_si256((const __m256i *)(s->b + 0)), b1 = _mm256_loadu_si256((const __m256i *)(s->b + 4));
-    __m256i b2 = _mm256_loadu_si256((const __m256i *)(s->b + 8)), b3 = _mm256_loadu_si256((const __m256i *)(s->b + 12));
-    for (size_t j = 0; j < nblocks; j++) {
-        const unsigned char *q = p + j * BLOCK;
-        if (dst != NULL) {
-            __m256i y0 = _mm256_loadu_si256((const __m256i *)q), y1 = _mm256_loadu_si256((const __m256i *)(q + 32));
-            if (stream) {
-                _mm256_stream_si256((__m256i *)(dst + j * BLOCK), y0);
-                _mm256_stream_si256((__m256i *)(dst + j * BLOCK + 32), y1);
-            } else {
-                _mm256_storeu_si256((__m256i *)(dst + j * BLOCK), y0);
-                _mm256_storeu_si256((__m256i *)(dst + j * BLOCK + 32), y1);
+    const uint32_t *K = s->keys->k;
+    size_t pos = s->pos;
+    __m256i h1 = _mm256_loadu_si256((const __m256i *)s->h1), h2 = _mm256_loadu_si256((const __m256i *)s->h2);
+    while (nchunks > 0) {
+        size_t run = (NH_WORDS - pos) / LANES;
+        if (run > nchunks)
+            run = nchunks;
+        const uint32_t *k = K + pos;
+        for (size_t j = 0; j < run; j++, p += BLOCK, k += LANES) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)p), x1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+            if (dst != NULL) {
+                if (stream) {
+                    _mm256_stream_si256((__m256i *)dst, x0);
+                    _mm256_stream_si256((__m256i *)(dst + 32), x1);
+                } else {
+                    _mm256_storeu_si256((__m256i *)dst, x0);
+                    _mm256_storeu_si256((__m256i *)(dst + 32), x1);
+                }
+                dst += BLOCK;
             }
+            NH8(x0, k, h1, h2);
+            NH8(x1, k + 8, h1, h2);
         }
-        a0 = _mm256_add_epi64(a0, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 0))));
-        a1 = _mm256_add_epi64(a1, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 16))));
-        a2 = _mm256_add_epi64(a2, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 32))));
-        a3 = _mm256_add_epi64(a3, _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(q + 48))));
-        b0 = _mm256_add_epi64(b0, a0);
-        b1 = _mm256_add_epi64(b1, a1);
-        b2 = _mm256_add_epi64(b2, a2);
-        b3 = _mm256_add_epi64(b3, a3);
+        nchunks -= run;
+        pos += run * LANES;
+        if (pos == NH_WORDS) {
+            fold_block(s, hsum4(h1), hsum4(h2));
+            h1 = h2 = _mm256_setzero_si256();
+            pos = 0;
+        }
     }
-    _mm256_storeu_si256((__m256i *)(s->a + 0), a0);
-    _mm256_storeu_si256((__m256i *)(s->a + 4), a1);
-    _mm256_storeu_si256((__m256i *)(s->a + 8), a2);
-    _mm256_storeu_si256((__m256i *)(s->a + 12), a3);
-    _mm256_storeu_si256((__m256i *)(s->b + 0), b0);
-    _mm256_storeu_si256((__m256i *)(s->b + 4), b1);
-    _mm256_storeu_si256((__m256i *)(s->b + 8), b2);
-    _mm256_storeu_si256((__m256i *)(s->b + 12), b3);
+    _mm256_storeu_si256((__m256i *)s->h1, h1);
+    _mm256_storeu_si256((__m256i *)s->h2, h2);
+    s->pos = pos;
     if (stream && fence)
         _mm_sfence();
 }
@@ -110,44 +244,45 @@ __attribute__((target("avx2"))) static void sum_blocks_avx2(const unsigned char 
 
 static sum_blocks_fn sum_blocks = sum_blocks_generic;
 
-/* The checksum, given the lane sums of the first `nblocks` whole blocks and the `len` bytes
- * (tail included) at `p`. Lane l of block j is word i = LANES*j + l, summed (m - j) times into
- * b[l] (m blocks), and n - i = LANES*(m - j) + (n - LANES*m - l). */
-static uint64_t finish(const sum_state *s, const unsigned char *p, size_t len)
+/* The checksum, given the state after the segment's whole chunks and the `len` bytes after them
+ * (< 64, the tail): the tail zero-padded to a chunk, the zero words to the end of the NH block
+ * (their terms precomputed per key), then the polynomial reduced mod p. */
+static uint64_t finish(sum_state *s, const unsigned char *tail, size_t len)
 {
-    size_t m = len / BLOCK, n = (len + 3) / 4;
-    uint64_t A = 0, B = 0;
-    for (int l = 0; l < LANES; l++) {
-        A += s->a[l];
-        B += (uint64_t)LANES * s->b[l] + ((uint64_t)(n - LANES * m) - (uint64_t)l) * s->a[l];
+    if (len > 0) {
+        unsigned char chunk[BLOCK] = {0};
+        memcpy(chunk, tail, len);        /* little-endian hosts only (x86, the tiers' requirement) */
+        sum_blocks_generic(chunk, NULL, 1, s, 0);
     }
-    size_t i = LANES * m;
-    for (size_t off = m * BLOCK; off < len; off += 4, i++) {
-        uint32_t w = 0;
-        size_t k = len - off < 4 ? len - off : 4;
-        memcpy(&w, p + off, k);        /* little-endian hosts only (x86, the tiers' requirement) */
-        A += w;
-        B += (uint64_t)(n - i) * w;
+    if (s->pos > 0 || s->blocks == 0) {  /* a partial block, or no block at all: pad with zero words */
+        size_t q = s->pos / LANES;
+        fold_block(s, s->h1[0] + s->h1[1] + s->h1[2] + s->h1[3] + s->keys->z1[q],
+                   s->h2[0] + s->h2[1] + s->h2[2] + s->h2[3] + s->keys->z2[q]);
+        memset(s->h1, 0, sizeof s->h1);
+        memset(s->h2, 0, sizeof s->h2);
+        s->pos = 0;
     }
-    return A + MIX * B;
+    return canonical(s->acc);
 }
 
-static uint64_t sum_one(const unsigned char *p, size_t len)
+static uint64_t sum_one(const unsigned char *p, size_t len, const nh_keys *keys)
 {
     sum_state s;
-    memset(&s, 0, sizeof s);
+    state_init(&s, keys);
+    size_t whole = len / BLOCK * BLOCK;
     sum_blocks(p, NULL, len / BLOCK, &s, 0);
-    return finish(&s, p, len);
+    return finish(&s, p + whole, len - whole);
 }
 
-static uint64_t copy_sum_one(unsigned char *dst, const unsigned char *src, size_t len, int stream)
+static uint64_t copy_sum_one(unsigned char *dst, const unsigned char *src, size_t len, int stream,
+                             const nh_keys *keys)
 {
     sum_state s;
-    memset(&s, 0, sizeof s);
+    state_init(&s, keys);
     size_t whole = len / BLOCK * BLOCK;
     sum_blocks(src, dst, len / BLOCK, &s, stream);
     memcpy(dst + whole, src + whole, len - whole);
-    return finish(&s, dst, len);
+    return finish(&s, dst + whole, len - whole);
 }
 
 static PyObject *as_tuple(const uint64_t *sums, Py_ssize_t count)
@@ -166,6 +301,23 @@ static PyObject *as_tuple(const uint64_t *sums, Py_ssize_t count)
     return out;
 }
 
+/* "O&" converter of a checksum seed: a Python int in [0, 2^64). */
+static int seed_arg(PyObject *obj, void *out)
+{
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "a checksum seed must be an int, not %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "a checksum seed must be a 64-bit unsigned integer");
+        return 0;
+    }
+    *(uint64_t *)out = (uint64_t)v;
+    return 1;
+}
+
 static int segment_count(Py_ssize_t total, Py_ssize_t seg, Py_ssize_t *count)
 {
     if (seg <= 0 || total % seg != 0) {
@@ -176,13 +328,15 @@ static int segment_count(Py_ssize_t total, Py_ssize_t seg, Py_ssize_t *count)
     return 0;
 }
 
-PyDoc_STRVAR(checksums_doc, "checksums(buf, segment_bytes) -> tuple: the checksum of each segment of buf.");
+PyDoc_STRVAR(checksums_doc,
+             "checksums(buf, segment_bytes, seed) -> tuple: the checksum of each segment of buf under seed.");
 
 static PyObject *py_checksums(PyObject *self, PyObject *args)
 {
     Py_buffer src;
     Py_ssize_t seg, count;
-    if (!PyArg_ParseTuple(args, "y*n", &src, &seg))
+    uint64_t seed;
+    if (!PyArg_ParseTuple(args, "y*nO&", &src, &seg, seed_arg, &seed))
         return NULL;
     if (segment_count(src.len, seg, &count) < 0) {
         PyBuffer_Release(&src);
@@ -195,8 +349,9 @@ static PyObject *py_checksums(PyObject *self, PyObject *args)
     }
     const unsigned char *p = src.buf;
     Py_BEGIN_ALLOW_THREADS
+    const nh_keys *keys = keys_for(seed);
     for (Py_ssize_t i = 0; i < count; i++)
-        sums[i] = sum_one(p + i * seg, (size_t)seg);
+        sums[i] = sum_one(p + i * seg, (size_t)seg, keys);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyObject *out = as_tuple(sums, count);
@@ -205,14 +360,16 @@ static PyObject *py_checksums(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(copy_checksums_doc,
-             "copy_checksums(dst, src, segment_bytes, head=0) -> tuple: copy src into dst (same length) and return "
-             "the checksum of each segment of the copy after its first `head` bytes (copied, not summed).");
+             "copy_checksums(dst, src, segment_bytes, seed, head=0) -> tuple: copy src into dst (same length) and "
+             "return the checksum under seed of each segment of the copy after its first `head` bytes (copied, not "
+             "summed).");
 
 static PyObject *py_copy_checksums(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
     Py_ssize_t seg, count, head = 0;
-    if (!PyArg_ParseTuple(args, "w*y*n|n", &dst, &src, &seg, &head))
+    uint64_t seed;
+    if (!PyArg_ParseTuple(args, "w*y*nO&|n", &dst, &src, &seg, seed_arg, &seed, &head))
         return NULL;
     PyObject *out = NULL;
     uint64_t *sums = NULL;
@@ -233,16 +390,17 @@ static PyObject *py_copy_checksums(PyObject *self, PyObject *args)
     }
     unsigned char *d = (unsigned char *)dst.buf + head;
     const unsigned char *s = (const unsigned char *)src.buf + head;
+    const nh_keys *keys = keys_for(seed);
     if (src.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         memcpy(dst.buf, src.buf, (size_t)head);
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0);
+            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0, keys);
         Py_END_ALLOW_THREADS
     } else {
         memcpy(dst.buf, src.buf, (size_t)head);
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0);
+            sums[i] = copy_sum_one(d + i * seg, s + i * seg, (size_t)seg, 0, keys);
     }
     out = as_tuple(sums, count);
 done:
@@ -269,16 +427,17 @@ static int acquire_segments(PyObject *seq, Py_buffer *views, Py_ssize_t count, P
 }
 
 PyDoc_STRVAR(gather_checksums_doc,
-             "gather_checksums(dst, srcs, stream=False) -> tuple: copy each buffer of srcs (all of len(dst) // "
-             "len(srcs) bytes) into consecutive segments of dst and return the checksum of each copy. stream: "
-             "bypass the caches (for a destination nobody reads soon).");
+             "gather_checksums(dst, srcs, seed, stream=False) -> tuple: copy each buffer of srcs (all of len(dst) // "
+             "len(srcs) bytes) into consecutive segments of dst and return the checksum under seed of each copy. "
+             "stream: bypass the caches (for a destination nobody reads soon).");
 
 static PyObject *py_gather_checksums(PyObject *self, PyObject *args)
 {
     Py_buffer dst;
     PyObject *seq_in;
     int stream = 0;
-    if (!PyArg_ParseTuple(args, "w*O|p", &dst, &seq_in, &stream))
+    uint64_t seed;
+    if (!PyArg_ParseTuple(args, "w*OO&|p", &dst, &seq_in, seed_arg, &seed, &stream))
         return NULL;
     PyObject *seq = PySequence_Fast(seq_in, "srcs must be a sequence of buffers");
     if (seq == NULL) {
@@ -301,14 +460,15 @@ static PyObject *py_gather_checksums(PyObject *self, PyObject *args)
     if (acquire_segments(seq, views, count, seg, &got) < 0)
         goto done;
     unsigned char *d = dst.buf;
+    const nh_keys *keys = keys_for(seed);
     if (dst.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream);
+            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream, keys);
         Py_END_ALLOW_THREADS
     } else {
         for (Py_ssize_t i = 0; i < count; i++)
-            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream);
+            sums[i] = copy_sum_one(d + i * seg, views[i].buf, (size_t)seg, stream, keys);
     }
     out = as_tuple(sums, count);
 done:
@@ -321,20 +481,21 @@ done:
     return out;
 }
 
-/* ---- whole pages: one call per store or load (page format v2) -------------------------------
+/* ---- whole pages: one call per store or load (page format v3) -------------------------------
  *
  * At 64 KiB pages the Python around a fused copy (building and parsing the header, slicing views,
  * comparing tuples) costs as much as the copy itself, so a tier's store and load of a whole page
  * are one call each. Header layout: see pof_connector/pages.py. The header checksum (xxh3-64 of
- * bytes [0, 80) + [88, header_bytes)) is computed by the xxhash package the Python side already
- * uses, called from here, so both sides agree by construction. */
+ * bytes [0, 80) + [88, header_bytes), the checksum seed included) is computed by the xxhash
+ * package the Python side already uses, called from here, so both sides agree by construction. */
 
 #define HDR_NS_AT 8
 #define HDR_DIGEST_AT 24
 #define HDR_GEN_AT 56
 #define HDR_GEOMETRY_AT 64       /* num_layers, segment_bytes, page_tokens, reserved: 16 bytes */
 #define HDR_CHECKSUM_AT 80
-#define HDR_SUMS_AT 88
+#define HDR_SEED_AT 88
+#define HDR_SUMS_AT 96
 
 static PyObject *xxh3_intdigest;        /* xxhash.xxh3_64_intdigest, imported on first use */
 
@@ -368,7 +529,7 @@ static int header_checksum(const unsigned char *h, Py_ssize_t hb, uint64_t *out)
     if (joined == NULL)
         return -1;
     memcpy(PyBytes_AS_STRING(joined), h, HDR_CHECKSUM_AT);
-    memcpy(PyBytes_AS_STRING(joined) + HDR_CHECKSUM_AT, h + HDR_SUMS_AT, (size_t)(hb - HDR_SUMS_AT));
+    memcpy(PyBytes_AS_STRING(joined) + HDR_CHECKSUM_AT, h + HDR_SEED_AT, (size_t)(hb - HDR_SEED_AT));
     PyObject *r = PyObject_CallOneArg(xxh3_intdigest, joined);
     Py_DECREF(joined);
     if (r == NULL)
@@ -378,7 +539,7 @@ static int header_checksum(const unsigned char *h, Py_ssize_t hb, uint64_t *out)
     return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* Geometry of a header template (a v2 header of the tier's spec): -1 with ValueError when the
+/* Geometry of a header template (a v3 header of the tier's spec): -1 with ValueError when the
  * template is not one, or the page does not fit `room` bytes from `offset`. */
 static int template_geometry(const Py_buffer *tpl, Py_ssize_t *layers, Py_ssize_t *seg)
 {
@@ -415,20 +576,22 @@ static inline void compiler_barrier(void)
 }
 
 PyDoc_STRVAR(store_page_doc,
-             "store_page(region, offset, template, namespace, digest, generation, srcs, stream) -> None: write a "
-             "v2 page into region[offset:]: copy each of srcs (one segment per layer) summing it, then the header "
-             "(template's fixed fields, the key, the segment checksums, the header checksum) with its generation "
-             "field zero, then the generation word last. stream: bypass the caches for the segments.");
+             "store_page(region, offset, template, namespace, digest, generation, seed, srcs, stream) -> None: "
+             "write a v3 page into region[offset:]: copy each of srcs (one segment per layer) summing it under seed, "
+             "then the header (template's fixed fields, the key, the seed, the segment checksums, the header "
+             "checksum) with its generation field zero, then the generation word last. stream: bypass the caches "
+             "for the segments.");
 
 static PyObject *py_store_page(PyObject *self, PyObject *args)
 {
     Py_buffer region, tpl, ns, digest;
     Py_ssize_t offset;
     unsigned long long generation;
+    uint64_t seed;
     PyObject *seq_in;
     int stream = 0;
-    if (!PyArg_ParseTuple(args, "w*ny*y*y*KO|p", &region, &offset, &tpl, &ns, &digest, &generation, &seq_in,
-                          &stream))
+    if (!PyArg_ParseTuple(args, "w*ny*y*y*KO&O|p", &region, &offset, &tpl, &ns, &digest, &generation, seed_arg,
+                          &seed, &seq_in, &stream))
         return NULL;
     PyObject *out = NULL, *seq = NULL;
     Py_buffer *views = NULL;
@@ -458,16 +621,18 @@ static PyObject *py_store_page(PyObject *self, PyObject *args)
         goto done;
     unsigned char *slot = (unsigned char *)region.buf + offset;
     uint64_t *sums = (uint64_t *)(hdr + HDR_SUMS_AT);     /* hdr is malloc-aligned, HDR_SUMS_AT % 8 == 0 */
+    const nh_keys *keys = keys_for(seed);
     if (layers * seg >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < layers; i++)
-            sums[i] = copy_sum_one(slot + hb + i * seg, views[i].buf, (size_t)seg, stream);
+            sums[i] = copy_sum_one(slot + hb + i * seg, views[i].buf, (size_t)seg, stream, keys);
         Py_END_ALLOW_THREADS
     } else {
         for (Py_ssize_t i = 0; i < layers; i++)
-            sums[i] = copy_sum_one(slot + hb + i * seg, views[i].buf, (size_t)seg, stream);
+            sums[i] = copy_sum_one(slot + hb + i * seg, views[i].buf, (size_t)seg, stream, keys);
     }
-    memcpy(hdr, tpl.buf, HDR_SUMS_AT);
+    memcpy(hdr, tpl.buf, HDR_SEED_AT);
+    memcpy(hdr + HDR_SEED_AT, &seed, 8);
     memset(hdr + HDR_SUMS_AT + 8 * layers, 0, (size_t)(hb - HDR_SUMS_AT - 8 * layers));
     memcpy(hdr + HDR_NS_AT, ns.buf, 16);
     memcpy(hdr + HDR_DIGEST_AT, digest.buf, 32);
@@ -497,12 +662,12 @@ done:
 }
 
 PyDoc_STRVAR(load_page_doc,
-             "load_page(dst, region, offset, template, namespace, digest, generation) -> tuple | None: copy the "
-             "page at region[offset:] into dst, summing its segments as they are copied, and return the segment "
-             "checksums when the copy is a v2 page of template's geometry holding this key at this generation, "
-             "with a valid header checksum and segment checksums, and the slot's live generation is still "
-             "`generation` after the copy. None: any check failed, or dst is too short (the caller finds out "
-             "which on its slow path).");
+             "load_page(dst, region, offset, template, namespace, digest, generation) -> (seed, sums) | None: copy "
+             "the page at region[offset:] into dst, summing its segments as they are copied under the checksum "
+             "seed of the copied header, and return that seed and the segment checksums when the copy is a v3 page "
+             "of template's geometry holding this key at this generation, with a valid header checksum and segment "
+             "checksums, and the slot's live generation is still `generation` after the copy. None: any check "
+             "failed, or dst is too short (the caller finds out which on its slow path).");
 
 static PyObject *py_load_page(PyObject *self, PyObject *args)
 {
@@ -532,25 +697,32 @@ static PyObject *py_load_page(PyObject *self, PyObject *args)
     }
     const unsigned char *slot = (const unsigned char *)region.buf + offset;
     unsigned char *d = dst.buf;
-    uint64_t live;
+    uint64_t live, seed;
+    /* The segments are summed under the seed of the header copied first: a header torn or stale
+     * by then fails its own checks below (header checksum, generation), so its seed is trusted
+     * only together with the rest of it. */
     if (page >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         memcpy(d, slot, (size_t)hb);
+        seed = le64(d + HDR_SEED_AT);
+        const nh_keys *keys = keys_for(seed);
         for (Py_ssize_t i = 0; i < layers; i++)
-            sums[i] = copy_sum_one(d + hb + i * seg, slot + hb + i * seg, (size_t)seg, 0);
+            sums[i] = copy_sum_one(d + hb + i * seg, slot + hb + i * seg, (size_t)seg, 0, keys);
         compiler_barrier();
         live = *(const volatile uint64_t *)(slot + HDR_GEN_AT);     /* after the copy: x86 keeps loads in order */
         Py_END_ALLOW_THREADS
     } else {
         memcpy(d, slot, (size_t)hb);
+        seed = le64(d + HDR_SEED_AT);
+        const nh_keys *keys = keys_for(seed);
         for (Py_ssize_t i = 0; i < layers; i++)
-            sums[i] = copy_sum_one(d + hb + i * seg, slot + hb + i * seg, (size_t)seg, 0);
+            sums[i] = copy_sum_one(d + hb + i * seg, slot + hb + i * seg, (size_t)seg, 0, keys);
         compiler_barrier();
         live = *(const volatile uint64_t *)(slot + HDR_GEN_AT);
     }
     const unsigned char *t = tpl.buf;
     int ok = live == generation && le64(d + HDR_GEN_AT) == generation
-             && memcmp(d, t, HDR_NS_AT) == 0                                   /* magic, version 2, kind */
+             && memcmp(d, t, HDR_NS_AT) == 0                                   /* magic, version 3, kind */
              && memcmp(d + HDR_NS_AT, ns.buf, 16) == 0 && memcmp(d + HDR_DIGEST_AT, digest.buf, 32) == 0
              && memcmp(d + HDR_GEOMETRY_AT, t + HDR_GEOMETRY_AT, 16) == 0;     /* layers, segment, tokens, 0 */
     for (Py_ssize_t i = 0; ok && i < layers; i++)
@@ -561,7 +733,13 @@ static PyObject *py_load_page(PyObject *self, PyObject *args)
             goto done;
         ok = hsum == le64(d + HDR_CHECKSUM_AT);
     }
-    out = ok ? as_tuple(sums, layers) : Py_NewRef(Py_None);
+    if (ok) {
+        PyObject *tuple = as_tuple(sums, layers);
+        if (tuple != NULL)
+            out = Py_BuildValue("(KN)", (unsigned long long)seed, tuple);
+    } else {
+        out = Py_NewRef(Py_None);
+    }
 done:
     PyMem_Free(sums);
     PyBuffer_Release(&dst);
@@ -743,10 +921,11 @@ static void k_block(unsigned char *dst, const unsigned char *k, size_t N, size_t
     }
 }
 
-/* V rows in the canonical order (token, then head), so the sums run over the source in order while
- * each row is copied into its head's V: one pass over V's bytes, where K needs two (its sum
- * streams it into cache, the transpose then gathers from there). Rows of whole 64-byte blocks,
- * streamed into a 32-byte aligned block (the caller fences once, after the last row). */
+/* V rows in the canonical order (token, then head), so the sums run over the source in canonical
+ * word order (each word meets its own NH key: the state streams from row to row) while each row
+ * is copied into its head's V: one pass over V's bytes, where K needs two (its sum streams it
+ * into cache, the transpose then gathers from there). Rows of whole 64-byte chunks, streamed into
+ * a 32-byte aligned block (the caller fences once, after the last row). */
 static void v_block_sum(unsigned char *dst, const unsigned char *v, size_t N, size_t H, size_t D, size_t isz,
                         sum_state *st)
 {
@@ -851,15 +1030,15 @@ static void k_block_vnni(unsigned char *dst, const unsigned char *k, size_t N, s
 }
 
 /* One page of kt_copy_pages, without the GIL: src (K then V of every block) into dst[b - skip]
- * for b >= skip; returns src's checksum. The caller fences the streamed stores. */
+ * for b >= skip; returns src's checksum under `keys`. The caller fences the streamed stores. */
 static uint64_t kt_copy_page(const unsigned char *src, size_t len, unsigned char *const *dst, size_t skip, size_t N,
-                             size_t H, size_t D, size_t isz, int vnni)
+                             size_t H, size_t D, size_t isz, int vnni, const nh_keys *keys)
 {
     size_t half = N * H * D * isz;
     size_t blocks = len / (2 * half);
     const unsigned char *k = src, *v = src + blocks * half;
     sum_state st;
-    memset(&st, 0, sizeof st);
+    state_init(&st, keys);
     /* Sum a block's bytes first: the sequential pass streams them into cache at full speed, and
      * the transposing copy then gathers from cache instead of striding through DRAM. (Both read the
      * same tier bytes; the caller's generation check afterwards proves nobody rewrote them.) */
@@ -886,17 +1065,17 @@ static uint64_t kt_copy_page(const unsigned char *src, size_t len, unsigned char
         else
             v_block(dst[b - skip], v + b * half, N, H, D, isz);
     }
-    return finish(&st, src, len);
+    return finish(&st, src + len, 0);          /* len is whole 64-byte chunks: no tail */
 }
 
 PyDoc_STRVAR(kt_copy_pages_doc,
              "kt_copy_pages(cache, pages, block_tokens, heads, head_dim, itemsize, vnni=0, threads=1) -> list[int]: "
              "write each canonical segment src (K then V, each [blocks * block_tokens, heads, head_dim]) of pages, "
-             "a sequence of (src, block_ids, skip) tuples, into the vLLM CPU cache's blocks: src's block b >= skip "
-             "into cache block block_ids[b - skip] (cache: the writable cache as bytes, whole blocks of [heads, 2, "
-             "block_tokens * head_dim]: K^T then V per head; with vnni, the amx ISA's bf16 tiles, which need "
-             "itemsize 2 and block_tokens and head_dim multiples of 16), and return the checksum of each whole src, "
-             "summed as it is copied. "
+             "a sequence of (src, block_ids, skip, seed) tuples, into the vLLM CPU cache's blocks: src's block b >= "
+             "skip into cache block block_ids[b - skip] (cache: the writable cache as bytes, whole blocks of [heads, "
+             "2, block_tokens * head_dim]: K^T then V per head; with vnni, the amx ISA's bf16 tiles, which need "
+             "itemsize 2 and block_tokens and head_dim multiples of 16), and return the checksum under seed of each "
+             "whole src, summed as it is copied. "
              "threads > 1: up to threads - 1 helper threads copy pages alongside the caller; a helper that is not "
              "running when the call starts is not waited for (see crew_run).");
 
@@ -904,18 +1083,19 @@ typedef struct {
     Py_buffer src;
     unsigned char **dst;
     size_t skip;
+    uint64_t seed;
 } page_job;
 
-/* Parses one (src, block_ids, skip) tuple into job; on failure, sets the error and holds nothing. */
+/* Parses one (src, block_ids, skip, seed) tuple into job; on failure, sets the error and holds nothing. */
 static int parse_page(PyObject *item, page_job *job, unsigned char *cache, size_t nblocks, size_t half)
 {
     PyObject *ids_in;
     Py_ssize_t skip;
     if (!PyTuple_Check(item)) {
-        PyErr_SetString(PyExc_TypeError, "kt_copy_pages: each page must be a (src, block_ids, skip) tuple");
+        PyErr_SetString(PyExc_TypeError, "kt_copy_pages: each page must be a (src, block_ids, skip, seed) tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(item, "y*On", &job->src, &ids_in, &skip))
+    if (!PyArg_ParseTuple(item, "y*OnO&", &job->src, &ids_in, &skip, seed_arg, &job->seed))
         return -1;
     PyObject *ids = PySequence_Fast(ids_in, "block_ids must be a sequence of ints");
     if (ids == NULL)
@@ -1002,8 +1182,9 @@ static long crew_stall_us;           /* fault injection (POF_CREW_STALL_US): a h
 static uint64_t copy_item(const copy_task *t, Py_ssize_t i)
 {
     const page_job *job = &t->jobs[i];
+    /* keys per thread: a helper derives the page's keys itself (cached while the seed repeats) */
     uint64_t sum = kt_copy_page(job->src.buf, (size_t)job->src.len, job->dst, job->skip, t->N, t->H, t->D, t->isz,
-                                t->vnni);
+                                t->vnni, keys_for(job->seed));
 #ifdef HAVE_AVX2_PATH
     _mm_sfence();      /* the streamed lines are visible before the page counts as done */
 #endif
@@ -1301,7 +1482,7 @@ static PyObject *py_kt_copy_pages(PyObject *self, PyObject *args)
                      t->cache.len, N, H, D, isz, BLOCK);
         goto done;
     }
-    seq = PySequence_Fast(pages_in, "pages must be a sequence of (src, block_ids, skip) tuples");
+    seq = PySequence_Fast(pages_in, "pages must be a sequence of (src, block_ids, skip, seed) tuples");
     if (seq == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(seq);
@@ -1354,14 +1535,16 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pagesum", "Fused copy + checksum of page segments (format v2).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_pagesum", "Fused copy + checksum of page segments (format v3).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__pagesum(void)
 {
 #ifdef HAVE_AVX2_PATH
+    /* POF_PAGESUM_KERNEL=generic: the portable loop even where AVX2 is there (its tests) */
+    const char *want = getenv("POF_PAGESUM_KERNEL");
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2"))
+    if (__builtin_cpu_supports("avx2") && (want == NULL || strcmp(want, "generic") != 0))
         sum_blocks = sum_blocks_avx2;
 #endif
     pthread_atfork(NULL, NULL, crew_after_fork);

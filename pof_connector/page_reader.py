@@ -203,6 +203,14 @@ class PageReader:
             except PageError as e:
                 self._fail(page, e, (ref, pinned))
 
+    def sum_seed(self, page: int) -> int:
+        """The checksum seed of page ``page``'s checked header: what a copy of its segments sums
+        under (for :meth:`check`). Only for a page :meth:`segment` gave a segment of."""
+        entry = self._pages[page]
+        if entry is None:
+            raise ValueError(f"page {page} has no checked header (it failed, or no segment of it was read yet)")
+        return entry[2].sum_seed
+
     def check(self, page: int, layer: int, landed: int) -> bool:
         """After copying :meth:`segment` to where the engine reads it: were those bytes the page's?
         ``landed``: the checksum of the bytes where they landed (:func:`landed_sum`, or the one a
@@ -217,13 +225,13 @@ class PageReader:
         seg = self.segment(page, layer)
         if seg is None:
             return False
-        (landed,) = page_sum.copy_checksums(as_array(dst), seg, len(seg))
+        (landed,) = page_sum.copy_checksums(as_array(dst), seg, len(seg), self.sum_seed(page))
         return self.check(page, layer, landed)
 
     def landed_sum(self, page: int, landed: np.ndarray) -> int:
         """The checksum of a segment of page ``page`` as it landed (host bytes, canonical order),
         for :meth:`check`."""
-        return page_sum.checksum(landed)
+        return page_sum.checksum(landed, self.sum_seed(page))
 
     def _resolve_remote(self, page: int, layer: int) -> bool:
         """Wait for ``layer`` of remote page ``page``; False when the page failed (by now)."""

@@ -1,44 +1,80 @@
-"""The per-layer segment checksum of page format v2, fused with the copy that moves the bytes.
+"""The per-layer segment checksum of page format v3, fused with the copy that moves the bytes.
 
-Definition (the same on every implementation): zero-pad a segment of ``L`` bytes to
-``n = ceil(L / 4)`` little-endian 32-bit words ``w_0 .. w_{n-1}`` and take, modulo 2**64,
+Definition (the same on every implementation, bit for bit). Constants: ``B = 256`` 32-bit words
+per NH block (1 KiB) and the prime ``p = 2**61 - 1``.
 
-    A = sum(w_i),   B = sum((n - i) * w_i),   checksum = A + MIX * B.
+Keys, from a 64-bit ``seed`` with SplitMix64 (all arithmetic mod ``2**64``)::
 
-Why this and not xxh3 (format v1): a plain sum and a position-weighted sum are what a GPU computes
-at HBM speed with two torch reductions over the bytes where a DMA put them
-(:func:`torch_checksums`), so a GPU engine verifies a page in device memory instead of bringing it
-back to the host; and on the CPU the sums fit in the copy loop itself (the native kernel
-``pof_connector._pagesum``), so checking costs no second pass over memory.
+    state = seed
+    next64(): state += 0x9E3779B97F4A7C15; z = state
+              z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+              z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+              return z ^ (z >> 31)
+    K[i] = next64() & 0xFFFFFFFF for i = 0 .. B + 1     (258 NH key words, drawn first, in order)
+    r: draw v = next64() & p until 2 <= v < p; r = v
 
-What it catches, for segments up to ``MAX_SEGMENT_BYTES`` (``n < 2**28``): every error inside one
-32-bit word — any flipped bit, any burst of up to 32 bits (``A`` moves by ``d != 0``, the checksum
-by ``d * (1 + MIX * (n - i))``, an odd factor times ``0 < |d| < 2**32``); every swap of two
-different words (``B`` moves by ``(j - i) * (w_j - w_i)``, below ``2**60``, times ``MIX``, which
-is twice an odd number); a segment zeroed, shifted or taken from another page unless the two sums
-collide by chance (about 2**-64 for unrelated data). It is not a MAC: like xxh3 it guards against
-faults and stale slots, not against a forger (the generation protocol and the index guard the
-rest).
+Checksum of a segment of ``L >= 1`` bytes:
+
+1. ``n = ceil(L / 4)`` little-endian 32-bit words (zero-padded), zero-padded again to ``m * B``
+   words, ``m = ceil(n / B)``.
+2. For each NH block ``j`` (words ``x_0 .. x_{B-1}``), mod ``2**64``::
+
+       h1_j = sum_{i < B/2} ((x_{2i} + K[2i]) mod 2**32) * ((x_{2i+1} + K[2i+1]) mod 2**32)
+       h2_j = sum_{i < B/2} ((x_{2i} + K[2i+2]) mod 2**32) * ((x_{2i+1} + K[2i+3]) mod 2**32)
+
+3. Elements, block by block: ``lo32(h1_j), hi32(h1_j), lo32(h2_j), hi32(h2_j)``: ``E = 4m`` of them.
+4. ``checksum = sum_t e_t * r**(E - t) mod p`` (Horner: ``acc = (acc + e) * r mod p`` per
+   element), always below ``2**61``.
+
+The bound. For two different segments of the same length, and keys drawn uniformly at random
+independently of the data: ``Pr[equal checksums] <= 2**-64 + E / (2**61 - 1)``. NH with a 2-fold
+Toeplitz key is ``2**-64``-almost-universal on equal-length inputs (Black, Halevi, Krawczyk,
+Krovetz, Rogaway, "UMAC: Fast and Secure Message Authentication", CRYPTO 1999), so the two
+segments' sequences of NH outputs are equal with probability at most ``2**-64`` (a block where
+the segments differ collides at most that often); where the sequences differ, the two
+checksums are equal only at a root of a nonzero polynomial of degree at most ``E`` in ``r`` (its
+coefficients, element differences, are below ``2**32 < p`` in size; it has no constant term), so
+at most ``E - 1`` of the ``2**61 - 3`` values ``r`` is drawn from, and
+``(E - 1) / (2**61 - 3) <= E / (2**61 - 1)``. A 256 KiB segment has ``E = 1024``: ``<= 2**-51``
+per segment. The bound holds for every pair of different segments, structured
+errors included (bursts, words swapped or shifted, sparse multi-word faults whose plain and
+position-weighted sums cancel, which format v2's sums missed deterministically).
+
+Honest limits: the keys come from a 64-bit random seed (:func:`new_seed`, one per tier, stamped
+in each page header) through SplitMix64, a pseudo-random generator, not from ``258 * 32 + 61``
+truly random bits; and the checksum guards against faults, torn, stale and mixed pages, not
+against a forger who knows the seed (the seed is in the page header, in plain sight).
+
+Why this shape: NH is adds and 32x32->64-bit multiplies that fit in the CPU copy loop itself (the
+native kernel ``pof_connector._pagesum``: one pass over memory, AVX2 ``vpmuludq``), and the same
+definition vectorises on a GPU over the bytes where they landed (:func:`torch_checksums`, a
+Triton kernel there); the polynomial step is one multiply-add per 1 KiB block element, and it
+makes the result depend on each block's position.
 
 Implementations: the native kernel when the package was built with it (``pip install .`` compiles
 it; it is optional, so an install without a compiler still works), else numpy (same values,
-several times slower, two passes). :data:`NATIVE` says which one runs.
+several times slower, several passes). :data:`NATIVE` says which one runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-MIX = 0x9E3779B97F4A7C16
-"""Twice an odd number: keeps single-word errors and word swaps detectable after folding A and B."""
-_MASK = (1 << 64) - 1
-_MIX_SIGNED = MIX - (1 << 64)      # the same residue as an int64, for torch
+NH_WORDS = 256
+"""``B``: 32-bit words per NH block (1 KiB)."""
+NH_KEY_WORDS = NH_WORDS + 2
+PRIME = (1 << 61) - 1
+"""``p``: the outer polynomial's modulus."""
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
 
 log = logging.getLogger(__name__)
 
@@ -65,56 +101,165 @@ def kernel_line() -> tuple[int, str]:
         "`pip install .` (or `pip install -e .` in a checkout) builds it where a C compiler is installed")
 
 
-def _words(seg: np.ndarray) -> np.ndarray:
-    pad = -len(seg) % 4
-    if pad:
-        seg = np.concatenate([seg, np.zeros(pad, dtype=np.uint8)])
-    return np.ascontiguousarray(seg).view("<u4").astype(np.uint64)
+def new_seed() -> int:
+    """A fresh checksum seed: 64 random bits from the OS, never 0 (0 reads as "no seed" to a
+    person looking at a header dump)."""
+    while True:
+        seed = int.from_bytes(os.urandom(8), "little")
+        if seed:
+            return seed
 
 
-def _numpy_checksum(seg: np.ndarray) -> int:
-    w = _words(seg)
-    weights = np.arange(len(w), 0, -1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        a = int(w.sum(dtype=np.uint64))
-        b = int((w * weights).sum(dtype=np.uint64))
-    return (a + MIX * b) & _MASK
+class SumKeys(NamedTuple):
+    """The key material of one seed."""
+
+    nh: np.ndarray
+    """``K``: the 258 NH key words (uint64 holding 32-bit values; read-only)."""
+    r: int
+    """The polynomial's point, ``2 <= r < p``."""
 
 
-def checksums(buf: np.ndarray, segment_bytes: int) -> tuple[int, ...]:
-    """The checksum of each ``segment_bytes`` segment of a flat uint8 array (a whole number of them)."""
+def _check_seed(seed: int) -> int:
+    if not 0 <= seed <= _M64:
+        raise ValueError(f"checksum seed {seed} is not a 64-bit unsigned integer")
+    return seed
+
+
+@functools.lru_cache(maxsize=64)
+def keys(seed: int) -> SumKeys:
+    """The key material of ``seed`` (SplitMix64, see the module docstring), cached."""
+    state = _check_seed(seed)
+
+    def next64() -> int:
+        nonlocal state
+        state = (state + _GAMMA) & _M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        return z ^ (z >> 31)
+
+    nh = np.array([next64() & _M32 for _ in range(NH_KEY_WORDS)], dtype=np.uint64)
+    nh.flags.writeable = False
+    while True:
+        v = next64() & PRIME
+        if 2 <= v < PRIME:
+            return SumKeys(nh, v)
+
+
+def _fold(x: np.ndarray) -> np.ndarray:
+    """``x mod p`` up to one ``p``: ``x < 2**64`` becomes ``< 2**61 + 8``."""
+    return (x & np.uint64(PRIME)) + (x >> np.uint64(61))
+
+
+def _mulmod(a: np.ndarray, b: np.ndarray | np.uint64) -> np.ndarray:
+    """``a * b mod p`` elementwise for uint64 values below ``2**61`` (reduced to ``[0, p)``):
+    32-bit halves, so every partial product fits in 64 bits. With ``2**61 = 1 (mod p)``:
+    ``a1*b1*2**64 = 8*a1*b1`` and a middle term ``mid*2**32 = (mid >> 29) + (mid mod 2**29)*2**32``."""
+    m32, s32 = np.uint64(_M32), np.uint64(32)
+    a0, a1 = a & m32, a >> s32                        # a1, b1 < 2**29
+    b0, b1 = b & m32, b >> s32
+    mid = a0 * b1 + a1 * b0                            # < 2**62
+    s = (np.uint64(8) * (a1 * b1) + (mid >> np.uint64(29)) + ((mid & np.uint64((1 << 29) - 1)) << s32)
+         + _fold(a0 * b0))                             # < 2**61 + 2**33 + 2**61 + 2**61 + 8 < 2**63
+    s = _fold(s)
+    return np.where(s >= np.uint64(PRIME), s - np.uint64(PRIME), s)
+
+
+@functools.lru_cache(maxsize=32)
+def _powers(seed: int, count: int) -> np.ndarray:
+    """``r**1 .. r**count`` mod p of ``seed``'s point (uint64, read-only), by doubling: each step
+    multiplies the table so far by its last entry, a vectorised pass instead of a loop per power."""
+    r = np.uint64(keys(seed).r)
+    table = np.array([r], dtype=np.uint64)
+    while len(table) < count:
+        table = np.concatenate([table, _mulmod(table, table[-1])])
+    table = table[:count]
+    table.flags.writeable = False
+    return table
+
+
+def weights(seed: int, elements: int) -> np.ndarray:
+    """The polynomial's weights of ``elements`` elements: ``r**(E - t)`` for ``t = 0 .. E - 1``."""
+    return _powers(seed, elements)[::-1]
+
+
+def _nh(words: np.ndarray, nh: np.ndarray) -> np.ndarray:
+    """The elements of ``[..., m * B]`` uint64 words (32-bit values): ``[..., 4 * m]`` uint64."""
+    m32 = np.uint64(_M32)
+    blocks = words.reshape(*words.shape[:-1], -1, NH_WORDS)
+    even, odd = blocks[..., 0::2], blocks[..., 1::2]
+    with np.errstate(over="ignore"):       # mod 2**64 is the definition
+        h1 = (((even + nh[0:NH_WORDS:2]) & m32) * ((odd + nh[1:NH_WORDS:2]) & m32)).sum(axis=-1, dtype=np.uint64)
+        h2 = (((even + nh[2:NH_KEY_WORDS:2]) & m32) * ((odd + nh[3:NH_KEY_WORDS:2]) & m32)).sum(axis=-1,
+                                                                                              dtype=np.uint64)
+    s32 = np.uint64(32)
+    elements = np.stack([h1 & m32, h1 >> s32, h2 & m32, h2 >> s32], axis=-1)
+    return elements.reshape(*elements.shape[:-2], -1)
+
+
+def _numpy_checksums(buf: np.ndarray, segment_bytes: int, seed: int) -> tuple[int, ...]:
+    """The numpy fallback over every segment of ``buf`` at once (no loop per word)."""
+    count = len(buf) // segment_bytes
+    if count == 0:
+        return ()
+    k = keys(seed)
+    n = -(-segment_bytes // 4)
+    m = max(1, -(-n // NH_WORDS))
+    rows = np.zeros((count, 4 * m * NH_WORDS), dtype=np.uint8)   # zero-padded to whole NH blocks
+    rows[:, :segment_bytes] = buf[:count * segment_bytes].reshape(count, segment_bytes)
+    words = rows.view("<u4").astype(np.uint64)
+    e = _nh(words, k.nh)                                           # [count, E], each < 2**32
+    w = weights(seed, 4 * m)
+    m32, s32 = np.uint64(_M32), np.uint64(32)
+    lo = e * (w & m32)                                             # < 2**64
+    hi = e * (w >> s32)                                            # < 2**61, times 2**32 below
+    # each term e * w mod p (up to a few p), then summed in 32-bit halves so no sum overflows
+    term = _fold(lo) + ((hi & np.uint64((1 << 29) - 1)) << s32) + (hi >> np.uint64(29))    # < 2**62 + 2**33
+    lo_sum = (term & m32).sum(axis=-1, dtype=np.uint64)            # < E * 2**32
+    hi_sum = (term >> s32).sum(axis=-1, dtype=np.uint64)
+    return tuple(((int(h) << 32) + int(lo_)) % PRIME for h, lo_ in zip(hi_sum, lo_sum, strict=True))
+
+
+def _numpy_checksum(seg: np.ndarray, seed: int) -> int:
+    return _numpy_checksums(seg, len(seg), seed)[0]
+
+
+def checksums(buf: np.ndarray, segment_bytes: int, seed: int) -> tuple[int, ...]:
+    """The checksum of each ``segment_bytes`` segment of a flat uint8 array (a whole number of
+    them) under ``seed``."""
     if _native is not None:
-        result: tuple[int, ...] = _native.checksums(buf, segment_bytes)
+        result: tuple[int, ...] = _native.checksums(buf, segment_bytes, seed)
         return result
-    if len(buf) % segment_bytes:
+    if segment_bytes <= 0 or len(buf) % segment_bytes:
         raise ValueError(f"{len(buf)} bytes are not a whole number of {segment_bytes}-byte segments")
-    return tuple(_numpy_checksum(buf[i:i + segment_bytes]) for i in range(0, len(buf), segment_bytes))
+    return _numpy_checksums(np.asarray(buf, dtype=np.uint8).reshape(-1), segment_bytes, _check_seed(seed))
 
 
-def checksum(buf: np.ndarray) -> int:
-    """The checksum of one segment (a flat uint8 array)."""
-    return checksums(buf, len(buf))[0]
+def checksum(buf: np.ndarray, seed: int) -> int:
+    """The checksum of one segment (a flat uint8 array) under ``seed``."""
+    return checksums(buf, len(buf), seed)[0]
 
 
-def copy_checksums(dst: np.ndarray, src: np.ndarray, segment_bytes: int, head: int = 0) -> tuple[int, ...]:
-    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of each
-    segment of the copy after its first ``head`` bytes (a page header: copied, not summed). One
+def copy_checksums(dst: np.ndarray, src: np.ndarray, segment_bytes: int, seed: int, head: int = 0) -> tuple[int, ...]:
+    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum under
+    ``seed`` of each segment of the copy after its first ``head`` bytes (copied, not summed). One
     pass over the bytes with the native kernel."""
     if _native is not None:
-        result: tuple[int, ...] = _native.copy_checksums(dst, src, segment_bytes, head)
+        result: tuple[int, ...] = _native.copy_checksums(dst, src, segment_bytes, seed, head)
         return result
     if len(dst) != len(src):
         raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
     np.copyto(dst, src)
-    return checksums(dst[head:], segment_bytes)
+    return checksums(dst[head:], segment_bytes, seed)
 
 
-def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], stream: bool = False) -> tuple[int, ...]:
+def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], seed: int, stream: bool = False) -> tuple[int, ...]:
     """Copy each of ``srcs`` (flat uint8 arrays of ``len(dst) // len(srcs)`` bytes) into consecutive
-    segments of ``dst`` and return the checksum of each copy, in one call. ``stream``: the native
-    kernel may bypass the caches (for a tier slot, which nobody reads soon after it is written)."""
+    segments of ``dst`` and return the checksum of each copy under ``seed``, in one call.
+    ``stream``: the native kernel may bypass the caches (for a tier slot, which nobody reads soon
+    after it is written)."""
     if _native is not None:
-        result: tuple[int, ...] = _native.gather_checksums(dst, srcs, stream)
+        result: tuple[int, ...] = _native.gather_checksums(dst, srcs, seed, stream)
         return result
     seg = len(dst) // max(len(srcs), 1)
     if not srcs or seg * len(srcs) != len(dst):
@@ -123,52 +268,55 @@ def gather_checksums(dst: np.ndarray, srcs: Sequence[np.ndarray], stream: bool =
         if len(src) != seg:
             raise ValueError(f"segment {i} has {len(src)} bytes, expected {seg}")
         np.copyto(dst[i * seg:(i + 1) * seg], src)
-    return checksums(dst, seg)
+    return checksums(dst, seg, seed)
 
 
 def store_page(region: np.ndarray, offset: int, template: bytes, namespace: bytes, digest: bytes, generation: int,
-               srcs: Sequence[Any], stream: bool = False) -> bool:
-    """Write a whole format-v2 page into ``region[offset:]`` in one native call: each of ``srcs``
-    (one segment per layer) copied and summed, then the header (``template``'s fixed fields, the
-    key, ``generation``, the segment checksums and the header checksum) with its generation field
-    zero, the generation word last (the tier's write protocol). ``template``: a header of the
-    page's spec (:func:`pof_connector.pages.header_template`). ``False``: no native kernel here,
-    nothing was written (the caller takes its Python path). Raises ``TypeError``/``BufferError``
-    before writing anything when a segment has no buffer interface (a torch tensor)."""
+               seed: int, srcs: Sequence[Any], stream: bool = False) -> bool:
+    """Write a whole format-v3 page into ``region[offset:]`` in one native call: each of ``srcs``
+    (one segment per layer) copied and summed under ``seed``, then the header (``template``'s fixed
+    fields, the key, ``generation``, ``seed``, the segment checksums and the header checksum) with
+    its generation field zero, the generation word last (the tier's write protocol). ``template``:
+    a header of the page's spec (:func:`pof_connector.pages.header_template`). ``False``: no native
+    kernel here, nothing was written (the caller takes its Python path). Raises
+    ``TypeError``/``BufferError`` before writing anything when a segment has no buffer interface
+    (a torch tensor)."""
     # a build from before the whole-page calls (an editable install not rebuilt) takes the Python path
     if _native is None or not hasattr(_native, "store_page"):
         return False
-    _native.store_page(region, offset, template, namespace, digest, generation, srcs, stream)
+    _native.store_page(region, offset, template, namespace, digest, generation, seed, srcs, stream)
     return True
 
 
 def load_page(dst: np.ndarray, region: np.ndarray, offset: int, template: bytes, namespace: bytes, digest: bytes,
-              generation: int) -> tuple[int, ...] | None:
+              generation: int) -> tuple[int, tuple[int, ...]] | None:
     """Copy the page at ``region[offset:]`` into ``dst`` and check it in one native call, summing
-    its segments as they are copied: the segment checksums when it is a format-v2 page of
-    ``template``'s geometry holding this key at ``generation`` whose header and segment checksums
-    hold and whose slot still has that live generation after the copy. ``None`` when anything
-    differs, ``dst`` is too short or no native kernel is here: the caller then copies and checks on
-    its Python path, which names the reason (and reads format-v1 pages)."""
+    its segments as they are copied under the seed of the copied header: ``(seed, segment
+    checksums)`` when it is a format-v3 page of ``template``'s geometry holding this key at
+    ``generation`` whose header and segment checksums hold and whose slot still has that live
+    generation after the copy. ``None`` when anything differs, ``dst`` is too short or no native
+    kernel is here: the caller then copies and checks on its Python path, which names the reason."""
     if _native is None or not hasattr(_native, "load_page"):
         return None
-    result: tuple[int, ...] | None = _native.load_page(dst, region, offset, template, namespace, digest, generation)
+    result: tuple[int, tuple[int, ...]] | None = _native.load_page(dst, region, offset, template, namespace, digest,
+                                                                   generation)
     return result
 
 
-def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[int], int]], block_tokens: int,
+def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[int], int, int]], block_tokens: int,
                   heads: int, head_dim: int, itemsize: int, vnni: bool = False, threads: int = 1) -> list[int]:
     """Write canonical segments (K then V, each ``[blocks * block_tokens, heads, head_dim]``) into
     a vLLM CPU cache and return each segment's checksum, summed in the same pass. ``pages``: one
-    ``(segment, block_ids, skip)`` per page; its block ``b >= skip`` goes to cache block
+    ``(segment, block_ids, skip, seed)`` per page; its block ``b >= skip`` goes to cache block
     ``block_ids[b - skip]`` (each block ``[heads, 2, block_tokens * head_dim]``: K^T then V per
-    head; with ``vnni``, the ``amx`` ISA's bf16 tiles, see :mod:`pof_connector.adapters.vllm_layout`).
-    ``cache``: the whole cache as writable bytes. ``threads > 1``: up to ``threads - 1`` helper
-    threads of the kernel's own copy pages alongside the caller; a page goes to whoever is free
-    first, and a page a descheduled helper holds is copied again by the caller, so a core the OS
-    gives to another process delays the call by a page at most. Such a helper may write its page
-    (the same bytes) after the call returned: :func:`settle` before the segments may change.
-    Native kernel only (callers check :data:`NATIVE`)."""
+    head; with ``vnni``, the ``amx`` ISA's bf16 tiles, see :mod:`pof_connector.adapters.vllm_layout`),
+    and its checksum is taken under ``seed`` (its page header's). ``cache``: the whole cache as
+    writable bytes. ``threads > 1``: up to ``threads - 1`` helper threads of the kernel's own copy
+    pages alongside the caller; a page goes to whoever is free first, and a page a descheduled
+    helper holds is copied again by the caller, so a core the OS gives to another process delays
+    the call by a page at most. Such a helper may write its page (the same bytes) after the call
+    returned: :func:`settle` before the segments may change. Native kernel only (callers check
+    :data:`NATIVE`)."""
     if _native is None:
         raise RuntimeError("kt_copy_pages needs the native kernel (pof_connector._pagesum)")
     result: list[int] = _native.kt_copy_pages(cache, pages, block_tokens, heads, head_dim, itemsize, vnni, threads)
@@ -182,30 +330,137 @@ def settle() -> None:
         _native.settle()
 
 
-def torch_checksums(segments: Any) -> Any:
+# ---- torch ----------------------------------------------------------------------------------------
+
+_LOW31 = (1 << 31) - 1
+
+
+def device_tables(seed: int, elements: int, device: Any) -> tuple[Any, Any]:
+    """``seed``'s NH key words (int64 ``[258]``) and polynomial weights ``r**(E - t)`` (int64
+    ``[elements]``) as tensors on ``device``, cached (a page read looks them up, it does not
+    upload them)."""
+    return _device_tables(seed, elements, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_tables(seed: int, elements: int, device: str) -> tuple[Any, Any]:
+    import torch
+
+    k = keys(seed)
+    nh = torch.from_numpy(k.nh.astype(np.int64)).to(device)
+    w = torch.from_numpy(np.ascontiguousarray(weights(seed, elements)).astype(np.int64)).to(device)
+    return nh, w
+
+
+def seed_tables(seed: int | Sequence[int], lead: tuple[int, ...], elements: int,
+                device: Any) -> tuple[Any, Any, Any | None]:
+    """The key and weight tables of ``seed`` (one seed, or one per index of the first of the
+    ``lead`` dimensions): ``[S, 258]`` and ``[S, elements]`` int64 tensors on ``device``, and the
+    row of each segment of ``lead`` (int32 ``[prod(lead)]``; ``None``: row 0 for all)."""
+    import torch
+
+    if isinstance(seed, int):
+        nh, w = device_tables(_check_seed(seed), elements, device)
+        return nh.unsqueeze(0), w.unsqueeze(0), None
+    seeds = [_check_seed(int(s)) for s in seed]
+    if not lead or len(seeds) != lead[0]:
+        raise ValueError(f"{len(seeds)} seeds for segments of leading shape {lead}: one per index of the first")
+    distinct = list(dict.fromkeys(seeds))
+    if len(distinct) == 1:
+        return seed_tables(distinct[0], lead, elements, device)
+    tables = [device_tables(s, elements, device) for s in distinct]
+    row = torch.tensor([distinct.index(s) for s in seeds], dtype=torch.int32)
+    rest = 1
+    for d in lead[1:]:
+        rest *= d
+    rows = row.repeat_interleave(rest).to(device)
+    return torch.stack([t[0] for t in tables]), torch.stack([t[1] for t in tables]), rows
+
+
+def combine_halves(lo_sum: Any, hi_sum: Any) -> Any:
+    """``(hi_sum * 2**32 + lo_sum) mod p``, in ``[0, p)``, by int64 torch ops on tensors of
+    non-negative sums below ``2**62`` each (the halves of the per-element terms, summed by the
+    torch path or the Triton kernel)."""
+    p = PRIME
+    hi = (hi_sum & p) + (hi_sum >> 61)                                   # < 2**61 + 2
+    hi = ((hi & ((1 << 29) - 1)) << 32) + (hi >> 29)                     # * 2**32 mod p: < 2**61 + 2**33
+    lo = (lo_sum & p) + (lo_sum >> 61)
+    t = hi + lo                                                          # < 2**62 + 2**34
+    t = (t & p) + (t >> 61)                                              # < 2**61 + 2
+    return t - p * (t >= p).to(t.dtype)
+
+
+def _term_halves(e: Any, w: Any) -> tuple[Any, Any]:
+    """``e * w mod p`` (up to a few ``p``) for int64 ``e < 2**32`` and ``w < 2**61``, as its low 32
+    bits and the rest, so that sums of many of them stay far below ``2**63``. ``w`` splits at bit
+    31 (``e * (w mod 2**31) < 2**63``; ``e * (w >> 31) < 2**62``, times ``2**31`` by rotating the
+    61-bit residue)."""
+    p = PRIME
+    a = e * (w & _LOW31)
+    a = (a & p) + (a >> 61)                                              # < 2**61 + 4
+    b = e * (w >> 31)
+    b = ((b & ((1 << 30) - 1)) << 31) + (b >> 30)                        # < 2**61 + 2**32
+    t = a + b
+    return t & _M32, t >> 32
+
+
+_TORCH_CHUNK_BYTES = 32 << 20
+"""Segment bytes the torch ops sum per round: their int64 temporaries take about 8x the bytes
+summed, so a batch of whole pages is summed in rounds instead of all at once (GPU memory)."""
+
+
+def _torch_ops_checksums(segments: Any, seed: int | Sequence[int]) -> Any:
+    import torch
+
+    lead = tuple(segments.shape[:-1])
+    seg = segments.shape[-1]
+    n = -(-seg // 4)
+    m = max(1, -(-n // NH_WORDS))
+    elements = 4 * m
+    nh, w, rows = seed_tables(seed, lead, elements, segments.device)
+    flat = segments.reshape(-1, seg)                  # a copy only where the leading dims do not fold
+    out = torch.empty(flat.shape[0], dtype=torch.int64, device=segments.device)
+    step = max(1, _TORCH_CHUNK_BYTES // (m * NH_WORDS * 4))
+    for start in range(0, flat.shape[0], step):
+        part = flat[start:start + step]
+        pad = m * NH_WORDS * 4 - seg
+        if pad:
+            part = torch.nn.functional.pad(part, (0, pad))
+        if part.stride(-1) != 1 or part.stride(0) % 4 or part.storage_offset() % 4:
+            part = part.contiguous()
+        x = (part.view(torch.int32).to(torch.int64) & _M32).view(-1, m, NH_WORDS)
+        if rows is None:
+            kt, wt = nh[0], w[0]
+            k1, k2 = kt[:NH_WORDS], kt[2:]                                 # each word's key in h1, in h2
+        else:
+            which = rows[start:start + step].long()
+            kt, wt = nh[which], w[which]                                  # [rows, 258], [rows, E]
+            k1, k2 = kt[:, None, :NH_WORDS], kt[:, None, 2:]
+        hs = []
+        for k in (k1, k2):          # whole-width passes, then the pairs (cheaper than strided halves)
+            keyed = ((x + k) & _M32).view(-1, m, NH_WORDS // 2, 2)
+            # int64 products and sums wrap: that is the mod 2**64 the definition asks for
+            hs.append((keyed[..., 0] * keyed[..., 1]).sum(dim=-1))
+        h1, h2 = hs
+        e = torch.stack([h1 & _M32, (h1 >> 32) & _M32, h2 & _M32, (h2 >> 32) & _M32], dim=-1).view(-1, elements)
+        lo, hi = _term_halves(e, wt)
+        out[start:start + step] = combine_halves(lo.sum(dim=-1), hi.sum(dim=-1))
+    return out.view(lead)
+
+
+def torch_checksums(segments: Any, seed: int | Sequence[int]) -> Any:
     """The checksums of a ``[..., segment_bytes]`` uint8 tensor's last-dimension rows, computed by
-    torch on the tensor's own device (CPU or GPU), as an int64 tensor of shape ``[...]`` holding
-    each checksum's two's-complement value (compare with :func:`as_int64`). Only the last
-    dimension must be contiguous: ``pages[:, header_bytes:].view(P, layers, seg)``-style views of
-    whole pages are summed in place."""
+    torch on the tensor's own device (CPU or GPU), as an int64 tensor of shape ``[...]`` (each
+    checksum is below ``2**61``, so its int64 is its value). ``seed``: the seed of every row, or a
+    sequence of one seed per index of the first dimension (pages of different writers in one
+    ``[pages, layers, segment_bytes]`` batch). Only the last dimension must be contiguous:
+    ``pages[:, header_bytes:].view(P, layers, seg)``-style views of whole pages are summed in
+    place. On a GPU, the Triton kernel (:mod:`pof_connector.page_sum_triton`) where it runs."""
     if segments.device.type == "cuda":
-        got = _triton_checksums(segments)
+        got = _triton_checksums(segments, seed)
         if got is not None:
             return got
-    import torch  # only callers that already hold tensors get here
-
-    seg = segments.shape[-1]
-    pad = -seg % 4
-    if pad:
-        segments = torch.nn.functional.pad(segments, (0, pad))
-    if segments.stride(-1) != 1 or any(st % 4 for st in segments.stride()[:-1]) or segments.storage_offset() % 4:
-        segments = segments.contiguous()
-    w = segments.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    n = w.shape[-1]
-    weights = torch.arange(n, 0, -1, dtype=torch.int64, device=w.device)
-    a = w.sum(dim=-1)
-    b = (w * weights).sum(dim=-1)           # int64 arithmetic wraps: the sums are taken mod 2**64
-    return a + _MIX_SIGNED * b
+    return _torch_ops_checksums(segments, seed)
 
 
 _triton_state = "untried"
@@ -213,7 +468,7 @@ _triton_state = "untried"
 or its first launch failed)."""
 
 
-def _triton_checksums(segments: Any) -> Any | None:
+def _triton_checksums(segments: Any, seed: int | Sequence[int]) -> Any | None:
     """:func:`torch_checksums` by one Triton kernel (:mod:`pof_connector.page_sum_triton`: reads
     each byte once, where the torch ops read it several times); ``None``: use the torch ops."""
     global _triton_state
@@ -226,9 +481,11 @@ def _triton_checksums(segments: Any) -> Any | None:
         log.info("pof: no Triton here; pages on a GPU are checked by torch ops")
         return None
     if _triton_state == "ok":
-        return page_sum_triton.checksums(segments, _MIX_SIGNED)
+        return page_sum_triton.checksums(segments, seed)
     try:        # the first launch compiles the kernel for this GPU
-        got = page_sum_triton.checksums(segments, _MIX_SIGNED)
+        got = page_sum_triton.checksums(segments, seed)
+    except ValueError:
+        raise           # the caller's mistake (seeds that do not fit): the torch ops would refuse it too
     except Exception as e:
         _triton_state = "off"
         log.warning("pof: the Triton checksum kernel failed to build or run here (%s: %s); pages on a GPU "
@@ -238,8 +495,3 @@ def _triton_checksums(segments: Any) -> Any | None:
     if got is not None:
         _triton_state = "ok"
     return got
-
-
-def as_int64(value: int) -> int:
-    """A checksum (unsigned 64-bit) as the int64 that :func:`torch_checksums` returns for it."""
-    return value - (1 << 64) if value >= 1 << 63 else value

@@ -3,20 +3,24 @@
 Byte layout (little-endian)::
 
     0   magic "POFP"         4s     56  generation         u64
-    4   version              u16    64  num_layers         u32
+    4   version (3)          u16    64  num_layers         u32
     6   kind (0 mha, 1 mla)  u16    68  segment_bytes      u32
     8   key namespace        16s    72  page_tokens        u32
     24  key chain digest     32s    76  reserved (0)       u32
                                     80  header checksum    u64   xxh3 of bytes [0,80) + [88,header_bytes)
-    88  segment checksums    u64 × num_layers (see below)
-    ... zero padding to a multiple of 64 bytes (``header_bytes``)
+                                    88  checksum seed      u64   the seed of the segment checksums
+    96  segment checksums    u64 × num_layers (see below)
+    ... zero padding to a multiple of 64 bytes (``header_bytes = roundup(96 + 8 * num_layers, 64)``)
     header_bytes + l * segment_bytes: segment of layer l
 
-Versions: **2** (written now) checksums each segment with :mod:`pof_connector.page_sum` (sums of
-32-bit words that a GPU can recompute with torch where the bytes land, and that the CPU computes
-inside the copy) and covers the header's padding too, so every byte of a page is checked. **1**
-(xxh3-64 of each segment; header checksum over ``[0,80) + [88, 88 + 8 * num_layers)``) is still
-read and verified, on the slower two-pass path; any other version is refused as ``bad_header``.
+Version **3** (the only one written and read) checksums each segment with
+:mod:`pof_connector.page_sum` under the page's checksum seed (NH over 1 KiB blocks and a
+polynomial mod 2**61 - 1: a stated collision bound for any two different segments, computed
+inside the CPU copy and by a GPU where the bytes land); the header checksum covers the seed and
+the header's padding too, so every byte of a page is checked. The seed is the writing tier's
+(:attr:`pof_connector.tiers.Tier.sum_seed`) and travels with the page when it is re-stamped
+elsewhere. Pages of earlier formats (1: xxh3 per segment; 2: word sums) are refused as
+``bad_header``: a miss, never wrong bytes.
 
 A segment holds one layer's KV for ``page_tokens`` tokens in the canonical order: MHA is K then
 V, each ``[page_tokens, kv_heads, head_dim]``; MLA is the latent ``[page_tokens, 1, dim]``.
@@ -44,9 +48,9 @@ from pof_connector import page_sum
 from pof_connector.keys import PageKey
 
 MAGIC = b"POFP"
-VERSION = 2
+VERSION = 3
 """The format this build writes."""
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (3,)
 KIND_MHA = 0
 KIND_MLA = 1
 MAX_LAYERS = 1024
@@ -57,7 +61,8 @@ _ZERO_KEY = PageKey(bytes(16), bytes(32))
 _FIXED = struct.Struct("<4sHH16s32sQIIII")   # everything before the header checksum
 _CHECKSUM = struct.Struct("<Q")
 _CHECKSUM_AT = _FIXED.size                   # 80
-_SUMS_AT = _CHECKSUM_AT + _CHECKSUM.size     # 88
+SEED_AT = _CHECKSUM_AT + _CHECKSUM.size      # 88
+_SUMS_AT = SEED_AT + 8                       # 96
 GENERATION_AT = 56
 assert _CHECKSUM_AT == 80 and struct.calcsize("<4sHH16s32s") == GENERATION_AT
 
@@ -77,12 +82,10 @@ def header_bytes_for(num_layers: int) -> int:
     return (raw + HEADER_ALIGN - 1) // HEADER_ALIGN * HEADER_ALIGN
 
 
-def checksum(data: Any, version: int = VERSION) -> int:
-    """The segment checksum of format ``version`` over a buffer (bytes, memoryview, contiguous numpy
-    array): :mod:`pof_connector.page_sum`'s for v2, xxh3-64 for v1."""
-    if version == 1:
-        return xxhash.xxh3_64_intdigest(data)
-    return page_sum.checksum(as_array(data))
+def checksum(data: Any, seed: int) -> int:
+    """The segment checksum under ``seed`` (:mod:`pof_connector.page_sum`) of a buffer (bytes,
+    memoryview, contiguous numpy array)."""
+    return page_sum.checksum(as_array(data), seed)
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,8 @@ class PageHeader(NamedTuple):
     segment_bytes: int
     page_tokens: int
     segment_checksums: tuple[int, ...]
-    version: int = VERSION
-    """The page format (see the module docstring): which segment checksum the page carries."""
+    sum_seed: int
+    """The seed the segment checksums were taken under (:mod:`pof_connector.page_sum`)."""
 
     @classmethod
     def parse(cls, buf: Any, expected: PageKey | None = None) -> PageHeader:
@@ -148,25 +151,26 @@ class PageHeader(NamedTuple):
             raise PageError("bad_header", f"magic {magic!r}")
         if version not in READABLE_VERSIONS:
             raise PageError("bad_header", f"page format version {version}; this build reads "
-                                          f"{', '.join(map(str, READABLE_VERSIONS))}")
+                                          f"{', '.join(map(str, READABLE_VERSIONS))}")      # a miss, not wrong bytes
         if kind not in (KIND_MHA, KIND_MLA):
             raise PageError("bad_header", f"kind {kind}")
         if not 1 <= layers <= MAX_LAYERS or not 1 <= seg <= MAX_SEGMENT_BYTES or tokens < 1:
             raise PageError("bad_header", f"geometry layers={layers} segment={seg} tokens={tokens}")
-        end = _SUMS_AT + 8 * layers if version == 1 else header_bytes_for(layers)
+        end = header_bytes_for(layers)
         if len(mv) < end:
             raise PageError("bad_header", f"header of {layers} layers needs {end} bytes, got {len(mv)}")
         (stored,) = _CHECKSUM.unpack_from(mv, _CHECKSUM_AT)
         h = xxhash.xxh3_64(mv[:_CHECKSUM_AT])
-        h.update(mv[_SUMS_AT:end])
+        h.update(mv[SEED_AT:end])
         if h.intdigest() != stored:
             raise PageError("bad_header", "header checksum mismatch")
+        (seed,) = _CHECKSUM.unpack_from(mv, SEED_AT)
         sums = _sums_struct(layers).unpack_from(mv, _SUMS_AT)
         if expected is not None and expected.digest == digest and expected.namespace == ns:
             key = expected
         else:
             key = PageKey(ns, digest)
-        return cls(key, gen, kind, layers, seg, tokens, sums, version)
+        return cls(key, gen, kind, layers, seg, tokens, sums, seed)
 
     def expect(self, spec: PageSpec, key: PageKey, generation: int | None) -> None:
         """Raise :class:`PageError` unless this header is ``key`` at ``generation`` with ``spec``'s
@@ -183,28 +187,26 @@ class PageHeader(NamedTuple):
 
 
 def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksums: Sequence[int],
-                  version: int = VERSION) -> bytes:
-    """A header; ``version`` 1 only to re-stamp a v1 page (its checksums are xxh3)."""
+                  seed: int) -> bytes:
+    """A format-v3 header; ``segment_checksums`` were taken under ``seed``."""
     if len(segment_checksums) != spec.num_layers:
         raise ValueError(f"{len(segment_checksums)} segment checksums for {spec.num_layers} layers")
-    if version not in READABLE_VERSIONS:
-        raise ValueError(f"page format version {version}; allowed: {READABLE_VERSIONS}")
     out = bytearray(spec.header_bytes)
     _header_struct(spec.num_layers).pack_into(
-        out, 0, MAGIC, version, spec.kind, key.namespace, key.digest, generation, spec.num_layers,
-        spec.segment_bytes, spec.page_tokens, 0, 0, *segment_checksums)
+        out, 0, MAGIC, VERSION, spec.kind, key.namespace, key.digest, generation, spec.num_layers,
+        spec.segment_bytes, spec.page_tokens, 0, 0, seed, *segment_checksums)
     mv = memoryview(out)
     h = xxhash.xxh3_64(mv[:_CHECKSUM_AT])
-    h.update(mv[_SUMS_AT:_SUMS_AT + 8 * spec.num_layers if version == 1 else spec.header_bytes])
+    h.update(mv[SEED_AT:spec.header_bytes])
     _CHECKSUM.pack_into(out, _CHECKSUM_AT, h.intdigest())
     return bytes(out)
 
 
 def header_template(spec: PageSpec) -> bytes:
-    """A format-v2 header of ``spec``'s geometry with a zero key, generation and checksums: the fixed
-    fields the native whole-page store and load (:func:`pof_connector.page_sum.store_page`) fill in
-    and compare against."""
-    return encode_header(spec, _ZERO_KEY, 0, [0] * spec.num_layers)
+    """A format-v3 header of ``spec``'s geometry with a zero key, generation, seed and checksums:
+    the fixed fields the native whole-page store and load (:func:`pof_connector.page_sum.store_page`)
+    fill in and compare against."""
+    return encode_header(spec, _ZERO_KEY, 0, [0] * spec.num_layers, 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -214,8 +216,8 @@ def _sums_struct(num_layers: int) -> struct.Struct:
 
 @functools.lru_cache(maxsize=64)
 def _header_struct(num_layers: int) -> struct.Struct:
-    """Fixed fields, the header checksum (packed as 0, set after) and ``num_layers`` segment checksums."""
-    return struct.Struct(f"<4sHH16s32sQIIIIQ{num_layers}Q")
+    """Fixed fields, the header checksum (packed as 0, set after), the seed and ``num_layers`` segment checksums."""
+    return struct.Struct(f"<4sHH16s32sQIIIIQQ{num_layers}Q")
 
 
 def as_array(buf: Any) -> np.ndarray:
@@ -233,15 +235,21 @@ def as_array(buf: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-def pack_page(spec: PageSpec, key: PageKey, generation: int, layers: Sequence[Any], out: Any) -> None:
-    """Write a whole page (segments, then header) into ``out`` (``spec.page_bytes`` long)."""
+def pack_page(spec: PageSpec, key: PageKey, generation: int, layers: Sequence[Any], out: Any,
+              seed: int | None = None) -> int:
+    """Write a whole page (segments, then header) into ``out`` (``spec.page_bytes`` long), its
+    checksums under ``seed`` (``None``: a fresh one); returns the seed."""
     dst = as_array(out)
     if len(dst) < spec.page_bytes:
         raise ValueError(f"page buffer of {len(dst)} bytes, need {spec.page_bytes}")
     if len(layers) != spec.num_layers:
         raise ValueError(f"{len(layers)} layer segments for {spec.num_layers} layers")
-    sums = page_sum.gather_checksums(dst[spec.header_bytes:spec.page_bytes], [as_array(layer) for layer in layers])
-    dst[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, generation, sums), dtype=np.uint8)
+    if seed is None:
+        seed = page_sum.new_seed()
+    sums = page_sum.gather_checksums(dst[spec.header_bytes:spec.page_bytes], [as_array(layer) for layer in layers],
+                                     seed)
+    dst[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, generation, sums, seed), dtype=np.uint8)
+    return seed
 
 
 def verify_page(spec: PageSpec, page: Any, key: PageKey, generation: int | None = None) -> PageHeader:
@@ -249,17 +257,15 @@ def verify_page(spec: PageSpec, page: Any, key: PageKey, generation: int | None 
     mv = as_array(page)
     header = PageHeader.parse(mv[:spec.header_bytes])
     header.expect(spec, key, generation)
-    if header.version == 1:
-        for layer in range(spec.num_layers):
-            verify_segment(spec, header, layer, spec.segment(mv, layer))
-    else:
-        expect_checksums(header, page_sum.checksums(mv[spec.header_bytes:spec.page_bytes], spec.segment_bytes),
-                         header.key.hex())
+    expect_checksums(header, page_sum.checksums(mv[spec.header_bytes:spec.page_bytes], spec.segment_bytes,
+                                                header.sum_seed), header.key.hex())
     return header
 
 
 def verify_segment(spec: PageSpec, header: PageHeader, layer: int, segment: Any) -> None:
-    if checksum(segment, header.version) != header.segment_checksums[layer]:
+    """Raise ``bad_checksum`` unless ``segment`` (layer ``layer`` of the page of ``header``) has the
+    header's checksum."""
+    if checksum(segment, header.sum_seed) != header.segment_checksums[layer]:
         raise PageError("bad_checksum", f"layer {layer} of {header.key.hex()}")
 
 
@@ -268,11 +274,3 @@ def expect_checksums(header: PageHeader, got: Sequence[int], where: str) -> None
     if tuple(got) != header.segment_checksums:
         layer = next(i for i, (a, b) in enumerate(zip(got, header.segment_checksums, strict=True)) if a != b)
         raise PageError("bad_checksum", f"layer {layer} of {where}")
-
-
-def expect_xxh3_checksums(spec: PageSpec, header: PageHeader, page: Any, where: str) -> None:
-    """Format v1 (xxh3, host only): raise ``bad_checksum`` naming the first layer of ``page`` (a
-    whole page in host memory) whose checksum is not the header's."""
-    for layer, expected in enumerate(header.segment_checksums):
-        if checksum(spec.segment(page, layer), 1) != expected:
-            raise PageError("bad_checksum", f"layer {layer} of {where}")

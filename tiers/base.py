@@ -40,7 +40,6 @@ from pof_connector.pages import (
     as_array,
     encode_header,
     expect_checksums,
-    expect_xxh3_checksums,
     header_template,
 )
 from pof_connector.tiers.ordering import require_store_order
@@ -92,6 +91,9 @@ class Tier(ABC):
         self._books = SlotTable(own_slots)
         self._gen_lock = threading.Lock()
         self._template = header_template(spec)     # what the native whole-page store and load fill in
+        # One seed per tier, stamped in each page it writes: a reader sums under the page's own
+        # seed (from its header), so pages of tiers with other seeds read the same way.
+        self.sum_seed = page_sum.new_seed()
 
     # ---- books -----------------------------------------------------------------------------
 
@@ -260,7 +262,7 @@ class Tier(ABC):
         # The whole page in one native call: segments copied and summed, header, generation last.
         def store(segments: Sequence[Any]) -> bool:
             return page_sum.store_page(self._region, ref.slot * self.slot_bytes, self._template, key.namespace,
-                                       key.digest, ref.generation, segments, True)
+                                       key.digest, ref.generation, self.sum_seed, segments, True)
 
         try:        # numpy segments as they are (the kernel takes their bytes): no wrapping
             stored = store(layers)
@@ -270,18 +272,19 @@ class Tier(ABC):
             return
         # No native kernel: numpy copies, sums and header (same bytes, several times slower).
         body = self._slot(ref.slot)[spec.header_bytes:]
-        sums = page_sum.gather_checksums(body, [as_array(layer) for layer in layers], True)
-        self._write_header_at(ref.slot, encode_header(spec, key, ref.generation, sums))
+        sums = page_sum.gather_checksums(body, [as_array(layer) for layer in layers], self.sum_seed, True)
+        self._write_header_at(ref.slot, encode_header(spec, key, ref.generation, sums, self.sum_seed))
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
-        """Write an already packed and verified page, re-stamped with ``ref.generation``."""
+        """Write an already packed and verified page, re-stamped with ``ref.generation``: it keeps
+        its own checksum seed and segment checksums (its bytes are not summed again)."""
         spec = self.spec
         src = as_array(page)
         header = PageHeader.parse(src[:spec.header_bytes])
         dst = self._slot(ref.slot)
         np.copyto(dst[spec.header_bytes:], src[spec.header_bytes:spec.page_bytes])
         self._write_header_at(ref.slot, encode_header(spec, header.key, ref.generation,
-                                                      header.segment_checksums, header.version))
+                                                      header.segment_checksums, header.sum_seed))
 
     def _write_header_at(self, slot: int, header: bytes) -> None:
         """:meth:`_write_header` into ``slot``: one copy of the header with a zero generation, then
@@ -352,23 +355,24 @@ class Tier(ABC):
         spec = self.spec
         if not 0 <= ref.slot < self.num_slots:
             self._check_slot(ref.slot)          # raises
-        # The whole page in one native call; None: a check failed (or no kernel, or a v1 page), and
-        # the Python path below copies again and says which.
-        sums = page_sum.load_page(as_array(into), self._region, ref.slot * self.slot_bytes, self._template,
-                                  key.namespace, key.digest, ref.generation)
-        if sums is not None:
+        # The whole page in one native call; None: a check failed (or no kernel), and the Python
+        # path below copies again and says which.
+        got = page_sum.load_page(as_array(into), self._region, ref.slot * self.slot_bytes, self._template,
+                                 key.namespace, key.digest, ref.generation)
+        if got is not None:
             return PageHeader(key, ref.generation, spec.kind, spec.num_layers, spec.segment_bytes, spec.page_tokens,
-                              sums)
+                              got[1], got[0])
         dst = as_array(into)[:spec.page_bytes]
         src = self._slot(ref.slot)
         hb, seg = spec.header_bytes, spec.segment_bytes
-        sums = page_sum.copy_checksums(dst, src, seg, hb)
+        # The header first: its seed is what the segments are summed under as they are copied.
+        if len(dst) < spec.page_bytes:
+            raise ValueError(f"page buffer of {len(dst)} bytes, need {spec.page_bytes}")
+        np.copyto(dst[:hb], src[:hb])
         header = PageHeader.parse(dst[:hb], key)
         header.expect(spec, key, ref.generation)
-        if header.version == 1:       # xxh3: a second pass over each copied segment
-            expect_xxh3_checksums(spec, header, dst, f"slot {ref.slot}")
-        else:
-            expect_checksums(header, sums, f"slot {ref.slot}")
+        expect_checksums(header, page_sum.copy_checksums(dst[hb:], src[hb:], seg, header.sum_seed),
+                         f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header

@@ -20,11 +20,14 @@ seqlock protocol of :mod:`pof_connector.tiers.base`:
 * writer: zero the slot's live generation and synchronize, copy the segments, copy the header
   except its generation, synchronize, copy the generation last, synchronize;
 * reader: copy, then check key, generation and the segment checksums of the bytes the caller got,
-  then re-read the live generation. Format v2's checksums (:mod:`pof_connector.page_sum`) are
-  computed by torch on the device where the bytes landed: a whole-page read into GPU memory
-  brings only the header back to the host, and a write from GPU segments sums them on the GPU.
-  (A v1 page's xxh3 checksums are host-only: such a page is brought back once to be checked.)
-  ``ci/gpu_check.sh`` measures what checking costs against the raw copies.
+  then re-read the live generation. The checksums (:mod:`pof_connector.page_sum`) are computed on
+  the device where the bytes landed (the Triton kernel, or torch ops): a whole-page read into GPU
+  memory brings only the header back to the host, and a write from GPU segments sums them on the
+  GPU. A page's checksums are taken under the seed in its header, which a GPU read learns only
+  with the header; it sums under the seed it expects for that slot (the seed last seen there, else
+  the last one seen anywhere: in steady state, right) and sums once more, after one more wait,
+  when the header names another. ``ci/gpu_check.sh`` measures what checking costs against the raw
+  copies.
 
 torch is optional for pof: this module imports it only when a peer_hbm tier is built, and fails
 with a :class:`ConfigError` naming ``tiers.peer_hbm`` when it is missing.
@@ -50,7 +53,6 @@ from pof_connector.pages import (
     as_array,
     encode_header,
     expect_checksums,
-    expect_xxh3_checksums,
 )
 from pof_connector.tiers.base import SlotRef, Tier, slot_bytes_for
 from pof_connector.tiers.peer_region import PeerRegion
@@ -98,6 +100,10 @@ class PeerHbmTier(Tier):
         self._local = threading.local()
         super().__init__(spec, np.empty(0, dtype=np.uint8), self._peer.generations, self._peer.slot_bytes,
                          self._peer.own)
+        # A GPU read sums a page before its header reached the host: under the seed it expects
+        # (see the module docstring). Slot -> the seed of the page last seen there.
+        self._seen_seeds: dict[int, int] = {}
+        self._last_seed = self.sum_seed
 
     @property
     def owner(self) -> bool:
@@ -204,21 +210,31 @@ class PeerHbmTier(Tier):
                 start = spec.segment_offset(i)
                 dst[start:start + seg].copy_(src, non_blocking=True)
         self._sync(*(t for t in layers if isinstance(t, self._torch.Tensor)))
-        # The checksums of the bytes where they landed, all layers at once (on a GPU: by torch, one sync).
-        sums = self._checksums(dst[spec.header_bytes:], seg)
-        self._write_header(dst, encode_header(spec, key, ref.generation, sums))
+        # The checksums of the bytes where they landed, all layers at once (on a GPU: one sync).
+        sums = self._checksums(dst[spec.header_bytes:], seg, self.sum_seed)
+        self._write_header(dst, encode_header(spec, key, ref.generation, sums, self.sum_seed))
+        self._saw_seed(ref.slot, self.sum_seed)
 
-    def _checksums(self, t: Any, seg: int) -> tuple[int, ...]:
-        """Format v2's checksums of each ``seg``-byte segment of flat ``t``, summed where ``t`` is
-        (a GPU tensor by torch on its device: no copy to the host)."""
+    def _checksums(self, t: Any, seg: int, seed: int) -> tuple[int, ...]:
+        """The checksums under ``seed`` of each ``seg``-byte segment of flat ``t``, summed where
+        ``t`` is (a GPU tensor on its device: no copy to the host)."""
         if t.device.type == "cpu":
-            return page_sum.checksums(t.numpy(), seg)
+            return page_sum.checksums(t.numpy(), seg, seed)
         with self._on_stream():      # tolist on the same stream: it waits for the sums
-            got = page_sum.torch_checksums(t.view(-1, seg)).tolist()
-        return tuple(v & 0xFFFFFFFFFFFFFFFF for v in got)
+            got: list[int] = page_sum.torch_checksums(t.view(-1, seg), seed).tolist()
+        return tuple(got)
+
+    def _seed_guess(self, slot: int) -> int:
+        """The seed a GPU read sums the page in ``slot`` under before it has the page's header."""
+        return self._seen_seeds.get(slot, self._last_seed)
+
+    def _saw_seed(self, slot: int, seed: int) -> None:
+        self._seen_seeds[slot] = seed
+        self._last_seed = seed
 
     def write_page(self, ref: SlotRef, page: Any) -> None:
-        """Write an already packed and verified page, re-stamped with ``ref.generation``."""
+        """Write an already packed and verified page, re-stamped with ``ref.generation``: it keeps
+        its own checksum seed and segment checksums (its bytes are not summed again)."""
         spec = self.spec
         src = self._as_tensor(page)
         header = PageHeader.parse(self._host(src[:spec.header_bytes]).copy())
@@ -226,7 +242,8 @@ class PeerHbmTier(Tier):
         with self._on_stream():
             dst[spec.header_bytes:].copy_(src[spec.header_bytes:spec.page_bytes])
         self._write_header(dst, encode_header(spec, header.key, ref.generation, header.segment_checksums,
-                                              header.version))
+                                              header.sum_seed))
+        self._saw_seed(ref.slot, header.sum_seed)
 
     def _write_header(self, dst: Any, header: bytes) -> None:
         # Everything but the generation first, then a barrier, then the generation: until it lands,
@@ -292,17 +309,19 @@ class PeerHbmTier(Tier):
             raise ValueError(f"page buffer of {dst.numel()} bytes, need {spec.page_bytes}")
         if not self._cuda:
             return self._read_host_region(ref, key, dst)
-        # One wait per page on a GPU: the copy, the sums where the bytes landed (torch, format v2),
-        # the header and the live generation word queue on the tier's stream, and only the header,
-        # the sums and that word come to the host. The generation is read after the copy finished
-        # (stream order), which is what the writer's zero-first protocol needs.
+        # One wait per page on a GPU: the copy, the sums where the bytes landed (under the seed
+        # this slot's page is expected to have), the header and the live generation word queue on
+        # the tier's stream, and only the header, the sums and that word come to the host. The
+        # generation is read after the copy finished (stream order), which is what the writer's
+        # zero-first protocol needs.
         hb, seg, layers = spec.header_bytes, spec.segment_bytes, spec.num_layers
         on_gpu = dst.device.type == "cuda"
         landed = self._landed()          # pinned: sums (int64 each) | generation word | header
+        guess = self._seed_guess(ref.slot)
         with self._on_stream():
             dst.copy_(self._slot_t(ref.slot), non_blocking=True)
             if on_gpu:
-                sums = page_sum.torch_checksums(dst[hb:].view(layers, seg))
+                sums = page_sum.torch_checksums(dst[hb:].view(layers, seg), guess)
                 landed[:8 * layers].view(self._torch.int64).copy_(sums, non_blocking=True)
                 landed[8 * layers + 8:].copy_(dst[:hb], non_blocking=True)
             start = ref.slot * self.slot_bytes + GENERATION_AT
@@ -311,12 +330,13 @@ class PeerHbmTier(Tier):
         host = landed.numpy()
         header = PageHeader.parse(host[8 * layers + 8:] if on_gpu else dst[:hb].numpy(), key)   # keeps no view
         header.expect(spec, key, ref.generation)
-        if header.version == 1:          # xxh3 is host-only: the page comes back once
-            expect_xxh3_checksums(spec, header, self._host(dst), f"slot {ref.slot}")
-        elif on_gpu:
+        self._saw_seed(ref.slot, header.sum_seed)
+        if not on_gpu:
+            expect_checksums(header, page_sum.checksums(dst[hb:].numpy(), seg, header.sum_seed), f"slot {ref.slot}")
+        elif header.sum_seed == guess:
             expect_checksums(header, host[:8 * layers].view(np.uint64).tolist(), f"slot {ref.slot}")
-        else:
-            expect_checksums(header, page_sum.checksums(dst[hb:].numpy(), seg), f"slot {ref.slot}")
+        else:       # summed under another seed than the page's: again, over the bytes the caller got
+            expect_checksums(header, self._checksums(dst[hb:], seg, header.sum_seed), f"slot {ref.slot}")
         if int(host[8 * layers:8 * layers + 8].view(np.uint64)[0]) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header
@@ -325,8 +345,10 @@ class PeerHbmTier(Tier):
         """:meth:`read` of several pages into the rows of ``out`` (a ``[len(refs), >= page_bytes]``
         uint8 tensor): per page, its header, or the :class:`PageError` that refused it (that row is
         then garbage; the other pages stand). Into a GPU from a GPU region it waits once for the
-        whole batch: the copies, one checksum launch over every page where it landed, and one
-        gather of the live generation words, then only headers, sums and words come to the host."""
+        whole batch: the copies, one checksum launch over every page where it landed (each under
+        the seed expected for its slot), and one gather of the live generation words, then only
+        headers, sums and words come to the host; a page whose header names another seed than
+        expected is summed again (one more wait)."""
         spec = self.spec
         n = len(refs)
         if len(keys) != n or out.dim() != 2 or out.shape[0] < n or out.shape[1] < spec.page_bytes:
@@ -351,11 +373,12 @@ class PeerHbmTier(Tier):
         sums_h = landed[:8 * layers * n].view(torch.int64).view(n, layers)
         gens_h = landed[8 * layers * n:8 * (layers + 1) * n]
         heads_h = landed[8 * (layers + 1) * n:].view(n, hb)
+        guesses = [self._seed_guess(r.slot) for r in refs]
         with self._on_stream():
             word_at = word_at.to(self.device)
             for ref, row in zip(refs, rows, strict=True):
                 row.copy_(self._slot_t(ref.slot), non_blocking=True)
-            sums_h.copy_(page_sum.torch_checksums(rows[:, hb:].view(n, layers, seg)), non_blocking=True)
+            sums_h.copy_(page_sum.torch_checksums(rows[:, hb:].view(n, layers, seg), guesses), non_blocking=True)
             heads_h.copy_(rows[:, :hb], non_blocking=True)
             gens_h.copy_(self._dev[word_at], non_blocking=True)     # after the copies: stream order
         self._sync(out)
@@ -367,12 +390,13 @@ class PeerHbmTier(Tier):
             try:
                 header = PageHeader.parse(heads[i], key)
                 header.expect(spec, key, ref.generation)
-                if header.version == 1:
-                    header = self.read(ref, key, rows[i])      # xxh3 is host-only: this page the slow way
-                else:
-                    expect_checksums(header, sums[i], f"slot {ref.slot}")
-                    if live[i] != ref.generation:
-                        raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
+                self._saw_seed(ref.slot, header.sum_seed)
+                got = sums[i]
+                if header.sum_seed != guesses[i]:    # summed under another seed: again, this row alone
+                    got = list(self._checksums(rows[i, hb:], seg, header.sum_seed))
+                expect_checksums(header, got, f"slot {ref.slot}")
+                if live[i] != ref.generation:
+                    raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
             except PageError as e:
                 results.append(e)
                 continue
@@ -396,10 +420,7 @@ class PeerHbmTier(Tier):
         header = PageHeader.parse(self._host(dst[:hb]).copy())
         header.expect(spec, key, ref.generation)
         got = self._host(dst)
-        if header.version == 1:
-            expect_xxh3_checksums(spec, header, got, f"slot {ref.slot}")
-        else:
-            expect_checksums(header, page_sum.checksums(got[hb:], spec.segment_bytes), f"slot {ref.slot}")
+        expect_checksums(header, page_sum.checksums(got[hb:], spec.segment_bytes, header.sum_seed), f"slot {ref.slot}")
         if self.live_generation(ref.slot) != ref.generation:
             raise PageError("stale_generation", f"slot {ref.slot} was rewritten during the read")
         return header

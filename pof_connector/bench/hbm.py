@@ -26,7 +26,7 @@ row                         pof                                             raw 
 ``peer_vs_host_tier`` compares the two ways an engine gets a page onto its GPU: from a peer GPU's
 HBM or from this host's DRAM tier.
 Throughputs are medians over repeats, in GB/s (10^9 bytes per second). ``raw_gbps.checksum_host``
-is the page format's segment checksum alone on the host (v2, :mod:`pof_connector.page_sum`);
+is the page format's segment checksum alone on the host (v3, :mod:`pof_connector.page_sum`);
 ``raw_gbps.checksum_device`` is the same checksum computed by torch on the engine's device over
 pages already there: what verifying a page where the DMA put it costs.
 """
@@ -143,14 +143,16 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
 
     hb, seg, layers = spec.header_bytes, spec.segment_bytes, spec.num_layers
 
+    seed = host_tier.sum_seed         # any seed costs the same: these rows time the sums, they check nothing
+
     def checksum_host() -> None:      # what checking costs on its own: the page format's checksums
         for h in host_pages:
-            page_sum.checksums(h[hb:], seg)
+            page_sum.checksums(h[hb:], seg, seed)
 
     dev_segments = dev_out.view(pages, pb)[:, hb:].view(pages, layers, seg)
 
     def checksum_device() -> None:    # the same, by torch where the pages landed
-        page_sum.torch_checksums(dev_segments)
+        page_sum.torch_checksums(dev_segments, seed)
 
     host_region = torch.from_numpy(host_tier.region)         # pinned under CUDA: DMA straight from the slots
     host_slots = [host_region[r.slot * host_tier.slot_bytes:r.slot * host_tier.slot_bytes + pb] for r in host_refs]
@@ -160,9 +162,9 @@ def _rows(torch: Any, spec: PageSpec, eng: Any, pin: bool, nbytes: int, segments
         headers: list[PageHeader] = [host_tier.read_header(r, k, scratch) for k, r in zip(keys, host_refs, strict=True)]
         for src, dst in zip(host_slots, dev_pages, strict=True):
             dst.copy_(src, non_blocking=True)
-        want = torch.tensor([[page_sum.as_int64(v) for v in h.segment_checksums] for h in headers],
-                            dtype=torch.int64).to(eng, non_blocking=True)
-        if not bool((page_sum.torch_checksums(dev_segments) == want).all()):     # waits for the DMA and sums
+        want = torch.tensor([h.segment_checksums for h in headers], dtype=torch.int64).to(eng, non_blocking=True)
+        got = page_sum.torch_checksums(dev_segments, [h.sum_seed for h in headers])
+        if not bool((got == want).all()):     # waits for the DMA and sums
             raise RuntimeError("bench: a page failed its checksum on the device")
         for r in host_refs:
             if host_tier.live_generation(r.slot) != r.generation:

@@ -341,7 +341,7 @@ class RemoteLoad:
             page = r.staging.page(slot)
             try:
                 for layer in self._parts[c]:
-                    verify_segment(spec, got[2], layer, spec.segment(page, layer))
+                    verify_segment(spec, got[2], layer, spec.segment(page, layer))      # under the header's seed
             except PageError as e:
                 self._out[i] = e
 

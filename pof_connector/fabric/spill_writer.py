@@ -180,7 +180,7 @@ class SpillWriter:
         header = PageHeader.parse(page[:spec.header_bytes])
         np.copyto(buf, page[:spec.page_bytes])
         buf[:spec.header_bytes] = np.frombuffer(encode_header(spec, key, grant.generation, header.segment_checksums,
-                                                              header.version),
+                                                              header.sum_seed),       # the page keeps its own seed
                                                 dtype=np.uint8)
         buf[GENERATION_AT:GENERATION_AT + 8] = 0        # the generation word goes last, on its own
         self.staging.set_generation(stage[0], grant.generation)

@@ -128,7 +128,7 @@ def test_pages_of_several_blocks() -> None:
                           ("cpu_vnni", torch.bfloat16, 1, 0)])
 def test_fused_cpu_copy_matches_the_torch_copy_and_sums_the_segment(layout: str, dtype: torch.dtype, bpp: int,
                                                                     skip: int) -> None:
-    """The one-pass native load (layout conversion + copy + format-v2 checksum) writes the very
+    """The one-pass native load (layout conversion + copy + format-v3 checksum) writes the very
     bytes the strided torch copies write, K^T and the amx ISA's VNNI tiles alike, and its checksum
     is the segment's."""
     from pof_connector import page_sum
@@ -147,7 +147,7 @@ def test_fused_cpu_copy_matches_the_torch_copy_and_sums_the_segment(layout: str,
     want = kv.clone()
     page = torch.from_numpy(segment).view(dtype).view(1, *lay.canonical_shape(n * bpp))
     lay.write_blocks(want, blocks, lay.pages_to_blocks(page, bpp)[skip:])
-    got = lay.copy_checked(lay.cache_bytes(kv), [(segment, blocks, skip)])
+    got = lay.copy_checked(lay.cache_bytes(kv), [(segment, blocks, skip, 0x5EED)])
     assert torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
-    assert got == [page_sum.checksum(segment)]
+    assert got == [page_sum.checksum(segment, 0x5EED)]
     assert bool(kv[blocks].any()) and not bool(kv[[0, 1, 2]].any())       # only the page's blocks changed

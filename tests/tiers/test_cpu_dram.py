@@ -57,11 +57,11 @@ def test_layer_by_layer_read(spec: PageSpec) -> None:
     expected = layers_for(spec, 9)
     for layer in reversed(range(spec.num_layers)):      # any order, one segment at a time
         seg = tier.segment_view(ref, layer).copy()
-        tier.check_segment(ref, header, layer, page_sum.checksum(seg))
+        tier.check_segment(ref, header, layer, page_sum.checksum(seg, header.sum_seed))
         assert (seg == expected[layer]).all()
     tier.remove(key(9))
     with pytest.raises(PageError):
-        tier.check_segment(ref, header, 0, page_sum.checksum(expected[0]))
+        tier.check_segment(ref, header, 0, page_sum.checksum(expected[0], header.sum_seed))
 
 
 def test_too_small_names_key(spec: PageSpec) -> None:
@@ -123,8 +123,8 @@ def test_a_removed_page_stays_readable_while_pinned(spec: PageSpec) -> None:
     assert store(tier, spec, 2) == key(1)            # room comes from the unpinned page
     for layer, data in enumerate(layers_for(spec, 0)):
         assert (tier.segment_view(ref, layer) == data).all()
-        tier.check_segment(ref, header, layer, page_sum.checksum(tier.segment_view(ref, layer).copy()))
+        tier.check_segment(ref, header, layer, page_sum.checksum(tier.segment_view(ref, layer).copy(), header.sum_seed))
     tier.unpin(ref.slot)                             # last reader done: invalidated and freed
     with pytest.raises(PageError):
-        tier.check_segment(ref, header, 0, page_sum.checksum(layers_for(spec, 0)[0]))
+        tier.check_segment(ref, header, 0, page_sum.checksum(layers_for(spec, 0)[0], header.sum_seed))
     assert tier.free_slots == 1

@@ -23,7 +23,7 @@ from pof_connector import page_sum  # noqa: E402
 from pof_connector.config import PofConfig, TierConfig  # noqa: E402
 from pof_connector.index.server import RedisServer  # noqa: E402
 from pof_connector.keys import PageKey  # noqa: E402
-from pof_connector.pages import PageError, PageHeader, PageSpec, checksum, encode_header  # noqa: E402
+from pof_connector.pages import PageError, PageHeader, PageSpec  # noqa: E402
 from pof_connector.pool import Pool  # noqa: E402
 from pof_connector.tiers import SlotRef, make_tier  # noqa: E402
 from pof_connector.tiers.peer_hbm import PeerHbmTier  # noqa: E402
@@ -169,13 +169,13 @@ def test_layer_reads_are_checked_after_the_copy(device: str, runtime_dir: str) -
         for layer, data in enumerate(content(key(i))):
             seg = t.segment_view(ref, layer, into=into)
             assert bytes(seg) == data.tobytes()
-            t.check_segment(ref, header, layer, page_sum.checksum(seg))
+            t.check_segment(ref, header, layer, page_sum.checksum(seg, header.sum_seed))
         # A writer reuses the slot after the reader copied layer 0 but before it checked it.
         seg = t.segment_view(ref, 0, into=into).copy()
         assert seg.tobytes() == content(key(i))[0].tobytes()
         t.remove(key(i))
         with pytest.raises(PageError) as e:
-            t.check_segment(ref, header, 0, page_sum.checksum(seg))
+            t.check_segment(ref, header, 0, page_sum.checksum(seg, header.sum_seed))
         assert e.value.reason == "stale_generation"
     finally:
         t.close()
@@ -263,36 +263,97 @@ def test_a_write_is_done_with_its_sources_when_it_returns(device: str, runtime_d
         t.close()
 
 
-def test_v1_pages_are_read_and_checked_on_the_host(device: str, runtime_dir: str) -> None:
-    """A page of format v1 (xxh3, which no GPU computes) is still read, by ``read`` and by
-    ``read_many`` into the engine's device, and a flipped bit in it is still refused."""
+def old_format_page(k: PageKey, version: int, generation: int) -> np.ndarray:
+    """A page as a build of format v1 (xxh3 per segment) or v2 (word sums) wrote it: its segment
+    checksums at byte 88, no seed (their values do not matter: the version refuses it first)."""
+    import struct
+
+    import xxhash
+
+    page = np.zeros(SPEC.page_bytes, np.uint8)
+    for layer, data in enumerate(content(k)):
+        SPEC.segment(page, layer)[:] = data
+    raw = bytearray(SPEC.header_bytes)
+    struct.pack_into(f"<4sHH16s32sQIIIIQ{SPEC.num_layers}Q", raw, 0, b"POFP", version, 0, k.namespace, k.digest,
+                     generation, SPEC.num_layers, SPEC.segment_bytes, SPEC.page_tokens, 0, 0,
+                     *range(SPEC.num_layers))
+    covered = 88 + 8 * SPEC.num_layers if version == 1 else SPEC.header_bytes
+    h = xxhash.xxh3_64(bytes(raw[:80]))
+    h.update(bytes(raw[88:covered]))
+    struct.pack_into("<Q", raw, 80, h.intdigest())
+    page[:SPEC.header_bytes] = np.frombuffer(bytes(raw), np.uint8)
+    return page
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_pages_of_earlier_formats_are_refused(device: str, runtime_dir: str, version: int) -> None:
+    """A v1 or v2 page in a slot (a region a build of that format wrote) is a miss on every read
+    path, ``read`` and ``read_many`` into the engine's device: bad_header, naming its version."""
     t = tier(device, runtime_dir)
     try:
         k = key(50)
-        segments = content(k)
-        header = encode_header(SPEC, k, 1, [checksum(s, 1) for s in segments], version=1)
-        page = np.zeros(SPEC.page_bytes, np.uint8)
-        page[:len(header)] = np.frombuffer(header, np.uint8)
-        for layer, data in enumerate(segments):
-            SPEC.segment(page, layer)[:] = data
         got = t.prepare_store(k)
         assert got is not None
         ref = got[0]
-        t.write_page(ref, page)                       # re-stamped with the slot's generation, still v1
-        t.complete_store(k, ok=True)
+        page = old_format_page(k, version, ref.generation)
+        start = t.slot_offset(ref.slot)
+        t._dev[start:start + SPEC.page_bytes].copy_(torch.from_numpy(page).to(t._dev.device))
+        assert t.live_generation(ref.slot) == ref.generation
         engine = "cuda:0" if device.startswith("cuda") else "cpu"
         out = torch.zeros((1, SPEC.page_bytes), dtype=torch.uint8, device=engine)
-        assert t.read(ref, k, out[0]).version == 1
-        (first,) = t.read_many([ref], [k], out)
-        assert isinstance(first, PageHeader) and first.version == 1 and exact(out[0].cpu().numpy(), k)
-        flip(t, t.slot_offset(ref.slot) + SPEC.segment_offset(1) + 3, 0x10)
-        (refused,) = t.read_many([ref], [k], out)
-        assert isinstance(refused, PageError) and refused.reason == "bad_checksum" and "layer 1" in str(refused)
         with pytest.raises(PageError) as e:
             t.read(ref, k, out[0])
-        assert e.value.reason == "bad_checksum" and "layer 1" in str(e.value)
+        assert e.value.reason == "bad_header" and f"version {version}; this build reads 3" in str(e.value)
+        (refused,) = t.read_many([ref], [k], out)
+        assert isinstance(refused, PageError) and refused.reason == "bad_header"
+        with pytest.raises(PageError) as e:
+            t.read_header(ref, k, np.empty(SPEC.header_bytes, np.uint8))
+        assert e.value.reason == "bad_header"
     finally:
         t.close()
+
+
+def test_pages_of_other_writers_are_read_under_their_own_seeds(device: str, runtime_dir: str) -> None:
+    """Two writers of one region have their own checksum seeds: each reads the other's pages (a
+    GPU read sums under the seed it expects for the slot, and again under the header's when that
+    differs), page by page and as a batch of mixed seeds, and a flipped bit is still refused."""
+    a, b = tier(device, runtime_dir), tier(device, runtime_dir)
+    try:
+        assert a.sum_seed != b.sum_seed
+        mine = [write(a, i) for i in range(60, 63)] + [write(b, i) for i in range(63, 66)]
+        refs = [SlotRef(slot, gen) for _, slot, gen in mine]
+        keys = [key(i) for i, _, _ in mine]
+        engine = "cuda:0" if device.startswith("cuda") else "cpu"
+        out = torch.zeros((len(refs), SPEC.page_bytes), dtype=torch.uint8, device=engine)
+        for reader in (a, b):
+            for _ in range(2):           # the first time under a wrong guess for the other's slots, then right
+                for ref, k, row in zip(refs, keys, out, strict=True):
+                    header = reader.read(ref, k, row)
+                    assert header.sum_seed == (a.sum_seed if k.digest[0] < 63 else b.sum_seed)
+                    assert exact(row.cpu().numpy(), k)
+            got = reader.read_many(refs, keys, out)
+            assert all(isinstance(g, PageHeader) for g in got), got
+            assert all(exact(out[i].cpu().numpy(), k) for i, k in enumerate(keys))
+        fresh = tier(device, runtime_dir)         # a reader that has seen none of these slots
+        try:
+            got = fresh.read_many(refs, keys, out)
+            assert [g.sum_seed for g in got if isinstance(g, PageHeader)] == [a.sum_seed] * 3 + [b.sum_seed] * 3
+            flip(fresh, fresh.slot_offset(refs[4].slot) + SPEC.segment_offset(2) + 7, 0x08)
+            fresh2 = tier(device, runtime_dir)
+            try:
+                got = fresh2.read_many(refs, keys, out)
+                assert [g.reason if isinstance(g, PageError) else "ok" for g in got] == \
+                    ["ok", "ok", "ok", "ok", "bad_checksum", "ok"]
+                with pytest.raises(PageError) as e:
+                    fresh2.read(refs[4], keys[4], out[4])
+                assert e.value.reason == "bad_checksum"
+            finally:
+                fresh2.close()
+        finally:
+            fresh.close()
+    finally:
+        b.close()
+        a.close()
 
 
 def test_pool_hands_pages_to_the_engine_only_after_checks(device: str, runtime_dir: str, namespace: bytes) -> None:
