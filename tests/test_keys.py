@@ -88,7 +88,7 @@ def test_every_field_a_page_header_is_checked_against_is_in_the_namespace() -> N
     lookup hit, no load). Each such field alone gives another namespace, and a namespace cannot be
     built without them."""
     key = PageKey(bytes(16), bytes(32))
-    header = PageHeader.parse(encode_header(SPEC, key, 1, [0] * SPEC.num_layers))
+    header = PageHeader.parse(encode_header(SPEC, key, 1, [0] * SPEC.num_layers, 1))
     base = Namespace("m", "bfloat16", "mha", SPEC).digest
     changes = {"num_layers": 5, "segment_bytes": 8192, "page_tokens": 32, "kind": KIND_MLA}
     assert SPEC.kind == KIND_MHA

@@ -233,6 +233,7 @@ class Stats:
     differing: int = 0
     first_bad_step: int | None = None
     crew_stolen: int = 0
+    owner_pages_loaded: int = 0
 
     def count(self, what: str, n: int = 1) -> None:
         self.faults[what] = self.faults.get(what, 0) + n
@@ -246,12 +247,13 @@ class World:
         ranks = adv.tp
         self.geo = VllmGeometry(model="diff", kv_dtype="float32", kv_heads=H, head_dim=D, num_layers=LAYERS,
                                 is_mla=False, block_size=N, page_tokens=P, tp_size=ranks)
-        cxl = {"path": str(shm), "size": f"{8 * (ranks + 1)}MiB", "partitions": ranks + 1}
+        # partitions of ~40 pages: the engine evicts its copies and loads the owner's, the owner evicts too
+        cxl = {"path": str(shm), "size": f"{(ranks + 1) * 1344}KiB", "partitions": ranks + 1}
 
         def cfg(node: str, first: dict[str, Any] | None) -> PofConfig:
             tiers: dict[str, Any] = {**(first or {}), "cxl": cxl}
             return PofConfig.from_mapping({"node_id": node, "index_url": self.server.url, "runtime_dir": str(root),
-                                           "tiers": tiers, "heartbeat_s": 0.2})
+                                           "tiers": tiers, "heartbeat_s": 0.2, "node_ttl_s": 120.0})
 
         self.owner = Pool(cfg("o", None), _spec(self.geo), self.geo.namespace(cfg("o", None), 0))
         self.workers: list[PoFWorker] = []
@@ -364,6 +366,7 @@ class World:
         strided = self.rng.random() < self.adv.strided
         BlockLayout.can_copy_checked = _fused if not strided else _never      # type: ignore[method-assign]
         loaded = [k for job in meta.loads for k, s in zip(job.keys, job.sources, strict=False) if s.node == "o"]
+        self.stats.owner_pages_loaded += len(loaded)
         mid_load = self.rng.random() < 0.5
         if not mid_load:
             self.inject_faults(meta)
