@@ -102,8 +102,10 @@ class PoFWorker:
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
         self._step = 0                    # the scheduler's number of the step being run
         self._hold = False                # this step's saves wait for the scheduler's verdict
-        self._held: dict[int, list[tuple[str, Future[int]]]] = {}   # step -> (request, its held store)
+        # step -> (request, its held store, the digests of its pages)
+        self._held: dict[int, list[tuple[str, Future[int], frozenset[bytes]]]] = {}
         self._report = PoFWorkerMeta(0)   # what this step tells the scheduler half
+        self._publishing: dict[bytes, Future[int]] = {}   # digest -> its release queued on the store thread
         self._lost_verdict_logged = False
         self.staging = StagingPool()
         self.load_latencies: list[float] = []
@@ -158,6 +160,10 @@ class PoFWorker:
         if self._loader is not None:      # the last step's loads were never finished: report them first
             self._finish_loads()
         t0 = time.perf_counter()
+        if self._publishing:                 # a load of a page whose release is still queued waits for it
+            self._publishing = {d: f for d, f in self._publishing.items() if not f.done()}
+            for digest in {key.digest for job in meta.loads for key in job.keys} & self._publishing.keys():
+                self._publishing[digest].exception()
         for job in meta.loads:
             job = self._for_this_rank(job)
             reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
@@ -315,27 +321,32 @@ class PoFWorker:
         self._tainted.difference_update(meta.rewound)
         self._tainted.difference_update(meta.finished)
         self._tainted.update(meta.tainted)
+        wanted = {key.digest for job in meta.loads for key in job.keys} if meta.verdicts else set()
         for verdict in meta.verdicts:
-            self._settle(verdict)
+            self._settle(verdict, wanted)
         if meta.step and any(s <= meta.step - HELD_STEPS_MAX for s in self._held):
             self._settle(Verdict(meta.step - HELD_STEPS_MAX, discard=sorted({r for s in self._held.values()
-                                                                             for r, _ in s})))
+                                                                             for r, _, _ in s})), set())
         self._step, self._hold = meta.step, meta.hold
         self._report = PoFWorkerMeta(meta.step)
 
-    def _settle(self, verdict: Verdict) -> None:
-        """Publish or drop the saves held in ``verdict.step``. Published pages are readable here
-        when this returns: the scheduler may plan this very step's loads from them. Steps before
-        it still held never got a verdict (their output was lost): dropped, the safe answer."""
+    def _settle(self, verdict: Verdict, wanted: set[bytes]) -> None:
+        """Publish or drop the saves held in ``verdict.step``. Those among ``wanted`` (the pages this
+        step loads: the scheduler may plan them from pages it approved) are readable here when this
+        returns; the others are published on the store thread, after their writes, so the forward
+        never waits for a tier. Steps before it still held never got a verdict (their output was
+        lost): dropped, the safe answer."""
         assert self.pool is not None
         discard = set(verdict.discard)
         for step in sorted(s for s in self._held if s <= verdict.step):
-            for req_id, stored in self._held.pop(step):
+            for req_id, stored, digests in self._held.pop(step):
                 tag = (step, req_id)
-                # exception() waits for the store (normally done long ago: the store thread writes
-                # within a step); a store that failed has nothing to publish
-                if step == verdict.step and req_id not in discard and stored.exception() is None:
-                    self.pool.release_now(tag)
+                if step == verdict.step and req_id not in discard:
+                    if digests.isdisjoint(wanted):
+                        released = self.pool.release(tag, publish=True)
+                        self._publishing.update(dict.fromkeys(digests, released))
+                    elif stored.exception() is None:      # waits for the write; a failed one has nothing
+                        self.pool.release_now(tag)
                 else:
                     self.pool.release(tag, publish=False)
                     if step != verdict.step and not self._lost_verdict_logged:
@@ -404,7 +415,7 @@ class PoFWorker:
         for req_id, items in batches:
             stored = self.pool.store(items, hold=(self._step, req_id))
             futures.append(stored)
-            self._held.setdefault(self._step, []).append((req_id, stored))
+            self._held.setdefault(self._step, []).append((req_id, stored, frozenset(k.digest for k, _ in items)))
             if self.tp_rank == 0 and self.pp_rank == 0:     # the scheduler plans with rank 0's keys
                 self._report.held[req_id] = [key for key, _ in items]
         self._report.medium = self.pool.tiers[0].medium if self.pool.tiers else ""
