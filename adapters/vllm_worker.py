@@ -58,9 +58,13 @@ class _ActiveLoad:
     started: float = field(default_factory=time.perf_counter)
     targets: list[tuple[list[int], int]] = field(init=False)
     """Per page: the blocks it writes and how many of its leading blocks it skips (the engine's own)."""
+    copy: list[tuple[bool, int] | None] = field(init=False)
+    """Per page, once its first segment was read: whether the copy crew may copy it
+    (:meth:`PageReader.stable`) and its checksum seed; both hold for the whole read."""
 
     def __post_init__(self) -> None:
         self.targets = [(self.job.blocks_to_load(i), self.job.first_block(i)) for i in range(self.readable)]
+        self.copy = [None] * self.readable
 
     @property
     def readable(self) -> int:
@@ -220,20 +224,31 @@ class PoFWorker:
         nothing writes into an accepted block afterwards."""
         assert self.layout is not None
         lay = self.layout
+        crew: list[tuple[np.ndarray, list[int], int, int]] = []
+        solo: list[tuple[np.ndarray, list[int], int, int]] = []
+        order: list[tuple[_ActiveLoad, int, bool]] = []
+        for active, segs in per_load:
+            copy, targets, reader = active.copy, active.targets, active.reader
+            for i, seg in segs:
+                how = copy[i]
+                if how is None:
+                    how = copy[i] = (reader.stable(i), reader.sum_seed(i))
+                # targets: the blocks each page writes, after the first page's head blocks (the engine's own)
+                (crew if how[0] else solo).append((seg, *targets[i], how[1]))
+                order.append((active, i, how[0]))
         cache = lay.cache_bytes(self.kv[layer])
-        for crew in (True, False):
-            # targets: the blocks each page writes, after the first page's head blocks (the engine's own)
-            picked = [(active, i, seg) for active, segs in per_load for i, seg in segs
-                      if active.reader.stable(i) == crew]
-            if not picked:
-                continue
-            sums = lay.copy_checked(cache, [(seg, *active.targets[i], active.reader.sum_seed(i))
-                                            for active, i, seg in picked], self.copy_threads if crew else 1)
-            landed: dict[int, tuple[_ActiveLoad, list[tuple[int, int]]]] = {}
-            for (active, i, _), got in zip(picked, sums, strict=True):
-                landed.setdefault(id(active), (active, []))[1].append((i, got))
-            for active, checks in landed.values():
-                active.reader.check_all(layer, checks)
+        sums = {True: iter(lay.copy_checked(cache, crew, self.copy_threads) if crew else ()),
+                False: iter(lay.copy_checked(cache, solo, 1) if solo else ())}
+        checks: list[tuple[int, int]] = []
+        current: _ActiveLoad | None = None
+        for active, i, by_crew in order:          # per reader, in the order its pages came
+            if active is not current:
+                if current is not None:
+                    current.reader.check_all(layer, checks)
+                current, checks = active, []
+            checks.append((i, next(sums[by_crew])))
+        if current is not None:
+            current.reader.check_all(layer, checks)
 
     def _copy_strided(self, layer: int, per_load: list[tuple[_ActiveLoad, list[tuple[int, np.ndarray]]]]) -> None:
         """Torch copies into the blocks (any layout, any device), then the check of each page as
