@@ -35,7 +35,7 @@ import torch
 from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
-from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
+from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict
 from pof_connector.config import PofConfig
 from pof_connector.keys import PageKey
@@ -78,16 +78,19 @@ class _PendingSave:
 
 
 class PoFWorker:
-    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False,
-                 pp_rank: int = 0, overlap: bool | None = None) -> None:
+    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, pp_rank: int = 0,
+                 overlap: bool | None = None, cpu_attention: bool | None = None) -> None:
         """``overlap``: copy loads on a thread of their own while the engine computes (``True``)
         or on the engine's thread, each layer right before it is read (``False``); ``None``:
-        decided at :meth:`register` by :func:`core_to_spare`."""
+        decided at :meth:`register` by :func:`core_to_spare`. ``cpu_attention``: whether vLLM's
+        CPU attention kernel writes the KV blocks (its own block order, probed) or a GPU backend
+        (K|V or MLA's latent per token, any ``KVCacheLayout``); ``None``: by the tensors' device
+        (the GPU harness runs the GPU path on CPU tensors with ``False``)."""
         self.config = config
         self.geo = geo
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
-        self.hnd_preferred = hnd_preferred
+        self.cpu_attention = cpu_attention
         self.pool: Pool | None = None
         self.layout: BlockLayout | None = None
         self.kv: list[torch.Tensor] = []
@@ -114,17 +117,23 @@ class PoFWorker:
 
     # ---- register_kv_caches --------------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], layout: str | None = None) -> None:
+        """Learn the engine's KV tensors (layer name -> vLLM's per-layer view, in model order).
+        ``layout``: the ``KVCacheLayout`` vLLM resolved (``None``: unknown; the strides decide)."""
         names = list(kv_caches)
         self.kv = [kv_caches[n] for n in names]
         self.layer_index = {n: i for i, n in enumerate(names)}
         geo = self.geo
-        order = None
-        if self.kv[0].device.type == "cpu" and geo.layout_tag == "canonical" and self.kv[0].dim() == 4:
-            order = cpu_block_order(geo.kv_heads, geo.block_size, geo.head_dim, self.kv[0].dtype)
-        self.layout = infer_layout(self.kv[0], block_size=geo.block_size, kv_heads=geo.kv_heads,
-                                   head_dim=geo.head_dim, is_mla=geo.is_mla, hnd_preferred=self.hnd_preferred,
-                                   cpu_order=order)
+        cpu_attention = self.kv[0].device.type == "cpu" if self.cpu_attention is None else self.cpu_attention
+        if cpu_attention:
+            order = None
+            if geo.layout_tag == "canonical" and self.kv[0].dim() == 4 and not geo.is_mla:
+                order = cpu_block_order(geo.kv_heads, geo.block_size, geo.head_dim, self.kv[0].dtype)
+            self.layout = infer_layout(self.kv[0], block_size=geo.block_size, kv_heads=geo.kv_heads,
+                                       head_dim=geo.head_dim, is_mla=geo.is_mla, cpu_order=order)
+        else:
+            self.layout = view_layout(self.kv, block_size=geo.block_size, kv_heads=geo.kv_heads,
+                                      head_dim=geo.head_dim, is_mla=geo.is_mla, configured=layout)
         if (self.layout.name == "cpu_opaque") != geo.layout_tag.startswith("opaque"):
             raise ValueError(f"pof: the worker's KV layout {self.layout.name} disagrees with the scheduler's "
                              f"{geo.layout_tag}; keys would not match")
@@ -147,8 +156,9 @@ class PoFWorker:
         if self.overlap is None:
             self.overlap = core_to_spare(self.kv[0].device)
         self.copy_threads = 1 if self.overlap else copy_threads(self.kv[0].device)
-        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
-                 self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
+        log.info("pof: %d layers, layout %s%s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
+                 self.layout.name, f" ({self.layout.physical})" if self.layout.physical else "",
+                 list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
                  ", ".join(f"{t.medium}" for t in self.pool.tiers),
                  "overlapped with the forward" if self.overlap
                  else f"on the forward's thread, copied by {self.copy_threads} thread(s)")
