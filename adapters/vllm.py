@@ -87,6 +87,19 @@ class PoFConnector(KVConnectorBase_V1):
         else:
             self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), pp_rank=_pp_rank(), cpu_attention=on_cpu())
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True, for every configuration: pof's loads and saves run in the per-layer hooks
+        (``wait_for_layer_load`` orders the forward after a layer's copy, ``save_kv_layer`` copies a
+        layer's new pages out right after attention wrote them), and a full CUDA graph replay
+        skips both. vLLM then runs attention eagerly between graph pieces (``PIECEWISE``) instead
+        of its default ``FULL_AND_PIECEWISE`` (``config/vllm.py``). Keeping the hooks out of the
+        graph entirely instead (all loads before the forward, all saves after it) would give up
+        overlapping a load with the forward. Should a replay skip them anyway, the worker stores
+        nothing the forward did not hand it and recomputes the step's loads
+        (``pof_skipped_hooks_total``)."""
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """False: the pool is a best-effort cache, never a hand-off. vLLM's default (the producer

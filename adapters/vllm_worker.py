@@ -114,6 +114,11 @@ class PoFWorker:
         self.load_latencies: list[float] = []
         self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
         self._waited = 0.0                    # ... so far in this step
+        # Layers whose per-layer hook has not run yet this step: a full CUDA graph replay skips
+        # wait_for_layer_load and save_kv_layer (see PoFConnector.requires_piecewise_for_cudagraph).
+        self._unwaited: set[int] = set()
+        self._unsaved: set[int] = set()
+        self._skip_logged: set[str] = set()
 
     # ---- register_kv_caches --------------------------------------------------------------------
 
@@ -182,6 +187,7 @@ class PoFWorker:
             if self.overlap and self._load_thread is None:
                 self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pof-load")
             self._loader = LayerLoader(self._copy_layer, len(self.kv), self._load_thread if self.overlap else None)
+            self._unwaited = set(range(len(self.kv)))
             self._waited = time.perf_counter() - t0
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
@@ -210,6 +216,7 @@ class PoFWorker:
         if self._loader is not None and layer is not None:    # else: not a layer whose KV the pool holds
             t0 = time.perf_counter()
             self._loader.wait(layer)
+            self._unwaited.discard(layer)
             self._waited += time.perf_counter() - t0
 
     def _copy_layer(self, layer: int) -> None:
@@ -279,10 +286,16 @@ class PoFWorker:
         if loader is not None:
             loader.finish()
         page_sum.settle()         # no copy helper still writes from a slot before the readers unpin them
+        # A layer the forward never waited for may have been read before its copy (a full CUDA
+        # graph replay skips the hook): every load of the step is recomputed.
+        unordered = loader is not None and bool(self._unwaited) and self._skipped("wait_for_layer_load")
+        self._unwaited = set()
         for active in self._loads:
             active.reader.close()
             job = active.job
             failed = set(active.reader.failed) | set(range(active.readable, len(job.keys)))
+            if unordered:
+                failed = set(range(len(job.keys)))
             for i in failed:
                 self._load_errors.update(job.blocks_to_load(i))
             self.load_latencies.append(time.perf_counter() - active.started)
@@ -293,6 +306,17 @@ class PoFWorker:
         if loader is not None:
             self.wait_seconds.append(self._waited + time.perf_counter() - t0)
         self._loads = []
+
+    def _skipped(self, hook: str) -> bool:
+        """Count (and log once) a step in which the engine skipped ``hook`` for some layer. True."""
+        assert self.pool is not None
+        self.pool.stats.add("skipped_hooks", hook=hook)
+        if hook not in self._skip_logged:
+            self._skip_logged.add(hook)
+            log.warning("pof: the engine skipped %s for some layers in a step (a full CUDA graph replay?): %s. "
+                        "Logged once; counted in pof_skipped_hooks_total.", hook,
+                        "its loads are recomputed" if hook == "wait_for_layer_load" else "its saves are not stored")
+        return True
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -318,9 +342,11 @@ class PoFWorker:
         for active in self._loads:
             active.reader.close()
         self._loads = []
+        self._unwaited = set()
 
     def drop_saves(self) -> None:
         self._saves = []
+        self._unsaved = set()
 
     def track(self, meta: PoFConnectorMetadata) -> None:
         """Take the scheduler's news about requests before this step's saves are picked.
@@ -384,6 +410,8 @@ class PoFWorker:
             self._saves.append(_PendingSave(job.req_id, [keys[i] for i in keep],
                                             torch.tensor(blocks, dtype=torch.long, device=self.kv[0].device),
                                             buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes)))
+        if self._saves:
+            self._unsaved = set(range(len(self.kv)))
 
     def save_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
@@ -395,11 +423,17 @@ class PoFWorker:
             pages = lay.blocks_to_pages(lay.gather(self.kv[layer], save.block_ids), self.geo.blocks_per_page)
             dst = torch.from_numpy(save.segments[layer]).view(lay.dtype).view(len(save.keys), *lay.canonical_shape(P))
             dst.copy_(pages)
+        self._unsaved.discard(layer)
 
     def end_step(self) -> None:
         """After the forward: report loads, hand staged pages to the pool's store thread (held
         until the scheduler's verdict when this step was told to hold them)."""
         self._finish_loads()
+        if self._saves and self._unsaved and self._skipped("save_kv_layer"):
+            for save in self._saves:      # staging the forward never filled: nothing of it is stored
+                self.staging.give(save.segments)
+            self._saves = []
+        self._unsaved = set()
         if not self._saves:
             return
         assert self.pool is not None
