@@ -189,6 +189,13 @@ class PageReader:
         entry = self._pages[page] if 0 <= page < len(self._pages) else None
         return entry is not None and entry[3] and entry[0].in_place
 
+    def refilled(self, page: int) -> bool:
+        """Whether :meth:`segment` gives page ``page``'s layers in a buffer of this reader's that
+        the next layer's call refills (a source the host cannot address, copied out): a copy from
+        it must have read it by then, not merely been queued."""
+        entry = self._pages[page] if 0 <= page < len(self._pages) else None
+        return entry is not None and not entry[0].in_place
+
     def check_all(self, layer: int, landed: Sequence[tuple[int, int]]) -> None:
         """:meth:`check` of each ``(page, checksum)`` (a whole layer at once, after a fused copy):
         pages that fail land in :attr:`failed`."""
