@@ -42,6 +42,13 @@ from pof_connector import page_sum
 from pof_connector.adapters.vllm_layout import BlockLayout
 from pof_connector.page_reader import PageReader
 
+COPY_BYTES = 1 << 20
+"""A load copies at least this much of a page at once (several layers when a layer's segment is
+smaller): queuing one host-to-device copy costs about 10 us of host time, as long as a 64 KiB
+segment takes over PCIe, so copies of single small segments would leave the DMA engine idle."""
+STAGE_BYTES = 256 << 20
+"""Device staging a step's loads take at most (fewer layers per copy when a step loads many pages)."""
+
 
 class Lane:
     """One of pof's CUDA streams on the engine's device; on a CPU device, no stream: work runs
@@ -107,11 +114,15 @@ class StepLoads:
         self._at = {(id(p.reader), p.page): pos for pos, p in enumerate(self.pages)}
         self.events: list[Any] = [None] * len(kv)
         self._pending: list[tuple[int, list[int]]] = []     # (layer, positions copied) still to check
+        # Layers copied per page at once (a group): segments of consecutive layers are adjacent in a slot.
+        group = min(len(kv), -(-COPY_BYTES // segment_bytes))
+        self.group = max(1, min(group, STAGE_BYTES // max(1, len(self.pages) * segment_bytes)))
+        self._spanned: set[int] = set()     # positions whose current group was copied in one span
         device = kv[0].device
         lane.after_engine()
         with lane.queue():
             self._rows, self._ids = self._plan(range(len(self.pages)), device)
-            self._stage = torch.empty((len(self.pages), segment_bytes), dtype=torch.uint8, device=device)
+            self._stage = torch.empty((len(self.pages), self.group, segment_bytes), dtype=torch.uint8, device=device)
             self._sums = (torch.zeros((len(kv), len(self.pages)), dtype=torch.int64, device=device)
                           if lane.stream is not None else None)
 
@@ -137,13 +148,25 @@ class StepLoads:
         if not present:
             return
         refilled = False
+        first, at = layer - layer % self.group, layer % self.group
         with lane.queue():
+            if at == 0:      # a group's first layer: each page's layers of the group in one copy where it can
+                count = min(self.group, len(self.kv) - first)
+                self._spanned = set()
+                for reader, i, _ in segments:
+                    pos = self._at[(id(reader), i)]
+                    span = reader.span(i, first, count)
+                    if span is not None:
+                        self._stage[pos, :count].view(-1).copy_(torch.from_numpy(span), non_blocking=True)
+                        self._spanned.add(pos)
             for reader, i, seg in segments:
-                self._stage[self._at[(id(reader), i)]].copy_(torch.from_numpy(seg), non_blocking=True)
-                refilled = refilled or reader.refilled(i)
+                pos = self._at[(id(reader), i)]
+                if pos not in self._spanned:
+                    self._stage[pos, at].copy_(torch.from_numpy(seg), non_blocking=True)
+                    refilled = refilled or reader.refilled(i)
             rows, ids = ((self._rows, self._ids) if len(present) == len(self.pages)
                          else self._plan(present, kv.device))
-            pages = self._stage.view(lay.dtype).view(len(self.pages), *lay.canonical_shape(self.page_tokens))
+            pages = self._stage[:, at].view(lay.dtype).view(len(self.pages), *lay.canonical_shape(self.page_tokens))
             blocks = lay.pages_to_blocks(pages, self.bpp)
             lay.scatter(kv, ids, blocks.index_select(0, rows))
             # What the engine will read: its blocks as they hold the page now (the skipped head

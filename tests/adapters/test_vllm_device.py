@@ -132,3 +132,34 @@ def test_loads_are_ordered_by_events_and_checked_once_the_stream_drained(worker:
     assert w.take_load_errors() == {7, 8}
     for name in names:
         assert torch.equal(kv[name][5:7].view(torch.uint8), original[name][1:3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_layers_copied_in_groups_land_byte_exact(worker: Any, monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+    """A page's layers are copied a group at a time (adjacent in its slot: one DMA each); with 3
+    layers in groups of 1 or 2, every layer of every page lands where it belongs, and a page
+    corrupted in its second group is still caught."""
+    from pof_connector.adapters import vllm_device
+
+    w, kv, _ = worker
+    names = list(kv)
+    keys = w.pool.keys_for(list(range(4 * TOKENS)))
+    w.prepare_saves(PoFConnectorMetadata(saves=[SaveJob("s", keys, [[1, 2], [3, 4]])]))
+    for name in names:
+        w.save_layer(name)
+    w.end_step()
+    w.pool.flush()
+    original = {name: t.clone() for name, t in kv.items()}
+    monkeypatch.setattr(vllm_device, "COPY_BYTES", group * w.pool.spec.segment_bytes)
+    tier = w.pool.tiers[0]
+    ref = tier.find(keys[0])
+    assert ref is not None
+    tier.segment_view(ref, LAYERS - 1)[3] ^= 1
+    w.start(PoFConnectorMetadata(loads=[LoadJob("l", keys, w.pool.lookup(keys).sources, [[5, 6], [7, 8]])]))
+    assert w._strided is not None and w._strided.group == group
+    for name in names:
+        w.wait_layer(name)
+    w.end_step()
+    assert w.take_load_errors() == {5, 6}
+    for name in names:
+        assert torch.equal(kv[name][7:9].view(torch.uint8), original[name][3:5].view(torch.uint8))
