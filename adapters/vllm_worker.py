@@ -11,10 +11,12 @@ busy (vLLM on the CPU, by default), it copies each layer right before the engine
 the forward's thread and the native kernel's helper threads on the cores torch's threads leave
 idle meanwhile (one native call per layer copies its pages side by side: one core does not fill
 the memory bandwidth) — measured, a copy overlapping the forward there stalls the engine's
-OpenMP threads for longer than the copy takes.
-One copy per byte, no staging buffer. Pages that fail are
-reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
-loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
+OpenMP threads for longer than the copy takes. The CPU layouts with a native kernel copy once
+per byte; every other cache (a GPU's above all) goes through :mod:`.vllm_device`: batched torch
+copies on pof's own CUDA streams, ordered with the engine's by events, the landed bytes summed
+on the device. Pages that fail are reported through ``get_block_ids_with_load_errors`` after the
+forward, in the same step (the loader is joined first), and vLLM recomputes them
+(``kv_load_failure_policy: recompute``).
 
 Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into staging right
 after attention wrote them; ``end_step`` hands the staged pages to the pool,
@@ -24,7 +26,6 @@ which writes them on its own thread — the forward never waits for a tier.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from pof_connector import page_sum
-from pof_connector.adapters.layer_loader import LayerLoader
+from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
 from pof_connector.adapters.vllm_device import Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
@@ -478,22 +479,3 @@ class PoFWorker:
         if self.pool is not None:
             self.pool.close()
 
-
-def core_to_spare(device: torch.device) -> bool:
-    """Whether a load copied on a thread of its own overlaps the forward instead of slowing it:
-    the forward runs on a GPU (the host cores mostly wait), or torch's threads leave one of this
-    process's cores idle."""
-    if device.type != "cpu":
-        return True
-    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
-
-
-def copy_threads(device: torch.device) -> int:
-    """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
-    CPU engine, as many as torch computes with (their cores idle while the forward waits, and one
-    core does not fill the memory bandwidth): the caller and the native kernel's own helpers
-    (:func:`pof_connector.page_sum.kt_copy_pages`), which never hold the caller up when the OS
-    gives their core to another process; else one."""
-    if device.type != "cpu" or page_sum.NATIVE is None:
-        return 1
-    return max(1, torch.get_num_threads())
