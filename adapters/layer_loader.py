@@ -19,9 +19,14 @@ happens).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pof_connector import page_sum
 
 
 class LayerLoader:
@@ -93,3 +98,23 @@ class LayerLoader:
     def _raise(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"pof: the layer loader failed: {self._error!r}") from self._error
+
+
+def core_to_spare(device: torch.device) -> bool:
+    """Whether a load copied on a thread of its own overlaps the forward instead of slowing it:
+    the forward runs on a GPU (the host cores mostly wait), or torch's threads leave one of this
+    process's cores idle."""
+    if device.type != "cpu":
+        return True
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
+
+
+def copy_threads(device: torch.device) -> int:
+    """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
+    CPU engine, as many as torch computes with (their cores idle while the forward waits, and one
+    core does not fill the memory bandwidth): the caller and the native kernel's own helpers
+    (:func:`pof_connector.page_sum.kt_copy_pages`), which never hold the caller up when the OS
+    gives their core to another process; else one."""
+    if device.type != "cpu" or page_sum.NATIVE is None:
+        return 1
+    return max(1, torch.get_num_threads())

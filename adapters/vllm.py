@@ -29,11 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pof_connector.adapters.vllm_geometry import geometry, pof_config
+from pof_connector.adapters.vllm_geometry import cache_spec_problem, geometry, on_cpu, pof_config
 from pof_connector.adapters.vllm_metadata import PoFConnectorMetadata
 from pof_connector.adapters.vllm_scheduler import PoFScheduler
 from pof_connector.adapters.vllm_stats import PoFConnectorStats, PoFPromMetrics, counter_delta
 from pof_connector.adapters.vllm_worker import PoFWorker
+from pof_connector.config import ConfigError
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -68,6 +69,9 @@ class PoFConnector(KVConnectorBase_V1):
         _log_like_vllm()
         config = pof_config(vllm_config)          # a bad config stops start-up here, naming the key
         geo = geometry(vllm_config, config)
+        problem = cache_spec_problem(kv_cache_config)
+        if problem is not None:
+            raise ConfigError(f"pof: vLLM's KV cache cannot be pooled: {problem}")
         self._scheduler: PoFScheduler | None = None
         self._worker: PoFWorker | None = None
         self._last_snapshot: dict[str, Any] = {}
@@ -81,8 +85,20 @@ class PoFConnector(KVConnectorBase_V1):
             self._scheduler = PoFScheduler(config, geo, loads=kv_role != "kv_producer",
                                            saves=kv_role != "kv_consumer")
         else:
-            self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), hnd_preferred=_hnd_preferred(),
-                                     pp_rank=_pp_rank())
+            self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), pp_rank=_pp_rank(), cpu_attention=on_cpu())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True, for every configuration: pof's loads and saves run in the per-layer hooks
+        (``wait_for_layer_load`` orders the forward after a layer's copy, ``save_kv_layer`` copies a
+        layer's new pages out right after attention wrote them), and a full CUDA graph replay
+        skips both. vLLM then runs attention eagerly between graph pieces (``PIECEWISE``) instead
+        of its default ``FULL_AND_PIECEWISE`` (``config/vllm.py``). Keeping the hooks out of the
+        graph entirely instead (all loads before the forward, all saves after it) would give up
+        overlapping a load with the forward. Should a replay skip them anyway, the worker stores
+        nothing the forward did not hand it and recomputes the step's loads
+        (``pof_skipped_hooks_total``)."""
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -133,7 +149,9 @@ class PoFConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        # The layout vLLM resolved (VLLM_KV_CACHE_LAYOUT or its backends' choice): the strides must show it.
+        layout = getattr(self._vllm_config.cache_config, "kv_cache_layout", None)
+        self._worker.register(kv_caches, layout=layout)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -246,12 +264,3 @@ def _pp_rank() -> int:
         return int(get_pp_group().rank_in_group)
     except (AssertionError, RuntimeError):    # no PP group (single process tests)
         return 0
-
-
-def _hnd_preferred() -> bool:
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
-
-        return bool(get_kv_cache_layout() == "HND")
-    except ImportError:
-        return False

@@ -45,10 +45,12 @@ class VllmGeometry:
     @property
     def kv_itemsize(self) -> int:
         """Bytes per element of the KV cache tensors, as vLLM allocates them for :attr:`kv_dtype`."""
-        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-
-        dtype = STR_DTYPE_TO_TORCH_DTYPE.get(self.kv_dtype)
-        if dtype is None:
+        try:
+            from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+        except ImportError:     # a harness without vLLM (the GPU check): torch's own dtype names
+            STR_DTYPE_TO_TORCH_DTYPE = {}
+        dtype = STR_DTYPE_TO_TORCH_DTYPE.get(self.kv_dtype, getattr(torch, self.kv_dtype, None))
+        if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"pof does not know vLLM's KV cache dtype {self.kv_dtype!r}")
         return int(dtype.itemsize)
 
@@ -111,16 +113,17 @@ def geometry(vllm_config: Any, config: PofConfig) -> VllmGeometry:
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
     )
-    if cache_dtype == "auto" and _on_cpu():
+    if cache_dtype == "auto" and on_cpu():
         order = cpu_block_order(geo.kv_heads, block_size, geo.head_dim, model_config.dtype)
         if order is None:
             geo = replace(geo, layout_tag=f"opaque-cpu-{_cpu_isa(model_config.dtype, block_size, geo.head_dim)}")
-    elif _on_cpu():
+    elif on_cpu():
         geo = replace(geo, layout_tag=f"opaque-cpu-{cache_dtype}")
     return geo
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (its CPU attention kernels write the KV cache)."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
@@ -139,3 +142,38 @@ def cpu_block_order(kv_heads: int, block_size: int, head_dim: int, dtype: torch.
     from pof_connector.adapters.vllm_layout import probe_cpu_block
 
     return probe_cpu_block(kv_heads, block_size, head_dim, dtype, _cpu_isa(dtype, block_size, head_dim))
+
+
+_KNOWN_QUANT = ("NONE", "FP8_PER_TENSOR")
+"""vLLM ``KVQuantMode`` values whose cache holds K|V (or the latent) per token and head only: the
+per-tensor fp8 scale lives in the layer, not in the blocks."""
+
+
+def cache_spec_problem(kv_cache_config: Any) -> str | None:
+    """Why the engine's KV cache, as vLLM's ``KVCacheConfig`` describes it, cannot be moved as
+    pof pages; ``None``: it can (or no config was given). The views' shapes and strides are
+    checked again at registration; this catches what they cannot show: a backend that stores K
+    and V as two head groups (``num_head_slots``) has the shape of K|V per head when there are
+    two KV heads."""
+    if kv_cache_config is None:
+        return None
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        return (f"{len(groups)} KV cache groups (the hybrid KV cache manager): pof plans one block table; allowed: "
+                "one group (drop --no-disable-hybrid-kv-cache-manager)")
+    for group in groups:
+        spec = group.kv_cache_spec
+        for layer_spec in getattr(spec, "kv_cache_specs", {}).values() or [spec]:
+            kind = type(layer_spec).__name__
+            for name in ("num_head_slots", "state_content_bytes"):
+                if getattr(layer_spec, name, None) is not None:
+                    return (f"{kind}.{name}={getattr(layer_spec, name)}: the attention backend packs its blocks in "
+                            "its own way (e.g. K and V as separate head groups); allowed: backends that store K|V "
+                            "(or MLA's latent) per token and head, e.g. FlashAttention, FlashInfer, Triton, FlashMLA")
+            if getattr(layer_spec, "tokens_per_state", 1) != 1:
+                return (f"{kind}.tokens_per_state={layer_spec.tokens_per_state}: compressed KV; allowed: one state "
+                        "per token")
+            quant = getattr(getattr(layer_spec, "kv_quant_mode", None), "name", "NONE")
+            if quant not in _KNOWN_QUANT:
+                return f"{kind}.kv_quant_mode={quant}: scales inside the blocks; allowed: {', '.join(_KNOWN_QUANT)}"
+    return None

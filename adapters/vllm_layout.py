@@ -1,25 +1,25 @@
 """vLLM KV-cache tensors ⇄ canonical page segments (one layer of one page).
 
 The canonical MHA segment is K then V, each ``[page_tokens, kv_heads, head_dim]``; MLA is the
-latent ``[page_tokens, 1, dim]``. vLLM's per-layer tensors come in several layouts; the layout
-is derived from the tensor's shape and the model's geometry, never assumed:
+latent ``[page_tokens, 1, dim]``. vLLM 0.32 gives every layer a logical 4-D view
+``[B, H, N, C]``; what C holds depends on the attention backend, never on the shape:
 
 =================  ===============================  =================================
-name               shape                            backends
+name               what the view holds              backends
 =================  ===============================  =================================
-``cpu_kt``         ``[B, H, N, 2D]``                CPU attention, ``vec`` ISA: per head K^T [D, N], V [N, D]
-``cpu_vnni``       ``[B, H, N, 2D]``                CPU attention, ``amx`` ISA (bf16): per head VNNI tiles
-``cpu_probed``     ``[B, H, N, 2D]``                CPU attention, any other probed order
-``cpu_opaque``     ``[B, H, N, 2D]``                CPU attention when probing is impossible
-``kv_first_nhd``   ``[2, B, N, H, D]``              FlashAttention, Triton
-``kv_first_hnd``   ``[2, B, H, N, D]``              FlashAttention with HND
-``blocks_first``   ``[B, 2, N, H, D]``              FlashInfer
-``blocks_first_hnd`` ``[B, 2, H, N, D]``            FlashInfer with HND
-``mla``            ``[B, N, C]``                    MLA backends
+``cpu_kt``         per head K^T [D, N], V [N, D]    CPU attention, ``vec`` ISA
+``cpu_vnni``       per head VNNI tiles              CPU attention, ``amx`` ISA (bf16)
+``cpu_probed``     any other probed order           CPU attention
+``cpu_opaque``     raw block bytes                  CPU attention when probing is impossible
+``kv_split``       C = K then V of a token and head GPU backends (FlashAttention, FlashInfer, Triton, ...)
+``mla``            C = the latent, H = 1            MLA backends (FlashMLA, Triton MLA, CUTLASS MLA, ...)
 =================  ===============================  =================================
 
-(B blocks, N tokens per block, H KV heads of this rank, D head size.) All conversions are torch
-ops on the tensor's device, so the same code runs on CPU tensors in CI and on a GPU.
+(B blocks, N tokens per block, H KV heads of this rank, D head size.) ``kv_split`` and ``mla`` are
+read and written by index through the view, so every ``KVCacheLayout`` stride permutation works
+alike; :mod:`pof_connector.adapters.vllm_views` recognises the permutation from the strides and
+refuses any other, and maps a manager block to its kernel blocks. All conversions are torch ops
+on the tensor's device, so the same code runs on CPU tensors in CI and on a GPU.
 
 The CPU backend's ``[B, H, N, 2D]`` is not "K and V side by side per token": the kernel that
 writes the cache stores each block in an ISA-specific order (with the ``vec`` ISA, K transposed as
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from pof_connector import page_sum
+from pof_connector.adapters.vllm_views import LayoutError, identify
 
-LAYOUTS = ("cpu_kt", "cpu_vnni", "cpu_probed", "cpu_opaque", "kv_first_nhd", "kv_first_hnd", "blocks_first",
-           "blocks_first_hnd", "mla")
+LAYOUTS = ("cpu_kt", "cpu_vnni", "cpu_probed", "cpu_opaque", "kv_split", "mla")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class BlockLayout:
     """``cpu_probed`` only: flat position in a block of each canonical element (see probe_cpu_block)."""
     cpu_inverse: torch.Tensor | None = field(default=None, compare=False)
     """``cpu_probed`` only: the canonical element stored at each flat position of a block."""
+    kernel_blocks: int = 1
+    """``kv_split`` / ``mla``: kernel blocks per manager block (``block_size`` is the manager's:
+    the block ids the scheduler plans)."""
+    physical: str = ""
+    """``kv_split`` / ``mla``: the ``KVCacheLayout`` the strides showed (for the log)."""
 
     @property
     def is_mla(self) -> bool:
@@ -80,6 +85,12 @@ class BlockLayout:
     def gather(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Blocks ``block_ids`` of ``kv`` in canonical order, ``[nb, *block_shape()]`` (a new tensor)."""
         nb, n, h, d = len(block_ids), self.block_size, self.kv_heads, self.head_dim
+        if self.name in ("kv_split", "mla"):
+            k = self.kernel_blocks
+            x = kv.unflatten(0, (-1, k)).index_select(0, block_ids)           # [nb, k, H, n/k, C]
+            if self.name == "mla":
+                return x.reshape(nb, *self.block_shape())
+            return x.view(nb, k, h, n // k, 2, d).permute(0, 4, 1, 3, 2, 5).reshape(nb, *self.block_shape())
         if self.name == "cpu_kt":
             x = kv.index_select(0, block_ids).view(nb, h, 2, n * d)
             k = x[:, :, 0].view(nb, h, d, n).permute(0, 3, 1, 2)
@@ -94,23 +105,28 @@ class BlockLayout:
             assert self.cpu_order is not None
             x = kv.index_select(0, block_ids).reshape(nb, -1)
             return x.index_select(1, self.cpu_order).view(nb, 2, n, h, d)
-        if self.name in ("cpu_opaque", "mla", "blocks_first"):
-            return kv.index_select(0, block_ids).reshape(nb, *self.block_shape())
-        if self.name == "kv_first_nhd":
-            return kv.index_select(1, block_ids).transpose(0, 1)
-        if self.name == "kv_first_hnd":
-            return kv.index_select(1, block_ids).transpose(0, 1).transpose(2, 3)
-        return kv.index_select(0, block_ids).transpose(2, 3)             # blocks_first_hnd
+        return kv.index_select(0, block_ids).reshape(nb, *self.block_shape())     # cpu_opaque
 
     def scatter(self, kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Write ``blocks`` (``[nb, *block_shape()]``, canonical order) into ``block_ids`` of ``kv``."""
         nb = len(block_ids)
-        # Blocking on purpose: ``blocks`` is a view of tier memory (pinned under CUDA, or a tier's
-        # scratch buffer). A non-blocking copy would return before the DMA read it, so the checksum
-        # that follows could pass on bytes a writer replaces afterwards, and a scratch buffer could be
-        # refilled under the copy. Once this returns, the device holds its own copy.
+        # Blocking on purpose when ``blocks`` is host memory: a view of tier memory (pinned under
+        # CUDA, or a tier's scratch buffer). A non-blocking copy would return before the DMA read
+        # it, so the checksum that follows could pass on bytes a writer replaces afterwards, and a
+        # scratch buffer could be refilled under the copy. Once this returns, the device holds its
+        # own copy. (The worker's GPU path copies into device staging itself, ordered by events,
+        # and hands this device blocks.)
         c = blocks.to(kv.device, non_blocking=False)
-        if self.name == "cpu_kt":       # strided copies: ~2x faster than a generic permutation
+        if self.name in ("kv_split", "mla"):
+            k, n = self.kernel_blocks, self.block_size // self.kernel_blocks
+            if self.name == "mla":
+                x = c.reshape(nb, k, 1, n, self.head_dim)
+            else:      # [nb, 2, k*n, H, D] -> [nb, k, H, n, 2, D]: K then V of each token and head
+                x = c.view(nb, 2, k, n, self.kv_heads, self.head_dim).permute(0, 2, 4, 3, 1, 5)
+                x = x.reshape(nb, k, self.kv_heads, n, 2 * self.head_dim)
+            # In place through the view: its strides reach the engine's one allocation.
+            kv.unflatten(0, (-1, k)).index_copy_(0, block_ids, x)
+        elif self.name == "cpu_kt":       # strided copies: ~2x faster than a generic permutation
             n, h, d = self.block_size, self.kv_heads, self.head_dim
             x = torch.empty((nb, h, 2, n * d), dtype=kv.dtype, device=kv.device)
             x[:, :, 0].view(nb, h, d, n).copy_(c[:, 0].permute(0, 2, 3, 1))
@@ -124,14 +140,8 @@ class BlockLayout:
             assert self.cpu_inverse is not None
             x = c.reshape(nb, -1).index_select(1, self.cpu_inverse)      # canonical -> the kernel's order
             kv.index_copy_(0, block_ids, x.view(nb, *kv.shape[1:]))
-        elif self.name in ("cpu_opaque", "mla", "blocks_first"):
+        else:                                                            # cpu_opaque
             kv.index_copy_(0, block_ids, c.reshape(nb, *kv.shape[1:]))
-        elif self.name == "kv_first_nhd":
-            kv.index_copy_(1, block_ids, c.transpose(0, 1))
-        elif self.name == "kv_first_hnd":
-            kv.index_copy_(1, block_ids, c.transpose(2, 3).transpose(0, 1))
-        else:
-            kv.index_copy_(0, block_ids, c.transpose(2, 3))
 
     def write_blocks(self, kv: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
         """:meth:`scatter` for a few blocks: straight strided copies where the layout allows, so
@@ -224,49 +234,49 @@ def _kt_order(h: int, n: int, d: int) -> torch.Tensor:
     return (hh * 2 * n * d + kv * n * d + inner).reshape(-1)
 
 
-class LayoutError(ValueError):
-    """The KV tensor's shape matches no layout pof knows."""
-
-
 def infer_layout(kv: torch.Tensor, *, block_size: int, kv_heads: int, head_dim: int, is_mla: bool,
-                 hnd_preferred: bool = False, cpu_order: torch.Tensor | None = None,
-                 structured: bool = True) -> BlockLayout:
-    """Identify ``kv``'s layout from its shape and the model's geometry.
-
-    ``hnd_preferred`` breaks the tie when ``block_size == kv_heads`` makes NHD and HND shapes
-    equal (vLLM's ``get_kv_cache_layout()`` says which one the backend uses). ``cpu_order`` is
-    :func:`probe_cpu_block`'s answer for a CPU cache (``None``: move blocks as opaque bytes);
-    ``structured=False`` keeps the generic permutation even when a faster strided form exists.
-    """
+                 cpu_order: torch.Tensor | None = None, structured: bool = True) -> BlockLayout:
+    """The layout of a cache that **vLLM's CPU attention kernel** writes (``[B, H, N, 2D]``, one
+    block order per ISA). ``cpu_order`` is :func:`probe_cpu_block`'s answer (``None``: move blocks
+    as opaque bytes); ``structured=False`` keeps the generic permutation even when a faster strided
+    form exists. A GPU backend's views: :func:`view_layout`."""
     s = tuple(kv.shape)
     n, h, d = block_size, kv_heads, head_dim
-
-    def make(name: str, dim: int = d) -> BlockLayout:
-        return BlockLayout(name, n, h if name != "mla" else 1, dim, kv.dtype)
-
     if is_mla:
-        if len(s) == 3 and s[1] == n:
-            return make("mla", s[2])
-    elif len(s) == 4 and s[1] == h and s[2] == n and s[3] == 2 * d:
+        raise LayoutError(f"pof: MLA on vLLM's CPU attention backends (a KV view of shape {list(s)}) is not "
+                          "supported: pof has not verified the block order of their kernels; allowed: MLA on a GPU")
+    if len(s) == 4 and s[1] == h and s[2] == n and s[3] == 2 * d and kv.is_contiguous():
         if cpu_order is None:
-            return make("cpu_opaque")
+            return BlockLayout("cpu_opaque", n, h, d, kv.dtype)
         if structured and torch.equal(cpu_order, _kt_order(h, n, d)):
-            return make("cpu_kt")
+            return BlockLayout("cpu_kt", n, h, d, kv.dtype)
         vnni = _vnni_order(h, n, d) if structured else None
         if vnni is not None and torch.equal(cpu_order, vnni):
-            return make("cpu_vnni")
+            return BlockLayout("cpu_vnni", n, h, d, kv.dtype)
         inverse = torch.empty_like(cpu_order)
         inverse[cpu_order] = torch.arange(len(cpu_order))
         return BlockLayout("cpu_probed", n, h, d, kv.dtype, cpu_order.to(kv.device), inverse.to(kv.device))
-    elif len(s) == 5:
-        nhd, hnd = (n, h, d), (h, n, d)
-        if s[0] == 2 and s[2:] in (nhd, hnd):
-            return make("kv_first_hnd" if s[2:] == hnd and (s[2:] != nhd or hnd_preferred) else "kv_first_nhd")
-        if s[1] == 2 and s[2:] in (nhd, hnd):
-            return make("blocks_first_hnd" if s[2:] == hnd and (s[2:] != nhd or hnd_preferred) else "blocks_first")
     raise LayoutError(
-        f"pof cannot map a KV cache tensor of shape {list(s)} (block_size={n}, kv_heads={h}, head_dim={d}, "
-        f"mla={is_mla}); supported layouts: {', '.join(LAYOUTS)}")
+        f"pof: vLLM's CPU attention cache of shape {list(s)}, strides {list(kv.stride())} is not the contiguous "
+        f"[blocks, {h} heads, {n} tokens, {2 * d}] it writes (block_size={n}, kv_heads={h}, head_dim={d}); "
+        f"allowed: vLLM's CPU backend with its KVCacheLayout LBHNC")
+
+
+def view_layout(views: Sequence[torch.Tensor], *, block_size: int, kv_heads: int, head_dim: int, is_mla: bool,
+                configured: str | None = None) -> BlockLayout:
+    """The layout of the per-layer views a **GPU backend** reads (K|V per token and head, or
+    MLA's latent), from their strides (:func:`pof_connector.adapters.vllm_views.identify`, which
+    raises :class:`LayoutError` for anything else; ``configured``: the ``KVCacheLayout`` vLLM
+    resolved, ``None``: unknown). ``block_size`` is the KV manager's; a view split into kernel
+    blocks is mapped back to manager blocks."""
+    found = identify(views, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, is_mla=is_mla,
+                     configured=configured)
+    dtype = views[0].dtype
+    if is_mla:
+        return BlockLayout("mla", block_size, 1, head_dim, dtype, kernel_blocks=found.kernel_blocks,
+                           physical=found.name)
+    return BlockLayout("kv_split", block_size, kv_heads, head_dim, dtype, kernel_blocks=found.kernel_blocks,
+                       physical=found.name)
 
 
 def probe_cpu_block(kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, isa: str,

@@ -11,10 +11,12 @@ busy (vLLM on the CPU, by default), it copies each layer right before the engine
 the forward's thread and the native kernel's helper threads on the cores torch's threads leave
 idle meanwhile (one native call per layer copies its pages side by side: one core does not fill
 the memory bandwidth) — measured, a copy overlapping the forward there stalls the engine's
-OpenMP threads for longer than the copy takes.
-One copy per byte, no staging buffer. Pages that fail are
-reported through ``get_block_ids_with_load_errors`` after the forward, in the same step (the
-loader is joined first), and vLLM recomputes them (``kv_load_failure_policy: recompute``).
+OpenMP threads for longer than the copy takes. The CPU layouts with a native kernel copy once
+per byte; every other cache (a GPU's above all) goes through :mod:`.vllm_device`: batched torch
+copies on pof's own CUDA streams, ordered with the engine's by events, the landed bytes summed
+on the device. Pages that fail are reported through ``get_block_ids_with_load_errors`` after the
+forward, in the same step (the loader is joined first), and vLLM recomputes them
+(``kv_load_failure_policy: recompute``).
 
 Saves: ``save_layer(l)`` gathers the step's newly full pages of layer ``l`` into staging right
 after attention wrote them; ``end_step`` hands the staged pages to the pool,
@@ -24,7 +26,6 @@ which writes them on its own thread — the forward never waits for a tier.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -33,9 +34,10 @@ import numpy as np
 import torch
 
 from pof_connector import page_sum
-from pof_connector.adapters.layer_loader import LayerLoader
+from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
+from pof_connector.adapters.vllm_device import Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
-from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout
+from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict
 from pof_connector.config import PofConfig
 from pof_connector.keys import PageKey
@@ -77,21 +79,23 @@ class _ActiveLoad:
 class _PendingSave:
     req_id: str
     keys: list[PageKey]
-    block_ids: torch.Tensor           # every block of these pages, page after page
     segments: np.ndarray              # [layers, pages, segment_bytes]
 
 
 class PoFWorker:
-    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, hnd_preferred: bool = False,
-                 pp_rank: int = 0, overlap: bool | None = None) -> None:
+    def __init__(self, config: PofConfig, geo: VllmGeometry, tp_rank: int, pp_rank: int = 0,
+                 overlap: bool | None = None, cpu_attention: bool | None = None) -> None:
         """``overlap``: copy loads on a thread of their own while the engine computes (``True``)
         or on the engine's thread, each layer right before it is read (``False``); ``None``:
-        decided at :meth:`register` by :func:`core_to_spare`."""
+        decided at :meth:`register` by :func:`core_to_spare`. ``cpu_attention``: whether vLLM's
+        CPU attention kernel writes the KV blocks (its own block order, probed) or a GPU backend
+        (K|V or MLA's latent per token, any ``KVCacheLayout``); ``None``: by the tensors' device
+        (the GPU harness runs the GPU path on CPU tensors with ``False``)."""
         self.config = config
         self.geo = geo
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
-        self.hnd_preferred = hnd_preferred
+        self.cpu_attention = cpu_attention
         self.pool: Pool | None = None
         self.layout: BlockLayout | None = None
         self.kv: list[torch.Tensor] = []
@@ -102,6 +106,9 @@ class PoFWorker:
         self.overlap = overlap
         self.copy_threads = 1       # threads copying a layer's pages side by side (set by register)
         self._saves: list[_PendingSave] = []
+        self._strided: StepLoads | None = None     # this step's loads by torch copies (a GPU, or no fused kernel)
+        self._step_saves: StepSaves | None = None
+        self._load_lane = self._save_lane = Lane(torch.device("cpu"))    # pof's streams (register: the engine's device)
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()   # requests computing on top of a failed load: store nothing of them
         self._step = 0                    # the scheduler's number of the step being run
@@ -115,20 +122,31 @@ class PoFWorker:
         self.load_latencies: list[float] = []
         self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
         self._waited = 0.0                    # ... so far in this step
+        # Layers whose per-layer hook has not run yet this step: a full CUDA graph replay skips
+        # wait_for_layer_load and save_kv_layer (see PoFConnector.requires_piecewise_for_cudagraph).
+        self._unwaited: set[int] = set()
+        self._unsaved: set[int] = set()
+        self._skip_logged: set[str] = set()
 
     # ---- register_kv_caches --------------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], layout: str | None = None) -> None:
+        """Learn the engine's KV tensors (layer name -> vLLM's per-layer view, in model order).
+        ``layout``: the ``KVCacheLayout`` vLLM resolved (``None``: unknown; the strides decide)."""
         names = list(kv_caches)
         self.kv = [kv_caches[n] for n in names]
         self.layer_index = {n: i for i, n in enumerate(names)}
         geo = self.geo
-        order = None
-        if self.kv[0].device.type == "cpu" and geo.layout_tag == "canonical" and self.kv[0].dim() == 4:
-            order = cpu_block_order(geo.kv_heads, geo.block_size, geo.head_dim, self.kv[0].dtype)
-        self.layout = infer_layout(self.kv[0], block_size=geo.block_size, kv_heads=geo.kv_heads,
-                                   head_dim=geo.head_dim, is_mla=geo.is_mla, hnd_preferred=self.hnd_preferred,
-                                   cpu_order=order)
+        cpu_attention = self.kv[0].device.type == "cpu" if self.cpu_attention is None else self.cpu_attention
+        if cpu_attention:
+            order = None
+            if geo.layout_tag == "canonical" and self.kv[0].dim() == 4 and not geo.is_mla:
+                order = cpu_block_order(geo.kv_heads, geo.block_size, geo.head_dim, self.kv[0].dtype)
+            self.layout = infer_layout(self.kv[0], block_size=geo.block_size, kv_heads=geo.kv_heads,
+                                       head_dim=geo.head_dim, is_mla=geo.is_mla, cpu_order=order)
+        else:
+            self.layout = view_layout(self.kv, block_size=geo.block_size, kv_heads=geo.kv_heads,
+                                      head_dim=geo.head_dim, is_mla=geo.is_mla, configured=layout)
         if (self.layout.name == "cpu_opaque") != geo.layout_tag.startswith("opaque"):
             raise ValueError(f"pof: the worker's KV layout {self.layout.name} disagrees with the scheduler's "
                              f"{geo.layout_tag}; keys would not match")
@@ -148,11 +166,16 @@ class PoFWorker:
         config = replace(self.config, node_id=geo.node_id(self.config, self.tp_rank, self.pp_rank))
         self.pool = Pool(config, spec, geo.namespace(config, self.tp_rank, self.pp_rank),
                          meta={"engine": "vllm", "model": geo.model})
+        device = self.kv[0].device
+        self._load_lane, self._save_lane = Lane(device), Lane(device)
+        if device.type == "cuda":       # saves copy device-to-host without a wait: into page-locked staging
+            self.staging = StagingPool(allocate=pinned_buffer)
         if self.overlap is None:
             self.overlap = core_to_spare(self.kv[0].device)
         self.copy_threads = 1 if self.overlap else copy_threads(self.kv[0].device)
-        log.info("pof: %d layers, layout %s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
-                 self.layout.name, list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
+        log.info("pof: %d layers, layout %s%s %s, pages of %d tokens = %d KiB, tiers %s, loads %s", len(names),
+                 self.layout.name, f" ({self.layout.physical})" if self.layout.physical else "",
+                 list(self.kv[0].shape), geo.page_tokens, spec.page_bytes >> 10,
                  ", ".join(f"{t.medium}" for t in self.pool.tiers),
                  "overlapped with the forward" if self.overlap
                  else f"on the forward's thread, copied by {self.copy_threads} thread(s)")
@@ -173,9 +196,16 @@ class PoFWorker:
             reader = self.pool.open_read(job.keys[:len(job.sources)], job.sources)
             self._loads.append(_ActiveLoad(job, reader))
         if self._loads:
+            assert self.layout is not None
+            if not self.layout.can_copy_checked(self.kv[0]):
+                planned = [PlannedPage(a.reader, i, *a.targets[i]) for a in self._loads for i in range(a.readable)
+                           if i not in a.reader.failed]
+                self._strided = StepLoads(self.layout, self.kv, self.geo.page_tokens, self.geo.blocks_per_page,
+                                          self.pool.spec.segment_bytes, self._load_lane, planned)
             if self.overlap and self._load_thread is None:
                 self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="pof-load")
             self._loader = LayerLoader(self._copy_layer, len(self.kv), self._load_thread if self.overlap else None)
+            self._unwaited = set(range(len(self.kv)))
             self._waited = time.perf_counter() - t0
 
     def _for_this_rank(self, job: LoadJob) -> LoadJob:
@@ -204,16 +234,18 @@ class PoFWorker:
         if self._loader is not None and layer is not None:    # else: not a layer whose KV the pool holds
             t0 = time.perf_counter()
             self._loader.wait(layer)
+            if self._strided is not None:        # the engine's stream waits for the layer on the device
+                self._strided.ready(layer)
+            self._unwaited.discard(layer)
             self._waited += time.perf_counter() - t0
 
     def _copy_layer(self, layer: int) -> None:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
-        assert self.layout is not None
         per_load = [(active, active.reader.segments(layer)) for active in self._loads]
-        if self.layout.can_copy_checked(self.kv[layer]):
-            self._copy_fused(layer, per_load)
+        if self._strided is not None:
+            self._strided.copy_layer(layer, [(a.reader, i, seg) for a, segs in per_load for i, seg in segs])
         else:
-            self._copy_strided(layer, per_load)
+            self._copy_fused(layer, per_load)
 
     def _copy_fused(self, layer: int, per_load: list[tuple[_ActiveLoad, list[tuple[int, np.ndarray]]]]) -> None:
         """Convert, copy and checksum in one native pass (the sums are of the bytes as they are
@@ -250,31 +282,6 @@ class PoFWorker:
         if current is not None:
             current.reader.check_all(layer, checks)
 
-    def _copy_strided(self, layer: int, per_load: list[tuple[_ActiveLoad, list[tuple[int, np.ndarray]]]]) -> None:
-        """Torch copies into the blocks (any layout, any device), then the check of each page as
-        the blocks hold it: gathered back from the engine's memory, never re-read from the tier."""
-        assert self.layout is not None
-        lay, P, bpp, kv = self.layout, self.geo.page_tokens, self.geo.blocks_per_page, self.kv[layer]
-        for active, segs in per_load:
-            for i, seg in segs:
-                blocks, skip = active.targets[i]
-                page = torch.from_numpy(seg).view(lay.dtype).view(1, *lay.canonical_shape(P))
-                # Returns once the engine's blocks hold the bytes (a host-to-GPU copy is waited for).
-                lay.write_blocks(kv, blocks, lay.pages_to_blocks(page, bpp)[skip:])
-                active.reader.check(i, layer, self._landed_sum(active.reader, i, kv, page, blocks, skip))
-
-    def _landed_sum(self, reader: PageReader, i: int, kv: torch.Tensor, page: torch.Tensor, blocks: list[int],
-                    skip: int) -> int:
-        """The checksum of page ``i``'s segment as ``blocks`` of ``kv`` hold it now; its leading
-        ``skip`` blocks (the engine's own, not written) are taken from ``page``."""
-        assert self.layout is not None
-        lay, bpp = self.layout, self.geo.blocks_per_page
-        got = lay.gather(kv, torch.tensor(blocks, dtype=torch.long, device=kv.device)).cpu()
-        if skip:
-            got = torch.cat([lay.pages_to_blocks(page, bpp)[:skip], got])
-        landed = lay.blocks_to_pages(got, bpp).contiguous()
-        return reader.landed_sum(i, landed.view(-1).view(torch.uint8).numpy())
-
     def _finish_loads(self) -> None:
         """After the forward: wait for the loader (the layers the engine did not ask for too), then
         report the blocks of every page that failed, for recompute. The loader's unexpected error
@@ -283,11 +290,20 @@ class PoFWorker:
         t0 = time.perf_counter()
         if loader is not None:
             loader.finish()
+        strided, self._strided = self._strided, None
+        if strided is not None:      # pof's copies done (one wait a step), the landed sums checked
+            strided.settle()
         page_sum.settle()         # no copy helper still writes from a slot before the readers unpin them
+        # A layer the forward never waited for may have been read before its copy (a full CUDA
+        # graph replay skips the hook): every load of the step is recomputed.
+        unordered = loader is not None and bool(self._unwaited) and self._skipped("wait_for_layer_load")
+        self._unwaited = set()
         for active in self._loads:
             active.reader.close()
             job = active.job
             failed = set(active.reader.failed) | set(range(active.readable, len(job.keys)))
+            if unordered:
+                failed = set(range(len(job.keys)))
             for i in failed:
                 self._load_errors.update(job.blocks_to_load(i))
             self.load_latencies.append(time.perf_counter() - active.started)
@@ -298,6 +314,17 @@ class PoFWorker:
         if loader is not None:
             self.wait_seconds.append(self._waited + time.perf_counter() - t0)
         self._loads = []
+
+    def _skipped(self, hook: str) -> bool:
+        """Count (and log once) a step in which the engine skipped ``hook`` for some layer. True."""
+        assert self.pool is not None
+        self.pool.stats.add("skipped_hooks", hook=hook)
+        if hook not in self._skip_logged:
+            self._skip_logged.add(hook)
+            log.warning("pof: the engine skipped %s for some layers in a step (a full CUDA graph replay?): %s. "
+                        "Logged once; counted in pof_skipped_hooks_total.", hook,
+                        "its loads are recomputed" if hook == "wait_for_layer_load" else "its saves are not stored")
+        return True
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -318,14 +345,22 @@ class PoFWorker:
         loader, self._loader = self._loader, None
         if loader is not None:
             loader.cancel()          # the thread stops reading before the readers close
+        strided, self._strided = self._strided, None
+        if strided is not None:
+            strided.drain()          # and no copy still reads a source
         page_sum.settle()
         self.fail_jobs([a.job for a in self._loads])
         for active in self._loads:
             active.reader.close()
         self._loads = []
+        self._unwaited = set()
 
     def drop_saves(self) -> None:
+        saves, self._step_saves = self._step_saves, None
+        if saves is not None:
+            saves.drain()            # no copy still writes into the staging
         self._saves = []
+        self._unsaved = set()
 
     def track(self, meta: PoFConnectorMetadata) -> None:
         """Take the scheduler's news about requests before this step's saves are picked.
@@ -377,6 +412,7 @@ class PoFWorker:
         """Pick the pages to save this step (skipping those this node stores already)."""
         assert self.pool is not None
         spec = self.pool.spec
+        blocks: list[list[int]] = []
         for job in meta.saves:
             if job.req_id in self._tainted:
                 continue
@@ -384,29 +420,39 @@ class PoFWorker:
             keep = [i for i, k in enumerate(keys) if not self.pool.contains(k)]
             if not keep:
                 continue
-            blocks = [b for i in keep for b in job.block_ids[i]]
+            blocks.append([b for i in keep for b in job.block_ids[i]])
             buffer = self.staging.take(spec.num_layers * len(keep) * spec.segment_bytes)
             self._saves.append(_PendingSave(job.req_id, [keys[i] for i in keep],
-                                            torch.tensor(blocks, dtype=torch.long, device=self.kv[0].device),
                                             buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes)))
+        if self._saves:
+            assert self.layout is not None
+            self._unsaved = set(range(len(self.kv)))
+            self._step_saves = StepSaves(self.layout, self.kv, self.geo.blocks_per_page, self._save_lane,
+                                         [(b, save.segments) for b, save in zip(blocks, self._saves, strict=True)])
 
     def save_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
-        if not self._saves or layer is None:
+        if self._step_saves is None or layer is None:
             return
-        assert self.layout is not None and self.pool is not None
-        lay, P = self.layout, self.geo.page_tokens
-        for save in self._saves:
-            pages = lay.blocks_to_pages(lay.gather(self.kv[layer], save.block_ids), self.geo.blocks_per_page)
-            dst = torch.from_numpy(save.segments[layer]).view(lay.dtype).view(len(save.keys), *lay.canonical_shape(P))
-            dst.copy_(pages)
+        self._step_saves.save_layer(layer)
+        self._unsaved.discard(layer)
 
     def end_step(self) -> None:
         """After the forward: report loads, hand staged pages to the pool's store thread (held
         until the scheduler's verdict when this step was told to hold them)."""
         self._finish_loads()
+        step_saves, self._step_saves = self._step_saves, None
+        if self._saves and self._unsaved and self._skipped("save_kv_layer"):
+            assert step_saves is not None
+            step_saves.drain()
+            for save in self._saves:      # staging the forward never filled: nothing of it is stored
+                self.staging.give(save.segments)
+            self._saves = []
+        self._unsaved = set()
         if not self._saves:
             return
+        assert step_saves is not None
+        ready = step_saves.finish()       # the store thread waits for the copies, the forward does not
         assert self.pool is not None
         layers = self.pool.spec.num_layers
         batches: list[tuple[str, list[tuple[PageKey, list[np.ndarray]]]]] = []
@@ -424,11 +470,11 @@ class PoFWorker:
                 self.staging.give(b)
 
         if not self._hold:
-            self.pool.store([item for _, items in batches for item in items]).add_done_callback(release)
+            self.pool.store([item for _, items in batches for item in items], ready=ready).add_done_callback(release)
             return
         futures: list[Future[int]] = []
         for req_id, items in batches:
-            stored = self.pool.store(items, hold=(self._step, req_id))
+            stored = self.pool.store(items, hold=(self._step, req_id), ready=ready)
             futures.append(stored)
             self._held.setdefault(self._step, []).append((req_id, stored, frozenset(k.digest for k, _ in items)))
             if self.tp_rank == 0 and self.pp_rank == 0:     # the scheduler plans with rank 0's keys
@@ -437,6 +483,7 @@ class PoFWorker:
         if futures:
             futures[-1].add_done_callback(release)      # the store thread runs them in order
         else:
+            step_saves.drain()                          # no copy still writes into the buffers
             release(None)
 
     def close(self) -> None:
@@ -447,22 +494,3 @@ class PoFWorker:
         if self.pool is not None:
             self.pool.close()
 
-
-def core_to_spare(device: torch.device) -> bool:
-    """Whether a load copied on a thread of its own overlaps the forward instead of slowing it:
-    the forward runs on a GPU (the host cores mostly wait), or torch's threads leave one of this
-    process's cores idle."""
-    if device.type != "cpu":
-        return True
-    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
-
-
-def copy_threads(device: torch.device) -> int:
-    """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
-    CPU engine, as many as torch computes with (their cores idle while the forward waits, and one
-    core does not fill the memory bandwidth): the caller and the native kernel's own helpers
-    (:func:`pof_connector.page_sum.kt_copy_pages`), which never hold the caller up when the OS
-    gives their core to another process; else one."""
-    if device.type != "cpu" or page_sum.NATIVE is None:
-        return 1
-    return max(1, torch.get_num_threads())

@@ -2,10 +2,17 @@
 # The GPU check (not part of ci/test.sh): on a host with NVIDIA GPUs and PyTorch, in under 5 minutes,
 #   1. runs the peer_hbm tests on every CUDA device (with one GPU the "peer" is that GPU mapped by
 #      another process through CUDA IPC) and on cpu;
+#   1b. the vLLM worker's GPU path (tests/adapters/test_vllm_gpu_harness.py, test_vllm_device.py): vLLM 0.32's
+#      KV views for every KVCacheLayout on cuda:0, the real worker, the forward on a stream of its own
+#      (torch.cuda._sleep makes an unordered read observable; each ordering test has its control), the
+#      Triton checksum on landed pages, a full CUDA graph's skipped hooks;
 #   2. measures peer-HBM and host-tier page reads/writes against raw torch copies
 #      (device memcpy, pinned host copies) and prints the ratios as JSON, with the page checksum
 #      (format v3) computed on the GPU over pages where they landed (raw_gbps.checksum_device)
 #      and a host-tier read that DMAs the pages and verifies them there (rows.host_tier_dma_verify);
+#   2b. python -m pof_connector.bench.vllm_load --device cuda --json: the worker's loads and saves for 32, 128
+#      and 512 pages of a 32-layer, 8-KV-head, 128-dim bf16 model against raw page-locked<->device copies,
+#      the engine stream's wait, landed bytes compared, a corrupted page refused (vllm_bench.json);
 #   3. when that python also has vLLM and LMCache (0.5.6): the LMCache end to end, two vLLM servers
 #      with LMCacheConnectorV1 and pof as LMCache's storage plugin (tests/adapters/test_lmcache_vllm.py;
 #      up to 400 s more). It cannot run on a CPU host: LMCache has no CPU GPU-connector. Without
@@ -146,10 +153,11 @@ TESTS_RC=99          # 99: not run
 if [[ " $MISSING " == *" pytest "* || " $MISSING " == *" redis "* ]]; then
     say "SKIP tests: pytest/redis missing"
 else
-    say "pytest -m torch tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py tests/test_page_sum.py (limit 140 s)"
-    timeout -k 5 140 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
-        tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py tests/test_page_sum.py 2>&1 \
-        | tee "$ART/pytest.log" | tail -25
+    TEST_FILES=(tests/tiers/test_peer_hbm.py tests/adapters/test_layout_copy_completes.py tests/test_page_sum.py
+                tests/adapters/test_vllm_gpu_harness.py tests/adapters/test_vllm_device.py)
+    say "pytest -m torch ${TEST_FILES[*]} (limit 170 s)"
+    timeout -k 5 170 "$PY" -m pytest -m torch -q -p no:cacheprovider --junitxml="$ART/pytest.xml" \
+        "${TEST_FILES[@]}" 2>&1 | tee "$ART/pytest.log" | tail -25
     TESTS_RC=${PIPESTATUS[0]}
     say "tests exit code $TESTS_RC (124: timed out)"
 fi
@@ -168,6 +176,21 @@ BENCH_RC=$?
 [[ $BENCH_RC -ne 0 ]] && tail -20 "$ART/bench.err"
 say "bench exit code $BENCH_RC (124: timed out)"
 
+# ---- 4a. the vLLM worker's GPU path bench ------------------------------------------------------------
+VBENCH_ARGS=(--device cuda --json)
+VBENCH_LIMIT=120
+if [[ "$DRY" == "1" ]]; then
+    VBENCH_ARGS=(--device cpu --pages 2 4 --layers 4 --kv-heads 2 --head-dim 64 --repeat 1 --json)
+elif (( $(date +%s) - START > 200 )); then      # keep the whole check under 5 minutes
+    VBENCH_ARGS+=(--pages 32 128 --repeat 2); VBENCH_LIMIT=60
+fi
+say "bench: python -m pof_connector.bench.vllm_load ${VBENCH_ARGS[*]} (limit $VBENCH_LIMIT s)"
+timeout -k 5 "$VBENCH_LIMIT" "$PY" -m pof_connector.bench.vllm_load "${VBENCH_ARGS[@]}" \
+    >"$ART/vllm_bench.json" 2>"$ART/vllm_bench.err"
+VBENCH_RC=$?
+[[ $VBENCH_RC -ne 0 ]] && tail -20 "$ART/vllm_bench.err"
+say "vllm bench exit code $VBENCH_RC (124: timed out)"
+
 # ---- 4b. LMCache + vLLM end to end (only when this python has both) ------------------------------
 LMC_RC=98            # 98: skipped, no vllm + lmcache in $PY
 if [[ "$DRY" != "1" ]] && timeout 120 "$PY" -c 'import vllm, lmcache' >/dev/null 2>&1; then
@@ -182,10 +205,11 @@ fi
 
 # ---- 5. summary ----------------------------------------------------------------------------------
 timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" "$PY" "${MISSING:-}" "$LMC_RC" \
+    "$VBENCH_RC" \
     <<'EOF' | tee "$ART/summary.json"
 import json, pathlib, re, sys
 art, tests_rc, bench_rc, dry, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-python, missing, lmc_rc = sys.argv[6], sys.argv[7].split(), int(sys.argv[8])
+python, missing, lmc_rc, vbench_rc = sys.argv[6], sys.argv[7].split(), int(sys.argv[8]), int(sys.argv[9])
 log = (art / "pytest.log").read_text() if (art / "pytest.log").exists() else ""
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
 try:   # which tests ran on a GPU, and how each ended
@@ -201,10 +225,16 @@ try:
     bench = json.loads((art / "bench.json").read_text())
 except (OSError, ValueError):
     bench = None
-ok = tests_rc == 0 and bench_rc == 0 and bench is not None and lmc_rc in (0, 98)
+try:
+    vllm_bench = json.loads((art / "vllm_bench.json").read_text().strip().splitlines()[-1])
+except (OSError, ValueError, IndexError):
+    vllm_bench = None
+vllm_ok = vllm_bench is not None and all(r["landed_equal"] and r["corrupt_refused"] for r in vllm_bench["rows"])
+ok = tests_rc == 0 and bench_rc == 0 and bench is not None and lmc_rc in (0, 98) and vbench_rc == 0 and vllm_ok
 print(json.dumps({"gpu_check": "pass" if ok else "fail", "dry_run": dry == "1", "seconds": secs,
                   "python": python, "missing_deps": missing,
                   "tests": {"exit": tests_rc, **counts}, "bench_exit": bench_rc, "bench": bench,
-                  "lmcache_e2e_exit": lmc_rc}))
+                  "vllm_bench_exit": vbench_rc, "vllm_bench": vllm_bench, "lmcache_e2e_exit": lmc_rc}))
 EOF
-[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 && ( $LMC_RC -eq 0 || $LMC_RC -eq 98 ) ]]
+[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 && $VBENCH_RC -eq 0 && ( $LMC_RC -eq 0 || $LMC_RC -eq 98 ) ]] \
+    && grep -q '"gpu_check": "pass"' "$ART/summary.json"

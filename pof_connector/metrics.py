@@ -36,6 +36,8 @@ COUNTERS: dict[str, str] = {
                       "(reason server_died)",
     "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
     "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",
+    "skipped_hooks": "Steps in which the engine skipped a per-layer hook for some layer (a full CUDA graph "
+                     "replay): their loads were recomputed, their saves not stored, by hook",
     "load_seconds": "Time spent loading pages",
 }
 
@@ -45,6 +47,7 @@ COUNTER_LABELS: dict[str, str] = {
     "demoted_pages": "tier",
     "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
     "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
+    "skipped_hooks": "hook",
 }
 """The label each labelled counter carries: what an engine's own metrics endpoint exports."""
 

@@ -189,6 +189,30 @@ class PageReader:
         entry = self._pages[page] if 0 <= page < len(self._pages) else None
         return entry is not None and entry[3] and entry[0].in_place
 
+    def span(self, page: int, first: int, count: int) -> np.ndarray | None:
+        """Layers ``first .. first + count - 1`` of page ``page`` as one contiguous view of the
+        source's memory (one copy instead of ``count``), when the page is this node's to read in
+        place and already whole (not a remote page still arriving, not a copied-out source);
+        ``None`` otherwise: take :meth:`segment` layer by layer. Checked like any segment."""
+        entry = self._pages[page] if 0 <= page < len(self._pages) else None
+        if entry is None or page in self.failed or page in self._remote_at or not entry[0].in_place:
+            return None
+        seg = self._source.spec.segment_bytes
+        head = entry[0].segment_view(entry[1], first)
+        tail = entry[0].segment_view(entry[1], first + count - 1)
+        if tail.ctypes.data != head.ctypes.data + (count - 1) * seg or not head.flags.c_contiguous:
+            return None
+        # Both ends lie in the one mapped slot, and the page format puts layer l + 1 right after l.
+        view: np.ndarray = np.lib.stride_tricks.as_strided(head, shape=(count * seg,), strides=(1,))
+        return view
+
+    def refilled(self, page: int) -> bool:
+        """Whether :meth:`segment` gives page ``page``'s layers in a buffer of this reader's that
+        the next layer's call refills (a source the host cannot address, copied out): a copy from
+        it must have read it by then, not merely been queued."""
+        entry = self._pages[page] if 0 <= page < len(self._pages) else None
+        return entry is not None and not entry[0].in_place
+
     def check_all(self, layer: int, landed: Sequence[tuple[int, int]]) -> None:
         """:meth:`check` of each ``(page, checksum)`` (a whole layer at once, after a fused copy):
         pages that fail land in :attr:`failed`."""

@@ -54,8 +54,9 @@ class Placement:
         """Run ``fn`` on the store thread (after what is queued). Raises ``RuntimeError`` once closed."""
         return self._store.submit(fn, *args)
 
-    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None) -> Future[int]:
-        return self._store.submit(self._store_batch, list(items), hold)
+    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None,
+              ready: Callable[[], None] | None = None) -> Future[int]:
+        return self._store.submit(self._store_batch, list(items), hold, ready)
 
     def release(self, hold: Hashable, publish: bool) -> Future[int]:
         """Publish (``publish``) or drop the pages stored under ``hold``, after every store queued
@@ -79,9 +80,13 @@ class Placement:
         """Wait until every store submitted so far is written and published."""
         self._store.submit(lambda: None).result()
 
-    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None) -> int:
+    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None,
+                     ready: Callable[[], None] | None = None) -> int:
         """Write ``items`` into the first live tier; with ``hold``, keep them unpublished and
-        invisible until :meth:`release` (the pages' evictions are published at once all the same)."""
+        invisible until :meth:`release` (the pages' evictions are published at once all the same).
+        ``ready``: waited for before a segment is read (see :meth:`Pool.store`)."""
+        if ready is not None:
+            ready()
         events: list[Event] = []
         live = self.own.live()
         if not live:

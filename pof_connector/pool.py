@@ -28,7 +28,7 @@ never raise).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -145,18 +145,21 @@ class Pool:
 
     # ---- store -------------------------------------------------------------------------------
 
-    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], *, hold: Hashable | None = None) -> Future[int]:
+    def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], *, hold: Hashable | None = None,
+              ready: Callable[[], None] | None = None) -> Future[int]:
         """Write pages (key, per-layer segments in canonical layout) in the background.
 
         The segment buffers must stay unchanged until the future completes. The result is the
         number of pages written (keys already stored are skipped). ``hold``: a tag under which the
         written pages wait, unpublished and unreadable, until :meth:`release` (two-phase: an
         engine stores a step's pages before it knows whether that step computed on valid KV);
-        ``None``: published as soon as they are written.
+        ``None``: published as soon as they are written. ``ready``: called on the store thread
+        before any segment is read, returns once they hold their bytes (a device-to-host copy
+        still in flight when the caller returned); ``None``: they already do.
         """
         if not self.tiers:
             raise RuntimeError("a client pool has no tiers to store into")
-        return self.placement.store(items, hold)
+        return self.placement.store(items, hold, ready)
 
     def release(self, hold: Hashable, publish: bool) -> Future[int]:
         """Publish or drop the pages stored under ``hold`` (after every store queued so far)."""

@@ -10,6 +10,7 @@ is :mod:`pof_connector.fabric.registered_staging`.)
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -17,8 +18,11 @@ import numpy as np
 class StagingPool:
     """Keeps up to ``keep_bytes`` of idle buffers; thread-safe (stores finish on the pool's thread)."""
 
-    def __init__(self, keep_bytes: int = 1 << 30) -> None:
+    def __init__(self, keep_bytes: int = 1 << 30, allocate: Callable[[int], np.ndarray] | None = None) -> None:
+        """``allocate``: makes a new uint8 buffer of the given size (page-locked memory, for
+        device-to-host copies that do not wait); ``None``: plain ``numpy``."""
         self.keep_bytes = keep_bytes
+        self._allocate = allocate
         self._idle: list[np.ndarray] = []
         self._lock = threading.Lock()
 
@@ -33,7 +37,7 @@ class StagingPool:
             for i, b in enumerate(self._idle):       # sorted by size: the first fit is the smallest
                 if b.nbytes >= nbytes:
                     return self._idle.pop(i)[:nbytes]   # by position: `remove` would compare arrays
-        return np.empty(nbytes, dtype=np.uint8)[:nbytes]
+        return (np.empty(nbytes, dtype=np.uint8) if self._allocate is None else self._allocate(nbytes))[:nbytes]
 
     def give(self, buf: np.ndarray) -> None:
         """Return a buffer from :meth:`take` once nothing reads or writes it any more."""

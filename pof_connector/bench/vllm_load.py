@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -160,6 +161,11 @@ def timed_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if any(a == "--device" or a.startswith("--device=") for a in given):     # the GPU path: its own bench
+        from pof_connector.bench import vllm_device_load
+
+        return vllm_device_load.main(given)
     p = argparse.ArgumentParser(prog="python -m pof_connector.bench.vllm_load", description=__doc__.split("\n")[0])
     p.add_argument("--pages", type=int, default=46, help="pages per load (default 46: a 6,000-token prompt)")
     p.add_argument("--repeat", type=int, default=5)
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch's threads, as the engine sets them (default: one per core, as vLLM's CPU worker)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--device", help="cuda / cpu: the GPU path's bench instead (pof_connector.bench.vllm_device_load)")
     args = p.parse_args(argv)
     result = run(pages=args.pages, repeat=args.repeat, dtype=args.dtype, layout=args.layout, threads=args.threads)
     if args.json:

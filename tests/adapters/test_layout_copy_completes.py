@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pof_connector.adapters.vllm_layout import infer_layout  # noqa: E402
+from pof_connector.adapters.vllm_layout import view_layout  # noqa: E402
+from pof_connector.adapters.vllm_views import engine_views  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -22,8 +23,9 @@ DEVICES = ["cpu"] + [pytest.param(f"cuda:{i}", marks=pytest.mark.gpu)
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_source_may_change_as_soon_as_scatter_returns(device: str) -> None:
     blocks, n, h, d = 256, 16, 8, 128                  # 256 blocks of 64 KiB: a DMA of 16 MiB
-    kv = torch.zeros(2, blocks, n, h, d, dtype=torch.float16, device=device)      # FlashAttention's layout
-    lay = infer_layout(kv, block_size=n, kv_heads=h, head_dim=d, is_mla=False)
+    kv = engine_views("LBNHC", layers=1, blocks=blocks, heads=h, tokens=n, content=2 * d, dtype=torch.float16,
+                      device=device)[0]                 # FlashAttention's default layout in vLLM 0.32
+    lay = view_layout([kv], block_size=n, kv_heads=h, head_dim=d, is_mla=False)
     source = torch.randn(blocks, 2, n, h, d).to(torch.float16)
     if device.startswith("cuda"):
         source = source.pin_memory()           # as the DRAM tier's region and peer-HBM's scratch are

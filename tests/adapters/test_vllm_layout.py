@@ -1,55 +1,15 @@
-"""Layout conversions, on CPU tensors shaped like every backend's KV cache."""
+"""Layout conversions of vLLM's CPU attention caches (GPU backends' views: test_vllm_views.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pof_connector.adapters.vllm_layout import LayoutError, infer_layout
+from pof_connector.adapters.vllm_layout import LayoutError, _kt_order, infer_layout
 
 pytestmark = pytest.mark.vllm
 
 B, N, H, D = 12, 16, 2, 8
-
-
-def shapes() -> dict[str, tuple[int, ...]]:
-    return {
-        "kv_first_nhd": (2, B, N, H, D),
-        "kv_first_hnd": (2, B, H, N, D),
-        "blocks_first": (B, 2, N, H, D),
-        "blocks_first_hnd": (B, 2, H, N, D),
-    }
-
-
-def token_kv(kv: torch.Tensor, name: str, block: int, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ([H, D]) of one token, read straight from the backend layout."""
-    if name == "kv_first_nhd":
-        return kv[0, block, tok], kv[1, block, tok]
-    if name == "kv_first_hnd":
-        return kv[0, block, :, tok], kv[1, block, :, tok]
-    if name == "blocks_first":
-        return kv[block, 0, tok], kv[block, 1, tok]
-    return kv[block, 0, :, tok], kv[block, 1, :, tok]
-
-
-@pytest.mark.parametrize("name", list(shapes()))
-def test_gather_is_canonical_and_scatter_inverts_it(name: str) -> None:
-    kv = torch.randn(shapes()[name], dtype=torch.float32).to(torch.bfloat16)
-    lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False, hnd_preferred="hnd" in name)
-    assert lay.name == name
-    blocks = torch.tensor([7, 2, 9])
-    c = lay.gather(kv, blocks)
-    assert c.shape == (3, 2, N, H, D) == (3, *lay.block_shape())
-    for j, b in enumerate(blocks.tolist()):
-        for t in (0, N - 1):
-            k, v = token_kv(kv, name, b, t)
-            assert torch.equal(c[j, 0, t], k) and torch.equal(c[j, 1, t], v)
-    out = torch.zeros_like(kv)
-    lay.scatter(out, blocks, c)
-    assert torch.equal(lay.gather(out, blocks), c)
-    untouched = [i for i in range(B) if i not in blocks.tolist()]
-    assert torch.count_nonzero(lay.gather(out, torch.tensor(untouched))) == 0
-    assert lay.segment_bytes(N) == 2 * N * H * D * 2
 
 
 def test_cpu_blocks_without_a_probe_move_as_opaque_bytes() -> None:
@@ -63,17 +23,16 @@ def test_cpu_blocks_without_a_probe_move_as_opaque_bytes() -> None:
     assert torch.equal(out[4], kv[4]) and torch.equal(out[0], kv[0]) and torch.count_nonzero(out[1]) == 0
 
 
-def test_mla_and_unknown_shapes() -> None:
-    kv = torch.randn(B, N, 40)
-    lay = infer_layout(kv, block_size=N, kv_heads=1, head_dim=40, is_mla=True)
-    blocks = torch.tensor([3, 1])
-    c = lay.gather(kv, blocks)
-    assert c.shape == (2, 1, N, 1, 40) and torch.equal(c[1, 0, 5, 0], kv[1, 5])
-    out = torch.zeros_like(kv)
-    lay.scatter(out, blocks, c)
-    assert torch.equal(out[3], kv[3]) and torch.count_nonzero(out[0]) == 0
-    with pytest.raises(LayoutError, match="supported layouts"):
+def test_mla_and_unknown_shapes_on_the_cpu_backend_are_refused() -> None:
+    """vLLM's CPU attention: MLA's block order is not verified, and a cache that is not the
+    contiguous ``[B, H, N, 2D]`` its kernel writes is not that kernel's (GPU backends' views:
+    test_vllm_views.py)."""
+    with pytest.raises(LayoutError, match="MLA on vLLM's CPU attention"):
+        infer_layout(torch.randn(B, 1, N, 40), block_size=N, kv_heads=1, head_dim=40, is_mla=True)
+    with pytest.raises(LayoutError, match="allowed: vLLM's CPU backend"):
         infer_layout(torch.zeros(B, N, H, D), block_size=N, kv_heads=H, head_dim=D, is_mla=False)
+    with pytest.raises(LayoutError, match="allowed: vLLM's CPU backend"):
+        infer_layout(torch.zeros(B, N, H, 2 * D).transpose(1, 2), block_size=N, kv_heads=H, head_dim=D, is_mla=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -113,12 +72,12 @@ def test_cpu_blocks_convert_to_real_per_token_kv(dtype: torch.dtype) -> None:
 
 
 def test_pages_of_several_blocks() -> None:
-    kv = torch.randn(B, 2, N, H, D)
-    lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False)
+    kv = torch.randn(B, H, N, 2 * D)
+    lay = infer_layout(kv, block_size=N, kv_heads=H, head_dim=D, is_mla=False, cpu_order=_kt_order(H, N, D))
     blocks = lay.gather(kv, torch.tensor([1, 2, 3, 4]))
     pages = lay.blocks_to_pages(blocks, 2)                  # 2 pages of 2 blocks: [2, 2, 2N, H, D]
     assert pages.shape == (2, *lay.canonical_shape(2 * N))
-    assert torch.equal(pages[1, 0, N:], kv[4, 0]) and torch.equal(pages[0, 1, :N], kv[1, 1])
+    assert torch.equal(pages[1, 0, N:], blocks[3, 0]) and torch.equal(pages[0, 1, :N], blocks[0, 1])
     assert torch.equal(lay.pages_to_blocks(pages, 2), blocks)
 
 

@@ -1,0 +1,28 @@
+"""``python -m pof_connector.bench.vllm_load --device DEVICE``: the GPU path's bench runs its steps
+on CPU tensors here (``ci/gpu_check.sh`` runs it on ``cuda``): every landed byte equal to the saved
+blocks, a corrupted page refused, every figure present."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+
+def test_the_device_bench_moves_every_byte_and_refuses_a_corrupted_page(capsys: pytest.CaptureFixture[str]) -> None:
+    from pof_connector.bench.vllm_load import main
+
+    assert main(["--device", "cpu", "--pages", "2", "3", "--layers", "3", "--kv-heads", "2", "--head-dim", "32",
+                 "--repeat", "1", "--layout", "BLNHC", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bench"] == "vllm_load_device" and result["layout"] == "BLNHC" and result["device"] == "cpu"
+    assert [r["pages"] for r in result["rows"]] == [2, 3]
+    for row in result["rows"]:
+        assert row["landed_equal"] is True and row["corrupt_refused"] is True
+        assert row["bytes"] == row["pages"] * 3 * 16 * 2 * 2 * 32 * 2
+        for key in ("load_s", "raw_h2d_s", "save_s", "raw_d2h_s", "raw_d2d_s", "store_s", "load_ratio", "save_ratio"):
+            assert row[key] > 0
+        assert row["engine_wait_s"] is None           # only a GPU has the engine's stream to time
+    assert result["goals"] == {"load_ratio": 0.8, "save_ratio": 0.7}
