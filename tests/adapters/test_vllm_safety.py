@@ -30,7 +30,7 @@ from pof_connector.index import Location
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace
 from pof_connector.pages import KIND_MHA, PageSpec
-from pof_connector.tiers.peer_hbm import PeerHbmTier
+from tests.adapters.adversary_world import GpuShapedRegion
 
 pytestmark = pytest.mark.vllm
 
@@ -414,20 +414,6 @@ def test_held_pages_of_a_clean_step_are_published_and_readable_in_the_next_step(
 
 
 # ---- issue 39, finding 1: a check verifies the bytes copied into the engine -----------------------------
-
-class GpuShapedRegion(PeerHbmTier):
-    """Stands in for a peer-HBM region on a GPU, on a ``cpu`` region (no GPU here): segments reach
-    the host through a copy, not in place — today's per-page buffer of the reader; before the fix
-    the tier's per-thread scratch (``_host``'s CUDA branch), which every page of a layer shared."""
-
-    in_place = False
-
-    def _host(self, t: Any, tag: Any = None) -> Any:
-        scratch = self._scratch(t.numel())
-        scratch.copy_(t)
-        self._local.tag = tag
-        return scratch.numpy()
-
 
 @pytest.mark.parametrize("copy", ["fused", "strided"])
 def test_each_page_of_a_multi_page_load_through_a_copied_region_lands_in_its_own_blocks(
