@@ -23,8 +23,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
+from typing import Any
 
 from pof_connector import page_sum
 
@@ -100,16 +99,18 @@ class LayerLoader:
             raise RuntimeError(f"pof: the layer loader failed: {self._error!r}") from self._error
 
 
-def core_to_spare(device: torch.device) -> bool:
+def core_to_spare(device: Any) -> bool:
     """Whether a load copied on a thread of its own overlaps the forward instead of slowing it:
     the forward runs on a GPU (the host cores mostly wait), or torch's threads leave one of this
     process's cores idle."""
     if device.type != "cpu":
         return True
+    import torch  # the engine's torch: the loader itself runs without it
+
     return len(os.sched_getaffinity(0)) > torch.get_num_threads()
 
 
-def copy_threads(device: torch.device) -> int:
+def copy_threads(device: Any) -> int:
     """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
     CPU engine, as many as torch computes with (their cores idle while the forward waits, and one
     core does not fill the memory bandwidth): the caller and the native kernel's own helpers
@@ -117,4 +118,6 @@ def copy_threads(device: torch.device) -> int:
     gives their core to another process; else one."""
     if device.type != "cpu" or page_sum.NATIVE is None:
         return 1
+    import torch
+
     return max(1, torch.get_num_threads())

@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
-from pof_connector.adapters.vllm_device import Lane
-from pof_connector.adapters.vllm_geometry import VllmGeometry
-from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
-from pof_connector.adapters.vllm_views import engine_views
-from pof_connector.adapters.vllm_worker import PoFWorker
-from pof_connector.config import PofConfig
+torch = pytest.importorskip("torch")       # the torch stage runs these; the core venv has no torch
+
+
+from pof_connector.adapters.vllm_device import Lane  # noqa: E402
+from pof_connector.adapters.vllm_geometry import VllmGeometry  # noqa: E402
+from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob  # noqa: E402
+from pof_connector.adapters.vllm_views import engine_views  # noqa: E402
+from pof_connector.adapters.vllm_worker import PoFWorker  # noqa: E402
+from pof_connector.config import PofConfig  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -23,6 +23,6 @@ def test_the_device_bench_moves_every_byte_and_refuses_a_corrupted_page(capsys: 
         assert row["landed_equal"] is True and row["corrupt_refused"] is True
         assert row["bytes"] == row["pages"] * 3 * 16 * 2 * 2 * 32 * 2
         for key in ("load_s", "raw_h2d_s", "save_s", "raw_d2h_s", "raw_d2d_s", "store_s", "load_ratio", "save_ratio"):
-            assert row[key] > 0
+            assert isinstance(row[key], float) and row[key] >= 0, key     # a few KiB on a CPU can round to 0
         assert row["engine_wait_s"] is None           # only a GPU has the engine's stream to time
     assert result["goals"] == {"load_ratio": 0.8, "save_ratio": 0.7}
