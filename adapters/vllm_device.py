@@ -7,7 +7,9 @@ engine's thread wait for a copy. So:
 * **Loads** (:class:`StepLoads`): planned once per step (which page lands in which blocks, its
   checksum seed; the block ids uploaded once). Per layer, on pof's load stream: the layer's page
   segments are copied into a device staging buffer (from pinned tier memory a DMA that returns at
-  once), scattered into the engine's blocks in one batch, gathered back from the blocks and
+  once; from a peer GPU's region device to device), summed there and compared with their
+  headers' sums on the device; the pages that match are scattered into the engine's blocks in one
+  batch (a page that does not keeps its blocks as they were), gathered back from the blocks and
   checksummed there (the Triton kernel), then an event is recorded. Before attention reads the
   layer, the engine's stream waits for that event (``wait_for_layer_load``): on the device, not on
   the host. The landed sums come back to the host once per step, after the forward is queued
@@ -31,6 +33,7 @@ calls copy synchronously and each layer is checked right after its copy, as befo
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,9 @@ import torch
 from pof_connector import page_sum
 from pof_connector.adapters.vllm_layout import BlockLayout
 from pof_connector.page_reader import PageReader
+from pof_connector.pool import Pool
+
+log = logging.getLogger(__name__)
 
 COPY_BYTES = 1 << 20
 """A load copies at least this much of a page at once (several layers when a layer's segment is
@@ -125,6 +131,12 @@ class StepLoads:
             self._stage = torch.empty((len(self.pages), self.group, segment_bytes), dtype=torch.uint8, device=device)
             self._sums = (torch.zeros((len(kv), len(self.pages)), dtype=torch.int64, device=device)
                           if lane.stream is not None else None)
+            # Each page's expected sums, layer by layer as its header is known (a remote page's
+            # arrives with its first layer): filled on the host, uploaded without a wait.
+            self._want_host = torch.empty((len(kv), len(self.pages)), dtype=torch.int64,
+                                          pin_memory=device.type == "cuda")
+            self._want = (torch.empty_like(self._want_host, device=device) if device.type == "cuda"
+                          else self._want_host)
 
     def _plan(self, positions: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the staged blocks (``[pages * bpp]``) that the pages at ``positions`` write, and
@@ -140,15 +152,31 @@ class StepLoads:
             plan = plan.pin_memory().to(device, non_blocking=True)
         return plan[0], plan[1]
 
-    def copy_layer(self, layer: int, segments: Sequence[tuple[PageReader, int, np.ndarray]]) -> None:
+    def copy_layer(self, layer: int, segments: Sequence[tuple[PageReader, int, np.ndarray | torch.Tensor]]) -> None:
         """Queue layer ``layer`` of the pages given (``(reader, page, segment)``: those not failed
-        yet) into the engine's blocks, and the sums of the landed bytes; on CPU, check them."""
+        yet; a segment is host memory, or a tensor on a device: a peer GPU's region, copied device
+        to device) into the engine's blocks, and the sums of the landed bytes; on CPU, check them.
+
+        A page's staged bytes are summed before they are scattered, and a page whose sum is not
+        its header's never reaches the blocks: they keep what they held (the decision is taken on
+        the device, without a host wait). What did land is summed again where it landed and
+        checked (:meth:`settle`); a page refused here fails that check too and is reported."""
         lay, kv, lane = self.layout, self.kv[layer], self.lane
         present = sorted(self._at[(id(r), i)] for r, i, _ in segments)
         if not present:
             return
         refilled = False
         first, at = layer - layer % self.group, layer % self.group
+        seeds = {pos: self.pages[pos].reader.sum_seed(self.pages[pos].page) for pos in present}
+        distinct = set(seeds.values())
+        # One seed (a step's pages from one writer): one launch; else a seed per row (rows of pages
+        # not copied this layer get any: their sums are never read).
+        seed: int | list[int] = (distinct.pop() if len(distinct) == 1
+                                 else [seeds.get(pos, seeds[present[0]]) for pos in range(len(self.pages))])
+        want = self._want_host[layer]
+        want.fill_(-1)          # no sum is negative: a row of no page this layer never matches
+        for reader, i, _ in segments:
+            want[self._at[(id(reader), i)]] = reader.expected_sum(i, layer)
         with lane.queue():
             if at == 0:      # a group's first layer: each page's layers of the group in one copy where it can
                 count = min(self.group, len(self.kv) - first)
@@ -162,24 +190,26 @@ class StepLoads:
             for reader, i, seg in segments:
                 pos = self._at[(id(reader), i)]
                 if pos not in self._spanned:
-                    self._stage[pos, at].copy_(torch.from_numpy(seg), non_blocking=True)
-                    refilled = refilled or reader.refilled(i)
+                    on_device = isinstance(seg, torch.Tensor)
+                    self._stage[pos, at].copy_(seg if on_device else torch.from_numpy(seg), non_blocking=True)
+                    refilled = refilled or (not on_device and reader.refilled(i))
             rows, ids = ((self._rows, self._ids) if len(present) == len(self.pages)
                          else self._plan(present, kv.device))
-            pages = self._stage[:, at].view(lay.dtype).view(len(self.pages), *lay.canonical_shape(self.page_tokens))
+            staged = self._stage[:, at]
+            expected = self._want[layer]
+            expected.copy_(want, non_blocking=True)
+            good = page_sum.torch_checksums(staged, seed) == expected           # [pages], on the device
+            pages = staged.view(lay.dtype).view(len(self.pages), *lay.canonical_shape(self.page_tokens))
             blocks = lay.pages_to_blocks(pages, self.bpp)
-            lay.scatter(kv, ids, blocks.index_select(0, rows))
+            incoming = blocks.index_select(0, rows)
+            keep = good.repeat_interleave(self.bpp).index_select(0, rows)
+            held = lay.gather(kv, ids)
+            lay.scatter(kv, ids, torch.where(keep.view(-1, *[1] * (incoming.dim() - 1)), incoming, held))
             # What the engine will read: its blocks as they hold the page now (the skipped head
             # blocks, the engine's own, are summed from the source as the header covers them).
             blocks.index_copy_(0, rows, lay.gather(kv, ids))
             landed = lay.blocks_to_pages(blocks, self.bpp).reshape(len(self.pages), -1).view(torch.uint8)
             if self._sums is not None:
-                seeds = {pos: self.pages[pos].reader.sum_seed(self.pages[pos].page) for pos in present}
-                distinct = set(seeds.values())
-                # One seed (a step's pages from one writer): one launch; else a seed per row (rows of
-                # pages not copied this layer get any: their sums are never read).
-                seed: int | list[int] = (distinct.pop() if len(distinct) == 1
-                                         else [seeds.get(pos, seeds[present[0]]) for pos in range(len(self.pages))])
                 self._sums[layer] = page_sum.torch_checksums(landed, seed)
                 self.events[layer] = lane.mark()
                 self._pending.append((layer, present))
@@ -267,6 +297,58 @@ class StepSaves:
     def drain(self) -> None:
         """Wait for the copies into the staging (before it is dropped after an error)."""
         self.lane.drain()
+
+
+class HostPins:
+    """The pool's host memory that loads copy to a GPU from, page-locked with CUDA
+    (``cudaHostRegister``) so that a host-to-device copy is a DMA that returns at once instead of
+    a staged, synchronous one: the tiers' regions (DRAM, CXL mappings) and the NIXL staging that
+    remote pages land in. Memory that is page-locked already (a DRAM tier made where torch uses
+    CUDA) is left as it is; memory the driver refuses (some devdax mappings) stays pageable, and
+    is logged once: its loads are slower, not wrong."""
+
+    ALREADY = 712
+    """``cudaErrorHostMemoryAlreadyRegistered``."""
+
+    def __init__(self) -> None:
+        self.pinned: list[tuple[int, int]] = []     # (address, bytes) this object registered
+        self.refused: list[str] = []
+
+    @classmethod
+    def of_pool(cls, pool: Pool, device: torch.device) -> HostPins:
+        """Pin ``pool``'s host memory for ``device`` (nothing unless it is a CUDA device)."""
+        pins = cls()
+        if device.type != "cuda":
+            return pins
+        memory = [(t.medium, t.region) for t in pool.tiers if t.in_place]
+        if pool.fabric is not None:
+            memory.append(("nixl staging", pool.fabric.staging.memory))
+        for name, array in memory:
+            pins.pin(name, array)
+        if pins.refused:
+            log.warning("pof: CUDA would not page-lock %s; loads from there copy through pageable "
+                        "memory (slower)", ", ".join(pins.refused))
+        return pins
+
+    def pin(self, name: str, array: np.ndarray) -> bool:
+        """Register ``array``'s memory; False when CUDA refused it (it stays pageable)."""
+        if array.nbytes == 0:
+            return False
+        addr = array.ctypes.data
+        rc = int(torch.cuda.cudart().cudaHostRegister(addr, array.nbytes, 0))
+        if rc == 0:
+            self.pinned.append((addr, array.nbytes))
+            return True
+        if rc == self.ALREADY:
+            return True
+        self.refused.append(f"{name} (cudaError {rc})")
+        return False
+
+    def release(self) -> None:
+        """Unregister what :meth:`pin` registered (before the memory is unmapped)."""
+        for addr, _ in self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        self.pinned = []
 
 
 def pinned_buffer(nbytes: int) -> np.ndarray:

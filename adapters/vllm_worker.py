@@ -35,7 +35,7 @@ import torch
 
 from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
-from pof_connector.adapters.vllm_device import Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
+from pof_connector.adapters.vllm_device import HostPins, Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict
@@ -119,6 +119,7 @@ class PoFWorker:
         self._publishing: dict[bytes, Future[int]] = {}   # digest -> its release queued on the store thread
         self._lost_verdict_logged = False
         self.staging = StagingPool()
+        self._pins = HostPins()           # the pool's host memory page-locked for the engine's GPU
         self.load_latencies: list[float] = []
         self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
         self._waited = 0.0                    # ... so far in this step
@@ -170,6 +171,7 @@ class PoFWorker:
         self._load_lane, self._save_lane = Lane(device), Lane(device)
         if device.type == "cuda":       # saves copy device-to-host without a wait: into page-locked staging
             self.staging = StagingPool(allocate=pinned_buffer)
+        self._pins = HostPins.of_pool(self.pool, device)
         if self.overlap is None:
             self.overlap = core_to_spare(self.kv[0].device)
         self.copy_threads = 1 if self.overlap else copy_threads(self.kv[0].device)
@@ -241,7 +243,8 @@ class PoFWorker:
 
     def _copy_layer(self, layer: int) -> None:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
-        per_load = [(active, active.reader.segments(layer)) for active in self._loads]
+        device = self.kv[layer].device if self._strided is not None else None   # torch copies: GPU regions direct
+        per_load = [(active, active.reader.segments(layer, device)) for active in self._loads]
         if self._strided is not None:
             self._strided.copy_layer(layer, [(a.reader, i, seg) for a, segs in per_load for i, seg in segs])
         else:
@@ -491,6 +494,7 @@ class PoFWorker:
         self._held = {}           # the pool drops what is still held as it closes
         if self._load_thread is not None:
             self._load_thread.shutdown(wait=True)
+        self._pins.release()      # before the pool unmaps what was registered
         if self.pool is not None:
             self.pool.close()
 

@@ -12,7 +12,9 @@
 #      and a host-tier read that DMAs the pages and verifies them there (rows.host_tier_dma_verify);
 #   2b. python -m pof_connector.bench.vllm_load --device cuda --json: the worker's loads and saves for 32, 128
 #      and 512 pages of a 32-layer, 8-KV-head, 128-dim bf16 model against raw page-locked<->device copies,
-#      the engine stream's wait, landed bytes compared, a corrupted page refused (vllm_bench.json);
+#      the engine stream's wait, landed bytes compared, a corrupted page refused with its block
+#      untouched (vllm_bench.json); the same from a peer-HBM region on the GPU, device to device,
+#      against a raw device-to-device copy (vllm_bench_peer.json);
 #   3. when that python also has vLLM and LMCache (0.5.6): the LMCache end to end, two vLLM servers
 #      with LMCacheConnectorV1 and pof as LMCache's storage plugin (tests/adapters/test_lmcache_vllm.py;
 #      up to 400 s more). It cannot run on a CPU host: LMCache has no CPU GPU-connector. Without
@@ -190,6 +192,16 @@ timeout -k 5 "$VBENCH_LIMIT" "$PY" -m pof_connector.bench.vllm_load "${VBENCH_AR
 VBENCH_RC=$?
 [[ $VBENCH_RC -ne 0 ]] && tail -20 "$ART/vllm_bench.err"
 say "vllm bench exit code $VBENCH_RC (124: timed out)"
+# The same loads from a peer-HBM region on the same GPU: device to device (against a raw d2d copy).
+PBENCH_ARGS=(--device cuda --pages 32 128 512 --repeat 2 --tier peer_hbm --json)
+[[ "$DRY" == "1" ]] && PBENCH_ARGS=(--device cpu --pages 2 4 --layers 4 --kv-heads 2 --head-dim 64 --repeat 1 \
+                                    --tier peer_hbm --json)
+say "bench: python -m pof_connector.bench.vllm_load ${PBENCH_ARGS[*]} (limit 60 s)"
+timeout -k 5 60 "$PY" -m pof_connector.bench.vllm_load "${PBENCH_ARGS[@]}" \
+    >"$ART/vllm_bench_peer.json" 2>"$ART/vllm_bench_peer.err"
+PBENCH_RC=$?
+[[ $PBENCH_RC -ne 0 ]] && tail -20 "$ART/vllm_bench_peer.err"
+say "vllm bench (peer_hbm) exit code $PBENCH_RC (124: timed out)"
 
 # ---- 4b. LMCache + vLLM end to end (only when this python has both) ------------------------------
 LMC_RC=98            # 98: skipped, no vllm + lmcache in $PY
@@ -205,11 +217,12 @@ fi
 
 # ---- 5. summary ----------------------------------------------------------------------------------
 timeout 30 "$PY" - "$ART" "$TESTS_RC" "$BENCH_RC" "$DRY" "$(( $(date +%s) - START ))" "$PY" "${MISSING:-}" "$LMC_RC" \
-    "$VBENCH_RC" \
+    "$VBENCH_RC" "$PBENCH_RC" \
     <<'EOF' | tee "$ART/summary.json"
 import json, pathlib, re, sys
 art, tests_rc, bench_rc, dry, secs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 python, missing, lmc_rc, vbench_rc = sys.argv[6], sys.argv[7].split(), int(sys.argv[8]), int(sys.argv[9])
+pbench_rc = int(sys.argv[10])
 log = (art / "pytest.log").read_text() if (art / "pytest.log").exists() else ""
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
 try:   # which tests ran on a GPU, and how each ended
@@ -225,16 +238,21 @@ try:
     bench = json.loads((art / "bench.json").read_text())
 except (OSError, ValueError):
     bench = None
-try:
-    vllm_bench = json.loads((art / "vllm_bench.json").read_text().strip().splitlines()[-1])
-except (OSError, ValueError, IndexError):
-    vllm_bench = None
-vllm_ok = vllm_bench is not None and all(r["landed_equal"] and r["corrupt_refused"] for r in vllm_bench["rows"])
-ok = tests_rc == 0 and bench_rc == 0 and bench is not None and lmc_rc in (0, 98) and vbench_rc == 0 and vllm_ok
+def last_json(name):
+    try:
+        return json.loads((art / name).read_text().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+vllm_bench, peer_bench = last_json("vllm_bench.json"), last_json("vllm_bench_peer.json")
+vllm_ok = all(b is not None and all(r["landed_equal"] and r["corrupt_refused"] and r["corrupt_blocks_untouched"]
+                                    for r in b["rows"]) for b in (vllm_bench, peer_bench))
+ok = (tests_rc == 0 and bench_rc == 0 and bench is not None and lmc_rc in (0, 98) and vbench_rc == 0
+      and pbench_rc == 0 and vllm_ok)
 print(json.dumps({"gpu_check": "pass" if ok else "fail", "dry_run": dry == "1", "seconds": secs,
                   "python": python, "missing_deps": missing,
                   "tests": {"exit": tests_rc, **counts}, "bench_exit": bench_rc, "bench": bench,
-                  "vllm_bench_exit": vbench_rc, "vllm_bench": vllm_bench, "lmcache_e2e_exit": lmc_rc}))
+                  "vllm_bench_exit": vbench_rc, "vllm_bench": vllm_bench,
+                  "vllm_bench_peer_exit": pbench_rc, "vllm_bench_peer": peer_bench, "lmcache_e2e_exit": lmc_rc}))
 EOF
-[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 && $VBENCH_RC -eq 0 && ( $LMC_RC -eq 0 || $LMC_RC -eq 98 ) ]] \
+[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 && $VBENCH_RC -eq 0 && $PBENCH_RC -eq 0 && ( $LMC_RC -eq 0 || $LMC_RC -eq 98 ) ]] \
     && grep -q '"gpu_check": "pass"' "$ART/summary.json"

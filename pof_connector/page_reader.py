@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -64,6 +64,12 @@ class SlotSource(Protocol):
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """Host memory for ``into`` (pinned where the source copies from a GPU)."""
+        ...
+
+    def device_view(self, ref: SlotRef, layer: int, device: Any) -> Any | None:
+        """Layer ``layer`` of the page at ``ref`` as a tensor a copy to ``device`` (a torch
+        device) reads straight from (a GPU region to a GPU: device to device); ``None``: take
+        :meth:`segment_view`. Trusted, like any segment, only after :meth:`check_segment`."""
         ...
 
     def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, landed: int) -> None:
@@ -162,15 +168,22 @@ class PageReader:
         row: np.ndarray = self._scratch[page]
         return row
 
-    def segments(self, layer: int) -> list[tuple[int, np.ndarray]]:
+    def segments(self, layer: int, device: Any = None) -> list[tuple[int, Any]]:
         """``(page, segment)`` of every page not failed: :meth:`segment` for a whole layer at once
         (a step's load reads hundreds of segments; this spares a call per segment). The segments
-        never share memory: each stays valid until this layer's :meth:`check_all`."""
-        out: list[tuple[int, np.ndarray]] = []
+        never share memory: each stays valid until this layer's :meth:`check_all`. ``device``:
+        the torch device the caller copies them to; a source that a copy there reads directly (a
+        GPU region, see :meth:`SlotSource.device_view`) gives a tensor instead of host bytes."""
+        out: list[tuple[int, Any]] = []
         failed, remote = self.failed, self._remote_at
         for i, entry in enumerate(self._pages):
             if i in failed:
                 continue
+            if device is not None and entry is not None and i not in remote:
+                view = entry[0].device_view(entry[1], layer, device)
+                if view is not None:
+                    out.append((i, view))
+                    continue
             if i in remote or (entry is not None and not entry[0].in_place):
                 seg = self.segment(i, layer)
                 if seg is not None:
@@ -226,6 +239,14 @@ class PageReader:
                 tier.check_segment(ref, header, layer, got)
             except PageError as e:
                 self._fail(page, e, (ref, pinned))
+
+    def expected_sum(self, page: int, layer: int) -> int:
+        """The checksum page ``page``'s checked header gives layer ``layer`` (what a copy must sum
+        to, under :meth:`sum_seed`). Only for a page :meth:`segment` gave a segment of."""
+        entry = self._pages[page]
+        if entry is None:
+            raise ValueError(f"page {page} has no checked header (it failed, or no segment of it was read yet)")
+        return int(entry[2].segment_checksums[layer])
 
     def sum_seed(self, page: int) -> int:
         """The checksum seed of page ``page``'s checked header: what a copy of its segments sums

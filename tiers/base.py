@@ -335,6 +335,11 @@ class Tier(ABC):
         """Host memory a reader copies segments into (for tiers that are not :attr:`in_place`)."""
         return np.empty(nbytes, dtype=np.uint8)
 
+    def device_view(self, ref: SlotRef, layer: int, device: Any) -> Any | None:
+        """A tensor of layer ``layer`` a copy to ``device`` reads directly; ``None`` (host tiers):
+        :meth:`segment_view` is the source."""
+        return None
+
     def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, landed: int) -> None:
         """Zero-copy read, step 2: after the caller copied :meth:`segment_view` to where the engine
         reads it, ``landed`` is the checksum of those bytes *where they landed* (summed in the same

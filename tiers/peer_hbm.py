@@ -294,6 +294,15 @@ class PeerHbmTier(Tier):
         self._sync(seg)
         return into
 
+    def device_view(self, ref: SlotRef, layer: int, device: Any) -> Any | None:
+        """Layer ``layer`` of the page at ``ref`` as a view of the region, for a copy into memory
+        of the region's kind (a GPU engine's staging: device to device, over NVLink for another
+        GPU; a CPU region to a CPU tensor); ``None`` for any other ``device``."""
+        if self._torch.device(device).type != self.device.type:
+            return None
+        self._check_slot(ref.slot)
+        return self._seg_t(ref.slot, layer)
+
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """Host memory for :meth:`segment_view` (pinned on a GPU host: device→host at full speed)."""
         buf: np.ndarray = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=self._cuda).numpy()

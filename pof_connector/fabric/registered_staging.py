@@ -35,6 +35,11 @@ class StagingArea:
     a remote page is then read in several requests, layer 0's first.
     """
 
+    @property
+    def memory(self) -> np.ndarray:
+        """The page slots' memory (a GPU engine pins it with CUDA: a copy out of it is a DMA)."""
+        return self._pages
+
     def __init__(self, agent: NixlAgent, page_bytes: int, size: int,
                  spans: Sequence[tuple[int, int]] = ()) -> None:
         self.page_bytes = page_bytes
@@ -124,6 +129,10 @@ class StagedPage:
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
+
+    def device_view(self, ref: SlotRef, layer: int, device: object) -> None:
+        """Staging is host memory: :meth:`segment_view` is the source."""
+        return None
 
     def check_segment(self, ref: SlotRef, header: PageHeader, layer: int, landed: int) -> None:
         """The copy out of staging is checked where it landed, like any other: a layer is handed

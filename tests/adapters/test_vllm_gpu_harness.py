@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -94,13 +95,13 @@ class Engine:
             self.stream.synchronize()
         return worker.take_load_errors()
 
-    def worker(self, runtime_dir: str, size: str = "8MiB") -> PoFWorker:
+    def worker(self, runtime_dir: str, size: str = "8MiB", tiers: dict[str, Any] | None = None) -> PoFWorker:
         geo = VllmGeometry(model="m", kv_dtype=str(self.dtype).removeprefix("torch."),
                            kv_heads=1 if self.mla else HEADS, head_dim=LATENT if self.mla else DIM,
                            num_layers=len(self.kv), is_mla=self.mla, block_size=TOKENS, page_tokens=2 * TOKENS,
                            tp_size=1)
         cfg = PofConfig.from_mapping({"node_id": "h", "index_url": "local", "runtime_dir": runtime_dir,
-                                      "tiers": {"cpu_dram": {"size": size}}})
+                                      "tiers": tiers or {"cpu_dram": {"size": size}}})
         w = PoFWorker(cfg, geo, tp_rank=0, cpu_attention=False)
         w.register(self.kv, layout=self.layout)
         return w
@@ -110,9 +111,9 @@ class Engine:
 def workers(runtime_dir: str) -> Iterator[Callable[..., tuple[Engine, PoFWorker]]]:
     made: list[PoFWorker] = []
 
-    def make(device: str, **kw: Any) -> tuple[Engine, PoFWorker]:
+    def make(device: str, tiers: dict[str, Any] | None = None, **kw: Any) -> tuple[Engine, PoFWorker]:
         engine = Engine(device, **kw)
-        w = engine.worker(runtime_dir)
+        w = engine.worker(runtime_dir, tiers=tiers)
         made.append(w)
         return engine, w
 
@@ -170,21 +171,66 @@ def test_every_layout_round_trips_byte_exact(workers: Any, device: str, layout: 
         assert page_sum._triton_state == "ok"        # the landed pages were summed on the device by Triton
 
 
+def tiers_of(medium: str, device: str, runtime_dir: str = "") -> dict[str, Any]:
+    """One tier of ``medium``: host DRAM, or a peer GPU region on the engine's own device (a
+    ``cpu`` region in CI: the same device-to-device code path, on CPU tensors)."""
+    if medium == "peer_hbm":
+        return {"peer_hbm": {"size": "8MiB", "device": device}}
+    return {"cpu_dram": {"size": "8MiB"}}
+
+
+@pytest.mark.parametrize("medium", ["cpu_dram", "peer_hbm"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_corrupted_page_is_refused_and_reported(workers: Any, device: str) -> None:
+def test_a_corrupted_page_is_refused_and_never_reaches_the_blocks(workers: Any, device: str, medium: str) -> None:
     """One bit of one page's last layer flipped in the tier: that page's blocks are reported for
-    recompute after the forward; the other page lands byte-exact."""
-    engine, w = workers(device)
+    recompute after the forward, and its corrupted layer never reached them: they hold exactly what
+    they held before (its earlier layers, which checked good, landed). The other page lands
+    byte-exact. A peer GPU region is read device to device (no host copy in between)."""
+    engine, w = workers(device, tiers=tiers_of(medium, device))
     keys, before = saved(engine, w)
     tier = w.pool.tiers[0]
+    assert tier.medium == medium
     ref = tier.find(keys[1])
     assert ref is not None
-    tier.segment_view(ref, LAYERS - 1)[100] ^= 8
+    reader = w.pool.open_read(keys, w.pool.lookup(keys).sources)
+    sources = [type(seg) for _, seg in reader.segments(0, engine.device)]
+    reader.close()
+    assert sources == [torch.Tensor if medium == "peer_hbm" else np.ndarray] * 2
+    if medium == "peer_hbm":
+        tier.device_view(ref, LAYERS - 1, engine.device)[100] ^= 8
+    else:
+        tier.segment_view(ref, LAYERS - 1)[100] ^= 8
     load = LoadJob("l", keys, w.pool.lookup(keys).sources, [[5, 6], [7, 8]])
     assert engine.step(w, PoFConnectorMetadata(loads=[load])) == {7, 8}
-    expected = expected_after_load(engine, before, 1)
-    for view, want in zip(engine.views, engine_views_like(engine, expected), strict=True):
-        assert torch.equal(view[5:7].contiguous().view(torch.uint8), want[5:7].contiguous().view(torch.uint8))
+    loaded = engine_views_like(engine, expected_after_load(engine, before, 1))
+    untouched = engine_views_like(engine, before)
+    for layer, (view, want, old) in enumerate(zip(engine.views, loaded, untouched, strict=True)):
+        assert torch.equal(as_bytes(view[5:7]), as_bytes(want[5:7]))                # the good page
+        assert torch.equal(as_bytes(view[7:9]), as_bytes((old if layer == LAYERS - 1 else want)[7:9]))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tier_memory_is_page_locked_for_a_gpu_engine(workers: Any, device: str, tmp_path: Any) -> None:
+    """A GPU engine page-locks the tiers' host memory (a CXL mapping here) so its loads are DMAs;
+    a CPU engine locks nothing. Pages load byte-exact from the locked mapping."""
+    tiers = {"cxl": {"size": "8MiB", "path": str(tmp_path / "cxl")}}
+    engine, w = workers(device, tiers=tiers)
+    cxl = w.pool.tiers[0]
+    assert cxl.medium == "cxl"
+    if engine.device.type == "cuda":
+        assert (cxl.region.ctypes.data, cxl.region.nbytes) in w._pins.pinned
+        # Registering it again is refused as registered already: the driver holds it page-locked.
+        assert int(torch.cuda.cudart().cudaHostRegister(cxl.region.ctypes.data, cxl.region.nbytes, 0)) == 712
+    else:
+        assert w._pins.pinned == []
+    keys, before = saved(engine, w)
+    load = LoadJob("l", keys, w.pool.lookup(keys).sources, [[5, 6], [7, 8]])
+    assert engine.step(w, PoFConnectorMetadata(loads=[load])) == set()
+    assert torch.equal(engine.raw, expected_after_load(engine, before, 1))
 
 
 def engine_views_like(engine: Engine, raw: torch.Tensor) -> list[torch.Tensor]:
