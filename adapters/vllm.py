@@ -225,10 +225,14 @@ class PoFConnector(KVConnectorBase_V1):
         self._last_snapshot = now
         latencies: list[float] = []
         waits: list[float] = []
+        errors: list[float] = []
         if self._worker is not None:
             latencies, self._worker.load_latencies = self._worker.load_latencies, []
             waits, self._worker.wait_seconds = self._worker.wait_seconds, []
-        stats = PoFConnectorStats(data={"counters": delta, "load_seconds": latencies, "wait_seconds": waits})
+            if self._worker.audits is not None:
+                errors = self._worker.audits.auditor.take_errors()
+        stats = PoFConnectorStats(data={"counters": delta, "load_seconds": latencies, "wait_seconds": waits,
+                                        "audit_errors": errors})
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -42,11 +42,16 @@ class LoadJob:
 
 @dataclass
 class SaveJob:
-    """Copy the pages ``keys`` out of ``block_ids`` once this step wrote them."""
+    """Copy the pages ``keys`` out of ``block_ids`` once this step wrote them.
+
+    ``audit``: pages (index into ``keys``) the pool holds but the engine computed anyway (a sampled
+    pool hit, see :mod:`pof_connector.audit`), each with the pool's source the scheduler found
+    (rank 0's): compare them with the pool's page instead of storing them twice."""
 
     req_id: str
     keys: list[PageKey]
     block_ids: list[list[int]]
+    audit: dict[int, Location] = field(default_factory=dict)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, SaveJob, Verdict
+from pof_connector.audit.sampler import Sampler
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
@@ -139,6 +140,11 @@ class PoFScheduler:
         cache (its recompute policy keeps them registered until they are computed again)."""
         self._poisoned: set[str] = set()
         """Requests that read a suspect block: nothing they compute is stored, until they end."""
+        self._sampler = Sampler(config.audit)
+        self._audit_pick: dict[str, bool] = {}
+        """request id -> whether its pool hit is audited (decided once per request)"""
+        self._audits: dict[str, tuple[int, list[PageKey], list[Location]]] = {}
+        """request id -> (first page, keys, sources) of the pool hit the engine computes instead"""
 
     def _chain(self, request: Any) -> _Chain:
         chain = self._chains.get(request.request_id)
@@ -164,6 +170,10 @@ class PoFScheduler:
             return 0
         found = self._with_approved(keys, self._lookup(request.request_id, first, limit, keys))
         if found.pages == 0 or (first + found.pages) * P <= num_computed:
+            return 0
+        if self.saves and self._audit_pick.setdefault(request.request_id, self._sampler.sampled()):
+            # Audited: the engine computes these pages; the workers compare them with the pool's.
+            self._audits[request.request_id] = (first, keys[:found.pages], list(found.sources))
             return 0
         self._plans[request.request_id] = _Plan(first, num_computed, keys[:found.pages], found.sources)
         return (first + found.pages) * P - num_computed
@@ -405,14 +415,19 @@ class PoFScheduler:
         if full <= start:
             return
         page_blocks = [blocks[p * bpp:(p + 1) * bpp] for p in range(start, full)]
-        meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks))
+        audit: dict[int, Location] = {}
+        if req_id in self._audits:
+            a_first, a_keys, a_sources = self._audits[req_id]
+            audit = {p - start: a_sources[p - a_first] for p in range(max(start, a_first), min(full, a_first + len(a_keys)))
+                     if keys[p] == a_keys[p - a_first]}
+        meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks, audit))
         self._saved_pages[req_id] = full
 
     # ---- request_finished ----------------------------------------------------------------------
 
     def finished(self, req_id: str) -> None:
         for books in (self._chains, self._plans, self._requests, self._blocks, self._saved_pages, self._hit_tiers,
-                      self._progress, self._looked, self._local):
+                      self._progress, self._looked, self._local, self._audit_pick, self._audits):
             books.pop(req_id, None)  # type: ignore[attr-defined]
         self._poisoned.discard(req_id)
         self._finished.append(req_id)

@@ -16,10 +16,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pof_connector.audit.auditor import ERROR_BUCKETS
 from pof_connector.metrics import COUNTER_LABELS, COUNTERS
 
-_SERIES = re.compile(r"^(\w+)\{(\w+)=([^}]*)\}$")
-EXPORTED = COUNTER_LABELS   # pool counter -> the label it carries
+_SERIES = re.compile(r"^(\w+)\{((?:\w+=[^,}]*,?)+)\}$")
+EXPORTED = {name: labels.split(",") for name, labels in COUNTER_LABELS.items()}   # pool counter -> its labels
+
+
+def series(key: str) -> tuple[str, dict[str, str]] | None:
+    """``("name", {label: value})`` of a snapshot key ``name{a=x,b=y}``; ``None`` for a total."""
+    m = _SERIES.match(key)
+    if m is None:
+        return None
+    return m.group(1), dict(part.split("=", 1) for part in m.group(2).rstrip(",").split(","))
 
 
 def counter_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
@@ -38,9 +47,10 @@ class PoFConnectorStats(KVConnectorStats):
         data.setdefault("counters", {})
         data.setdefault("load_seconds", [])
         data.setdefault("wait_seconds", [])
+        data.setdefault("audit_errors", [])
 
     def reset(self) -> None:
-        fresh: dict[str, Any] = {"counters": {}, "load_seconds": [], "wait_seconds": []}
+        fresh: dict[str, Any] = {"counters": {}, "load_seconds": [], "wait_seconds": [], "audit_errors": []}
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -48,16 +58,16 @@ class PoFConnectorStats(KVConnectorStats):
         theirs: dict[str, Any] = other.data
         for k, v in theirs.get("counters", {}).items():
             mine["counters"][k] = mine["counters"].get(k, 0) + v
-        for series in ("load_seconds", "wait_seconds"):
-            mine[series] = list(mine[series]) + list(theirs.get(series, []))
+        for name in ("load_seconds", "wait_seconds", "audit_errors"):
+            mine[name] = list(mine.get(name, [])) + list(theirs.get(name, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         data: dict[str, Any] = self.data
         for k, v in data["counters"].items():
-            m = _SERIES.match(k)
-            name = m.group(1) if m else k
+            parsed = series(k)
+            name = parsed[0] if parsed else k
             out[f"pof_{name}"] = out.get(f"pof_{name}", 0) + v
         lat = sorted(data["load_seconds"])
         if lat:
@@ -69,7 +79,7 @@ class PoFConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not self.data["load_seconds"] and not self.data["wait_seconds"]
+        return not any(self.data.get(k) for k in ("counters", "load_seconds", "wait_seconds", "audit_errors"))
 
 
 class PoFPromMetrics(KVConnectorPromMetrics):
@@ -78,8 +88,8 @@ class PoFPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: self._counter_cls(name=f"vllm:pof_{name}", documentation=f"pof: {COUNTERS[name]}",
-                                    labelnames=[*labelnames, label])
-            for name, label in EXPORTED.items()
+                                    labelnames=[*labelnames, *labels])
+            for name, labels in EXPORTED.items()
         }
         buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
         hist = self._histogram_cls(name="vllm:pof_load_seconds", documentation="pof: one request's load, from "
@@ -91,15 +101,23 @@ class PoFPromMetrics(KVConnectorPromMetrics):
                                    "the copies and checks it waited for, finishing)",
                                    labelnames=labelnames, buckets=buckets)
         self._wait_seconds = create_metric_per_engine(wait, per_engine_labelvalues)
+        audit = self._histogram_cls(name="vllm:pof_audit_error", documentation="pof: per audited page, the largest "
+                                    "normalised error (max |engine - pool| / max |engine| per layer and KV head) "
+                                    "between the KV the engine computed and the pool's page of the same key",
+                                    labelnames=labelnames, buckets=list(ERROR_BUCKETS))
+        self._audit_error = create_metric_per_engine(audit, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.get("counters", {}).items():
-            m = _SERIES.match(key)
-            if m is None or m.group(1) not in self._counters or m.group(2) != EXPORTED[m.group(1)]:
+            parsed = series(key)
+            if parsed is None or parsed[0] not in self._counters or sorted(parsed[1]) != EXPORTED[parsed[0]]:
                 continue
-            self._counters[m.group(1)].labels(*base, m.group(3)).inc(value)
+            name, labels = parsed
+            self._counters[name].labels(*base, *(labels[k] for k in EXPORTED[name])).inc(value)
         for s in transfer_stats_data.get("load_seconds", []):
             self._load_seconds[engine_idx].observe(s)
         for s in transfer_stats_data.get("wait_seconds", []):
             self._wait_seconds[engine_idx].observe(s)
+        for e in transfer_stats_data.get("audit_errors", []):
+            self._audit_error[engine_idx].observe(e)

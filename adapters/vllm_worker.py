@@ -35,11 +35,14 @@ import torch
 
 from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
+from pof_connector.adapters.vllm_audits import Countdown, WorkerAudits
 from pof_connector.adapters.vllm_device import HostPins, Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict
+from pof_connector.audit.auditor import Auditor
 from pof_connector.config import PofConfig
+from pof_connector.index import Location
 from pof_connector.keys import PageKey
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
@@ -80,6 +83,8 @@ class _PendingSave:
     req_id: str
     keys: list[PageKey]
     segments: np.ndarray              # [layers, pages, segment_bytes]
+    audit: dict[int, Location] = field(default_factory=dict)   # position -> the pool's copy to compare with
+    stored: set[int] = field(default_factory=set)              # positions this node stores already
 
 
 class PoFWorker:
@@ -120,6 +125,7 @@ class PoFWorker:
         self._lost_verdict_logged = False
         self.staging = StagingPool()
         self._pins = HostPins()           # the pool's host memory page-locked for the engine's GPU
+        self.audits: WorkerAudits | None = None     # None: audit.sample_rate 0
         self.load_latencies: list[float] = []
         self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
         self._waited = 0.0                    # ... so far in this step
@@ -172,6 +178,11 @@ class PoFWorker:
         if device.type == "cuda":       # saves copy device-to-host without a wait: into page-locked staging
             self.staging = StagingPool(allocate=pinned_buffer)
         self._pins = HostPins.of_pool(self.pool, device)
+        if config.audit.sample_rate > 0:
+            canonical = self.layout.name != "cpu_opaque"     # else raw block bytes: one error per layer
+            self.audits = WorkerAudits(self.pool, Auditor(self.pool, config.audit, str(self.kv[0].dtype),
+                                                          1 if geo.is_mla else geo.kv_heads,
+                                                          geo.head_dim if canonical else 0))
         if self.overlap is None:
             self.overlap = core_to_spare(self.kv[0].device)
         self.copy_threads = 1 if self.overlap else copy_threads(self.kv[0].device)
@@ -391,6 +402,8 @@ class PoFWorker:
         lost): dropped, the safe answer."""
         assert self.pool is not None
         discard = set(verdict.discard)
+        if self.audits is not None:
+            self.audits.settle(verdict.step, discard)
         for step in sorted(s for s in self._held if s <= verdict.step):
             for req_id, stored, digests in self._held.pop(step):
                 tag = (step, req_id)
@@ -420,13 +433,17 @@ class PoFWorker:
             if job.req_id in self._tainted:
                 continue
             keys = self._own_keys(job.keys)
-            keep = [i for i, k in enumerate(keys) if not self.pool.contains(k)]
+            audit = self.audits.sources(job, keys) if self.audits is not None else {}
+            have = {i for i, k in enumerate(keys) if self.pool.contains(k)}
+            keep = [i for i in range(len(keys)) if i in audit or i not in have]
             if not keep:
                 continue
             blocks.append([b for i in keep for b in job.block_ids[i]])
             buffer = self.staging.take(spec.num_layers * len(keep) * spec.segment_bytes)
             self._saves.append(_PendingSave(job.req_id, [keys[i] for i in keep],
-                                            buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes)))
+                                            buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes),
+                                            {n: audit[i] for n, i in enumerate(keep) if i in audit},
+                                            {n for n, i in enumerate(keep) if i in have}))
         if self._saves:
             assert self.layout is not None
             self._unsaved = set(range(len(self.kv)))
@@ -459,21 +476,32 @@ class PoFWorker:
         assert self.pool is not None
         layers = self.pool.spec.num_layers
         batches: list[tuple[str, list[tuple[PageKey, list[np.ndarray]]]]] = []
-        buffers: list[np.ndarray] = []
-        for save in self._saves:
-            buffers.append(save.segments)
-            if save.req_id in self._tainted:      # its load failed in this very step
-                continue
-            batches.append((save.req_id, [(key, [save.segments[layer, i] for layer in range(layers)])
-                                          for i, key in enumerate(save.keys)]))
-        self._saves = []
+        buffers = [save.segments for save in self._saves]
 
-        def release(_: object) -> None:      # the buffers are reusable once the pool wrote them
+        def give_back() -> None:        # the staging is reusable once the pool wrote it and every audit read it
             for b in buffers:
                 self.staging.give(b)
 
+        release = Countdown(give_back)
+        for save in self._saves:
+            if save.req_id in self._tainted:      # its load failed in this very step
+                continue
+            if save.audit and self.audits is not None:
+                release.add()
+                self.audits.add(self._step, self._hold, save.req_id,
+                                [(save.keys[n], src, n) for n, src in save.audit.items()], save.segments, ready,
+                                release.done)
+            batches.append((save.req_id, [(key, [save.segments[layer, i] for layer in range(layers)])
+                                          for i, key in enumerate(save.keys) if i not in save.stored]))
+        self._saves = []
+        batches = [(req_id, items) for req_id, items in batches if items]
         if not self._hold:
-            self.pool.store([item for _, items in batches for item in items], ready=ready).add_done_callback(release)
+            items = [item for _, items in batches for item in items]
+            if items:
+                self.pool.store(items, ready=ready).add_done_callback(release.done)
+            else:
+                step_saves.drain()                      # no copy still writes into the buffers
+                release.done()
             return
         futures: list[Future[int]] = []
         for req_id, items in batches:
@@ -484,16 +512,18 @@ class PoFWorker:
                 self._report.held[req_id] = [key for key, _ in items]
         self._report.medium = self.pool.tiers[0].medium if self.pool.tiers else ""
         if futures:
-            futures[-1].add_done_callback(release)      # the store thread runs them in order
+            futures[-1].add_done_callback(release.done)      # the store thread runs them in order
         else:
-            step_saves.drain()                          # no copy still writes into the buffers
-            release(None)
+            step_saves.drain()                              # no copy still writes into the buffers
+            release.done()
 
     def close(self) -> None:
         self.abort_loads()
         self._held = {}           # the pool drops what is still held as it closes
         if self._load_thread is not None:
             self._load_thread.shutdown(wait=True)
+        if self.audits is not None:
+            self.audits.close()
         self._pins.release()      # before the pool unmaps what was registered
         if self.pool is not None:
             self.pool.close()

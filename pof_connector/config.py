@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from pof_connector.audit.audit_config import AuditConfig, parse_audit
 from pof_connector.cluster_url import ClusterUrl, is_cluster_url
 from pof_connector.config_error import ConfigError as ConfigError
 from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
@@ -275,6 +276,8 @@ class PofConfig:
     io_threads: int = 2
     load_timeout_s: float = 10.0
     fabric: FabricConfig = field(default_factory=FabricConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    """Sampled shadow recompute of pool hits (see :mod:`pof_connector.audit`)."""
     index_auth: IndexAuth = field(default_factory=IndexAuth)
 
     def tier(self, medium: str) -> TierConfig | None:
@@ -322,6 +325,8 @@ class PofConfig:
             kw["io_threads"] = _int(raw["io_threads"], "io_threads", lo=1, hi=64)
         if raw.get("fabric") is not None:
             kw["fabric"] = _fabric(raw["fabric"])
+        if raw.get("audit") is not None:
+            kw["audit"] = parse_audit(raw["audit"])
         kw["index_auth"] = IndexAuth.from_mapping(raw, kw.get("index_url", "embedded"))
         config = cls(**kw)
         if config.node_ttl_s <= config.heartbeat_s:
@@ -370,6 +375,7 @@ class PofConfig:
                        "staging_size": self.fabric.staging_size, "spill": self.fabric.spill,
                        "spill_lease_s": self.fabric.spill_lease_s,
                        "max_lent_fraction_per_writer": self.fabric.max_lent_fraction_per_writer},
+            "audit": self.audit.to_mapping(),
             **self.index_auth.to_mapping(),
         }
 

@@ -63,6 +63,9 @@ class SourceFinder:
         self.fabric = parts.fabric
         self.log_once = parts.log_once
         self._nodes_cache: tuple[float, dict[str, NodeInfo]] = (0.0, {})
+        self._quarantined: set[str] = set()
+        """Writers whose pages this node no longer loads (the audit found too many wrong), until
+        they leave the node list and register again."""
         self._peer_metas: dict[str, tuple[dict[str, str], PeerMeta | None]] = {}
 
     def lookup(self, keys: Sequence[PageKey], *, count: bool = True) -> Lookup:
@@ -92,7 +95,16 @@ class SourceFinder:
             self.stats.add("hit_pages", n, tier=medium)
         return result
 
+    def quarantine(self, node: str) -> bool:
+        """Stop loading ``node``'s pages until it registers again; False if it already was."""
+        if node in self._quarantined or node == self.node_id:
+            return False
+        self._quarantined.add(node)
+        return True
+
     def _reach(self, runs: list[Run], own: list[Location], length: int) -> Reach:
+        if self._quarantined:
+            runs = [r for r in runs if r[1].node not in self._quarantined]
         holders = {m.node for _, m in runs}
         near = {n: [m for m in MEDIA if self.readable(n, m)] for n in holders}
         far = {n: [m for m in MEDIA if self.remote_meta(n, m) is not None] for n in holders}
@@ -136,6 +148,7 @@ class SourceFinder:
         nodes = self.guard.call("nodes", self.index.nodes, default=None)
         if nodes is not None:
             cache = {n.node_id: n for n in nodes}
+            self._quarantined &= cache.keys()     # gone from the list: back with a new incarnation
             if self.fabric is not None:
                 self.fabric.peers.retain(cache)    # peers whose heartbeat expired are dropped
         self._nodes_cache = (time.monotonic(), cache)

@@ -10,8 +10,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from pof_connector.audit.revocations import revoked_for
 from pof_connector.config import ConfigError
-from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
+from pof_connector.index import Location, NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
 from pof_connector.placement import Placement
@@ -59,6 +60,19 @@ class Membership:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def _drop_revoked(self) -> None:
+        """Drop the pages of ours another node's audit found wrong (see :mod:`pof_connector.audit.revocations`)."""
+        if not self.own.all:
+            return
+        for key, loc in revoked_for(self.node_id, self.finder.all_nodes().values()):
+            tier = self.own.get(loc.medium)
+            gone = tier.remove(key, slot=loc.slot) if tier is not None else None
+            if gone is not None:
+                self.stats.add("audit_revoked", tier=loc.medium)
+                self.publisher.withdraw([(key, Location(self.node_id, loc.medium, gone.slot, gone.generation))])
+                log.warning("pof: another node's audit found our page %s (%s slot %d) wrong; dropped it",
+                            key.digest.hex()[:16], loc.medium, loc.slot)
+
     def node_info(self) -> NodeInfo:
         tiers = {t.medium: TierUsage(t.capacity_slots * t.slot_bytes, t.free_slots * t.slot_bytes, t.domain)
                  for t in self.own.live()}
@@ -92,6 +106,7 @@ class Membership:
             self._restart_embedded_index()
             return
         self.publisher.retry_withdraws(fresh)
+        self._drop_revoked()
         if self.publisher.take_republish() or fresh:
             entries = [e for t in self.own.live() for e in self.own.entries(t)]
             self.publisher.publish_all(entries)

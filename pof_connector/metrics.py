@@ -38,6 +38,10 @@ COUNTERS: dict[str, str] = {
     "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",
     "skipped_hooks": "Steps in which the engine skipped a per-layer hook for some layer (a full CUDA graph "
                      "replay): their loads were recomputed, their saves not stored, by hook",
+    "audit_pages": "Pool pages the audit compared with the KV the engine computed for their keys",
+    "audit_mismatches": "Audited pages that were not the KV the engine computed (withdrawn), by writer and reason",
+    "audit_unread": "Audited pool pages that could not be read any more (nothing compared), by reason",
+    "audit_revoked": "Pages of this node another node's audit found wrong, dropped here, by tier",
     "load_seconds": "Time spent loading pages",
 }
 
@@ -47,9 +51,11 @@ COUNTER_LABELS: dict[str, str] = {
     "demoted_pages": "tier",
     "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
     "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
-    "skipped_hooks": "hook",
+    "skipped_hooks": "hook", "audit_mismatches": "reason,writer", "audit_unread": "reason",
+    "audit_revoked": "tier",
 }
-"""The label each labelled counter carries: what an engine's own metrics endpoint exports."""
+"""The labels each labelled counter carries (comma-separated, sorted): what an engine's own metrics
+endpoint exports."""
 
 
 class PoolStats:

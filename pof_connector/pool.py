@@ -174,6 +174,16 @@ class Pool:
         """Wait until every store submitted so far is written and published."""
         self.placement.flush()
 
+    def withdraw(self, key: PageKey, src: Location) -> None:
+        """No node loads ``key`` from ``src`` again (a page found wrong): this node's own copy is
+        dropped from its tier, and the index record is withdrawn whoever wrote it."""
+        if src.node == self.node_id:
+            tier = self._own.get(src.medium)
+            gone = tier.remove(key, slot=src.slot) if tier is not None else None
+            if gone is not None:
+                src = Location(self.node_id, src.medium, gone.slot, gone.generation)
+        self._publisher.withdraw([(key, src)])
+
     def contains(self, key: PageKey) -> bool:
         """True when this node stores (or is storing) ``key``: storing it again is pointless."""
         return self._own.contains(key)
