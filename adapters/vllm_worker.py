@@ -36,6 +36,7 @@ import torch
 from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
 from pof_connector.adapters.vllm_audits import Countdown, WorkerAudits
+from pof_connector.adapters.vllm_faults import WriterFaults
 from pof_connector.adapters.vllm_device import HostPins, Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
@@ -126,6 +127,7 @@ class PoFWorker:
         self.staging = StagingPool()
         self._pins = HostPins()           # the pool's host memory page-locked for the engine's GPU
         self.audits: WorkerAudits | None = None     # None: audit.sample_rate 0
+        self._faults = WriterFaults.from_env()       # tests only: wrong KV the audit must catch
         self.load_latencies: list[float] = []
         self.wait_seconds: list[float] = []   # per step that loaded: how long the forward's thread spent in pof
         self._waited = 0.0                    # ... so far in this step
@@ -254,6 +256,13 @@ class PoFWorker:
 
     def _copy_layer(self, layer: int) -> None:
         """The loader: copy and check layer ``layer`` of every page of this step's loads."""
+        if self._faults is not None and self._faults.zeroes_loads():
+            assert self.layout is not None
+            kv = self.kv[layer]
+            ids = [b for a in self._loads for i in range(a.readable) for b in a.targets[i][0]]
+            self.layout.write_blocks(kv, ids, torch.zeros((len(ids), *self.layout.block_shape()), dtype=kv.dtype,
+                                                          device=kv.device))
+            return
         device = self.kv[layer].device if self._strided is not None else None   # torch copies: GPU regions direct
         per_load = [(active, active.reader.segments(layer, device)) for active in self._loads]
         if self._strided is not None:
@@ -393,6 +402,8 @@ class PoFWorker:
                                                                              for r, _, _ in s})), set())
         self._step, self._hold = meta.step, meta.hold
         self._report = PoFWorkerMeta(meta.step)
+        if self._faults is not None:
+            self._faults.begin_step()
 
     def _settle(self, verdict: Verdict, wanted: set[bytes]) -> None:
         """Publish or drop the saves held in ``verdict.step``. Those among ``wanted`` (the pages this
@@ -438,7 +449,8 @@ class PoFWorker:
             keep = [i for i in range(len(keys)) if i in audit or i not in have]
             if not keep:
                 continue
-            blocks.append([b for i in keep for b in job.block_ids[i]])
+            job_blocks = job.block_ids if self._faults is None else self._faults.blocks(job.block_ids)
+            blocks.append([b for i in keep for b in job_blocks[i]])
             buffer = self.staging.take(spec.num_layers * len(keep) * spec.segment_bytes)
             self._saves.append(_PendingSave(job.req_id, [keys[i] for i in keep],
                                             buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes),
@@ -475,6 +487,13 @@ class PoFWorker:
         ready = step_saves.finish()       # the store thread waits for the copies, the forward does not
         assert self.pool is not None
         layers = self.pool.spec.num_layers
+        if self._faults is not None:
+            if ready is not None:
+                ready()
+            assert self.layout is not None
+            for save in self._saves:
+                self._faults.damage(save.segments, self.layout.canonical_shape(self.geo.page_tokens),
+                                    self.kv[0].element_size())
         batches: list[tuple[str, list[tuple[PageKey, list[np.ndarray]]]]] = []
         buffers = [save.segments for save in self._saves]
 

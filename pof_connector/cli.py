@@ -30,6 +30,7 @@ import argparse
 import sys
 
 from pof_connector import memd_cli
+from pof_connector.audit import cli as audit_cli
 from pof_connector.bench import BenchError
 from pof_connector.bench import cli as bench_cli
 from pof_connector.cli_support import CommandError, Handler, err_console, usage
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(handler=usage(parser))
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     index_cli.add_parser(sub)            # pof index …, and pof stats
+    audit_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     router_serve.add_parser(sub)
     relay_cli.add_parser(sub)

@@ -64,14 +64,17 @@ class Membership:
         """Drop the pages of ours another node's audit found wrong (see :mod:`pof_connector.audit.revocations`)."""
         if not self.own.all:
             return
+        dropped = 0
         for key, loc in revoked_for(self.node_id, self.finder.all_nodes().values()):
             tier = self.own.get(loc.medium)
             gone = tier.remove(key, slot=loc.slot) if tier is not None else None
             if gone is not None:
+                dropped += 1
                 self.stats.add("audit_revoked", tier=loc.medium)
                 self.publisher.withdraw([(key, Location(self.node_id, loc.medium, gone.slot, gone.generation))])
-                log.warning("pof: another node's audit found our page %s (%s slot %d) wrong; dropped it",
-                            key.digest.hex()[:16], loc.medium, loc.slot)
+        if dropped:
+            log.warning("pof: another node's audit found %d page(s) of ours wrong; dropped them "
+                        "(pof_audit_revoked_total)", dropped)
 
     def node_info(self) -> NodeInfo:
         tiers = {t.medium: TierUsage(t.capacity_slots * t.slot_bytes, t.free_slots * t.slot_bytes, t.domain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,8 @@ from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)
 
+RECENT = 32
+"""Mismatches a node's summary lists (the newest)."""
 ERROR_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 """Upper bounds of the normalised-error histogram (``pof_audit_error``)."""
 
@@ -62,6 +65,7 @@ class Auditor:
         self._buckets = [0] * (len(ERROR_BUCKETS) + 1)
         self._mismatches: dict[str, dict[str, int]] = {}      # writer -> reason -> pages
         self._revoked: deque[tuple[PageKey, Location]] = deque(maxlen=KEEP)
+        self._recent: deque[dict[str, object]] = deque(maxlen=RECENT)     # the newest mismatches, for pof audit
         self._logged: set[str] = set()
 
     def submit(self, key: PageKey, source: Location, layers: Sequence[np.ndarray],
@@ -106,6 +110,9 @@ class Auditor:
             if r.reason is not None:
                 by = self._mismatches.setdefault(r.source.node, {})
                 by[r.reason] = by.get(r.reason, 0) + 1
+                self._recent.append({"page": r.key.digest.hex()[:16], "writer": r.source.node,
+                                     "tier": r.source.medium, "reason": r.reason, "error": r.error,
+                                     "layer": r.layer, "at": round(time.time(), 3)})
         self.pool.meta["audit"] = json.dumps(self.summary())     # in this node's next heartbeat
 
     def _mismatch(self, r: AuditResult) -> None:
@@ -137,7 +144,8 @@ class Auditor:
             return {"pages": self._pages, "dtype": self.dtype, "bound": self.bound,
                     "sample_rate": self.config.sample_rate, "max_error": self._max_error,
                     "buckets": dict(zip([*map(str, ERROR_BUCKETS), "inf"], self._buckets, strict=True)),
-                    "mismatches": {w: dict(r) for w, r in self._mismatches.items()}}
+                    "mismatches": {w: dict(r) for w, r in self._mismatches.items()},
+                    "recent": list(self._recent)}
 
     def take_errors(self) -> list[float]:
         """The errors measured since the last call (for the engine's metrics histogram)."""

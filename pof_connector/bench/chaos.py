@@ -128,7 +128,7 @@ class Cluster:
 
     def _pool(self, node: str, tiers: dict[str, Any], dev: str) -> dict[str, Any]:
         return {"node_id": node, "index_url": self.index_url, "runtime_dir": str(self.workdir / f"rt-{node}"),
-                "heartbeat_s": 0.5, "node_ttl_s": 3.0, "tiers": tiers,
+                "heartbeat_s": 0.5, "node_ttl_s": 3.0, "tiers": tiers, "audit": {"sample_rate": AUDIT_RATE},
                 "fabric": {"enabled": True, "tls": "tcp", "ucx_devices": dev, "timeout_s": self.fabric_timeout_s,
                            "staging_size": "32MiB", "spill": True, "spill_lease_s": 10.0}}
 
@@ -266,6 +266,11 @@ def _engine_args() -> list[str]:
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 
+AUDIT_RATE = 0.1
+"""The pooled servers audit a tenth of their pool hits: enough that a few minutes of chaos compare
+pages that moved through every fault (an operator's default is 0.01)."""
+
+
 def _counters(server: VllmServer) -> dict[str, float]:
     """vLLM's hit counters and every pof counter (by label set too) of a live server; {} if down."""
     try:
@@ -388,6 +393,9 @@ def _result(outs: list[Outcome], records: list[FaultRecord], cluster: Cluster, m
         "requests": {"sent": len(outs), "answered": len(outs) - len(failed), "failed": len(failed),
                      "storm": sum(o.request.storm for o in outs)},
         "wrong_answers": len(wrong),
+        # The pooled servers' own audit (audit.sample_rate of their hits recomputed and compared).
+        "audit_mismatches": int(cluster.counters().get("vllm:pof_audit_mismatches_total", 0)),
+        "audited_pages": int(cluster.counters().get("vllm:pof_audit_pages_total", 0)),
         "answers_differing_from_cold_reference": sum(o.differs for o in outs),
         "unplanned_crashes": len(cluster.crashes),
         "faults": injected,

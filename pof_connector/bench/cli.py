@@ -18,6 +18,7 @@ from pof_connector.bench import lmcache as bench_lmcache  # starts LMCache engin
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
+from pof_connector.bench.audit import add_audit_parser
 from pof_connector.bench.capacity_cli import add_capacity_parser
 from pof_connector.bench.chaos_faults import KINDS as CHAOS_KINDS
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
@@ -283,7 +284,8 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
         out.print(table)
         req = result["requests"]
         out.print(f"requests sent {req['sent']}, answered {req['answered']}, failed {req['failed']}; "
-                  f"[bold]wrong answers {result['wrong_answers']}[/bold], unplanned crashes "
+                  f"[bold]wrong answers {result['wrong_answers']}[/bold], audit mismatches "
+                  f"{result['audit_mismatches']} of {result['audited_pages']} audited pages, unplanned crashes "
                   f"{result['unplanned_crashes']}; hit rate {result['hit_rate']:.3f}")
     return 1 if result["wrong_answers"] or result["unplanned_crashes"] else 0
 
@@ -430,3 +432,4 @@ def add_parser(sub: Any) -> None:
     chaos.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
     chaos.set_defaults(handler=cmd_bench_chaos)
     add_capacity_parser(bsub)
+    add_audit_parser(bsub)

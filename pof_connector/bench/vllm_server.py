@@ -40,6 +40,10 @@ def free_port() -> int:
 
 
 def connector_config(extra: dict[str, Any], policy: str = "recompute", role: str = "kv_both") -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for pof with ``extra`` as its pool config. Benches and tests
+    time and count pool hits: unless ``extra`` says otherwise, the audit is off (``sample_rate`` 0;
+    a user's default is 0.01), so no hit is turned into a recompute behind their back."""
+    extra = {"audit": {"sample_rate": 0}, **extra}
     return {"kv_connector": "PoFConnector", "kv_connector_module_path": "pof_connector.adapters.vllm",
             "kv_role": role, "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
 

@@ -58,5 +58,18 @@ def print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) -> 
     summary.add_row("live nodes", str(totals.get("nodes", len(nodes))))
     if "restarts" in totals:
         summary.add_row("server restarts", str(totals["restarts"]))
+    audited = [n.meta["audit"] for n in nodes if n.meta.get("audit")]
+    if audited:        # the nodes' sampled shadow recompute (pof audit shows it whole)
+        pages = mismatches = 0
+        worst = 0.0
+        for raw in audited:
+            try:
+                s = json.loads(raw)
+                pages += int(s.get("pages", 0))
+                mismatches += sum(int(n) for r in s.get("mismatches", {}).values() for n in r.values())
+                worst = max(worst, float(s.get("max_error", 0.0)))
+            except (ValueError, TypeError, AttributeError):
+                continue
+        summary.add_row("audit", f"{pages:,} pages, {mismatches} mismatched, largest error {worst:.3g}")
     out.print(summary)
 

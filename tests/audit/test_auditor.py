@@ -8,9 +8,11 @@ import json
 import time
 
 import numpy as np
+import pytest
 
 from pof_connector.audit.audit_config import AuditConfig
 from pof_connector.audit.auditor import Auditor
+from pof_connector.cli import main
 from pof_connector.config import PofConfig
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace, PageKey
@@ -53,7 +55,8 @@ def wait_for(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def
 
 
 def test_a_right_page_passes_and_a_wrong_one_is_withdrawn_everywhere(runtime_dir: str, shm_path: str,
-                                                                     redis_server: RedisServer) -> None:
+                                                                     redis_server: RedisServer,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     w, r, c = (pool(n, runtime_dir, redis_server.url, shm_path) for n in ("w", "r", "c"))
     auditor = Auditor(r, AuditConfig(sample_rate=1.0), "bfloat16", HEADS, DIM)
     try:
@@ -76,6 +79,14 @@ def test_a_right_page_passes_and_a_wrong_one_is_withdrawn_everywhere(runtime_dir
         wait_for(lambda: "audit" in {n.node_id: n for n in c.index.nodes()}["r"].meta)
         summary = json.loads({n.node_id: n for n in c.index.nodes()}["r"].meta["audit"])
         assert summary["pages"] == 4 and summary["mismatches"] == {"w": {"values": 1}}
+        assert main(["audit", "--url", redis_server.url, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["nodes"]["r"]["mismatches"] == {"w": {"values": 1}} and shown["totals"]["pages"] == 4
+        assert main(["audit", "--url", redis_server.url]) == 0
+        table = capsys.readouterr().out
+        assert "w: values 1" in table and "pages audited" in table
+        assert main(["stats", "--url", redis_server.url]) == 0
+        assert "4 pages, 1 mismatched" in capsys.readouterr().out
     finally:
         auditor.close()
         for p in (w, r, c):
