@@ -55,7 +55,7 @@ class WriterFaults:
     def damage(self, segments: np.ndarray, canonical: tuple[int, ...], itemsize: int) -> None:
         """Apply this step's fault to a save's staging ``[layers, pages, segment_bytes]``
         (``canonical``: a segment's ``[K/V, tokens, heads, dim]``)."""
-        layers, pages, seg = segments.shape
+        layers, pages, _ = segments.shape
         if self.fault == "other_prefix" and self._stash is not None:
             segments[:] = self._stash[:, None, :]
         elif self.fault == "swap_layers" and layers > 1:

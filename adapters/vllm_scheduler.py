@@ -418,8 +418,8 @@ class PoFScheduler:
         audit: dict[int, Location] = {}
         if req_id in self._audits:
             a_first, a_keys, a_sources = self._audits[req_id]
-            audit = {p - start: a_sources[p - a_first] for p in range(max(start, a_first), min(full, a_first + len(a_keys)))
-                     if keys[p] == a_keys[p - a_first]}
+            pages = range(max(start, a_first), min(full, a_first + len(a_keys)))
+            audit = {p - start: a_sources[p - a_first] for p in pages if keys[p] == a_keys[p - a_first]}
         meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks, audit))
         self._saved_pages[req_id] = full
 

@@ -36,8 +36,8 @@ import torch
 from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
 from pof_connector.adapters.vllm_audits import Countdown, WorkerAudits
-from pof_connector.adapters.vllm_faults import WriterFaults
 from pof_connector.adapters.vllm_device import HostPins, Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
+from pof_connector.adapters.vllm_faults import WriterFaults
 from pof_connector.adapters.vllm_geometry import VllmGeometry, cpu_block_order
 from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_layout
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict

@@ -252,7 +252,8 @@ class World:
 
         def cfg(node: str, first: dict[str, Any] | None) -> PofConfig:
             tiers: dict[str, Any] = {**(first or {}), "cxl": cxl}
-            return PofConfig.from_mapping({"audit": {"sample_rate": 0}, "node_id": node, "index_url": self.server.url, "runtime_dir": str(root),
+            return PofConfig.from_mapping({"audit": {"sample_rate": 0},
+                                          "node_id": node, "index_url": self.server.url, "runtime_dir": str(root),
                                            "tiers": tiers, "heartbeat_s": 0.2, "node_ttl_s": 120.0})
 
         self.owner = Pool(cfg("o", None), _spec(self.geo), self.geo.namespace(cfg("o", None), 0))

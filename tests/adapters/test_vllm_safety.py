@@ -47,7 +47,8 @@ def geometry(tp_size: int = 1, pp_size: int = 1) -> VllmGeometry:
 
 
 def config(runtime_dir: str, url: str, tiers: dict[str, Any]) -> PofConfig:
-    return PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": "a", "index_url": url, "runtime_dir": runtime_dir, "tiers": tiers})
+    return PofConfig.from_mapping({"audit": NO_AUDIT,
+                                  "node_id": "a", "index_url": url, "runtime_dir": runtime_dir, "tiers": tiers})
 
 
 def worker(cfg: PofConfig, geo: VllmGeometry, tp_rank: int = 0,
@@ -130,7 +131,8 @@ def test_tp_rank_1_loads_its_own_heads_not_rank_0s(medium: str, index: RedisServ
 # ---- item 2: nothing computed on top of a failed load is stored ---------------------------------------
 
 def test_pages_computed_on_a_failed_load_are_not_stored_until_vllm_rewinds(runtime_dir: str) -> None:
-    cfg = PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": "w", "index_url": "local", "runtime_dir": runtime_dir,
+    cfg = PofConfig.from_mapping({"audit": NO_AUDIT,
+                                  "node_id": "w", "index_url": "local", "runtime_dir": runtime_dir,
                                   "tiers": {"cpu_dram": {"size": "8MiB"}}})
     w, _ = worker(cfg, geometry())
     assert w.pool is not None
@@ -175,7 +177,8 @@ def scheduled(new: list[tuple[Request, list[int], int]], cached: list[tuple[Requ
 def test_scheduler_saves_again_after_vllm_rewinds_a_failed_load(runtime_dir: str) -> None:
     """vLLM sets ``num_computed_tokens`` back to the first failed block; the pages from there on
     must be planned for saving again (they were dropped), and the worker told so."""
-    cfg = PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": "w", "index_url": "local", "runtime_dir": runtime_dir})
+    cfg = PofConfig.from_mapping({"audit": NO_AUDIT,
+                                  "node_id": "w", "index_url": "local", "runtime_dir": runtime_dir})
     scheduler = PoFScheduler(cfg, geometry())
     try:
         req = request("r", list(range(3 * P + 5)))
@@ -227,7 +230,8 @@ def test_pages_of_another_layer_count_are_never_found(stored_prompt: Any, runtim
     start-up. It used to register, store pages of its own layer count under those keys, and have
     its scheduler find the other engine's pages, each load then refused by the header."""
     scheduler, tokens = stored_prompt
-    other = PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": "b", "index_url": index.url, "runtime_dir": runtime_dir,
+    other = PofConfig.from_mapping({"audit": NO_AUDIT,
+                                  "node_id": "b", "index_url": index.url, "runtime_dir": runtime_dir,
                                     "tiers": {"cpu_dram": {"size": "8MiB"}}})
     extra_layer = PoFWorker(other, geometry(), tp_rank=0)
     kv = {f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, H, N, 2 * D) for i in range(LAYERS + 1)}
@@ -279,7 +283,8 @@ def test_multimodal_pages_from_the_first_placeholder_on_are_never_shared(stored_
 
 
 def test_pipeline_stages_have_keys_and_nodes_of_their_own(runtime_dir: str) -> None:
-    cfg = PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": "a", "index_url": "local", "runtime_dir": runtime_dir})
+    cfg = PofConfig.from_mapping({"audit": NO_AUDIT,
+                                  "node_id": "a", "index_url": "local", "runtime_dir": runtime_dir})
     one, two = geometry(), geometry(pp_size=2)
     # A single stage keeps the namespace every other engine computes (cross-engine sharing).
     assert one.namespace(cfg, 0) == Namespace("m", "float32", one.layout, one.spec).digest
@@ -432,7 +437,8 @@ def test_each_page_of_a_multi_page_load_through_a_copied_region_lands_in_its_own
     monkeypatch.setattr(peer_hbm, "PeerHbmTier", GpuShapedRegion)
     if copy == "strided":
         monkeypatch.setattr(BlockLayout, "can_copy_checked", lambda self, kv: False)
-    cfg = PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": "g", "index_url": "local", "runtime_dir": runtime_dir,
+    cfg = PofConfig.from_mapping({"audit": NO_AUDIT,
+                                  "node_id": "g", "index_url": "local", "runtime_dir": runtime_dir,
                                   "tiers": {"peer_hbm": {"device": "cpu", "size": "8MiB"}}})
     w, kv = worker(cfg, geometry())
     assert w.pool is not None and isinstance(w.pool.tiers[0], GpuShapedRegion)
