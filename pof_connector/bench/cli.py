@@ -25,6 +25,16 @@ from pof_connector.cli_support import out_console, print_json, progress, size_ar
 from pof_connector.config import ConfigError, PofConfig, format_size, redact_url
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not 0 < r <= 1 for r in rates):
+        raise argparse.ArgumentTypeError(f"audit rates are numbers in (0, 1], comma-separated, got {text!r}")
+    return rates
+
+
 def _setups(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     bad = [n for n in names if n not in bench_vllm.SETUPS]
@@ -201,7 +211,7 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     setups = tuple(args.setups) + (("fabric",) if args.fabric and "fabric" not in args.setups else ())
     result = bench_vllm.run(model=args.model, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
                             dtype=args.dtype, block_size=args.block_size, progress=progress, setups=setups,
-                            repeats=args.repeats)
+                            repeats=args.repeats, audit_rates=tuple(args.audit_rates))
     if args.json:
         print_json(result)
         return 0
@@ -395,6 +405,8 @@ def add_parser(sub: Any) -> None:
                       help="comma-separated, of recompute,pof,example,fabric (default recompute,pof,example)")
     vllm.add_argument("--fabric", action="store_true",
                       help="also run the fabric pair: server B served from server A's pool over NIXL (needs NIXL)")
+    vllm.add_argument("--audit-rates", type=_rates, default=[], metavar="R,R",
+                      help="also the pof server with each audit.sample_rate (e.g. 0.01,0.1): TTFT with the audit on")
     vllm.set_defaults(handler=cmd_bench_vllm)
     router = bsub.add_parser("router", help="pof router + pool vs vllm-router round_robin / cache_aware",
                              description="A multi-tenant workload (one hot tenant, concurrent clients, KV-limited "

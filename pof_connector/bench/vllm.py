@@ -192,9 +192,11 @@ def _fabric_pair(model_dir: Path, work: Path, runtime_dir: Path, max_len: int, c
 
 def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, block_size: int,
         progress: Progress, setups: tuple[str, ...] = ("recompute", "pof", "example"),
-        repeats: int = 1) -> dict[str, Any]:
+        repeats: int = 1, audit_rates: tuple[float, ...] = ()) -> dict[str, Any]:
     """``setups``: which of :data:`SETUPS` to run (``fabric`` is the pair of servers joined by NIXL);
-    ``repeats``: timed loads (each with its floor) per prompt on the pof and example servers."""
+    ``repeats``: timed loads (each with its floor) per prompt on the pof and example servers;
+    ``audit_rates``: the pof server again with each ``audit.sample_rate`` (its cost: an audited
+    hit is recomputed)."""
     if repeats < 1:
         raise BenchError(f"repeats must be at least 1, got {repeats}")
     if not setups or any(s not in SETUPS for s in setups):
@@ -211,6 +213,10 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
                "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
     single: list[tuple[str, dict[str, Any] | None, bool]] = [
         ("recompute", None, False), ("pof", connector_config(pof_extra), True), ("example", example, True)]
+    for rate in audit_rates:           # seeded: each run samples the same requests
+        audited = connector_config({**pof_extra, "audit": {"sample_rate": rate, "seed": 7}})
+        single.append((f"pof_audit_{rate:g}", audited, True))
+    setups = (*setups, *(f"pof_audit_{r:g}" for r in audit_rates))
     data = _prompts(prompts, prompt_tokens)
     results: dict[str, dict[str, list[Any]]] = {}
     try:
@@ -239,7 +245,30 @@ def run(*, model: str | None, prompt_tokens: int, prompts: int, dtype: str, bloc
     finally:
         stop_embedded(runtime_dir)
         stop_embedded(runtime_dir / "fabric")
-    return {**_summary(results, prompt_tokens, prompts, model_dir, dtype, block_size), "repeats": repeats}
+    audits = {name: results.pop(name) for name in [n for n in results if n.startswith("pof_audit_")]}
+    summary = _summary(results, prompt_tokens, prompts, model_dir, dtype, block_size)
+    if audits:
+        summary["audit"] = _audit_cost(results, audits)
+    return {**summary, "repeats": repeats}
+
+
+def _audit_cost(results: dict[str, dict[str, list[Any]]], audits: dict[str, dict[str, list[Any]]]) -> dict[str, Any]:
+    """Per ``audit.sample_rate``: the timed requests' mean and median TTFT, how many were audited
+    (the pool served none of their tokens: the engine recomputed them), against pof without it."""
+    base = results["pof"]
+    rows: dict[str, Any] = {"0": {"mean_ttft_s": round(statistics.mean(base["ttft"]), 4),
+                                  "median_ttft_s": round(statistics.median(base["ttft"]), 4),
+                                  "audited_requests": sum(h <= 0 for h in base["hits"]), "requests": len(base["ttft"])}}
+    for name, r in audits.items():
+        if "recompute" in results and r["answers"] != results["recompute"]["answers"]:
+            raise BenchError(f"{name}'s greedy answers differ from the recompute server's")
+        rows[name.removeprefix("pof_audit_")] = {
+            "mean_ttft_s": round(statistics.mean(r["ttft"]), 4),
+            "median_ttft_s": round(statistics.median(r["ttft"]), 4),
+            "audited_requests": sum(h <= 0 for h in r["hits"]), "requests": len(r["ttft"]),
+            "mean_vs_no_audit": round(statistics.mean(r["ttft"]) / statistics.mean(base["ttft"]), 3)}
+    return {"rows": rows, "note": "the pof server once more per audit.sample_rate (seed 7), same prompts and repeats; "
+                                  "an audited request is served by the engine's own compute (0 tokens from the pool)"}
 
 
 def _summary(results: dict[str, dict[str, list[Any]]], prompt_tokens: int, prompts: int, model_dir: Path,
