@@ -21,6 +21,8 @@ def test_quick_chaos_run_gives_no_wrong_answer_loses_no_request_and_crashes_noth
     result = chaos.run(minutes=3, seed=11, rounds=1, model=str(build_model("tiny")), max_requests=1_000_000,
                        progress=print)
     assert result["wrong_answers"] == 0, (result["differing"], result["kept_logs"])
+    # The servers' own audit (a tenth of their pool hits recomputed and compared) found no wrong page.
+    assert result["audit_mismatches"] == 0, (result["audited_pages"], result["pool_counters"])
     assert result["unplanned_crashes"] == 0, result["crashes"]
     requests = result["requests"]
     assert requests["failed"] == 0, result["failures"]
