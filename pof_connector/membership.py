@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("pof_connector.pool")     # the pool's one logger: filters set on it keep working
+REVOCATIONS_EVERY_S = 2.0
+"""How often a node reads the node list for pages of its own another node's audit revoked."""
 EMBEDDED_RESTART_S = 5.0
 """Least time between two restarts of the embedded index server."""
 
@@ -42,6 +44,7 @@ class Membership:
         self.log_once = parts.log_once
         self.fabric = parts.fabric
         self._next_index_restart = 0.0
+        self._next_revocations = 0.0
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -62,10 +65,15 @@ class Membership:
 
     def _drop_revoked(self) -> None:
         """Drop the pages of ours another node's audit found wrong (see :mod:`pof_connector.audit.revocations`)."""
-        if not self.own.all:
+        now = time.monotonic()
+        if not self.own.all or now < self._next_revocations:
             return
+        self._next_revocations = now + REVOCATIONS_EVERY_S
+        # Read apart from the finder's node list: refreshing that one here would make a node that
+        # registers right after look unknown to lookups for a moment (they refresh it on a miss).
+        infos = self.guard.call("nodes", self.index.nodes, default=None)
         dropped = 0
-        for key, loc in revoked_for(self.node_id, self.finder.all_nodes().values()):
+        for key, loc in revoked_for(self.node_id, infos or ()):
             tier = self.own.get(loc.medium)
             gone = tier.remove(key, slot=loc.slot) if tier is not None else None
             if gone is not None:

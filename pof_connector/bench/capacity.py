@@ -332,7 +332,9 @@ def router_latency(fleet: Fleet, vocab: int, n: int = 5) -> float | None:
 
 def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model: str | None, setups: list[str],
         kv_tokens: int | None, max_trials: int | None, plot: Path | None, progress: Progress,
-        router_nice: int = ROUTER_NICE) -> dict[str, Any]:
+        router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = ()) -> dict[str, Any]:
+    """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
+    (same trace, same SLO): what the audit costs in goodput."""
     if servers not in (2, 3):
         raise BenchError(f"--servers must be 2 or 3, got {servers}")
     bad = [s for s in setups if s not in SETUPS]
@@ -365,6 +367,44 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     steps: list[tuple[int, int, float]] = []
     host: list[tuple[int, float, float]] = []
     skipped: dict[str, str] = {}
+    audits: dict[str, dict[str, Any]] = {}
+
+    def one(name: str, fleet_spec: FleetSpec, k: int) -> dict[str, Any]:
+        """Start ``name``'s fleet, search its goodput, stop it."""
+        nonlocal slo_s, unloaded, samples, steps, host
+        progress(f"{name}: starting {servers} vLLM servers ...")
+        # a number, not the name: vLLM's and the index's unix sockets live below it (107 bytes at most)
+        fleet = start_fleet(name, model_path, workdir / str(k), fleet_spec, progress)
+        try:
+            if not slo_s:
+                samples, steps = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
+                steps += batch_decode_steps(fleet.servers[0].url, vocab,
+                                            sorted({max(fleet_spec.max_num_seqs // 2, 1), fleet_spec.max_num_seqs}))
+                if len(fleet.servers) > 1:
+                    host = host_sharing([v.url for v in fleet.servers], vocab, int(nearest_rank(
+                        sorted(n for n, _ in samples), 0.9)))
+                unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
+                slo_s = SLO_MULTIPLE * unloaded
+                progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
+            added = router_latency(fleet, vocab)
+            nice = fleet.router.niceness() if fleet.router is not None else None
+            index_nice = fleet.index_niceness()
+            setup = SetupRun(fleet, trace, vocab, slo_s, progress)
+            best = setup.search(trials)
+        finally:
+            fleet.stop()
+        base_rps = len(trace) / max(trace[-1].at, 1e-3)
+        at_best = next((t for t in setup.trials if t["passed"] and t["factor"] == round(best, 4)), None)
+        at_one = next((t for t in setup.trials if t["factor"] == 1.0), None)
+        failed = [t["factor"] for t in setup.trials if not t["passed"]]
+        row = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
+               "failed_at_rps": round(min(failed) * base_rps, 4) if failed else None,
+               "router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
+               "at_goodput": at_best, "at_reference_load": at_one,
+               "trials": sorted(setup.trials, key=lambda t: t["factor"])}
+        progress(f"{name}: goodput {row['goodput_rps']} req/s (x{best:.3g})")
+        return row
+
     try:
         for k, name in enumerate(setups):
             if name in VLLM_ROUTER_SETUPS and shutil.which("vllm-router") is None \
@@ -372,40 +412,20 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                 skipped[name] = "vllm-router is not installed"
                 progress(f"{name}: skipped ({skipped[name]})")
                 continue
-            progress(f"{name}: starting {servers} vLLM servers ...")
-            # a number, not the name: vLLM's and the index's unix sockets live below it (107 bytes at most)
-            fleet = start_fleet(name, model_path, workdir / str(k), spec, progress)
-            try:
-                if not slo_s:
-                    samples, steps = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
-                    steps += batch_decode_steps(fleet.servers[0].url, vocab,
-                                                sorted({max(spec.max_num_seqs // 2, 1), spec.max_num_seqs}))
-                    if len(fleet.servers) > 1:
-                        host = host_sharing([v.url for v in fleet.servers], vocab, int(nearest_rank(
-                            sorted(n for n, _ in samples), 0.9)))
-                    unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
-                    slo_s = SLO_MULTIPLE * unloaded
-                    progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
-                added = router_latency(fleet, vocab)
-                nice = fleet.router.niceness() if fleet.router is not None else None
-                index_nice = fleet.index_niceness()
-                setup = SetupRun(fleet, trace, vocab, slo_s, progress)
-                best = setup.search(trials)
-            finally:
-                fleet.stop()
-            base_rps = len(trace) / max(trace[-1].at, 1e-3)
-            at_best = next((t for t in setup.trials if t["passed"] and t["factor"] == round(best, 4)), None)
-            at_one = next((t for t in setup.trials if t["factor"] == 1.0), None)
-            failed = [t["factor"] for t in setup.trials if not t["passed"]]
-            results[name] = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
-                             "failed_at_rps": round(min(failed) * base_rps, 4) if failed else None,
-                             "router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
-                             "at_goodput": at_best, "at_reference_load": at_one,
-                             "trials": sorted(setup.trials, key=lambda t: t["factor"])}
-            progress(f"{name}: goodput {results[name]['goodput_rps']} req/s (x{best:.3g})")
+            results[name] = one(name, spec, k)
+        for j, rate in enumerate(audit_rates):       # the pof set-up again, auditing that share of its hits
+            progress(f"pof with audit.sample_rate {rate:g}:")
+            audits[f"{rate:g}"] = one("pof", dataclasses.replace(spec, audit_rate=rate), len(setups) + j)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_path)
+    if audits:
+        base = results.get("pof", {})
+        out["audit"] = {rate: {"goodput_rps": row["goodput_rps"], "failed_at_rps": row["failed_at_rps"],
+                               "vs_no_audit": (round(row["goodput_rps"] / base["goodput_rps"], 4)
+                                               if base.get("goodput_rps") else None),
+                               "at_reference_load": row["at_reference_load"]}
+                        for rate, row in audits.items()}
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
     out["host_samples"] = [[n, round(a, 4), round(t, 4)] for n, a, t in host]

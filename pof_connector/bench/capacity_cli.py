@@ -12,6 +12,12 @@ from pof_connector.bench import capacity as bench_capacity  # starts vLLM server
 from pof_connector.cli_support import out_console, print_json, progress
 
 
+def _rates(text: str) -> list[float]:
+    from pof_connector.bench.cli import _rates as rates
+
+    return rates(text)
+
+
 def _setups(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     bad = [n for n in names if n not in bench_capacity.SETUPS]
@@ -25,7 +31,7 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
     result = bench_capacity.run(servers=args.servers, quick=args.quick, trace_file=args.trace, seed=args.seed,
                                 model=args.model, setups=setups, kv_tokens=args.kv_tokens,
                                 max_trials=args.max_trials, plot=args.plot, progress=progress,
-                                router_nice=args.router_nice)
+                                router_nice=args.router_nice, audit_rates=tuple(args.audit_rates))
     if args.json:
         print_json(result)
         return 0
@@ -49,6 +55,9 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
               f"spread pof / static {result['fragmentation']['pof_vs_static']} (pof's floor / static's spread "
               f"{result['fragmentation']['pof_floor_vs_static']}: no placement of pof's requests goes below it) "
               "(TTFT, preemptions, tokens and spread at the reference load, factor 1)")
+    for rate, row in result.get("audit", {}).items():
+        out.print(f"pof with audit.sample_rate {rate}: goodput {row['goodput_rps']} req/s, "
+                  f"{row['vs_no_audit']} of pof without it")
     return 0
 
 
@@ -79,6 +88,9 @@ def add_capacity_parser(bsub: Any) -> None:
     p.add_argument("--model", metavar="DIR|PRESET",
                    help="model directory, or a local preset built on first use: tiny (the default; 4,096 "
                         "positions), tiny-long (the same weights, 32,768 positions: long-context traces), bench")
+    p.add_argument("--audit-rates", type=_rates, default=[], metavar="R,R",
+                   help="after the set-ups, pof again with each audit.sample_rate (e.g. 0.01,0.1): goodput with the "
+                        "audit on, same trace and SLO")
     p.add_argument("--router-nice", type=int, default=bench_capacity.ROUTER_NICE, metavar="N",
                    help="niceness of the routers (pof router and vllm-router alike; default "
                         f"{bench_capacity.ROUTER_NICE}: in a deployment a router has a host of its own, here it "

@@ -68,6 +68,8 @@ class FleetSpec:
     max_model_len: int
     max_num_seqs: int
     dtype: str = "float32"
+    audit_rate: float = 0.0
+    """The pof set-up's ``audit.sample_rate`` (the benches measure without it unless asked)."""
     router_nice: int | None = None
     """The niceness of the routing tier: the routers (pof router and vllm-router alike) and pof's
     index server (``None``: this process's). Negative: what a deployment runs on hosts of its own
@@ -125,7 +127,7 @@ class Fleet:
                 with contextlib.suppress(PermissionError):
                     os.setpriority(os.PRIO_PROCESS, self.redis.pid, s.router_nice)
             self._shm = Path(tempfile.mkdtemp(prefix="pof-capacity-", dir="/dev/shm"))
-            pool = {"index_url": self.redis.url,
+            pool = {"index_url": self.redis.url, "audit": {"sample_rate": s.audit_rate, "seed": 7},
                     "tiers": {"cxl": {"path": str(self._shm / "cxl.region"), "size": "1GiB", "partitions": s.servers}}}
             events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(s.servers)]
         else:
