@@ -4,11 +4,12 @@ from typing_extensions import Buffer
 
 def leading_runs(values: list[bytes | None], alive: bytes, n_media: int, /
                  ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]]]: ...
-def segment_runs(values: list[bytes | None], first_page: Buffer, tags: Buffer, alive: Buffer, n_media: int,
+def summary_runs(values: list[bytes | None], first_page: Buffer, tags: Buffer, alive: Buffer, n_media: int,
                  segment_pages: int, /
-                 ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]], bytes]:
-    """The runs of a segment lookup's reply, as ``SegmentQuery.decode`` gives them in numpy: ``values``
-    one per segment field, ``first_page`` (int64) each segment's query page at its offset 0, ``tags``
-    (uint64) each query page's tag, ``alive`` the live incarnations (sorted uint32). Returns held,
-    malformed, unknown, heads and runs as ``leading_runs`` does, then the marked query pages (int64)."""
+                 ) -> tuple[int, int, int, list[int], list[bytes], bytes, bytes]:
+    """The runs and holders of a segment lookup's reply, as ``summary.summary_runs`` gives them in Python:
+    ``values`` one summary per segment field, ``first_page`` (int64) each segment's query page at its
+    offset 0, ``tags`` (uint64) each query page's tag, ``alive`` the live incarnations (sorted uint32).
+    Returns held, malformed, unknown, heads, per head the media of its run, per query page the layer of
+    its tag (255: none), and the marked query pages (int64)."""
     ...

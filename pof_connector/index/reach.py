@@ -47,16 +47,19 @@ class Reach:
 
 
 def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
-          own: list[Location] | None = None, length: int | None = None) -> Reach:
+          own: list[Location] | None = None, length: int | None = None, slots: bool = True) -> Reach:
     """Which leading pages node ``me`` can load of ``runs`` (in the order the index gave them).
 
     ``near``: media of each holder ``me`` reads with plain loads (``me``'s own pages always are);
     ``far``: media it reads over the fabric. ``own``: leading pages already found in ``me``'s own
-    tiers (taken as they are). ``length``: pages in the query (``None``: no bound but the runs)."""
+    tiers (taken as they are). ``length``: pages in the query (``None``: no bound but the runs).
+    ``slots``: read the chosen holders' slot records (:meth:`PrefixMatch.resolve`, for the pages
+    taken from each; a record gone since the lookup ends the sources there); ``False``: a router's
+    count, whose sources carry slot and generation -1."""
     order = sorted(runs, key=lambda r: r[1].node != me)      # own first, else as the index gave them
     # Per run, as plain lists (a lookup walks thousands of pages): where it starts and stops, its
-    # holder, media codes, slots, generations, and per code whether ``me`` reads it near / far.
-    prepared: list[tuple[int, int, str, list[int], list[int], list[int], list[bool], list[bool]]] = []
+    # match, media codes, and per code whether ``me`` reads it near / far.
+    prepared: list[tuple[int, int, PrefixMatch, list[int], list[bool], list[bool]]] = []
     elsewhere: dict[str, int] = {}
     for at, m in order:
         near_media = near.get(m.node, ()) if m.node != me else MEDIA
@@ -66,32 +69,41 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
         media = m.media.tolist()
         if any(not (nr[c] or fr[c]) for c in set(media)):
             elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
-        prepared.append((at, at + len(media), m.node, media, m.slots.tolist(), m.generations.tolist(), nr, fr))
-    sources = list(own or [])
-    fabric = [False] * len(sources)
+        prepared.append((at, at + len(media), m, media, nr, fr))
+    first = len(own or [])
+    picks: list[tuple[int, int, bool]] = []                  # per page: run, page in the run, over the fabric
     end = max((at + m.pages for at, m in runs), default=0)
     if length is not None:
         end = min(end, length)
-    for i in range(len(sources), end):
-        got: Location | None = None
-        remote: Location | None = None
-        for at, stop, node, media, slots, gens, nr, fr in prepared:
+    for i in range(first, end):
+        got: tuple[int, int, bool] | None = None
+        for r, (at, stop, _, media, nr, fr) in enumerate(prepared):
             if at <= i < stop:
-                j = i - at
-                c = media[j]
+                c = media[i - at]
                 if nr[c]:
-                    got = Location(node, MEDIA[c], slots[j], gens[j])
+                    got = (r, i - at, False)
                     break
-                if remote is None and fr[c]:
-                    remote = Location(node, MEDIA[c], slots[j], gens[j])
-        if got is not None:
-            sources.append(got)
-            fabric.append(False)
-        elif remote is not None:
-            sources.append(remote)
-            fabric.append(True)
-        else:
+                if got is None and fr[c]:
+                    got = (r, i - at, True)
+        if got is None:
             break
+        picks.append(got)
+    if slots:
+        # Only the pages taken from each holder are read, and a record gone since the lookup cuts there.
+        need: dict[int, int] = {}
+        for r, j, _ in picks:
+            need[r] = max(need.get(r, 0), j + 1)
+        good = {r: prepared[r][2].resolve(n) for r, n in need.items()}
+        cut = next((k for k, (r, j, _) in enumerate(picks) if j >= good[r]), len(picks))
+        picks = picks[:cut]
+    sources = list(own or [])
+    fabric = [False] * len(sources)
+    known = {r: prepared[r][2].known() for r in {r for r, _, _ in picks}}
+    for r, j, remote in picks:
+        m, media = prepared[r][2], prepared[r][3]
+        sl, gens = known[r]
+        sources.append(Location(m.node, MEDIA[media[j]], int(sl[j]), int(gens[j])))
+        fabric.append(remote)
     return Reach(sources, fabric, elsewhere)
 
 

@@ -76,13 +76,24 @@ from pof_connector.index.base import (
     Location,
     NodeInfo,
     PrefixMatch,
+    Resolver,
     check_one_namespace,
     node_id_taken,
 )
 from pof_connector.index.client import redis_client
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
-from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentPlan, segment_items
-from pof_connector.keys import DIGEST_BYTES, PageKey
+from pof_connector.index.scripts import (
+    HEARTBEAT,
+    LEAVE,
+    PUBLISH,
+    SEGMENT_PRUNE,
+    SEGMENT_PUBLISH,
+    SEGMENT_WITHDRAW,
+    WITHDRAW,
+)
+from pof_connector.index.segments import MAX_TAGS, SegmentAnswer, SegmentPlan, SegmentQuery, segment_items
+from pof_connector.index.summary import locations, parse_records, parse_summary
+from pof_connector.keys import DIGEST_BYTES, SEGMENT_PAGES, PageKey
 
 T = TypeVar("T")
 
@@ -94,222 +105,6 @@ K_INFO = PREFIX + "info"
 K_SEQ = PREFIX + "seq"
 K_INC_OWNER = PREFIX + "inc-owner"
 REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
-
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# ARGV: node id, this client's last incarnation ('' if it never registered), TTL in ms, info JSON,
-# this client's owner token. Returns {incarnation, 1} for a new registration, {incarnation, 0} for
-# a renewal, and {holder, -1} when another live client registered the node id after this one.
-# Each incarnation records its owner's token (KEYS[6]): a registration that this very client made
-# by a heartbeat whose reply it never got (a timeout) is recognised as its own and adopted.
-_HEARTBEAT = _NOW + """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
-if #expired > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  redis.call('HDEL', KEYS[4], unpack(expired))
-  redis.call('HDEL', KEYS[6], unpack(expired))
-end
-local inc = redis.call('HGET', KEYS[1], ARGV[1])
-local live = inc and redis.call('ZSCORE', KEYS[3], inc)
-local fresh = 0
-if not (live and inc == ARGV[2]) then
-  fresh = 1
-  if live and redis.call('HGET', KEYS[6], inc) == ARGV[5] then
-    -- Ours, registered by a heartbeat whose reply we lost: adopt it (and publish again).
-  elseif live and ARGV[2] ~= '' then
-    return {inc, -1}
-  else
-    if live then
-      -- A new process of a node whose registration is live: the node restarted, and what its
-      -- former incarnation published points into memory that is gone. It dies now, not at its TTL.
-      redis.call('ZREM', KEYS[3], inc)
-      redis.call('HDEL', KEYS[4], inc)
-      redis.call('HDEL', KEYS[6], inc)
-    end
-    inc = tostring(redis.call('INCR', KEYS[5]))
-    redis.call('HSET', KEYS[1], ARGV[1], inc)
-    redis.call('HSET', KEYS[2], inc, ARGV[1])
-    redis.call('HSET', KEYS[6], inc, ARGV[5])
-  end
-end
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), inc)
-redis.call('HSET', KEYS[4], inc, ARGV[4])
-return {inc, fresh}
-"""
-
-# ARGV[1]: concatenated 16-byte fields; ARGV[2]: concatenated 17-byte records, one per field.
-# Publish replaces this incarnation's record for the same medium (a record's first 5 bytes).
-# KEYS[2], when given: the namespace's flag "placeless pages here", set (see _SEGMENT_LOOKUP).
-_PUBLISH = r"""
-local fields, recs = ARGV[1], ARGV[2]
-for k = 0, #fields / 16 - 1 do
-  local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
-  local rec = string.sub(recs, k * 17 + 1, k * 17 + 17)
-  local head = string.sub(rec, 1, 5)
-  local old = redis.call('HGET', KEYS[1], f)
-  if not old then
-    redis.call('HSET', KEYS[1], f, rec)
-  else
-    local out = {}
-    for p = 1, #old, 17 do
-      local r = string.sub(old, p, p + 16)
-      if string.sub(r, 1, 5) ~= head then out[#out + 1] = r end
-    end
-    out[#out + 1] = rec
-    redis.call('HSET', KEYS[1], f, table.concat(out))
-  end
-end
-if KEYS[2] then redis.call('SET', KEYS[2], '1') end
-return #fields / 16
-"""
-
-# Same arguments; removes exactly these records (and the flag once no per-page field is left).
-_WITHDRAW = r"""
-local fields, recs = ARGV[1], ARGV[2]
-for k = 0, #fields / 16 - 1 do
-  local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
-  local rec = string.sub(recs, k * 17 + 1, k * 17 + 17)
-  local old = redis.call('HGET', KEYS[1], f)
-  if old then
-    local out = {}
-    for p = 1, #old, 17 do
-      local r = string.sub(old, p, p + 16)
-      if r ~= rec then out[#out + 1] = r end
-    end
-    if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
-  end
-end
-if KEYS[2] and redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[2]) end
-return #fields / 16
-"""
-
-# Per-page fields as the segment scripts use them (KEYS[2] of theirs): put replaces the record of
-# the same incarnation and medium (`who`, 5 bytes), drop removes it.
-_PAGE_FIELDS = r"""
-local function page_records(f)
-  local old = redis.call('HGET', KEYS[2], f) or ''
-  local out = {}
-  for p = 1, #old - 16, 17 do out[#out + 1] = string.sub(old, p, p + 16) end
-  return out
-end
-local function page_write(f, out)
-  if #out == 0 then redis.call('HDEL', KEYS[2], f) else redis.call('HSET', KEYS[2], f, table.concat(out)) end
-end
-local function page_drop(f, who)
-  local out = {}
-  for _, r in ipairs(page_records(f)) do
-    if string.sub(r, 1, 5) ~= who then out[#out + 1] = r end
-  end
-  page_write(f, out)
-end
-local function page_put(f, rec)
-  page_drop(f, string.sub(rec, 1, 5))
-  local out = page_records(f)
-  out[#out + 1] = rec
-  page_write(f, out)
-end
-local function segment_parse(old)
-  local by, order = {}, {}
-  for p = 1, #old - 25, 26 do
-    local r = string.sub(old, p, p + 25)
-    local o = string.sub(r, 1, 1)
-    if not by[o] then by[o] = {}; order[#order + 1] = o end
-    local t = by[o]
-    t[#t + 1] = r
-  end
-  return by, order
-end
-local function segment_write(f, by, order)
-  local out = {}
-  for _, o in ipairs(order) do
-    for _, r in ipairs(by[o]) do out[#out + 1] = r end
-  end
-  if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
-end
-local ZERO4 = string.rep('\0', 4)
-"""
-
-# KEYS: the namespace's segment hash, its per-page hash. ARGV[1]: MAX_TAGS; then pairs of a
-# segment field and its items (segments.ITEM_BYTES each: the page's 16-byte field, its 26-byte
-# segment record). A record replaces the one of the same page, incarnation and medium. An offset
-# full of other chains' pages (MAX_TAGS tags) sends the page to its per-page field instead and
-# marks the offset (a record of incarnation 0); a page that finds room again leaves its field.
-_SEGMENT_PUBLISH = _PAGE_FIELDS + r"""
-local K = tonumber(ARGV[1])
-local n = 0
-for a = 2, #ARGV, 2 do
-  local f, items = ARGV[a], ARGV[a + 1]
-  local by, order = segment_parse(redis.call('HGET', KEYS[1], f) or '')
-  for q = 1, #items - 41, 42 do
-    local pf, r = string.sub(items, q, q + 15), string.sub(items, q + 16, q + 41)
-    local o, tag, who = string.sub(r, 1, 1), string.sub(r, 2, 9), string.sub(r, 10, 14)
-    if not by[o] then by[o] = {}; order[#order + 1] = o end
-    local keep, tags, ntags, marked = {}, {}, 0, false
-    for _, x in ipairs(by[o]) do
-      if string.sub(x, 10, 13) == ZERO4 then
-        marked = true
-        keep[#keep + 1] = x
-      elseif not (string.sub(x, 2, 9) == tag and string.sub(x, 10, 14) == who) then
-        local t = string.sub(x, 2, 9)
-        if not tags[t] then tags[t] = true; ntags = ntags + 1 end
-        keep[#keep + 1] = x
-      end
-    end
-    if tags[tag] or ntags < K then
-      keep[#keep + 1] = r
-      if marked then page_drop(pf, who) end
-    else
-      if not marked then keep[#keep + 1] = o .. string.rep('\0', 25) end
-      page_put(pf, string.sub(r, 10, 26))
-    end
-    by[o] = keep
-    n = n + 1
-  end
-  segment_write(f, by, order)
-end
-return n
-"""
-
-# Same keys and arguments (no MAX_TAGS): removes exactly these records, from the segment or, for a
-# page that is not there, from its per-page field.
-_SEGMENT_WITHDRAW = _PAGE_FIELDS + r"""
-local n = 0
-for a = 1, #ARGV, 2 do
-  local f, items = ARGV[a], ARGV[a + 1]
-  local by, order = segment_parse(redis.call('HGET', KEYS[1], f) or '')
-  for q = 1, #items - 41, 42 do
-    local pf, r = string.sub(items, q, q + 15), string.sub(items, q + 16, q + 41)
-    local o, found = string.sub(r, 1, 1), false
-    local keep = {}
-    for _, x in ipairs(by[o] or {}) do
-      if x == r then found = true else keep[#keep + 1] = x end
-    end
-    if found then
-      by[o] = keep
-    else
-      local rec, out = string.sub(r, 10, 26), {}
-      for _, x in ipairs(page_records(pf)) do
-        if x ~= rec then out[#out + 1] = x end
-      end
-      page_write(pf, out)
-    end
-    n = n + 1
-  end
-  segment_write(f, by, order)
-end
-return n
-"""
-
-_LEAVE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-return 1
-"""
-
 
 def _node_info(raw: bytes) -> NodeInfo | None:
     """A node's info as its heartbeat stored it; ``None`` when it is not one (a hostile or broken
@@ -324,13 +119,14 @@ def loc_key(namespace: bytes) -> str:
     return f"{PREFIX}loc:{namespace.hex()}"
 
 
-def _segment_records(val: bytes) -> np.ndarray:
-    """A segment value's whole records (a broken writer's trailing bytes left out)."""
-    return np.frombuffer(val[:len(val) - len(val) % SEGMENT_RECORD.itemsize], dtype=SEGMENT_RECORD)
-
-
 def segment_key(namespace: bytes) -> str:
+    """The namespace's segment summaries (:mod:`.summary`)."""
     return f"{PREFIX}seg:{namespace.hex()}"
+
+
+def records_key(namespace: bytes) -> str:
+    """The namespace's slot records, one field per segment and holder (:mod:`.summary`)."""
+    return f"{PREFIX}rec:{namespace.hex()}"
 
 
 def flat_key(loc: str) -> str:
@@ -400,12 +196,13 @@ class RedisIndex(LocalityIndex):
         self._r: Any = self._connect(url, auth, timeout_s)
         """A ``redis.Redis``, or a ``redis.RedisCluster`` in :class:`.redis_cluster.RedisClusterIndex`:
         the commands this class sends to it are the same on both."""
-        self._heartbeat = self._r.register_script(_HEARTBEAT)
-        self._publish = self._r.register_script(_PUBLISH)
-        self._withdraw = self._r.register_script(_WITHDRAW)
-        self._segment_publish = self._r.register_script(_SEGMENT_PUBLISH)
-        self._segment_withdraw = self._r.register_script(_SEGMENT_WITHDRAW)
-        self._leave = self._r.register_script(_LEAVE)
+        self._heartbeat = self._r.register_script(HEARTBEAT)
+        self._publish = self._r.register_script(PUBLISH)
+        self._withdraw = self._r.register_script(WITHDRAW)
+        self._segment_publish = self._r.register_script(SEGMENT_PUBLISH)
+        self._segment_withdraw = self._r.register_script(SEGMENT_WITHDRAW)
+        self._segment_prune = self._r.register_script(SEGMENT_PRUNE)
+        self._leave = self._r.register_script(LEAVE)
         self._inc: int | None = None          # our live registration; None: not registered
         self._last_inc: int | None = None     # the last one we had (a newer holder of our id displaced it)
         self._owner = uuid.uuid4().hex        # tells our registrations from another process's
@@ -525,7 +322,7 @@ class RedisIndex(LocalityIndex):
             for field, items in segment_items(group).items():
                 args += [field, items]
             script = self._segment_publish if what == "publish" else self._segment_withdraw
-            self._call(what, script, keys=[segment_key(ns), loc_key(ns)], args=args)
+            self._call(what, script, keys=[segment_key(ns), loc_key(ns), records_key(ns)], args=args)
 
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         if not keys:
@@ -562,22 +359,48 @@ class RedisIndex(LocalityIndex):
         alive = self._alive(now, live)
         answer = query.decode(vals, alive, len(MEDIA))
         if flat is None and not answer.needs_pages():
-            return self._matches(answer.runs)
+            return self._summary_matches(ns, answer)
         if more:
             wanted, got = np.arange(query.pages), more[0]
         else:
             wanted = np.arange(query.pages) if flat is not None else answer.marked
             fields = _page_fields([keys[int(i)] for i in wanted])
             (got,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
-        merged = answer.page_values()
+        merged = answer.page_values(alive, len(MEDIA))
         for i, v in zip(wanted.tolist(), got, strict=True):
             if v is not None:
                 merged[i] = (merged[i] or b"") + v
         found = leading_runs(merged, alive, len(MEDIA))
-        if answer.runs.malformed:
+        if answer.malformed:
             self._refused(1, "malformed")
-        return self._matches(found)
+        return self._matches(found, lambda inc: self._resolver(ns, answer, inc))
 
+    def _summary_matches(self, ns: bytes, answer: SegmentAnswer) -> dict[str, PrefixMatch]:
+        """Each live head's run from a summary reply: media now, slots when a loader asks."""
+        if answer.malformed:
+            self._refused(1, "malformed")
+        if answer.unknown:
+            self._refused(answer.unknown, "unknown_medium")
+        if not answer.heads:
+            return {}
+        names = self._names(answer.heads)
+        out: dict[str, PrefixMatch] = {}
+        for inc, media in zip(answer.heads, answer.media, strict=True):
+            node = names.get(inc)
+            if node is not None:
+                out[node] = PrefixMatch(node, np.frombuffer(media, dtype=np.uint8),
+                                        resolve=self._resolver(ns, answer, inc))
+        return out
+
+    def _resolver(self, ns: bytes, answer: SegmentAnswer, inc: int) -> Resolver:
+        """Reads holder ``inc``'s records of the segments of a run's first pages (one ``HMGET``,
+        the only read of slots: a lookup's reply carries none)."""
+        query = answer.query
+
+        def resolve(pages: int, media: np.ndarray, slots: np.ndarray,
+                    gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return self._call("records", _read_records, self._r, ns, query, answer.layers, inc, media, slots, gens)
+        return resolve
     @staticmethod
     def _alive(now: list[bytes], live: list[Any]) -> list[int]:
         """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
@@ -585,8 +408,10 @@ class RedisIndex(LocalityIndex):
         pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
         return [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
 
-    def _matches(self, found: LeadingRuns) -> dict[str, PrefixMatch]:
-        """Each live node's leading run, from a decoded reply."""
+    def _matches(self, found: LeadingRuns,
+                 resolver: Callable[[int], Resolver] | None = None) -> dict[str, PrefixMatch]:
+        """Each live node's leading run, from a decoded reply; ``resolver(inc)``: reads the slots of
+        that holder's pages whose generation is -1 (known from a summary only)."""
         # A value cut short or padded, or a medium code no build knows: what a hostile or broken
         # writer left. The run ends there, or that page is absent.
         if found.malformed:
@@ -600,7 +425,8 @@ class RedisIndex(LocalityIndex):
         for node_inc, (media, slots, gens) in zip(found.heads, found.runs, strict=True):
             node = names.get(node_inc)
             if node is not None:
-                out[node] = PrefixMatch(node, media, slots, gens)
+                lazy = resolver is not None and bool((gens < 0).any())
+                out[node] = PrefixMatch(node, media, slots, gens, resolve=resolver(node_inc) if lazy else None)
         return out
 
     def _refused(self, n: int, why: str) -> None:
@@ -668,7 +494,8 @@ class RedisIndex(LocalityIndex):
                 fields += int(self._r.hlen(key))
             for key in self._r.scan_iter(match=PREFIX + "seg:*", count=1000):
                 for _, val in self._r.hscan_iter(key, count=1000):
-                    fields += int((_segment_records(val)["inc"] != 0).sum())     # markers are no location
+                    sm = parse_summary(val)
+                    fields += 0 if sm is None else locations(sm)
             mem = self._r.info("memory")
             live, _ = self._nodes_raw()
             return {"locations": fields, "memory_bytes": int(mem["used_memory"]), "nodes": len(live)}
@@ -682,9 +509,8 @@ class RedisIndex(LocalityIndex):
             alive = {int(i) for i in live}
             dropped = 0
             for key, field, val in self._hscan(namespace, batch):
-                segment = key == segment_key(namespace)
-                recs = _segment_records(val) if segment else np.frombuffer(val, dtype=RECORD)
-                keep = np.isin(recs["inc"], list(alive)) | (segment & (recs["inc"] == 0))    # and the markers
+                recs = np.frombuffer(val, dtype=RECORD)
+                keep = np.isin(recs["inc"], list(alive))
                 if keep.all():
                     continue
                 dropped += int((~keep).sum())
@@ -692,15 +518,25 @@ class RedisIndex(LocalityIndex):
                     self._r.hset(key, field, recs[keep].tobytes())
                 else:
                     self._r.hdel(key, field)
+            if self.SEGMENTS:
+                packed = np.array(sorted(alive), dtype="<u4").tobytes()
+                keys = [segment_key(namespace), loc_key(namespace), records_key(namespace)]
+                fields: list[bytes] = []
+                for field, _ in self._r.hscan_iter(segment_key(namespace), count=batch):
+                    fields.append(field)
+                    if len(fields) >= batch:
+                        dropped += int(self._segment_prune(keys=keys, args=[packed, *fields]))
+                        fields = []
+                if fields:
+                    dropped += int(self._segment_prune(keys=keys, args=[packed, *fields]))
             return dropped
         dropped: int = self._call("sweep", run)
         return dropped
 
     def _hscan(self, namespace: bytes, batch: int) -> Iterator[tuple[str, bytes, bytes]]:
-        """(hash key, field, records) of every per-page field and segment of ``namespace``."""
-        for key in (loc_key(namespace), segment_key(namespace)) if self.SEGMENTS else (loc_key(namespace),):
-            for field, val in self._r.hscan_iter(key, count=batch):
-                yield key, field, val
+        """(hash key, field, records) of every per-page field of ``namespace``."""
+        for field, val in self._r.hscan_iter(loc_key(namespace), count=batch):
+            yield loc_key(namespace), field, val
 
     def ping_ms(self) -> float:
         """One round trip, for benchmarks."""
@@ -710,3 +546,27 @@ class RedisIndex(LocalityIndex):
 
     def close(self) -> None:
         self._r.close()
+
+
+def _read_records(r: Any, ns: bytes, query: SegmentQuery, layers: np.ndarray, inc: int, media: np.ndarray,
+                  slots: np.ndarray, gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Slots and generations of the leading query pages held by ``inc`` in ``media``, from its
+    records; pages already known (``gens`` >= 0, from per-page fields) are kept, and one whose record
+    is not there gets generation -1."""
+    slots = np.array(slots, dtype=np.int64)
+    out = np.array(gens, dtype=np.int64)
+    todo = np.flatnonzero(out < 0)
+    if not len(todo):
+        return slots, out
+    base = int(query.first_page[0])
+    segs = sorted({(int(q) - base) // SEGMENT_PAGES for q in todo})
+    suffix = inc.to_bytes(4, "little")
+    vals = r.hmget(records_key(ns), [query.fields[s].tobytes() + suffix for s in segs])
+    recs = {s: parse_records(v) for s, v in zip(segs, vals, strict=True)}
+    for q in todo.tolist():
+        s, o = divmod(q - base, SEGMENT_PAGES)
+        got = recs[s].get((int(media[q]), int(layers[q]), o))
+        if got is None:
+            break                  # gone since the lookup: a miss from here on
+        slots[q], out[q] = got
+    return slots, out

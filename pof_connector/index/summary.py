@@ -1,0 +1,149 @@
+"""A segment's two structures in the index: its summary (which holder has which of its pages) and,
+per holder, its slot records. A lookup reads summaries only, so its reply grows by a few bytes per
+holder and segment, not by a record per holder and page; the loader reads the records of the one
+holder it picked, for the pages it loads.
+
+Summary (``pof:{pof}:seg:<ns>``, field: the segment's 16-byte field), little-endian::
+
+    u16 marks                  bit o: offset o overflowed (other chains' pages there are in per-page fields)
+    u8  L                      tag layers in use (0..LAYERS)
+    L x u16 presence           layer l's bit o: a tag sits at (l, o)
+    8 bytes per present tag    in (layer, offset) order: the page digest's first 8 bytes
+    holders, 5 + 2L bytes each: u32 incarnation | u8 medium | L x u16 mask (bit o of layer l: it
+                               holds the page of tag (l, o) in that medium)
+
+An offset holds the pages of up to :data:`~.segments.MAX_TAGS` chains, one per layer; a linear
+chain uses layer 0 only, so a holder costs 7 bytes per segment.
+
+Records (``pof:{pof}:rec:<ns>``, field: segment field + u32 incarnation): groups of
+``u8 medium | u8 layer | u16 mask`` followed by a ``u32 slot | u64 generation`` per set bit, in
+offset order. A record is found by (medium, layer, offset); the scripts keep it and the summary's
+bit together. A reader that reads them at different times may see them disagree: a missing record
+is a miss, and a record that a later write moved to another chain's page fails the page header's
+key check on load, a miss as well, never wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+LAYERS = 4
+"""Tag layers of a summary: chains whose pages one offset holds at most."""
+SENTINEL_SLOT = 0xFFFF_FFFF
+"""The slot of a per-page record made from a summary (its slot is in the records, not read yet)."""
+UNRESOLVED = -1
+"""A generation (int64) whose slot and generation the records have not given yet."""
+
+
+@dataclass
+class Summary:
+    marks: int
+    layers: int
+    tags: dict[int, int]
+    """Position (layer * 16 + offset) -> tag."""
+    holders: list[tuple[int, int, list[int]]]
+    """(incarnation, medium, masks per layer)."""
+
+
+def parse_summary(v: bytes) -> Summary | None:
+    """``None`` when ``v`` is not a summary (cut short, padded: a broken or hostile writer)."""
+    if len(v) < 3 or v[2] > LAYERS or len(v) < 3 + 2 * v[2]:
+        return None
+    marks, n_layers = int.from_bytes(v[:2], "little"), v[2]
+    p = 3 + 2 * n_layers
+    tags: dict[int, int] = {}
+    for layer in range(n_layers):
+        presence = int.from_bytes(v[3 + 2 * layer:5 + 2 * layer], "little")
+        for o in range(16):
+            if presence >> o & 1:
+                if len(v) - p < 8:
+                    return None
+                tags[layer * 16 + o] = int.from_bytes(v[p:p + 8], "little")
+                p += 8
+    width = 5 + 2 * n_layers
+    rest = len(v) - p
+    if (n_layers == 0 and rest) or (n_layers and rest % width):
+        return None
+    holders = []
+    for e in range(p, len(v), width) if n_layers else ():
+        masks = [int.from_bytes(v[e + 5 + 2 * lay:e + 7 + 2 * lay], "little") for lay in range(n_layers)]
+        holders.append((int.from_bytes(v[e:e + 4], "little"), v[e + 4], masks))
+    return Summary(marks, n_layers, tags, holders)
+
+
+def locations(s: Summary) -> int:
+    """(holder, page, medium) entries of a summary: the locations it stands for."""
+    return sum(bin(m).count("1") for _, _, masks in s.holders for m in masks)
+
+
+def parse_records(v: bytes | None) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """A holder's records of one segment: (medium, layer, offset) -> (slot, generation). A value cut
+    short keeps what came before the cut (the rest are misses)."""
+    out: dict[tuple[int, int, int], tuple[int, int]] = {}
+    p, n = 0, len(v or b"")
+    while v is not None and p + 4 <= n:
+        medium, layer, mask = v[p], v[p + 1], int.from_bytes(v[p + 2:p + 4], "little")
+        p += 4
+        for o in range(16):
+            if mask >> o & 1:
+                if p + 12 > n:
+                    return out
+                out[medium, layer, o] = (int.from_bytes(v[p:p + 4], "little"), int.from_bytes(v[p + 4:p + 12],
+                                                                                             "little", signed=True))
+                p += 12
+    return out
+
+
+def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, alive: Sequence[int], n_media: int,
+                 segment_pages: int) -> tuple[int, bool, int, list[int], list[bytes], bytes, np.ndarray]:
+    """What the native ``summary_runs`` gives (its docstring in ``_prefix_runs.pyi``), in Python: for
+    builds without a C compiler (the same answers, slower)."""
+    pages = len(tags)
+    limit, malformed = pages, False
+    parsed: list[Summary | None] = []
+    for s, v in enumerate(vals):
+        got = None if v is None else parse_summary(v)
+        if v is not None and got is None:
+            limit, malformed = max(0, min(pages, int(first_page[s]))), True
+            break
+        parsed.append(got)
+    layer = np.full(pages, 255, dtype=np.uint8)
+    marked: list[int] = []
+    holds: dict[tuple[int, int], set[int]] = {}       # (incarnation, medium) -> query pages
+    for s, sm in enumerate(parsed):
+        if sm is None:
+            continue
+        fp = int(first_page[s])
+        for o in range(segment_pages):
+            q = fp + o
+            if not 0 <= q < limit:
+                continue
+            if sm.marks >> o & 1:
+                marked.append(q)
+            lay = next((la for la in range(sm.layers) if sm.tags.get(la * 16 + o) == int(tags[q])), None)
+            if lay is None:
+                continue
+            layer[q] = lay
+            for inc, medium, masks in sm.holders:
+                if masks[lay] >> o & 1:
+                    holds.setdefault((inc, medium), set()).add(q)
+    unknown = sum(len(qs) for (_, m), qs in holds.items() if m >= n_media)
+    covered = set().union(*[qs for (_, m), qs in holds.items() if m < n_media])
+    held = next((q for q in range(limit) if q not in covered), limit)
+    live = set(alive)
+    heads = sorted({inc for (inc, m), qs in holds.items() if m < n_media and inc in live and 0 in qs}) if held else []
+    media: list[bytes] = []
+    for inc in heads:
+        mine = sorted((m, qs) for (i, m), qs in holds.items() if i == inc and m < n_media)
+        run = bytearray()
+        while len(run) < held:
+            m = next((m for m, qs in mine if len(run) in qs), None)
+            if m is None:
+                break
+            run.append(m)
+        media.append(bytes(run))
+    return held, malformed, unknown, heads, media, layer.tobytes(), np.array(marked, dtype=np.int64)
