@@ -114,6 +114,7 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
     layer = np.full(pages, 255, dtype=np.uint8)
     marked: list[int] = []
     holds: dict[tuple[int, int], set[int]] = {}       # (incarnation, medium) -> query pages
+    unknown = 0
     for s, sm in enumerate(parsed):
         if sm is None:
             continue
@@ -131,7 +132,7 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
             for inc, medium, masks in sm.holders:
                 if masks[lay] >> o & 1:
                     holds.setdefault((inc, medium), set()).add(q)
-    unknown = sum(len(qs) for (_, m), qs in holds.items() if m >= n_media)
+                    unknown += medium >= n_media           # per entry: a repeated one counts again
     covered = set().union(*[qs for (_, m), qs in holds.items() if m < n_media])
     held = next((q for q in range(limit) if q not in covered), limit)
     live = set(alive)
@@ -147,3 +148,21 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
             run.append(m)
         media.append(bytes(run))
     return held, malformed, unknown, heads, media, layer.tobytes(), np.array(marked, dtype=np.int64)
+
+
+def encode_summary(s: Summary) -> bytes:
+    """``s`` as the scripts write it (tests build replies with it; the scripts are the writers)."""
+    out = bytearray(s.marks.to_bytes(2, "little") + bytes([s.layers]))
+    tags = b""
+    for layer in range(s.layers):
+        presence = 0
+        for o in range(16):
+            if layer * 16 + o in s.tags:
+                presence |= 1 << o
+                tags += s.tags[layer * 16 + o].to_bytes(8, "little")
+        out += presence.to_bytes(2, "little")
+    out += tags
+    for inc, medium, masks in s.holders:
+        out += inc.to_bytes(4, "little") + bytes([medium])
+        out += b"".join(m.to_bytes(2, "little") for m in masks[:s.layers])
+    return bytes(out)
