@@ -268,7 +268,8 @@ PyDoc_STRVAR(summary_runs_doc,
 "held: pages up to the first one no holder has in a known medium, or the segment of the first\n"
 "malformed value; malformed: 1 when a value was not a summary; unknown: (holder, query page) pairs\n"
 "of a medium code >= n_media; heads: the live incarnations holding page 0, ascending; media: per\n"
-"head, the medium code of each page of its run (bytes; of a page in two media, the lowest code);\n"
+"head, its run as (pages, first pages of its stretches of one medium code as int64s, their codes as\n"
+"bytes; of a page in two media, the lowest code);\n"
 "layers: per query page, the layer of its tag in its summary (bytes, 255: no tag); marked: the\n"
 "query pages at an overflowed offset, ascending, as int64s.");
 
@@ -317,6 +318,13 @@ static int parse_summary(const unsigned char *v, Py_ssize_t len, summary *s)
     return 0;
 }
 
+/* The offsets of a segment whose first offset is query page fp that are query pages before stop. */
+static inline unsigned seg_valid(int64_t fp, int seg_pages, Py_ssize_t stop)
+{
+    int64_t lo = fp < 0 ? -fp : 0, hi = fp + seg_pages <= (int64_t)stop ? seg_pages : (int64_t)stop - fp;
+    return hi <= lo ? 0 : (unsigned)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
 /* The offsets of holder entry e that are query pages (qmask[l]: the offsets whose query page's tag
  * is at layer l). */
 static inline unsigned held_offsets(const summary *s, const unsigned char *e, const unsigned *qmask)
@@ -325,6 +333,78 @@ static inline unsigned held_offsets(const summary *s, const unsigned char *e, co
     for (unsigned l = 0; l < s->n_layers; l++)
         got |= rd_u16(e + 5 + 2 * l) & qmask[l];
     return got;
+}
+
+/* The heads' indices by incarnation: open addressing in a power-of-two table at least twice as
+ * large (a binary search per holder entry cost a third of the decoding at 128 holders). */
+typedef struct {
+    int32_t *slot;
+    unsigned bits;
+    size_t mask;
+} head_table;
+
+static inline size_t head_hash(const head_table *t, uint32_t inc)
+{
+    return (size_t)((inc * 2654435761u) >> (32 - t->bits)) & t->mask;
+}
+
+static int head_table_make(head_table *t, const uint32_t *heads, Py_ssize_t k)
+{
+    t->bits = 4;
+    while (((Py_ssize_t)1 << t->bits) < 2 * k)
+        t->bits++;
+    t->mask = ((size_t)1 << t->bits) - 1;
+    t->slot = PyMem_Malloc((t->mask + 1) * sizeof(int32_t));
+    if (t->slot == NULL)
+        return -1;
+    memset(t->slot, 0xff, (t->mask + 1) * sizeof(int32_t));
+    for (Py_ssize_t h = 0; h < k; h++) {
+        size_t i = head_hash(t, heads[h]);
+        while (t->slot[i] >= 0)
+            i = (i + 1) & t->mask;
+        t->slot[i] = (int32_t)h;
+    }
+    return 0;
+}
+
+static inline Py_ssize_t head_find(const head_table *t, const uint32_t *heads, uint32_t inc)
+{
+    for (size_t i = head_hash(t, inc);; i = (i + 1) & t->mask) {
+        int32_t h = t->slot[i];
+        if (h < 0)
+            return -1;
+        if (heads[h] == inc)
+            return h;
+    }
+}
+
+/* A head's run as media runs: the first page of each stretch of one medium code, and the code. */
+typedef struct {
+    int64_t *starts;
+    unsigned char *codes;
+    Py_ssize_t n, cap;
+} media_runs;
+
+static int runs_push(media_runs *r, int64_t start, unsigned char code)
+{
+    if (r->n > 0 && r->codes[r->n - 1] == code)
+        return 0;
+    if (r->n == r->cap) {
+        Py_ssize_t cap = r->cap ? 2 * r->cap : 8;
+        int64_t *st = PyMem_Realloc(r->starts, (size_t)cap * 8);
+        if (st == NULL)
+            return -1;
+        r->starts = st;
+        unsigned char *c = PyMem_Realloc(r->codes, (size_t)cap);
+        if (c == NULL)
+            return -1;
+        r->codes = c;
+        r->cap = cap;
+    }
+    r->starts[r->n] = start;
+    r->codes[r->n] = code;
+    r->n++;
+    return 0;
 }
 
 static PyObject *py_summary_runs(PyObject *self, PyObject *args)
@@ -342,9 +422,12 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     const unsigned char *fps = first.buf, *tags = tagbuf.buf;
     const uint32_t *live = alive.buf;
     summary *sums = NULL;
-    unsigned char *layer = NULL, *covered = NULL, *med = NULL, *marked = NULL;
+    unsigned char *layer = NULL, *marked = NULL, *single = NULL, *segmed = NULL;
     uint32_t *heads = NULL;
-    Py_ssize_t *run_end = NULL;
+    Py_ssize_t *run_end = NULL, *stamp = NULL, *active = NULL, n_active = 0;
+    unsigned *uni = NULL;
+    media_runs *runs = NULL;
+    head_table htab = {NULL, 0, 0};
     unsigned (*qmask)[LAYERS] = NULL;
     PyObject *out_heads = NULL, *out_media = NULL, *out_layers = NULL, *out_marked = NULL, *result = NULL;
     if (first.len % 8 != 0 || tagbuf.len % 8 != 0 || alive.len % 4 != 0 || n_media < 0 || n_media > 255
@@ -359,9 +442,8 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     }
     sums = PyMem_Calloc((size_t)n_seg + 1, sizeof(summary));
     layer = PyMem_Malloc((size_t)n + 1);
-    covered = PyMem_Calloc((size_t)n + 1, 1);
     marked = PyMem_Calloc((size_t)n + 1, 1);
-    if (sums == NULL || layer == NULL || covered == NULL || marked == NULL) {
+    if (sums == NULL || layer == NULL || marked == NULL) {
         failed = 1;
         goto done;
     }
@@ -416,25 +498,47 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
             }
         }
     }
-    /* Which query pages some holder has in a known medium (and the unknown ones, counted). */
+    /* held: the first query page no holder has in a known medium. A segment's scan stops once its
+     * pages are covered (the first holders usually cover them), and the scan stops at the segment
+     * with the gap. */
+    held = limit;
+    int64_t expect = 0;           /* the first page after the segments scanned */
+    for (Py_ssize_t s = 0; s < nv && held == limit; s++) {
+        const summary *sm = &sums[s];
+        int64_t fp = rd_i64(fps + 8 * s);
+        if (fp >= (int64_t)limit)
+            break;
+        if (fp > expect) {        /* a page no segment holds */
+            held = (Py_ssize_t)expect;
+            break;
+        }
+        if (fp + seg_pages > expect)
+            expect = fp + seg_pages;
+        unsigned want = seg_valid(fp, seg_pages, limit), all = 0;
+        for (Py_ssize_t h = 0; h < sm->n_holders && all != want; h++) {
+            const unsigned char *e = sm->holders + h * sm->width;
+            if (e[4] < n_media)
+                all |= held_offsets(sm, e, qmask[s]);
+        }
+        if (all != want)
+            held = (Py_ssize_t)(fp + __builtin_ctz(~all & want));
+    }
+    if (held == limit && expect < (int64_t)limit)      /* fewer values than segments */
+        held = (Py_ssize_t)expect;
+    /* (holder, page) pairs in a medium this build does not know, up to the segment where the held
+     * pages end: absent pages, counted (what a hostile writer left stops the runs there). */
     for (Py_ssize_t s = 0; s < nv; s++) {
         const summary *sm = &sums[s];
         int64_t fp = rd_i64(fps + 8 * s);
-        unsigned all = 0;
+        if (fp > (int64_t)held || fp >= (int64_t)limit)
+            break;
+        unsigned want = seg_valid(fp, seg_pages, limit);
         for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
             const unsigned char *e = sm->holders + h * sm->width;
-            unsigned got = held_offsets(sm, e, qmask[s]);
             if (e[4] >= n_media)
-                unknown += __builtin_popcount(got);
-            else
-                all |= got;
+                unknown += __builtin_popcount(held_offsets(sm, e, qmask[s]) & want);
         }
-        for (unsigned o = 0; all; o++, all >>= 1)
-            if (all & 1)
-                covered[fp + o] = 1;
     }
-    for (held = 0; held < limit && covered[held]; held++)
-        ;
     if (held > 0) {
         /* The heads: the live incarnations holding page 0 (in segment 0) in a known medium. */
         const summary *sm = &sums[0];
@@ -458,16 +562,34 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
         k = u;
     }
     if (k > 0) {
-        /* Per head, the lowest medium code of each page while its run lasts: segments in order, a
-         * head whose run stopped in one is not looked at again (the work follows the runs' pages,
-         * not the holders times the query). */
-        med = PyMem_Malloc((size_t)k * (size_t)held);
+        /* Per head, its run as media runs (first page, code): segments in order, a head whose run
+         * stopped in one is not looked at again, and a head with one entry in a segment (one medium:
+         * the usual case) costs a few bit operations there, not one per page: the work follows the
+         * holders' entries, a sixteenth of their pages. */
+        runs = PyMem_Calloc((size_t)k, sizeof(media_runs));
         run_end = PyMem_Calloc((size_t)k, sizeof(Py_ssize_t));
-        if (med == NULL || run_end == NULL) {
+        stamp = PyMem_Malloc((size_t)k * sizeof(Py_ssize_t));
+        uni = PyMem_Malloc((size_t)k * sizeof(unsigned));
+        single = PyMem_Malloc((size_t)k);
+        segmed = PyMem_Malloc((size_t)k * 16);
+        if (runs == NULL || run_end == NULL || stamp == NULL || uni == NULL || single == NULL || segmed == NULL) {
             failed = 1;
             goto done;
         }
-        memset(med, 255, (size_t)k * (size_t)held);
+        active = PyMem_Malloc((size_t)k * sizeof(Py_ssize_t));
+        if (active == NULL) {
+            failed = 1;
+            goto done;
+        }
+        for (Py_ssize_t hd = 0; hd < k; hd++) {
+            stamp[hd] = -1;
+            active[hd] = hd;           /* the heads whose runs reached this segment, ascending */
+        }
+        n_active = k;
+        if (head_table_make(&htab, heads, k) < 0) {
+            failed = 1;
+            goto done;
+        }
         for (Py_ssize_t s = 0; s < nv; s++) {
             const summary *sm = &sums[s];
             int64_t fp = rd_i64(fps + 8 * s);
@@ -475,45 +597,58 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
                 break;
             Py_ssize_t seg_start = fp < 0 ? 0 : (Py_ssize_t)fp;
             Py_ssize_t seg_stop = fp + seg_pages < (int64_t)held ? (Py_ssize_t)(fp + seg_pages) : held;
-            int any = 0;
-            uint32_t last_inc = 0;
-            Py_ssize_t last_h = -1;
+            unsigned lo = (unsigned)(seg_start - fp), hi = (unsigned)(seg_stop - fp);
+            unsigned valid = ((1u << hi) - 1) & ~((1u << lo) - 1);
             for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
                 const unsigned char *e = sm->holders + h * sm->width;
                 unsigned char m = e[4];
                 if (m >= n_media)
                     continue;
-                uint32_t inc = rd_u32(e);
-                if (inc != last_inc || last_h < 0) {
-                    last_inc = inc;
-                    last_h = find_inc(heads, k, inc);
-                }
-                Py_ssize_t hd = last_h;
+                Py_ssize_t hd = head_find(&htab, heads, rd_u32(e));
                 if (hd < 0 || run_end[hd] != seg_start)      /* not a head, or its run stopped before */
                     continue;
-                unsigned got = held_offsets(sm, e, qmask[s]);
-                unsigned char *row = med + hd * held;
-                for (; got; got &= got - 1) {
-                    Py_ssize_t q = (Py_ssize_t)(fp + __builtin_ctz(got));
-                    if (q < held && m < row[q])
-                        row[q] = m;
-                }
-                any = 1;
-            }
-            if (!any)
-                break;
-            int alive_runs = 0;
-            for (Py_ssize_t hd = 0; hd < k; hd++) {
-                if (run_end[hd] != seg_start)
+                unsigned got = held_offsets(sm, e, qmask[s]) & valid;
+                unsigned char *sm16 = segmed + 16 * hd;
+                if (stamp[hd] != s) {
+                    stamp[hd] = s;
+                    uni[hd] = got;
+                    single[hd] = m;
                     continue;
-                const unsigned char *row = med + hd * held;
-                Py_ssize_t q = seg_start;
-                while (q < seg_stop && row[q] != 255)
-                    q++;
-                run_end[hd] = q;
-                alive_runs += q == seg_stop;
+                }
+                if (single[hd] != 255) {        /* a second entry: per offset from here on */
+                    memset(sm16, 255, 16);
+                    for (unsigned b = uni[hd]; b; b &= b - 1)
+                        sm16[__builtin_ctz(b)] = single[hd];
+                    single[hd] = 255;
+                }
+                for (unsigned b = got; b; b &= b - 1) {
+                    unsigned o = (unsigned)__builtin_ctz(b);
+                    if (m < sm16[o])
+                        sm16[o] = m;
+                }
+                uni[hd] |= got;
             }
-            if (!alive_runs)
+            Py_ssize_t still = 0;
+            for (Py_ssize_t a = 0; a < n_active; a++) {
+                Py_ssize_t hd = active[a];
+                unsigned ext = stamp[hd] == s ? (unsigned)__builtin_ctz(~(uni[hd] >> lo)) : 0;
+                if (ext > hi - lo)
+                    ext = hi - lo;
+                for (unsigned o = lo; o < lo + ext; o++) {
+                    unsigned char m = single[hd] != 255 ? single[hd] : segmed[16 * hd + o];
+                    if (runs_push(&runs[hd], fp + o, m) < 0) {
+                        failed = 1;
+                        goto done;
+                    }
+                    if (single[hd] != 255)
+                        break;                  /* one medium for the whole extension */
+                }
+                run_end[hd] = seg_start + ext;
+                if (run_end[hd] == seg_stop)
+                    active[still++] = hd;
+            }
+            n_active = still;
+            if (!n_active)
                 break;
         }
     }
@@ -532,7 +667,9 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     }
     for (Py_ssize_t hd = 0; hd < k; hd++) {
         PyObject *inc = PyLong_FromUnsignedLong(heads[hd]);
-        PyObject *media = PyBytes_FromStringAndSize((const char *)(med + hd * held), run_end[hd]);
+        PyObject *media = Py_BuildValue("(nNN)", run_end[hd],
+                                        PyBytes_FromStringAndSize((const char *)runs[hd].starts, runs[hd].n * 8),
+                                        PyBytes_FromStringAndSize((const char *)runs[hd].codes, runs[hd].n));
         if (inc == NULL || media == NULL) {
             Py_XDECREF(inc);
             Py_XDECREF(media);
@@ -555,11 +692,20 @@ done:
     Py_XDECREF(out_marked);
     PyMem_Free(sums);
     PyMem_Free(layer);
-    PyMem_Free(covered);
     PyMem_Free(marked);
     PyMem_Free(heads);
     PyMem_Free(run_end);
-    PyMem_Free(med);
+    PyMem_Free(stamp);
+    PyMem_Free(active);
+    PyMem_Free(uni);
+    PyMem_Free(single);
+    PyMem_Free(segmed);
+    for (Py_ssize_t hd = 0; runs != NULL && hd < k; hd++) {
+        PyMem_Free(runs[hd].starts);
+        PyMem_Free(runs[hd].codes);
+    }
+    PyMem_Free(runs);
+    PyMem_Free(htab.slot);
     PyMem_Free(qmask);
     return result;
 }

@@ -106,25 +106,35 @@ class PrefixMatch:
     for: :meth:`resolve` reads only the leading pages a loader takes. A record the read does not
     find (withdrawn since the lookup) cuts the run there."""
 
-    __slots__ = ("_gens", "_known", "_media", "_resolve", "_slots", "node")
+    __slots__ = ("_gens", "_known", "_media", "_pages", "_resolve", "_slots", "_stretches", "node")
 
-    def __init__(self, node: str, media: np.ndarray, slots: np.ndarray | None = None,
-                 generations: np.ndarray | None = None, *, resolve: Resolver | None = None) -> None:
+    def __init__(self, node: str, media: np.ndarray | None, slots: np.ndarray | None = None,
+                 generations: np.ndarray | None = None, resolve: Resolver | None = None,
+                 stretches: tuple[int, bytes, bytes] | None = None) -> None:
+        """``stretches``: instead of ``media``, (pages, the first page of each stretch of one code as
+        int64s, the codes as bytes): expanded when :attr:`media` is first read (a lookup makes one
+        match per holder, most never read)."""
         self.node = node
         self._media = media
-        self._slots = slots if slots is not None else np.full(len(media), -1, dtype=np.int64)
-        self._gens = generations if generations is not None else np.full(len(media), -1, dtype=np.int64)
+        self._stretches = stretches
+        self._pages = len(media) if media is not None else stretches[0] if stretches is not None else 0
+        self._slots = slots
+        self._gens = generations
         self._resolve = resolve
-        self._known = len(media) if resolve is None else 0
+        self._known = self._pages if resolve is None else 0
         """Leading pages whose slots were read (or needed no read)."""
 
     @property
     def media(self) -> np.ndarray:
+        if self._media is None:
+            n, starts, codes = self._stretches or (0, b"", b"")
+            self._media = np.repeat(np.frombuffer(codes, dtype=np.uint8),
+                                    np.diff(np.append(np.frombuffer(starts, dtype=np.int64), n)))
         return self._media
 
     @property
     def pages(self) -> int:
-        return len(self._media)
+        return self._pages
 
     @property
     def slots(self) -> np.ndarray:
@@ -140,18 +150,25 @@ class PrefixMatch:
         """Read the slots of the first ``pages`` pages (once); returns how many leading pages have
         them now (fewer when a record was gone: the run is cut there)."""
         pages = min(pages, self.pages)
+        if self._slots is None or self._gens is None:
+            self._slots = np.full(self.pages, -1, dtype=np.int64)
+            self._gens = np.full(self.pages, -1, dtype=np.int64)
         if self._known < pages and self._resolve is not None:
-            slots, gens = self._resolve(pages, self._media[:pages], self._slots[:pages], self._gens[:pages])
+            media = self.media
+            slots, gens = self._resolve(pages, media[:pages], self._slots[:pages], self._gens[:pages])
             self._slots = np.concatenate([slots, self._slots[pages:]])
             self._gens = np.concatenate([gens, self._gens[pages:]])
             good = int(np.argmax(self._gens[:pages] < 0)) if (self._gens[:pages] < 0).any() else pages
             if good < pages:
-                self._media, self._slots, self._gens = self._media[:good], self._slots[:good], self._gens[:good]
+                self._media, self._slots, self._gens = media[:good], self._slots[:good], self._gens[:good]
+                self._pages = good
             self._known = good
         return min(pages, self._known)
 
     def known(self) -> tuple[np.ndarray, np.ndarray]:
         """The slots and generations read so far (-1 where not yet), without reading more."""
+        self.resolve(0)
+        assert self._slots is not None and self._gens is not None
         return self._slots, self._gens
 
     def location(self, i: int) -> Location:

@@ -59,6 +59,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -208,6 +209,7 @@ class RedisIndex(LocalityIndex):
         self._owner = uuid.uuid4().hex        # tells our registrations from another process's
         self._inc_names: dict[int, str] = {}
         self._flag_seen: dict[bytes, float] = {}
+        self._live_cache: tuple[list[Any], np.ndarray, np.ndarray] | None = None
         """Namespace -> when a lookup last saw its placeless flag (monotonic seconds)."""
         self._lock = threading.Lock()
 
@@ -356,8 +358,9 @@ class RedisIndex(LocalityIndex):
             self._flag_seen[ns] = time.monotonic()
         else:
             self._flag_seen.pop(ns, None)
-        alive = self._alive(now, live)
-        answer = query.decode(vals, alive, len(MEDIA))
+        live_incs = self._live(now, live)
+        answer = query.decode(vals, live_incs, len(MEDIA))
+        alive = live_incs.tolist()
         if flat is None and not answer.needs_pages():
             return self._summary_matches(ns, answer)
         if more:
@@ -373,7 +376,7 @@ class RedisIndex(LocalityIndex):
         found = leading_runs(merged, alive, len(MEDIA))
         if answer.malformed:
             self._refused(1, "malformed")
-        return self._matches(found, lambda inc: self._resolver(ns, answer, inc))
+        return self._matches(found, partial(partial, self._resolver(ns, answer)))
 
     def _summary_matches(self, ns: bytes, answer: SegmentAnswer) -> dict[str, PrefixMatch]:
         """Each live head's run from a summary reply: media now, slots when a loader asks."""
@@ -383,30 +386,47 @@ class RedisIndex(LocalityIndex):
             self._refused(answer.unknown, "unknown_medium")
         if not answer.heads:
             return {}
-        names = self._names(answer.heads)
+        names = self._inc_names
+        if any(i not in names for i in answer.heads):
+            self._names(answer.heads)
+        read = self._resolver(ns, answer)
         out: dict[str, PrefixMatch] = {}
-        for inc, media in zip(answer.heads, answer.media, strict=True):
+        for inc, stretches in zip(answer.heads, answer.media, strict=True):
             node = names.get(inc)
-            if node is not None:
-                out[node] = PrefixMatch(node, np.frombuffer(media, dtype=np.uint8),
-                                        resolve=self._resolver(ns, answer, inc))
+            if node is not None:       # lean: one match per holder, so this loop is the lookup's per-holder cost
+                out[node] = PrefixMatch(node, None, None, None, partial(read, inc), stretches)
         return out
 
-    def _resolver(self, ns: bytes, answer: SegmentAnswer, inc: int) -> Resolver:
-        """Reads holder ``inc``'s records of the segments of a run's first pages (one ``HMGET``,
-        the only read of slots: a lookup's reply carries none)."""
+    def _resolver(self, ns: bytes, answer: SegmentAnswer) -> Callable[[int, int, np.ndarray, np.ndarray, np.ndarray],
+                                                                       tuple[np.ndarray, np.ndarray]]:
+        """Reads a holder's records of the segments of a run's first pages (one ``HMGET``, the only
+        read of slots: a lookup's reply carries none)."""
         query = answer.query
 
-        def resolve(pages: int, media: np.ndarray, slots: np.ndarray,
+        def resolve(inc: int, pages: int, media: np.ndarray, slots: np.ndarray,
                     gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             return self._call("records", _read_records, self._r, ns, query, answer.layers, inc, media, slots, gens)
         return resolve
-    @staticmethod
-    def _alive(now: list[bytes], live: list[Any]) -> list[int]:
+
+    def _alive(self, now: list[bytes], live: list[Any]) -> list[int]:
         """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
+        return self._live(now, live).tolist()
+
+    def _live(self, now: list[bytes], live: list[Any]) -> np.ndarray:
+        """:meth:`_alive` as a sorted uint32 array. The registry's parse is kept while its reply
+        repeats (it changes with heartbeats, about once a second per node, while lookups come by the
+        thousand): parsing 64 members and scores cost a lookup as much as decoding its runs."""
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
-        pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
-        return [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
+        cached = self._live_cache
+        if cached is None or cached[0] != live:
+            pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
+            incs = np.array([int(m) for m, _ in pairs], dtype=np.int64)     # RESP3 or RESP2
+            expiry = np.array([float(sc) for _, sc in pairs], dtype=np.float64)
+            order = np.argsort(incs, kind="stable")
+            cached = self._live_cache = (live, incs[order], expiry[order])
+        _, incs, expiry = cached
+        mine = incs[(expiry > now_ms) & (incs > 0) & (incs < 1 << 32)]
+        return np.unique(mine).astype("<u4") if len(mine) and (np.diff(mine) == 0).any() else mine.astype("<u4")
 
     def _matches(self, found: LeadingRuns,
                  resolver: Callable[[int], Resolver] | None = None) -> dict[str, PrefixMatch]:

@@ -114,12 +114,15 @@ class SegmentQuery:
     def pages(self) -> int:
         return len(self.tags)
 
-    def decode(self, vals: list[Any], alive: list[int], n_media: int, *, native: bool | None = None) -> SegmentAnswer:
+    def decode(self, vals: list[Any], alive: list[int] | np.ndarray, n_media: int, *,
+               native: bool | None = None) -> SegmentAnswer:
         """The runs and holders in the reply ``vals`` (one summary per field, or ``None``) of the live
-        incarnations ``alive``, for a build that knows ``n_media`` medium codes. ``native``: force
-        one implementation (``None``: the native one when it was built)."""
+        incarnations ``alive`` (a list, or already a sorted uint32 array), for a build that knows
+        ``n_media`` medium codes. ``native``: force one implementation (``None``: the native one when
+        it was built)."""
         nat = _native()
-        live = np.array(sorted({i for i in alive if 0 < i < 1 << 32}), dtype="<u4")   # np.unique: ~3x the time
+        live = alive if isinstance(alive, np.ndarray) else np.array(
+            sorted({i for i in alive if 0 < i < 1 << 32}), dtype="<u4")    # np.unique: ~3x the time
         if native or (native is None and nat is not None):
             if nat is None:
                 raise RuntimeError("pof_connector._prefix_runs was not built with summary_runs")
@@ -144,8 +147,8 @@ class SegmentAnswer:
     """(holder, query page) pairs in a medium code this build does not know."""
     heads: list[int]
     """The live incarnations holding page 0, ascending."""
-    media: list[bytes]
-    """Per head, the medium code of each page of its run."""
+    media: list[summary.MediaRuns]
+    """Per head, its run's media (:data:`~.summary.MediaRuns`)."""
     layers: np.ndarray
     """Per query page, the layer of its tag in its summary (255: no tag): where the records are."""
     marked: np.ndarray
@@ -159,7 +162,7 @@ class SegmentAnswer:
         marked pages must be read too."""
         if not len(self.marked):
             return False
-        return int(self.marked[0]) <= max([len(m) for m in self.media] or [0])
+        return int(self.marked[0]) <= max([m[0] for m in self.media] or [0])
 
     def page_values(self, alive: list[int], n_media: int) -> list[bytes | None]:
         """The reply as a per-page reply (17-byte records per query page, ``None`` where none is),

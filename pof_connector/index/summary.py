@@ -98,8 +98,20 @@ def parse_records(v: bytes | None) -> dict[tuple[int, int, int], tuple[int, int]
     return out
 
 
+MediaRuns = tuple[int, bytes, bytes]
+"""A run's media, compressed: its pages, the first page of each stretch of one medium code (int64s),
+and those codes (bytes)."""
+
+
+def expand(runs: MediaRuns) -> np.ndarray:
+    """The medium code of each page of ``runs``."""
+    n, starts, codes = runs
+    st = np.frombuffer(starts, dtype=np.int64)
+    return np.repeat(np.frombuffer(codes, dtype=np.uint8), np.diff(np.append(st, n)))
+
+
 def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, alive: Sequence[int], n_media: int,
-                 segment_pages: int) -> tuple[int, bool, int, list[int], list[bytes], bytes, np.ndarray]:
+                 segment_pages: int) -> tuple[int, bool, int, list[int], list[MediaRuns], bytes, np.ndarray]:
     """What the native ``summary_runs`` gives (its docstring in ``_prefix_runs.pyi``), in Python: for
     builds without a C compiler (the same answers, slower)."""
     pages = len(tags)
@@ -114,7 +126,7 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
     layer = np.full(pages, 255, dtype=np.uint8)
     marked: list[int] = []
     holds: dict[tuple[int, int], set[int]] = {}       # (incarnation, medium) -> query pages
-    unknown = 0
+    unknowns: list[int] = []
     for s, sm in enumerate(parsed):
         if sm is None:
             continue
@@ -132,12 +144,15 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
             for inc, medium, masks in sm.holders:
                 if masks[lay] >> o & 1:
                     holds.setdefault((inc, medium), set()).add(q)
-                    unknown += medium >= n_media           # per entry: a repeated one counts again
+                    unknowns.append(q) if medium >= n_media else None   # per entry: a repeat counts again
     covered = set().union(*[qs for (_, m), qs in holds.items() if m < n_media])
     held = next((q for q in range(limit) if q not in covered), limit)
+    bound = next((fp + segment_pages for fp in first_page[:len(parsed)].tolist() if fp <= held < fp + segment_pages),
+                 limit)
+    unknown = sum(q < bound for q in unknowns)
     live = set(alive)
     heads = sorted({inc for (inc, m), qs in holds.items() if m < n_media and inc in live and 0 in qs}) if held else []
-    media: list[bytes] = []
+    media: list[tuple[int, bytes, bytes]] = []
     for inc in heads:
         mine = sorted((m, qs) for (i, m), qs in holds.items() if i == inc and m < n_media)
         run = bytearray()
@@ -146,7 +161,9 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
             if m is None:
                 break
             run.append(m)
-        media.append(bytes(run))
+        codes = np.frombuffer(bytes(run), dtype=np.uint8)
+        starts = np.flatnonzero(np.concatenate(([True], codes[1:] != codes[:-1]))) if len(codes) else np.zeros(0, int)
+        media.append((len(run), starts.astype(np.int64).tobytes(), codes[starts].tobytes()))
     return held, malformed, unknown, heads, media, layer.tobytes(), np.array(marked, dtype=np.int64)
 
 

@@ -16,8 +16,8 @@ from pof_connector.index import record_runs
 from pof_connector.index.base import MEDIA, Location, NodeInfo, PrefixMatch
 from pof_connector.index.redis import RedisIndex, flat_key, loc_key, records_key, segment_key
 from pof_connector.index.segments import MAX_TAGS, SegmentQuery
-from pof_connector.index.summary import encode_summary, parse_summary
 from pof_connector.index.server import RedisServer
+from pof_connector.index.summary import encode_summary, parse_summary
 from pof_connector.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, keys_from_hex, page_keys
 from pof_connector.pages import PageSpec
 
