@@ -267,9 +267,10 @@ PyDoc_STRVAR(summary_runs_doc,
 "n_media: how many medium codes this build knows; segment_pages: the pages of a segment (<= 16).\n"
 "held: pages up to the first one no holder has in a known medium, or the segment of the first\n"
 "malformed value; malformed: 1 when a value was not a summary; unknown: (holder, query page) pairs\n"
-"of a medium code >= n_media; heads: the live incarnations holding page 0, ascending; media: per\n"
-"head, its run as (pages, first pages of its stretches of one medium code as int64s, their codes as\n"
-"bytes; of a page in two media, the lowest code);\n"
+"of a medium code >= n_media up to the segment where the held pages end; heads: the live\n"
+"incarnations holding page 0, ascending (uint32s); media: (per head its run's pages (int64s), per\n"
+"head where its stretches start in the next two (k + 1 int64s), the stretches' first pages (int64s),\n"
+"their medium codes (bytes)): a stretch is pages of one code (of a page in two media, the lowest);\n"
 "layers: per query page, the layer of its tag in its summary (bytes, 255: no tag); marked: the\n"
 "query pages at an overflowed offset, ascending, as int64s.");
 
@@ -655,8 +656,34 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     /* No value is read past here: making objects may run a collection, and any finalizer the values. */
     out_marked = PyBytes_FromStringAndSize(NULL, n_marked * 8);
     out_layers = PyBytes_FromStringAndSize((const char *)layer, n);
-    out_heads = PyList_New(k);
-    out_media = PyList_New(k);
+    /* Flat buffers, not an object per head: a lookup held by 128 nodes made a collection's worth of
+     * objects here. heads (uint32s), then per head its pages, where its stretches start in the
+     * stretch arrays (k + 1 int64s), and the stretches' first pages (int64s) and codes. */
+    Py_ssize_t total = 0;
+    for (Py_ssize_t hd = 0; hd < k; hd++)
+        total += runs[hd].n;
+    out_heads = PyBytes_FromStringAndSize((const char *)heads, k * 4);
+    PyObject *pages_b = PyBytes_FromStringAndSize(NULL, k * 8), *offs_b = PyBytes_FromStringAndSize(NULL, (k + 1) * 8);
+    PyObject *starts_b = PyBytes_FromStringAndSize(NULL, total * 8), *codes_b = PyBytes_FromStringAndSize(NULL, total);
+    if (pages_b != NULL && offs_b != NULL && starts_b != NULL && codes_b != NULL) {
+        int64_t at = 0;
+        for (Py_ssize_t hd = 0; hd < k; hd++) {
+            int64_t pg = (int64_t)run_end[hd];
+            memcpy(PyBytes_AS_STRING(pages_b) + 8 * hd, &pg, 8);
+            memcpy(PyBytes_AS_STRING(offs_b) + 8 * hd, &at, 8);
+            if (runs[hd].n) {
+                memcpy(PyBytes_AS_STRING(starts_b) + 8 * at, runs[hd].starts, (size_t)runs[hd].n * 8);
+                memcpy(PyBytes_AS_STRING(codes_b) + at, runs[hd].codes, (size_t)runs[hd].n);
+            }
+            at += runs[hd].n;
+        }
+        memcpy(PyBytes_AS_STRING(offs_b) + 8 * k, &at, 8);
+        out_media = PyTuple_Pack(4, pages_b, offs_b, starts_b, codes_b);
+    }
+    Py_XDECREF(pages_b);
+    Py_XDECREF(offs_b);
+    Py_XDECREF(starts_b);
+    Py_XDECREF(codes_b);
     if (out_marked == NULL || out_layers == NULL || out_heads == NULL || out_media == NULL)
         goto done;
     for (Py_ssize_t q = 0, i = 0; q < n && i < n_marked; q++) {
@@ -664,19 +691,6 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
             int64_t page = (int64_t)q;
             memcpy(PyBytes_AS_STRING(out_marked) + 8 * i++, &page, 8);
         }
-    }
-    for (Py_ssize_t hd = 0; hd < k; hd++) {
-        PyObject *inc = PyLong_FromUnsignedLong(heads[hd]);
-        PyObject *media = Py_BuildValue("(nNN)", run_end[hd],
-                                        PyBytes_FromStringAndSize((const char *)runs[hd].starts, runs[hd].n * 8),
-                                        PyBytes_FromStringAndSize((const char *)runs[hd].codes, runs[hd].n));
-        if (inc == NULL || media == NULL) {
-            Py_XDECREF(inc);
-            Py_XDECREF(media);
-            goto done;
-        }
-        PyList_SET_ITEM(out_heads, hd, inc);
-        PyList_SET_ITEM(out_media, hd, media);
     }
     result = Py_BuildValue("(nnnOOOO)", held, (Py_ssize_t)malformed, unknown, out_heads, out_media, out_layers,
                            out_marked);

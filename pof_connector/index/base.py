@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -97,6 +98,15 @@ generations known so far (generation -1: not known), returns all their slots and
 generation still -1: no record, so a miss from that page on)."""
 
 
+class MatchSource(Protocol):
+    """Where a lookup's matches get their media and slots when first asked for (``key``: which match)."""
+
+    def media_of(self, key: int) -> np.ndarray: ...
+
+    def resolve(self, key: int, pages: int, media: np.ndarray, slots: np.ndarray,
+                gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
 class PrefixMatch:
     """One node's leading run of pages: page ``i`` of the query lives at ``media[i]``,
     ``slots[i]``, ``generations[i]`` (media are codes into :data:`MEDIA`).
@@ -106,30 +116,28 @@ class PrefixMatch:
     for: :meth:`resolve` reads only the leading pages a loader takes. A record the read does not
     find (withdrawn since the lookup) cuts the run there."""
 
-    __slots__ = ("_gens", "_known", "_media", "_pages", "_resolve", "_slots", "_stretches", "node")
+    __slots__ = ("_gens", "_key", "_known", "_media", "_pages", "_resolve", "_slots", "_source", "node")
 
     def __init__(self, node: str, media: np.ndarray | None, slots: np.ndarray | None = None,
                  generations: np.ndarray | None = None, resolve: Resolver | None = None,
-                 stretches: tuple[int, bytes, bytes] | None = None) -> None:
-        """``stretches``: instead of ``media``, (pages, the first page of each stretch of one code as
-        int64s, the codes as bytes): expanded when :attr:`media` is first read (a lookup makes one
-        match per holder, most never read)."""
+                 source: MatchSource | None = None, key: int = 0, pages: int = 0) -> None:
+        """``source`` and ``key``: instead of ``media`` and ``resolve``, where both come from when first
+        asked for (``pages`` long): a lookup makes one match per holder, and most are never read."""
         self.node = node
         self._media = media
-        self._stretches = stretches
-        self._pages = len(media) if media is not None else stretches[0] if stretches is not None else 0
+        self._source = source
+        self._key = key
+        self._pages = len(media) if media is not None else pages
         self._slots = slots
         self._gens = generations
         self._resolve = resolve
-        self._known = self._pages if resolve is None else 0
+        self._known = self._pages if resolve is None and source is None else 0
         """Leading pages whose slots were read (or needed no read)."""
 
     @property
     def media(self) -> np.ndarray:
         if self._media is None:
-            n, starts, codes = self._stretches or (0, b"", b"")
-            self._media = np.repeat(np.frombuffer(codes, dtype=np.uint8),
-                                    np.diff(np.append(np.frombuffer(starts, dtype=np.int64), n)))
+            self._media = self._source.media_of(self._key) if self._source is not None else np.zeros(0, np.uint8)
         return self._media
 
     @property
@@ -153,9 +161,11 @@ class PrefixMatch:
         if self._slots is None or self._gens is None:
             self._slots = np.full(self.pages, -1, dtype=np.int64)
             self._gens = np.full(self.pages, -1, dtype=np.int64)
-        if self._known < pages and self._resolve is not None:
+        if self._known < pages and (self._resolve is not None or self._source is not None):
             media = self.media
-            slots, gens = self._resolve(pages, media[:pages], self._slots[:pages], self._gens[:pages])
+            args = (pages, media[:pages], self._slots[:pages], self._gens[:pages])
+            slots, gens = (self._resolve(*args) if self._resolve is not None
+                           else self._source.resolve(self._key, *args))   # type: ignore[union-attr]
             self._slots = np.concatenate([slots, self._slots[pages:]])
             self._gens = np.concatenate([gens, self._gens[pages:]])
             good = int(np.argmax(self._gens[:pages] < 0)) if (self._gens[:pages] < 0).any() else pages

@@ -376,7 +376,7 @@ class RedisIndex(LocalityIndex):
         found = leading_runs(merged, alive, len(MEDIA))
         if answer.malformed:
             self._refused(1, "malformed")
-        return self._matches(found, partial(partial, self._resolver(ns, answer)))
+        return self._matches(found, partial(partial, _Records(self, ns, answer).resolve_inc))
 
     def _summary_matches(self, ns: bytes, answer: SegmentAnswer) -> dict[str, PrefixMatch]:
         """Each live head's run from a summary reply: media now, slots when a loader asks."""
@@ -389,24 +389,14 @@ class RedisIndex(LocalityIndex):
         names = self._inc_names
         if any(i not in names for i in answer.heads):
             self._names(answer.heads)
-        read = self._resolver(ns, answer)
+        source = _Records(self, ns, answer)
         out: dict[str, PrefixMatch] = {}
-        for inc, stretches in zip(answer.heads, answer.media, strict=True):
+        pages = answer.media.pages.tolist()
+        for h, inc in enumerate(answer.heads):
             node = names.get(inc)
             if node is not None:       # lean: one match per holder, so this loop is the lookup's per-holder cost
-                out[node] = PrefixMatch(node, None, None, None, partial(read, inc), stretches)
+                out[node] = PrefixMatch(node, None, None, None, None, source, h, pages[h])
         return out
-
-    def _resolver(self, ns: bytes, answer: SegmentAnswer) -> Callable[[int, int, np.ndarray, np.ndarray, np.ndarray],
-                                                                       tuple[np.ndarray, np.ndarray]]:
-        """Reads a holder's records of the segments of a run's first pages (one ``HMGET``, the only
-        read of slots: a lookup's reply carries none)."""
-        query = answer.query
-
-        def resolve(inc: int, pages: int, media: np.ndarray, slots: np.ndarray,
-                    gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return self._call("records", _read_records, self._r, ns, query, answer.layers, inc, media, slots, gens)
-        return resolve
 
     def _alive(self, now: list[bytes], live: list[Any]) -> list[int]:
         """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
@@ -590,3 +580,27 @@ def _read_records(r: Any, ns: bytes, query: SegmentQuery, layers: np.ndarray, in
             break                  # gone since the lookup: a miss from here on
         slots[q], out[q] = got
     return slots, out
+
+
+class _Records:
+    """A summary lookup's matches' media and slots, when first asked for: the slots come from the
+    holder's records (one ``HMGET`` per holder, the only read of slots: a lookup's reply carries none)."""
+
+    __slots__ = ("answer", "index", "ns")
+
+    def __init__(self, index: RedisIndex, ns: bytes, answer: SegmentAnswer) -> None:
+        self.index, self.ns, self.answer = index, ns, answer
+
+    def media_of(self, key: int) -> np.ndarray:
+        return self.answer.media.media(key)
+
+    def resolve(self, key: int, pages: int, media: np.ndarray, slots: np.ndarray,
+                gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.resolve_inc(self.answer.heads[key], pages, media, slots, gens)
+
+    def resolve_inc(self, inc: int, pages: int, media: np.ndarray, slots: np.ndarray,
+                    gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a, ix = self.answer, self.index
+        result: tuple[np.ndarray, np.ndarray] = ix._call("records", _read_records, ix._r, self.ns, a.query, a.layers,
+                                                        inc, media, slots, gens)
+        return result

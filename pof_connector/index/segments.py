@@ -132,8 +132,8 @@ class SegmentQuery:
         else:
             held, malformed, unknown, heads, media, layers, marks = summary.summary_runs(
                 vals, self.first_page, self.tags, live.tolist(), n_media, SEGMENT_PAGES)
-        return SegmentAnswer(held, bool(malformed), unknown, heads, media, np.frombuffer(layers, dtype=np.uint8),
-                             marks, self, vals)
+        return SegmentAnswer(held, bool(malformed), unknown, np.frombuffer(heads, dtype="<u4").tolist(),
+                             summary.Stretches.of(media), np.frombuffer(layers, dtype=np.uint8), marks, self, vals)
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ class SegmentAnswer:
     """(holder, query page) pairs in a medium code this build does not know."""
     heads: list[int]
     """The live incarnations holding page 0, ascending."""
-    media: list[summary.MediaRuns]
-    """Per head, its run's media (:data:`~.summary.MediaRuns`)."""
+    media: summary.Stretches
+    """The heads' runs' media (:meth:`~.summary.Stretches.media`)."""
     layers: np.ndarray
     """Per query page, the layer of its tag in its summary (255: no tag): where the records are."""
     marked: np.ndarray
@@ -162,7 +162,11 @@ class SegmentAnswer:
         marked pages must be read too."""
         if not len(self.marked):
             return False
-        return int(self.marked[0]) <= max([m[0] for m in self.media] or [0])
+        return int(self.marked[0]) <= int(self.media.pages.max(initial=0))
+
+    def media_of(self, h: int) -> np.ndarray:
+        """The medium code of each page of head ``h``'s run."""
+        return self.media.media(h)
 
     def page_values(self, alive: list[int], n_media: int) -> list[bytes | None]:
         """The reply as a per-page reply (17-byte records per query page, ``None`` where none is),

@@ -98,20 +98,35 @@ def parse_records(v: bytes | None) -> dict[tuple[int, int, int], tuple[int, int]
     return out
 
 
-MediaRuns = tuple[int, bytes, bytes]
-"""A run's media, compressed: its pages, the first page of each stretch of one medium code (int64s),
-and those codes (bytes)."""
+MediaRuns = tuple[bytes, bytes, bytes, bytes]
+"""The heads' runs' media, flat: per head its run's pages (int64s), per head where its stretches start
+in the next two (one more int64 at the end), the stretches' first pages (int64s) and their medium codes
+(bytes). A stretch is consecutive pages of one code."""
 
 
-def expand(runs: MediaRuns) -> np.ndarray:
-    """The medium code of each page of ``runs``."""
-    n, starts, codes = runs
-    st = np.frombuffer(starts, dtype=np.int64)
-    return np.repeat(np.frombuffer(codes, dtype=np.uint8), np.diff(np.append(st, n)))
+@dataclass(frozen=True)
+class Stretches:
+    """:data:`MediaRuns` as arrays."""
+
+    pages: np.ndarray
+    offsets: np.ndarray
+    starts: np.ndarray
+    codes: np.ndarray
+
+    @classmethod
+    def of(cls, runs: MediaRuns) -> Stretches:
+        pages, offsets, starts, codes = runs
+        return cls(np.frombuffer(pages, dtype=np.int64), np.frombuffer(offsets, dtype=np.int64),
+                   np.frombuffer(starts, dtype=np.int64), np.frombuffer(codes, dtype=np.uint8))
+
+    def media(self, h: int) -> np.ndarray:
+        """The medium code of each page of head ``h``'s run."""
+        a, b = int(self.offsets[h]), int(self.offsets[h + 1])
+        return np.repeat(self.codes[a:b], np.diff(np.append(self.starts[a:b], self.pages[h])))
 
 
 def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, alive: Sequence[int], n_media: int,
-                 segment_pages: int) -> tuple[int, bool, int, list[int], list[MediaRuns], bytes, np.ndarray]:
+                 segment_pages: int) -> tuple[int, bool, int, bytes, MediaRuns, bytes, np.ndarray]:
     """What the native ``summary_runs`` gives (its docstring in ``_prefix_runs.pyi``), in Python: for
     builds without a C compiler (the same answers, slower)."""
     pages = len(tags)
@@ -152,19 +167,28 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
     unknown = sum(q < bound for q in unknowns)
     live = set(alive)
     heads = sorted({inc for (inc, m), qs in holds.items() if m < n_media and inc in live and 0 in qs}) if held else []
-    media: list[tuple[int, bytes, bytes]] = []
+    pages_of: list[int] = []
+    offsets: list[int] = [0]
+    starts: list[int] = []
+    codes: list[int] = []
     for inc in heads:
         mine = sorted((m, qs) for (i, m), qs in holds.items() if i == inc and m < n_media)
-        run = bytearray()
+        run: list[int] = []
         while len(run) < held:
             m = next((m for m, qs in mine if len(run) in qs), None)
             if m is None:
                 break
             run.append(m)
-        codes = np.frombuffer(bytes(run), dtype=np.uint8)
-        starts = np.flatnonzero(np.concatenate(([True], codes[1:] != codes[:-1]))) if len(codes) else np.zeros(0, int)
-        media.append((len(run), starts.astype(np.int64).tobytes(), codes[starts].tobytes()))
-    return held, malformed, unknown, heads, media, layer.tobytes(), np.array(marked, dtype=np.int64)
+        for q, m in enumerate(run):
+            if q == 0 or m != run[q - 1]:
+                starts.append(q)
+                codes.append(m)
+        pages_of.append(len(run))
+        offsets.append(len(starts))
+    media = (np.array(pages_of, np.int64).tobytes(), np.array(offsets, np.int64).tobytes(),
+             np.array(starts, np.int64).tobytes(), bytes(codes))
+    return (held, malformed, unknown, np.array(heads, dtype="<u4").tobytes(), media, layer.tobytes(),
+            np.array(marked, dtype=np.int64))
 
 
 def encode_summary(s: Summary) -> bytes:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pof_connector.index import segments
 from pof_connector.index.segments import SegmentAnswer, SegmentQuery
-from pof_connector.index.summary import Summary, encode_summary, expand
+from pof_connector.index.summary import Summary, encode_summary
 
 N_MEDIA = 6
 SEG = 16
@@ -29,7 +29,12 @@ def query(first: list[int], tags: list[int]) -> SegmentQuery:
 
 
 def same(a: SegmentAnswer, b: SegmentAnswer) -> None:
-    assert (a.held, a.malformed, a.unknown, a.heads, a.media) == (b.held, b.malformed, b.unknown, b.heads, b.media)
+    assert (a.held, a.malformed, a.unknown, a.heads) == (b.held, b.malformed, b.unknown, b.heads)
+    assert [a.media_of(h).tolist() for h in range(len(a.heads))] == [
+        b.media_of(h).tolist() for h in range(len(b.heads))]
+    for x, y in ((a.media.pages, b.media.pages), (a.media.offsets, b.media.offsets), (a.media.starts, b.media.starts),
+                 (a.media.codes, b.media.codes)):
+        assert x.tolist() == y.tolist()
     assert np.array_equal(a.layers, b.layers)
     assert np.array_equal(np.asarray(a.marked, dtype=np.int64), np.asarray(b.marked, dtype=np.int64))
 
@@ -68,7 +73,7 @@ def test_summary_runs_by_hand() -> None:
     q, vals = hand_reply()
     got = both(q, vals, [1, 2, 3])
     assert (got.held, got.malformed, got.unknown, got.heads) == (28, False, 1, [1, 2, 3])
-    assert [expand(m).tolist() for m in got.media] == [[1, 0, 1], [0], [0] * 28]
+    assert [got.media_of(h).tolist() for h in range(3)] == [[1, 0, 1], [0], [0] * 28]
     assert got.layers.tolist() == [1] * 12 + [0] * 16 and got.marked.tolist() == [5, 14]
     # A malformed segment 1 ends every run at its first page (and its mark is not read).
     for bad in (b"", vals[1][:-1], vals[1] + b"\x00"):
@@ -79,7 +84,7 @@ def test_summary_runs_by_hand() -> None:
     assert (got.held, got.malformed, got.heads, got.marked.tolist()) == (0, True, [], [])
     # Fewer values than segments: the missing ones hold nothing. A dead holder is no head.
     got = both(q, [vals[0]], [3])
-    assert (got.held, got.heads, [m[0] for m in got.media]) == (12, [3], [12])
+    assert (got.held, got.heads, got.media.pages.tolist()) == (12, [3], [12])
 
 
 @native_only
@@ -145,6 +150,6 @@ def replies(draw: st.DrawFn) -> tuple[SegmentQuery, list[Any], list[int]]:
 def test_the_segment_decoders_agree(reply: tuple[SegmentQuery, list[Any], list[int]]) -> None:
     q, vals, alive = reply
     got = both(q, vals, alive)
-    for runs in got.media:
-        media = expand(runs)
-        assert 0 < len(media) == runs[0] <= got.held and (media < N_MEDIA).all()
+    for h in range(len(got.heads)):
+        media = got.media_of(h)
+        assert 0 < len(media) == got.media.pages[h] <= got.held and (media < N_MEDIA).all()
