@@ -147,12 +147,12 @@ class PrefixMatch:
     @property
     def slots(self) -> np.ndarray:
         self.resolve(self.pages)
-        return self._slots
+        return self.known()[0]
 
     @property
     def generations(self) -> np.ndarray:
         self.resolve(self.pages)
-        return self._gens
+        return self.known()[1]
 
     def resolve(self, pages: int) -> int:
         """Read the slots of the first ``pages`` pages (once); returns how many leading pages have

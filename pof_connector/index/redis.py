@@ -400,7 +400,8 @@ class RedisIndex(LocalityIndex):
 
     def _alive(self, now: list[bytes], live: list[Any]) -> list[int]:
         """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
-        return self._live(now, live).tolist()
+        alive: list[int] = self._live(now, live).tolist()
+        return alive
 
     def _live(self, now: list[bytes], live: list[Any]) -> np.ndarray:
         """:meth:`_alive` as a sorted uint32 array. The registry's parse is kept while its reply
@@ -435,8 +436,8 @@ class RedisIndex(LocalityIndex):
         for node_inc, (media, slots, gens) in zip(found.heads, found.runs, strict=True):
             node = names.get(node_inc)
             if node is not None:
-                lazy = resolver is not None and bool((gens < 0).any())
-                out[node] = PrefixMatch(node, media, slots, gens, resolve=resolver(node_inc) if lazy else None)
+                lazy = resolver(node_inc) if resolver is not None and bool((gens < 0).any()) else None
+                out[node] = PrefixMatch(node, media, slots, gens, resolve=lazy)
         return out
 
     def _refused(self, n: int, why: str) -> None:
