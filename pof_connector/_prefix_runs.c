@@ -724,9 +724,76 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(record_slots_doc,
+"record_slots(values, segments, base, media, layers, slots, gens, /)\n\n"
+"Fills a holder's slots and generations from its records (pof_connector/index/summary.py): values\n"
+"one per segment read (bytes or None), segments (int64s) which segment each is; a query page q is\n"
+"offset (q - base) % 16 of segment (q - base) // 16. For each page whose gens entry is negative and\n"
+"whose segment was read, the record of (media[q], layers[q], offset) sets slots[q] and gens[q]\n"
+"(int64 buffers, written in place); a page without one keeps -1. A value cut short gives what came\n"
+"before the cut.");
+
+static PyObject *py_record_slots(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *values;
+    Py_buffer segs, media, layers, slots, gens;
+    Py_ssize_t base;
+    if (!PyArg_ParseTuple(args, "O!y*ny*y*w*w*", &PyList_Type, &values, &segs, &base, &media, &layers, &slots,
+                          &gens))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = media.len, nv = PyList_GET_SIZE(values);
+    if (segs.len != nv * 8 || layers.len != n || slots.len != n * 8 || gens.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "segments must be one int64 per value, layers one byte and slots and "
+                        "gens one int64 per page of media");
+        goto done;
+    }
+    const unsigned char *md = media.buf, *ly = layers.buf;
+    int64_t *sl = slots.buf, *gn = gens.buf;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        PyObject *item = PyList_GET_ITEM(values, i);
+        if (!PyBytes_Check(item))
+            continue;
+        const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(item), *end = v + PyBytes_GET_SIZE(item);
+        int64_t s = rd_i64((const unsigned char *)segs.buf + 8 * i);
+        while (end - v >= 4) {
+            unsigned char gm = v[0], gl = v[1];
+            unsigned mask = rd_u16(v + 2);
+            v += 4;
+            for (unsigned o = 0; o < 16; o++) {
+                if (!(mask >> o & 1))
+                    continue;
+                if (end - v < 12)
+                    goto next;
+                /* q = base + 16 s + o, compared before adding: s is the caller's. */
+                if (s >= 0 && s < (int64_t)(n / 16 + 2)) {
+                    int64_t q = (int64_t)base + 16 * s + o;
+                    if (q >= 0 && q < (int64_t)n && gn[q] < 0 && md[q] == gm && ly[q] == gl) {
+                        sl[q] = (int64_t)rd_u32(v);
+                        gn[q] = rd_i64(v + 4);
+                    }
+                }
+                v += 12;
+            }
+        }
+    next:;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&segs);
+    PyBuffer_Release(&media);
+    PyBuffer_Release(&layers);
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&gens);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"leading_runs", py_leading_runs, METH_VARARGS, leading_runs_doc},
     {"summary_runs", py_summary_runs, METH_VARARGS, summary_runs_doc},
+    {"record_slots", py_record_slots, METH_VARARGS, record_slots_doc},
     {NULL, NULL, 0, NULL},
 };
 

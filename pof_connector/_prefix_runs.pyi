@@ -13,3 +13,8 @@ def summary_runs(values: list[bytes | None], first_page: Buffer, tags: Buffer, a
     Returns held, malformed, unknown, heads (uint32s), the heads' runs' media as ``summary.MediaRuns``,
     per query page the layer of its tag (255: none), and the marked query pages (int64)."""
     ...
+def record_slots(values: list[bytes | None], segments: Buffer, base: int, media: Buffer, layers: Buffer,
+                 slots: Buffer, gens: Buffer, /) -> None:
+    """A holder's slots and generations from its records, written into ``slots`` and ``gens`` (int64s)
+    for the pages whose generation is negative: see ``summary.record_slots``."""
+    ...

@@ -93,7 +93,7 @@ from pof_connector.index.scripts import (
     WITHDRAW,
 )
 from pof_connector.index.segments import MAX_TAGS, SegmentAnswer, SegmentPlan, SegmentQuery, segment_items
-from pof_connector.index.summary import locations, parse_records, parse_summary
+from pof_connector.index.summary import locations, parse_summary, record_slots
 from pof_connector.keys import DIGEST_BYTES, SEGMENT_PAGES, PageKey
 
 T = TypeVar("T")
@@ -570,16 +570,10 @@ def _read_records(r: Any, ns: bytes, query: SegmentQuery, layers: np.ndarray, in
     if not len(todo):
         return slots, out
     base = int(query.first_page[0])
-    segs = sorted({(int(q) - base) // SEGMENT_PAGES for q in todo})
+    segs = np.unique((todo - base) // SEGMENT_PAGES)
     suffix = inc.to_bytes(4, "little")
-    vals = r.hmget(records_key(ns), [query.fields[s].tobytes() + suffix for s in segs])
-    recs = {s: parse_records(v) for s, v in zip(segs, vals, strict=True)}
-    for q in todo.tolist():
-        s, o = divmod(q - base, SEGMENT_PAGES)
-        got = recs[s].get((int(media[q]), int(layers[q]), o))
-        if got is None:
-            break                  # gone since the lookup: a miss from here on
-        slots[q], out[q] = got
+    vals = r.hmget(records_key(ns), [query.fields[s].tobytes() + suffix for s in segs.tolist()])
+    record_slots(vals, segs, base, media, layers[:len(media)], slots, out)
     return slots, out
 
 

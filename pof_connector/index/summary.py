@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from pof_connector.index import record_runs
+
 LAYERS = 4
 """Tag layers of a summary: chains whose pages one offset holds at most."""
 SENTINEL_SLOT = 0xFFFF_FFFF
@@ -207,3 +209,21 @@ def encode_summary(s: Summary) -> bytes:
         out += inc.to_bytes(4, "little") + bytes([medium])
         out += b"".join(m.to_bytes(2, "little") for m in masks[:s.layers])
     return bytes(out)
+
+
+def record_slots(vals: list[Any], segs: np.ndarray, base: int, media: np.ndarray, layers: np.ndarray,
+                 slots: np.ndarray, gens: np.ndarray) -> None:
+    """Fill ``slots`` and ``gens`` (int64, in place) of the pages whose generation is negative from a
+    holder's records ``vals`` of segments ``segs`` (query page q is offset (q - base) % 16 of segment
+    (q - base) // 16): the record of (its medium, its tag's layer, its offset); without one it stays -1."""
+    nat = record_runs._native         # read at each call: tests switch it off
+    if nat is not None and hasattr(nat, "record_slots"):
+        nat.record_slots(vals, np.ascontiguousarray(segs, dtype=np.int64), base, np.ascontiguousarray(media,
+                         dtype=np.uint8), np.ascontiguousarray(layers, dtype=np.uint8), slots, gens)
+        return
+    for s, v in zip(segs.tolist(), vals, strict=True):
+        recs = parse_records(v)
+        for o in range(16):
+            q = base + 16 * s + o
+            if 0 <= q < len(media) and gens[q] < 0 and (got := recs.get((int(media[q]), int(layers[q]), o))):
+                slots[q], gens[q] = got

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pof_connector.index import segments
+from pof_connector.index import record_runs, segments
 from pof_connector.index.segments import SegmentAnswer, SegmentQuery
-from pof_connector.index.summary import Summary, encode_summary
+from pof_connector.index.summary import Summary, encode_summary, record_slots
 
 N_MEDIA = 6
 SEG = 16
@@ -153,3 +153,37 @@ def test_the_segment_decoders_agree(reply: tuple[SegmentQuery, list[Any], list[i
     for h in range(len(got.heads)):
         media = got.media_of(h)
         assert 0 < len(media) == got.media.pages[h] <= got.held and (media < N_MEDIA).all()
+
+
+@native_only
+def test_the_record_readers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder's records (groups per medium and layer, some cut short or absent) give the same slots
+    natively and in Python, and only for pages whose generation is not known yet."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n, base = int(rng.integers(1, 60)), -int(rng.integers(0, 16))
+        media = rng.choice([0, 1, 2], n).astype(np.uint8)
+        layers = rng.choice([0, 1, 255], n).astype(np.uint8)
+        segs = np.arange((n - base + 15) // 16, dtype=np.int64)
+        vals: list[bytes | None] = []
+        for _s in segs:
+            v = b""
+            for md in (0, 1, 2):
+                for la in (0, 1):
+                    mask = int(rng.integers(0, 1 << 16))
+                    recs = rng.integers(0, 1 << 30, size=(bin(mask).count("1"), 3))
+                    v += bytes([md, la]) + mask.to_bytes(2, "little") + b"".join(
+                        int(a).to_bytes(4, "little") + int(b).to_bytes(8, "little") for a, b, _ in recs)
+            cut = int(rng.integers(-30, 1)) if rng.random() < 0.2 else 0
+            vals.append(None if rng.random() < 0.1 else v[:len(v) + cut])
+        known = np.where(rng.random(n) < 0.2, 7, -1)
+        got = []
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(record_runs, "_native", None)
+            slots, gens = np.full(n, -1, np.int64), known.astype(np.int64)
+            record_slots(vals, segs, base, media, layers, slots, gens)
+            got.append((slots.tolist(), gens.tolist()))
+            monkeypatch.undo()
+        assert got[0] == got[1]
+        assert all(g == 7 for g, k in zip(got[0][1], known.tolist(), strict=True) if k == 7)
