@@ -227,3 +227,15 @@ def record_slots(vals: list[Any], segs: np.ndarray, base: int, media: np.ndarray
             q = base + 16 * s + o
             if 0 <= q < len(media) and gens[q] < 0 and (got := recs.get((int(media[q]), int(layers[q]), o))):
                 slots[q], gens[q] = got
+
+
+def encode_records(recs: dict[tuple[int, int, int], tuple[int, int]]) -> bytes:
+    """A holder's records of one segment as the scripts write them (for tests): the inverse of
+    :func:`parse_records`."""
+    out = b""
+    for medium, layer in sorted({(m, la) for m, la, _ in recs}):
+        offs = sorted(o for m, la, o in recs if (m, la) == (medium, layer))
+        out += bytes([medium, layer]) + sum(1 << o for o in offs).to_bytes(2, "little")
+        out += b"".join(recs[medium, layer, o][0].to_bytes(4, "little")
+                        + recs[medium, layer, o][1].to_bytes(8, "little", signed=True) for o in offs)
+    return out
