@@ -135,7 +135,7 @@ def flat_key(loc: str) -> str:
     return loc.replace(":loc:", ":flat:", 1)
 
 
-def _resp(*args: bytes) -> bytes:
+def resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
@@ -144,7 +144,7 @@ FLAG_MEMORY_S = 30.0
 the namespace flagged (placeless pages, e.g. SGLang's without prefix keys): a mixed namespace then
 costs one round trip, not two (the first lookup that finds the flag gone stops it)."""
 
-LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
+LIVE_QUERY = resp(b"TIME") + resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
 _FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
 
 
@@ -320,11 +320,30 @@ class RedisIndex(LocalityIndex):
                 by_ns.setdefault(key.namespace, []).append(
                     (key, incs[loc.node], MEDIA.index(loc.medium), loc.slot, loc.generation))
         for ns, group in by_ns.items():
-            args: list[bytes | int] = [MAX_TAGS] if what == "publish" else []
-            for field, items in segment_items(group).items():
-                args += [field, items]
-            script = self._segment_publish if what == "publish" else self._segment_withdraw
-            self._call(what, script, keys=[segment_key(ns), loc_key(ns), records_key(ns)], args=args)
+            self._run_segment_script(what, ns, segment_items(group))
+
+    def _run_segment_script(self, what: str, ns: bytes, items: dict[bytes, bytes]) -> None:
+        """The segment publish or withdraw script on ``items`` (segment field -> its items)."""
+        args: list[bytes | int] = [MAX_TAGS] if what == "publish" else []
+        for field, its in items.items():
+            args += [field, its]
+        script = self._segment_publish if what == "publish" else self._segment_withdraw
+        self._call(what, script, keys=list(self._summary_hashes(ns, next(iter(items)))), args=args)
+
+    def _summary_hashes(self, ns: bytes, field: bytes) -> tuple[str, str, str]:
+        """The hashes of the segment ``field``: its summary's, its overflowed pages', its records'."""
+        return segment_key(ns), loc_key(ns), records_key(ns)
+
+    def _all_summary_hashes(self, ns: bytes) -> list[tuple[str, str, str]]:
+        """Every (summary, per-page, records) hash triple of ``ns``."""
+        return [(segment_key(ns), loc_key(ns), records_key(ns))]
+
+    def _read_record_values(self, ns: bytes, fields: np.ndarray) -> list[Any]:
+        """``HMGET`` of records ``fields`` (rows of 20 bytes: segment field + incarnation), pre-encoded:
+        redis-py's encoding of 125 fields cost as much as the round trip."""
+        (got,) = self._send(hmget_head(records_key(ns).encode(), len(fields)) + frame(fields), 1)
+        vals: list[Any] = got
+        return vals
 
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         if not keys:
@@ -348,12 +367,7 @@ class RedisIndex(LocalityIndex):
         stops, or a flag not seen before), reads those fields; both are decoded together."""
         seen = self._flag_seen.get(ns)
         flagged = seen is not None and time.monotonic() - seen < FLAG_MEMORY_S
-        packed = (LIVE_QUERY + _resp(b"GET", flat_key(loc_key(ns)).encode())
-                  + hmget_resp(segment_key(ns).encode(), plan.fields)
-                  + (hmget_resp(loc_key(ns).encode(), _page_fields(keys)) if flagged else b""))
-        # The tags (a pass over every key) are computed while the server answers.
-        (now, live, flat, vals, *more), query = self._call("lookup", self._send_then, packed, 5 if flagged else 4,
-                                                           plan.query)
+        now, live, flat, vals, more, query = self._segment_round(ns, keys, plan, flagged)
         if flat is not None:
             self._flag_seen[ns] = time.monotonic()
         else:
@@ -363,12 +377,11 @@ class RedisIndex(LocalityIndex):
         alive = live_incs.tolist()
         if flat is None and not answer.needs_pages():
             return self._summary_matches(ns, answer)
-        if more:
-            wanted, got = np.arange(query.pages), more[0]
+        if more is not None:
+            wanted, got = np.arange(query.pages), more
         else:
             wanted = np.arange(query.pages) if flat is not None else answer.marked
-            fields = _page_fields([keys[int(i)] for i in wanted])
-            (got,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
+            got = self._call("lookup", self._page_round, ns, keys, plan, wanted, flat is not None)
         merged = answer.page_values(alive, len(MEDIA))
         for i, v in zip(wanted.tolist(), got, strict=True):
             if v is not None:
@@ -377,6 +390,27 @@ class RedisIndex(LocalityIndex):
         if answer.malformed:
             self._refused(1, "malformed")
         return self._matches(found, partial(partial, _Records(self, ns, answer).resolve_inc))
+
+    def _segment_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, flagged: bool
+                       ) -> tuple[list[bytes], list[Any], Any, list[Any], list[Any] | None, SegmentQuery]:
+        """Round 1: ``TIME``, ``ZRANGE live``, the placeless flag, the summaries, and with ``flagged``
+        every page's per-page field; returns those replies (``None`` for the fields when not read)
+        and the query."""
+        packed = (LIVE_QUERY + resp(b"GET", flat_key(loc_key(ns)).encode())
+                  + hmget_resp(segment_key(ns).encode(), plan.fields)
+                  + (hmget_resp(loc_key(ns).encode(), _page_fields(keys)) if flagged else b""))
+        # The tags (a pass over every key) are computed while the server answers.
+        (now, live, flat, vals, *more), query = self._call("lookup", self._send_then, packed, 5 if flagged else 4,
+                                                           plan.query)
+        return now, live, flat, vals, (more[0] if more else None), query
+
+    def _page_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, wanted: np.ndarray,
+                    flagged: bool) -> list[Any]:
+        """Round 2: the per-page fields of the query pages ``wanted`` (``flagged``: placeless pages
+        may be among them), one value per page."""
+        (got,) = self._send(hmget_resp(loc_key(ns).encode(), _page_fields([keys[int(i)] for i in wanted])), 1)
+        vals: list[Any] = got
+        return vals
 
     def _summary_matches(self, ns: bytes, answer: SegmentAnswer) -> dict[str, PrefixMatch]:
         """Each live head's run from a summary reply: media now, slots when a loader asks."""
@@ -531,15 +565,15 @@ class RedisIndex(LocalityIndex):
                     self._r.hdel(key, field)
             if self.SEGMENTS:
                 packed = np.array(sorted(alive), dtype="<u4").tobytes()
-                keys = [segment_key(namespace), loc_key(namespace), records_key(namespace)]
-                fields: list[bytes] = []
-                for field, _ in self._r.hscan_iter(segment_key(namespace), count=batch):
-                    fields.append(field)
-                    if len(fields) >= batch:
-                        dropped += int(self._segment_prune(keys=keys, args=[packed, *fields]))
-                        fields = []
-                if fields:
-                    dropped += int(self._segment_prune(keys=keys, args=[packed, *fields]))
+                for keys in self._all_summary_hashes(namespace):
+                    fields: list[bytes] = []
+                    for field, _ in self._r.hscan_iter(keys[0], count=batch):
+                        fields.append(field)
+                        if len(fields) >= batch:
+                            dropped += int(self._segment_prune(keys=list(keys), args=[packed, *fields]))
+                            fields = []
+                    if fields:
+                        dropped += int(self._segment_prune(keys=list(keys), args=[packed, *fields]))
             return dropped
         dropped: int = self._call("sweep", run)
         return dropped
@@ -559,7 +593,7 @@ class RedisIndex(LocalityIndex):
         self._r.close()
 
 
-def _frame(fields: np.ndarray) -> bytes:
+def frame(fields: np.ndarray) -> bytes:
     """Equal-length ``fields`` (rows of uint8) as RESP bulk strings, one after the other."""
     n, width = fields.shape
     head = b"$%d\r\n" % width
@@ -582,12 +616,10 @@ def _read_records(index: RedisIndex, ns: bytes, query: SegmentQuery, layers: np.
         return slots, out
     base = int(query.first_page[0])
     segs = np.unique((todo - base) // SEGMENT_PAGES)
-    # Pre-encoded, as the lookup's: redis-py's encoding of 125 fields cost as much as the round trip.
     fields = np.empty((len(segs), FIELD_BYTES + 4), dtype=np.uint8)
     fields[:, :FIELD_BYTES] = query.fields[segs]
     fields[:, FIELD_BYTES:] = np.frombuffer(inc.to_bytes(4, "little"), dtype=np.uint8)
-    key = records_key(ns).encode()
-    (vals,) = index._send(hmget_head(key, len(segs)) + _frame(fields), 1)
+    vals = index._read_record_values(ns, fields)
     record_slots(vals, segs, base, media, layers[:len(media)], slots, out)
     return slots, out
 

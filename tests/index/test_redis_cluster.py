@@ -11,8 +11,9 @@ from pof_connector.cluster_url import ClusterUrl
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import Location, NodeInfo, open_index
 from pof_connector.index.cluster_servers import ClusterServers
+from pof_connector.index.cluster_summaries import SEGMENT_BUCKET_BYTE
 from pof_connector.index.redis_cluster import BUCKET_BYTE, BUCKETS, RedisClusterIndex
-from pof_connector.keys import page_keys
+from pof_connector.keys import PageKey, page_keys
 
 
 def test_cluster_urls_parse_and_bad_ones_name_the_key() -> None:
@@ -38,15 +39,25 @@ def test_records_spread_over_every_master(redis_cluster: ClusterServers, namespa
     try:
         assert isinstance(a, RedisClusterIndex)
         a.heartbeat(NodeInfo("a"), 10)
-        ks = page_keys(namespace, list(range(16 * 300)), 16)
+        ks = page_keys(namespace, list(range(16 * 1600)), 16)
         a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+        # Summaries and records are bucketed by their segment's field.
+        heads = {k.place.head[SEGMENT_BUCKET_BYTE] % BUCKETS for k in ks if k.place is not None}
+        for kind in ("seg", "rec"):
+            per_master = {p.port: sum(1 for _ in p.client().scan_iter(match=f"pof:{{*}}:{kind}")) for p in
+                          redis_cluster.primaries()}
+            assert len(per_master) == 3 and min(per_master.values()) > 0
+            assert sum(per_master.values()) == len(heads) > 24
+        got = reader.longest_prefix(ks)["a"]
+        assert got.pages == 1600 and got.location(1599) == Location("a", "cpu_dram", 1599, 1)
+        assert reader.stats()["locations"] == 1600
+        # Keys without places (an engine's bare digests) go to per-page fields, bucketed by digest.
+        flat = [PageKey(namespace, bytes([i]) * 32) for i in range(1, 101)]
+        a.publish([(k, Location("a", "cxl", i, 1)) for i, k in enumerate(flat)])
         per_master = {p.port: sum(1 for _ in p.client().scan_iter(match="pof:{*}:loc")) for p in
                       redis_cluster.primaries()}
-        assert len(per_master) == 3 and min(per_master.values()) > 0
-        assert sum(per_master.values()) == len({k.digest[BUCKET_BYTE] % BUCKETS for k in ks}) > 24
-        got = reader.longest_prefix(ks)["a"]
-        assert got.pages == 300 and got.location(299) == Location("a", "cpu_dram", 299, 1)
-        assert reader.stats()["locations"] == 300
+        assert sum(per_master.values()) == len({k.digest[BUCKET_BYTE] % BUCKETS for k in flat})
+        assert reader.longest_prefix(flat[:3])["a"].pages == 3
         from pof_connector.cli import main
 
         assert main(["index", "stats", "--url", redis_cluster.url]) == 0        # pof index stats on a cluster
