@@ -2,10 +2,10 @@
 :mod:`.summary` in buckets, so a namespace spreads over the shards and each write script still
 touches one slot::
 
-    pof:{<namespace hex>/<b>}:seg    HASH  the summaries of the segments whose field's byte 15 is b mod BUCKETS
+    pof:{<namespace hex>/<b>}:seg    HASH  summaries of the segments whose field's byte 15 is b mod SEGMENT_BUCKETS
     pof:{<namespace hex>/<b>}:rec    HASH  their holders' slot records
     pof:{<namespace hex>/<b>}:loc    HASH  per-page fields: the overflowed pages of those segments, and the
-                                           placeless pages whose digest's byte 16 is b (as before)
+                                           placeless pages whose digest's byte 16 mod BUCKETS is b (as before)
     pof:{<namespace hex>/flat}:flat  STRING set once a placeless page was published in the namespace
 
 A lookup is one parallel round, as the per-page one: ``TIME`` and ``ZRANGE live`` to the registry's
@@ -17,7 +17,7 @@ placeless pages keeps paying the per-page reads, as LMCache's (all placeless) do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,10 @@ BUCKETS = 32
 16 (measured), so a namespace spreads over up to 32 shards."""
 BUCKET_BYTE = 16
 """The digest byte that picks a placeless page's bucket (not one of the 16 stored as the field)."""
+SEGMENT_BUCKETS = 8
+"""Summary and record hashes per namespace. A lookup reads one ``HMGET`` reply per bucket it
+touches (about 3 us of client time each): a summary is a sixteenth of its pages' per-page fields,
+so 8 buckets spread a namespace's summaries over up to 8 shards for a quarter of the replies of 32."""
 REGISTRY_SLOT = key_slot(K_LIVE.encode())
 SEGMENT_BUCKET_BYTE = 15
 """The field byte that picks a segment's bucket (a segment's field is all a lookup has of its head)."""
@@ -63,23 +67,31 @@ class ClusterSummaries(RedisIndex):
     def _primary(self, slot: int) -> ClusterNode:
         raise NotImplementedError
 
-    def _exchange(self, plan: dict[str, tuple[ClusterNode, bytes, int]]) -> dict[str, list[Any]]:
+    def _exchange(self, plan: dict[str, tuple[ClusterNode, bytes, int]],
+                  meanwhile: Callable[[], object] | None = None) -> dict[str, list[Any]]:
         raise NotImplementedError
 
     def _buckets(self, namespace: bytes) -> tuple[list[bytes], list[int]]:
         raise NotImplementedError
 
-    def _round(self, requests: Sequence[tuple[int, bytes, int]]) -> list[list[Any]]:
+    _kind_cache: dict[tuple[bytes, str], list[bytes]]
+
+    def _round(self, requests: Sequence[tuple[int, bytes, int]],
+               meanwhile: Callable[[], object] | None = None) -> list[list[Any]]:
         """Each request (slot, pre-encoded commands, replies) to the master of its slot, one buffer
-        per master, all in one parallel round; the replies per request, in order."""
+        per master, all in one parallel round; the replies per request, in order. ``meanwhile``:
+        run while the masters answer."""
         plan: dict[str, tuple[ClusterNode, list[bytes], list[tuple[int, int]]]] = {}
+        masters: dict[int, ClusterNode] = {}
         for i, (slot, packed, n) in enumerate(requests):
-            node = self._primary(slot)
+            node = masters.get(slot)
+            if node is None:
+                node = masters[slot] = self._primary(slot)
             _, parts, taken = plan.setdefault(node.name, (node, [], []))
             parts.append(packed)
             taken.append((i, n))
         replies = self._exchange({name: (node, b"".join(parts), sum(n for _, n in taken))
-                                  for name, (node, parts, taken) in plan.items()})
+                                  for name, (node, parts, taken) in plan.items()}, meanwhile)
         out: list[list[Any]] = [[] for _ in requests]
         for name, (_, _, taken) in plan.items():
             at = 0
@@ -88,12 +100,39 @@ class ClusterSummaries(RedisIndex):
                 at += n
         return out
 
+    def _by_bucket(self, ns: bytes, kind: str, fields: np.ndarray, byte: int
+                   ) -> tuple[list[tuple[int, bytes, int]], np.ndarray]:
+        """One ``HMGET`` per bucket of ``fields`` (rows; ``byte`` of each picks its bucket) on the
+        ``kind`` hashes, built in one pass; and the order the replies' values come in."""
+        _, slots = self._buckets(ns)
+        bucket = fields[:, byte] % (SEGMENT_BUCKETS if byte == SEGMENT_BUCKET_BYTE else BUCKETS)
+        order = np.argsort(bucket, kind="stable")
+        counts = np.bincount(bucket, minlength=BUCKETS).tolist()
+        body = frame(fields[order])
+        width = len(body) // max(len(fields), 1)
+        keys = self._kind_keys(ns, kind)
+        requests, start = [], 0
+        for b, n in enumerate(counts):
+            if n:
+                requests.append((slots[b], hmget_head(keys[b], n) + body[start * width:(start + n) * width], 1))
+                start += n
+        return requests, order
+
+    def _kind_keys(self, ns: bytes, kind: str) -> list[bytes]:
+        got = self._kind_cache.get((ns, kind))
+        if got is None:
+            if len(self._kind_cache) >= 1024:      # namespaces are models: a bound that never bites
+                self._kind_cache.clear()
+            got = self._kind_cache[ns, kind] = [bucket_key(ns, b, kind).encode() for b in range(BUCKETS)]
+        return got
+
     def _summary_hashes(self, ns: bytes, field: bytes) -> tuple[str, str, str]:
-        b = field[SEGMENT_BUCKET_BYTE] % BUCKETS
+        b = field[SEGMENT_BUCKET_BYTE] % SEGMENT_BUCKETS
         return bucket_key(ns, b, "seg"), bucket_key(ns, b, "loc"), bucket_key(ns, b, "rec")
 
     def _all_summary_hashes(self, ns: bytes) -> list[tuple[str, str, str]]:
-        return [(bucket_key(ns, b, "seg"), bucket_key(ns, b, "loc"), bucket_key(ns, b, "rec")) for b in range(BUCKETS)]
+        return [(bucket_key(ns, b, "seg"), bucket_key(ns, b, "loc"), bucket_key(ns, b, "rec"))
+                for b in range(SEGMENT_BUCKETS)]
 
     def _run_segment_script(self, what: str, ns: bytes, items: dict[bytes, bytes]) -> None:
         """The script once per bucket, pipelined per shard (a cluster pipeline)."""
@@ -112,22 +151,19 @@ class ClusterSummaries(RedisIndex):
 
     def _segment_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, flagged: bool
                        ) -> tuple[list[bytes], list[Any], Any, list[Any], list[Any] | None, SegmentQuery]:
-        query = plan.query()
-        _, slots = self._buckets(ns)
-        bucket = plan.fields[:, SEGMENT_BUCKET_BYTE] % BUCKETS
-        order = [np.flatnonzero(bucket == b) for b in np.unique(bucket).tolist()]
         flag = flag_key(ns).encode()
         requests = [(REGISTRY_SLOT, LIVE_QUERY, 2), (int(key_slot(flag)), resp(b"GET", flag), 1)]
-        requests += [(slots[int(bucket[idx[0]])], hmget_resp(bucket_key(ns, int(bucket[idx[0]]), "seg").encode(),
-                                                             plan.fields[idx]), 1) for idx in order]
+        segs, order = self._by_bucket(ns, "seg", plan.fields, SEGMENT_BUCKET_BYTE)
         pages = self._page_requests(ns, keys, plan, np.arange(len(keys)), True) if flagged else None
-        replies = self._call("lookup", self._round, requests + (pages[0] if pages else []))
-        vals: list[Any] = [None] * len(plan.fields)
-        for idx, (got,) in zip(order, replies[2:2 + len(order)], strict=True):
-            for i, v in zip(idx.tolist(), got, strict=True):
-                vals[i] = v
-        more = _merge(len(keys), pages[1], replies[2 + len(order):]) if pages else None
-        return replies[0][0], replies[0][1], replies[1][0], vals, more, query
+        queries: list[SegmentQuery] = []
+        # The tags (a pass over every key) are computed while the masters answer.
+        replies = self._call("lookup", self._round, requests + segs + (pages[0] if pages else []),
+                             lambda: queries.append(plan.query()))
+        vals = np.empty(len(plan.fields), dtype=object)
+        vals[order] = [v for (got,) in replies[2:2 + len(segs)] for v in got]
+        more = _merge(len(keys), pages[1], replies[2 + len(segs):]) if pages else None
+        query = queries[0] if queries else plan.query()
+        return replies[0][0], replies[0][1], replies[1][0], vals.tolist(), more, query
 
     def _page_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, wanted: np.ndarray,
                     flagged: bool) -> list[Any]:
@@ -142,7 +178,7 @@ class ClusterSummaries(RedisIndex):
         _, slots = self._buckets(ns)
         digests = np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(len(keys), DIGEST_BYTES)
         seg_of = (np.asarray(wanted) - int(plan.first_page[0])) // SEGMENT_PAGES
-        sources = [plan.fields[seg_of, SEGMENT_BUCKET_BYTE] % BUCKETS]
+        sources = [plan.fields[seg_of, SEGMENT_BUCKET_BYTE] % SEGMENT_BUCKETS]
         if flagged:
             sources.append(digests[wanted, BUCKET_BYTE] % BUCKETS)
         requests: list[tuple[int, bytes, int]] = []
@@ -155,17 +191,12 @@ class ClusterSummaries(RedisIndex):
         return requests, where
 
     def _read_record_values(self, ns: bytes, fields: np.ndarray) -> list[Any]:
-        _, slots = self._buckets(ns)
-        bucket = fields[:, SEGMENT_BUCKET_BYTE] % BUCKETS
-        order = [np.flatnonzero(bucket == b) for b in np.unique(bucket).tolist()]
-        requests = [(slots[int(bucket[idx[0]])], hmget_head(bucket_key(ns, int(bucket[idx[0]]), "rec").encode(),
-                                                            len(idx)) + frame(fields[idx]), 1) for idx in order]
+        requests, order = self._by_bucket(ns, "rec", fields, SEGMENT_BUCKET_BYTE)
         replies = self._call("records", self._round, requests)
-        vals: list[Any] = [None] * len(fields)
-        for idx, (got,) in zip(order, replies, strict=True):
-            for i, v in zip(idx.tolist(), got, strict=True):
-                vals[i] = v
-        return vals
+        vals = np.empty(len(fields), dtype=object)
+        vals[order] = [v for (got,) in replies for v in got]
+        out: list[Any] = vals.tolist()
+        return out
 
     def _summary_locations(self) -> int:
         """Locations in the summaries of every namespace, over every master."""
