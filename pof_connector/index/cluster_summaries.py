@@ -6,7 +6,7 @@ touches one slot::
     pof:{<namespace hex>/<b>}:rec    HASH  their holders' slot records
     pof:{<namespace hex>/<b>}:loc    HASH  per-page fields: the overflowed pages of those segments, and the
                                            placeless pages whose digest's byte 16 mod BUCKETS is b (as before)
-    pof:{<namespace hex>/flat}:flat  STRING set once a placeless page was published in the namespace
+    pof:{pof}:flat:<namespace hex>   STRING set once a placeless page was published in the namespace
 
 A lookup is one parallel round, as the per-page one: ``TIME`` and ``ZRANGE live`` to the registry's
 master, the flag's ``GET`` to its master, and per bucket one ``HMGET`` of the query's segments there,
@@ -58,7 +58,8 @@ def bucket_key(namespace: bytes, bucket: int, kind: str = "loc") -> str:
 
 
 def flag_key(namespace: bytes) -> str:
-    return f"pof:{{{namespace.hex()}/flat}}:flat"
+    """In the registry's slot: a lookup's ``GET`` of it joins the registry's buffer, not a master of its own."""
+    return f"pof:{{pof}}:flat:{namespace.hex()}"
 
 
 class ClusterSummaries(RedisIndex):
@@ -152,7 +153,7 @@ class ClusterSummaries(RedisIndex):
     def _segment_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, flagged: bool
                        ) -> tuple[list[bytes], list[Any], Any, list[Any], list[Any] | None, SegmentQuery]:
         flag = flag_key(ns).encode()
-        requests = [(REGISTRY_SLOT, LIVE_QUERY, 2), (int(key_slot(flag)), resp(b"GET", flag), 1)]
+        requests = [(REGISTRY_SLOT, LIVE_QUERY + resp(b"GET", flag), 3)]
         segs, order = self._by_bucket(ns, "seg", plan.fields, SEGMENT_BUCKET_BYTE)
         pages = self._page_requests(ns, keys, plan, np.arange(len(keys)), True) if flagged else None
         queries: list[SegmentQuery] = []
@@ -160,10 +161,10 @@ class ClusterSummaries(RedisIndex):
         replies = self._call("lookup", self._round, requests + segs + (pages[0] if pages else []),
                              lambda: queries.append(plan.query()))
         vals = np.empty(len(plan.fields), dtype=object)
-        vals[order] = [v for (got,) in replies[2:2 + len(segs)] for v in got]
-        more = _merge(len(keys), pages[1], replies[2 + len(segs):]) if pages else None
+        vals[order] = [v for (got,) in replies[1:1 + len(segs)] for v in got]
+        more = _merge(len(keys), pages[1], replies[1 + len(segs):]) if pages else None
         query = queries[0] if queries else plan.query()
-        return replies[0][0], replies[0][1], replies[1][0], vals.tolist(), more, query
+        return replies[0][0], replies[0][1], replies[0][2], vals.tolist(), more, query
 
     def _page_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, wanted: np.ndarray,
                     flagged: bool) -> list[Any]:
