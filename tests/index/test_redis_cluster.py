@@ -1,19 +1,24 @@
 """The cluster index beyond the shared contract: its URL forms, records spread over every master,
-and a graceful failover (MOVED) followed without an error."""
+a graceful failover (MOVED) followed without an error, and the same answers as one server."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 
 from pof_connector.cluster_url import ClusterUrl
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.index import Location, NodeInfo, open_index
+from pof_connector.index import Location, NodeInfo, open_index, redis_index
+from pof_connector.index.base import MEDIA, PrefixMatch
 from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.cluster_summaries import SEGMENT_BUCKET_BYTE, SEGMENT_BUCKETS
 from pof_connector.index.redis_cluster import BUCKET_BYTE, BUCKETS, RedisClusterIndex
-from pof_connector.keys import PageKey, page_keys
+from pof_connector.index.segments import MAX_TAGS
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import Namespace, PageKey, page_keys
+from pof_connector.pages import PageSpec
 
 
 def test_cluster_urls_parse_and_bad_ones_name_the_key() -> None:
@@ -172,3 +177,51 @@ def test_a_cluster_with_a_password_through_index_password_env(monkeypatch: pytes
             wrong.close()
     finally:
         cluster.stop()
+
+
+def test_the_cluster_answers_as_one_server(redis_cluster: ClusterServers, redis_server: RedisServer) -> None:
+    """The same holdings on one server and on the cluster: branches past what an offset keeps (so
+    some pages overflow to per-page fields), a placeless publisher in the placed namespace, withdraws,
+    a spill; every lookup, from several starts, gives the same runs, slots and generations on both."""
+    rng = random.Random(11)
+    ns = Namespace("cl", "bfloat16", "x", PageSpec(2, 1024, 16)).digest
+    trunk = [rng.randrange(30_000) for _ in range(16 * 20)]
+    chains = [page_keys(ns, trunk + [rng.randrange(30_000) for _ in range(16 * 30)], 16) for _ in range(MAX_TAGS + 2)]
+    sides = {url: {n: redis_index(url, n) for n in ("a", "b")} for url in (redis_server.url, redis_cluster.url)}
+    readers = {url: redis_index(url, None) for url in sides}
+    try:
+        for clients in sides.values():
+            for n, c in clients.items():
+                c.heartbeat(NodeInfo(n), 30)
+        ops: list[tuple[str, str, list[tuple[PageKey, Location]]]] = []
+        for c, chain in enumerate(chains):
+            for n in ("a", "b"):
+                held = chain[:rng.randrange(len(chain))]
+                ops.append(("publish", n, [(k, Location(n, MEDIA[rng.randrange(3)], 1000 * c + i,
+                                                        rng.randrange(1, 99))) for i, k in enumerate(held)]))
+        ops.append(("publish", "b", [(PageKey(ns, k.digest), Location("b", "cxl", i, 7))       # placeless
+                                     for i, k in enumerate(chains[0][:25])]))
+        ops.append(("publish", "a", [(k, Location("b", "cpu_dram", 9000 + i, 3))               # spilled into b
+                                     for i, k in enumerate(chains[1][:10])]))
+        ops.append(("withdraw", "a", rng.sample(ops[0][2], len(ops[0][2]) // 3)))
+        for what, n, entries in ops:
+            for clients in sides.values():
+                getattr(clients[n], what)(entries)
+        looked = 0
+        for chain in chains:
+            for start in (0, 3, 16, 21, 37):
+                for end in (start + 5, len(chain)):
+                    one, cl = (_view(readers[u].longest_prefix(chain[start:end])) for u in sides)
+                    assert one == cl, (start, end)
+                    looked += bool(one)
+        assert looked > 20
+    finally:
+        for clients in sides.values():
+            for c in clients.values():
+                c.close()
+        for r in readers.values():
+            r.close()
+
+
+def _view(found: dict[str, PrefixMatch]) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    return {n: (m.media.tolist(), m.slots.tolist(), m.generations.tolist()) for n, m in found.items()}
