@@ -59,7 +59,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -82,7 +81,24 @@ from pof_connector.index.base import (
     node_id_taken,
 )
 from pof_connector.index.client import redis_client
+from pof_connector.index.keyspace import (
+    FLAG_MEMORY_S,
+    K_INC_NODE,
+    K_INC_OWNER,
+    K_INFO,
+    K_LIVE,
+    K_NODE_INC,
+    K_SEQ,
+    LIVE_QUERY,
+    PREFIX,
+    REGISTRY_KEYS,
+    flat_key,
+    loc_key,
+    records_key,
+    segment_key,
+)
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
+from pof_connector.index.resp import FIELD_RESP_BYTES, fields_resp, frame, hmget_head, hmget_resp, page_fields, resp
 from pof_connector.index.scripts import (
     HEARTBEAT,
     LEAVE,
@@ -92,20 +108,16 @@ from pof_connector.index.scripts import (
     SEGMENT_WITHDRAW,
     WITHDRAW,
 )
-from pof_connector.index.segments import MAX_TAGS, SegmentAnswer, SegmentPlan, SegmentQuery, segment_items
-from pof_connector.index.summary import locations, parse_summary, record_slots
-from pof_connector.keys import DIGEST_BYTES, SEGMENT_PAGES, PageKey
+from pof_connector.index.segment_path import SegmentPath
+from pof_connector.index.segments import SegmentPlan
+from pof_connector.index.summary import locations, parse_summary
+from pof_connector.keys import PageKey
 
 T = TypeVar("T")
+__all__ = ["FIELD_RESP_BYTES", "FLAG_MEMORY_S", "K_INC_NODE", "K_INC_OWNER", "K_INFO", "K_LIVE", "K_NODE_INC", "K_SEQ",
+           "LIVE_QUERY", "PREFIX", "REGISTRY_KEYS", "RedisIndex", "fields_resp", "flat_key", "frame", "hmget_head",
+           "hmget_resp", "loc_key", "page_fields", "records_key", "resp", "segment_key"]
 
-PREFIX = "pof:{pof}:"
-K_NODE_INC = PREFIX + "node-inc"
-K_INC_NODE = PREFIX + "inc-node"
-K_LIVE = PREFIX + "live"
-K_INFO = PREFIX + "info"
-K_SEQ = PREFIX + "seq"
-K_INC_OWNER = PREFIX + "inc-owner"
-REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
 
 def _node_info(raw: bytes) -> NodeInfo | None:
     """A node's info as its heartbeat stored it; ``None`` when it is not one (a hostile or broken
@@ -116,68 +128,7 @@ def _node_info(raw: bytes) -> NodeInfo | None:
         return None
 
 
-def loc_key(namespace: bytes) -> str:
-    return f"{PREFIX}loc:{namespace.hex()}"
-
-
-def segment_key(namespace: bytes) -> str:
-    """The namespace's segment summaries (:mod:`.summary`)."""
-    return f"{PREFIX}seg:{namespace.hex()}"
-
-
-def records_key(namespace: bytes) -> str:
-    """The namespace's slot records, one field per segment and holder (:mod:`.summary`)."""
-    return f"{PREFIX}rec:{namespace.hex()}"
-
-
-def flat_key(loc: str) -> str:
-    """The flag "placeless pages here" of the namespace whose per-page hash is ``loc``."""
-    return loc.replace(":loc:", ":flat:", 1)
-
-
-def resp(*args: bytes) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
-FLAG_MEMORY_S = 30.0
-"""How long a lookup keeps reading a namespace's per-page fields in its first round after it saw
-the namespace flagged (placeless pages, e.g. SGLang's without prefix keys): a mixed namespace then
-costs one round trip, not two (the first lookup that finds the flag gone stops it)."""
-
-LIVE_QUERY = resp(b"TIME") + resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
-_FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
-
-
-FIELD_RESP_BYTES = len(_FIELD_RESP)
-_FIELDS_TEMPLATE = np.tile(_FIELD_RESP, (8192, 1))
-"""The framing of up to 8,192 fields, copied whole (faster than filling it in for each lookup)."""
-
-
-def fields_resp(fields: np.ndarray) -> bytes:
-    """The 16-byte ``fields`` as RESP bulk strings, one after the other, built with numpy."""
-    n = len(fields)
-    body = (_FIELDS_TEMPLATE[:n] if n <= len(_FIELDS_TEMPLATE)
-            else np.broadcast_to(_FIELD_RESP, (n, FIELD_RESP_BYTES))).copy()
-    body[:, 5:5 + FIELD_BYTES] = fields
-    return body.tobytes()
-
-
-def hmget_head(key: bytes, count: int) -> bytes:
-    """The start of ``HMGET key`` with ``count`` fields, in RESP (the fields follow)."""
-    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (count + 2, len(key), key)
-
-
-def _page_fields(keys: Sequence[PageKey]) -> np.ndarray:
-    """The keys' per-page fields (their digests' first 16 bytes), ``[len(keys), 16]`` uint8."""
-    return np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(-1, DIGEST_BYTES)[:, :FIELD_BYTES]
-
-
-def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
-    """``HMGET key f1 f2 …`` in RESP: every field is 16 bytes."""
-    return hmget_head(key, len(fields)) + fields_resp(fields)
-
-
-class RedisIndex(LocalityIndex):
+class RedisIndex(SegmentPath, LocalityIndex):
     """A :class:`LocalityIndex` client on a Redis-protocol server; thread-safe.
 
     Every call either succeeds or raises :class:`IndexUnavailable` (server down, timeout), which
@@ -313,38 +264,6 @@ class RedisIndex(LocalityIndex):
             keys = [key, flat_key(key)] if self.SEGMENTS else [key]
             self._call(what, script, keys=keys, args=[fields, recs])
 
-    def _write_segments(self, what: str, entries: Sequence[tuple[PageKey, Location]], incs: dict[str, int]) -> None:
-        by_ns: dict[bytes, list[tuple[PageKey, int, int, int, int]]] = {}
-        for key, loc in entries:
-            if loc.node in incs:
-                by_ns.setdefault(key.namespace, []).append(
-                    (key, incs[loc.node], MEDIA.index(loc.medium), loc.slot, loc.generation))
-        for ns, group in by_ns.items():
-            self._run_segment_script(what, ns, segment_items(group))
-
-    def _run_segment_script(self, what: str, ns: bytes, items: dict[bytes, bytes]) -> None:
-        """The segment publish or withdraw script on ``items`` (segment field -> its items)."""
-        args: list[bytes | int] = [MAX_TAGS] if what == "publish" else []
-        for field, its in items.items():
-            args += [field, its]
-        script = self._segment_publish if what == "publish" else self._segment_withdraw
-        self._call(what, script, keys=list(self._summary_hashes(ns, next(iter(items)))), args=args)
-
-    def _summary_hashes(self, ns: bytes, field: bytes) -> tuple[str, str, str]:
-        """The hashes of the segment ``field``: its summary's, its overflowed pages', its records'."""
-        return segment_key(ns), loc_key(ns), records_key(ns)
-
-    def _all_summary_hashes(self, ns: bytes) -> list[tuple[str, str, str]]:
-        """Every (summary, per-page, records) hash triple of ``ns``."""
-        return [(segment_key(ns), loc_key(ns), records_key(ns))]
-
-    def _read_record_values(self, ns: bytes, fields: np.ndarray) -> list[Any]:
-        """``HMGET`` of records ``fields`` (rows of 20 bytes: segment field + incarnation), pre-encoded:
-        redis-py's encoding of 125 fields cost as much as the round trip."""
-        (got,) = self._send(hmget_head(records_key(ns).encode(), len(fields)) + frame(fields), 1)
-        vals: list[Any] = got
-        return vals
-
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         if not keys:
             return {}
@@ -352,85 +271,13 @@ class RedisIndex(LocalityIndex):
         plan = self._segment_plan(keys)
         if plan is not None:
             return self._segment_lookup(ns, keys, plan)
-        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), _page_fields(keys))
+        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), page_fields(keys))
         now, live, vals = self._call("lookup", self._send, packed, 3)
         return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
 
     def _segment_plan(self, keys: Sequence[PageKey]) -> SegmentPlan | None:
         """The query as segment fields; ``None``: read per-page fields (a key without its place)."""
         return SegmentPlan.of(keys) if self.SEGMENTS else None
-
-    def _segment_lookup(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan) -> dict[str, PrefixMatch]:
-        """Round 1 reads the segments and the namespace's placeless flag, and, where this client saw
-        the flag within :data:`FLAG_MEMORY_S`, every page's per-page field too; round 2, only when
-        a run may go on in per-page fields round 1 did not read (a marked offset where a run
-        stops, or a flag not seen before), reads those fields; both are decoded together."""
-        seen = self._flag_seen.get(ns)
-        flagged = seen is not None and time.monotonic() - seen < FLAG_MEMORY_S
-        now, live, flat, vals, more, query = self._segment_round(ns, keys, plan, flagged)
-        if flat is not None:
-            self._flag_seen[ns] = time.monotonic()
-        else:
-            self._flag_seen.pop(ns, None)
-        live_incs = self._live(now, live)
-        answer = query.decode(vals, live_incs, len(MEDIA))
-        alive = live_incs.tolist()
-        if flat is None and not answer.needs_pages():
-            return self._summary_matches(ns, answer)
-        if more is not None:
-            wanted, got = np.arange(query.pages), more
-        else:
-            wanted = np.arange(query.pages) if flat is not None else answer.marked
-            got = self._call("lookup", self._page_round, ns, keys, plan, wanted, flat is not None)
-        merged = answer.page_values(alive, len(MEDIA))
-        for i, v in zip(wanted.tolist(), got, strict=True):
-            if v is not None:
-                merged[i] = (merged[i] or b"") + v
-        found = leading_runs(merged, alive, len(MEDIA))
-        if answer.malformed:
-            self._refused(1, "malformed")
-        return self._matches(found, partial(partial, _Records(self, ns, answer).resolve_inc))
-
-    def _segment_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, flagged: bool
-                       ) -> tuple[list[bytes], list[Any], Any, list[Any], list[Any] | None, SegmentQuery]:
-        """Round 1: ``TIME``, ``ZRANGE live``, the placeless flag, the summaries, and with ``flagged``
-        every page's per-page field; returns those replies (``None`` for the fields when not read)
-        and the query."""
-        packed = (LIVE_QUERY + resp(b"GET", flat_key(loc_key(ns)).encode())
-                  + hmget_resp(segment_key(ns).encode(), plan.fields)
-                  + (hmget_resp(loc_key(ns).encode(), _page_fields(keys)) if flagged else b""))
-        # The tags (a pass over every key) are computed while the server answers.
-        (now, live, flat, vals, *more), query = self._call("lookup", self._send_then, packed, 5 if flagged else 4,
-                                                           plan.query)
-        return now, live, flat, vals, (more[0] if more else None), query
-
-    def _page_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, wanted: np.ndarray,
-                    flagged: bool) -> list[Any]:
-        """Round 2: the per-page fields of the query pages ``wanted`` (``flagged``: placeless pages
-        may be among them), one value per page."""
-        (got,) = self._send(hmget_resp(loc_key(ns).encode(), _page_fields([keys[int(i)] for i in wanted])), 1)
-        vals: list[Any] = got
-        return vals
-
-    def _summary_matches(self, ns: bytes, answer: SegmentAnswer) -> dict[str, PrefixMatch]:
-        """Each live head's run from a summary reply: media now, slots when a loader asks."""
-        if answer.malformed:
-            self._refused(1, "malformed")
-        if answer.unknown:
-            self._refused(answer.unknown, "unknown_medium")
-        if not answer.heads:
-            return {}
-        names = self._inc_names
-        if any(i not in names for i in answer.heads):
-            self._names(answer.heads)
-        source = _Records(self, ns, answer)
-        out: dict[str, PrefixMatch] = {}
-        pages = answer.media.pages.tolist()
-        for h, inc in enumerate(answer.heads):
-            node = names.get(inc)
-            if node is not None:       # lean: one match per holder, so this loop is the lookup's per-holder cost
-                out[node] = PrefixMatch(node, None, None, None, None, source, h, pages[h])
-        return out
 
     def _alive(self, now: list[bytes], live: list[Any]) -> list[int]:
         """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
@@ -591,58 +438,3 @@ class RedisIndex(LocalityIndex):
 
     def close(self) -> None:
         self._r.close()
-
-
-def frame(fields: np.ndarray) -> bytes:
-    """Equal-length ``fields`` (rows of uint8) as RESP bulk strings, one after the other."""
-    n, width = fields.shape
-    head = b"$%d\r\n" % width
-    body = np.empty((n, len(head) + width + 2), dtype=np.uint8)
-    body[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)
-    body[:, len(head):len(head) + width] = fields
-    body[:, -2:] = np.frombuffer(b"\r\n", dtype=np.uint8)
-    return body.tobytes()
-
-
-def _read_records(index: RedisIndex, ns: bytes, query: SegmentQuery, layers: np.ndarray, inc: int, media: np.ndarray,
-                  slots: np.ndarray, gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Slots and generations of the leading query pages held by ``inc`` in ``media``, from its
-    records; pages already known (``gens`` >= 0, from per-page fields) are kept, and one whose record
-    is not there gets generation -1."""
-    slots = np.array(slots, dtype=np.int64)
-    out = np.array(gens, dtype=np.int64)
-    todo = np.flatnonzero(out < 0)
-    if not len(todo):
-        return slots, out
-    base = int(query.first_page[0])
-    segs = np.unique((todo - base) // SEGMENT_PAGES)
-    fields = np.empty((len(segs), FIELD_BYTES + 4), dtype=np.uint8)
-    fields[:, :FIELD_BYTES] = query.fields[segs]
-    fields[:, FIELD_BYTES:] = np.frombuffer(inc.to_bytes(4, "little"), dtype=np.uint8)
-    vals = index._read_record_values(ns, fields)
-    record_slots(vals, segs, base, media, layers[:len(media)], slots, out)
-    return slots, out
-
-
-class _Records:
-    """A summary lookup's matches' media and slots, when first asked for: the slots come from the
-    holder's records (one ``HMGET`` per holder, the only read of slots: a lookup's reply carries none)."""
-
-    __slots__ = ("answer", "index", "ns")
-
-    def __init__(self, index: RedisIndex, ns: bytes, answer: SegmentAnswer) -> None:
-        self.index, self.ns, self.answer = index, ns, answer
-
-    def media_of(self, key: int) -> np.ndarray:
-        return self.answer.media.media(key)
-
-    def resolve(self, key: int, pages: int, media: np.ndarray, slots: np.ndarray,
-                gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.resolve_inc(self.answer.heads[key], pages, media, slots, gens)
-
-    def resolve_inc(self, inc: int, pages: int, media: np.ndarray, slots: np.ndarray,
-                    gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        a, ix = self.answer, self.index
-        result: tuple[np.ndarray, np.ndarray] = ix._call("records", _read_records, ix, self.ns, a.query, a.layers,
-                                                        inc, media, slots, gens)
-        return result
