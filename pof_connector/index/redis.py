@@ -5,9 +5,13 @@ the Lua scripts may touch several)::
 
     pof:{pof}:seg:<namespace hex>  HASH   field: the first 16 bytes of the chain digest of a segment's
                                           head page (the page at position p - p % SEGMENT_PAGES)
-                                          value: segment records, 26 bytes each (:mod:`.segments`):
-                                                 u8 offset | 8-byte tag (the page digest's first 8
-                                                 bytes) | the holder record below
+                                          value: its summary (:mod:`.summary`): the tags (8 bytes of
+                                                 each page's digest) of up to MAX_TAGS chains per
+                                                 offset, and per holder and medium a 16-bit mask per
+                                                 tag layer; no slots
+    pof:{pof}:rec:<namespace hex>  HASH   field: a segment's field + u32 incarnation
+                                          value: that holder's slots and generations in the segment
+                                                 (12 bytes a page, grouped by medium and layer)
     pof:{pof}:loc:<namespace hex>  HASH   field: the first 16 bytes of a page's chain digest
                                           value: holder records, 17 bytes each, little-endian
                                                  u32 incarnation | u8 medium | u32 slot | u64 generation
@@ -22,7 +26,7 @@ A page whose key knows its place in the chain (:class:`~pof_connector.keys.Chain
 computed from tokens) is recorded in its segment; one without (a digest an engine handed over) in
 its own per-page field, and the namespace is flagged. An offset of a segment holds the pages of
 at most :data:`~.segments.MAX_TAGS` chains: where more chains part inside one segment, the pages
-of the others go to per-page fields and the offset gets a marker, so a segment where many
+of the others go to per-page fields and the offset is marked, so a segment where many
 conversations leave a shared prompt does not grow for every lookup that reads it.
 
 Liveness uses the server's clock (``TIME`` inside the scripts), so clients' clocks may differ.
@@ -34,10 +38,14 @@ Digests are cut to 16 bytes (fields) and 8 (tags) in the index only: the page he
 full key, so a collision costs a miss, never wrong KV.
 
 A lookup of placed keys is one round trip of four pipelined commands — ``TIME``, ``ZRANGE live
-WITHSCORES``, ``GET`` of the namespace's flag and one ``HMGET`` of the query's segments (one field
-per 16 pages) — sent as a pre-encoded RESP buffer and decoded in C (:mod:`.segments`). A second
-round reads per-page fields only where a run may go on in them: a marked offset where a run
-stops, or a flagged namespace. A lookup of keys without places reads every page's field (``TIME``,
+WITHSCORES``, ``GET`` of the namespace's flag and one ``HMGET`` of the query's summaries (one field
+per 16 pages) — sent as a pre-encoded RESP buffer and decoded in C (:mod:`.segments`): it answers
+with each holder's run and media, not slots, so its reply grows by 7 bytes per holder and segment,
+not by a 26-byte record per holder and page. The loader reads the slots of the holder it picked,
+for the pages it loads, when it first asks for them (:meth:`.base.PrefixMatch.resolve`: one
+``HMGET`` of that holder's records; a router never does). A second lookup round reads per-page
+fields only where a run may go on in them: a marked offset where a run stops, or a flagged
+namespace. A lookup of keys without places reads every page's field (``TIME``,
 ``ZRANGE``, one ``HMGET``; :mod:`.record_runs`). Reading one field per page cost about 0.2 µs a
 field on the server and as much again in the client (one Python object per value), 5-7 ``PING``
 times for 2,000 pages; the segments' measurements are in ``docs/index-segments.md``.
