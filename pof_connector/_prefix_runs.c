@@ -499,8 +499,7 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
             }
         }
     }
-    /* held: the first query page no holder has in a known medium. A segment's scan stops once its
-     * pages are covered (the first holders usually cover them), and the scan stops at the segment
+    /* held: the first query page no holder has in a known medium; the scan stops at the segment
      * with the gap. */
     held = limit;
     int64_t expect = 0;           /* the first page after the segments scanned */
@@ -515,10 +514,15 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
         }
         if (fp + seg_pages > expect)
             expect = fp + seg_pages;
+        /* In the same pass, the (holder, page) pairs in a medium this build does not know, up to
+         * the segment where the held pages end: absent pages, counted (what a hostile writer left
+         * stops the runs there). */
         unsigned want = seg_valid(fp, seg_pages, limit), all = 0;
-        for (Py_ssize_t h = 0; h < sm->n_holders && all != want; h++) {
+        for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
             const unsigned char *e = sm->holders + h * sm->width;
-            if (e[4] < n_media)
+            if (e[4] >= n_media)
+                unknown += __builtin_popcount(held_offsets(sm, e, qmask[s]) & want);
+            else if (all != want)
                 all |= held_offsets(sm, e, qmask[s]);
         }
         if (all != want)
@@ -526,20 +530,6 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     }
     if (held == limit && expect < (int64_t)limit)      /* fewer values than segments */
         held = (Py_ssize_t)expect;
-    /* (holder, page) pairs in a medium this build does not know, up to the segment where the held
-     * pages end: absent pages, counted (what a hostile writer left stops the runs there). */
-    for (Py_ssize_t s = 0; s < nv; s++) {
-        const summary *sm = &sums[s];
-        int64_t fp = rd_i64(fps + 8 * s);
-        if (fp > (int64_t)held || fp >= (int64_t)limit)
-            break;
-        unsigned want = seg_valid(fp, seg_pages, limit);
-        for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
-            const unsigned char *e = sm->holders + h * sm->width;
-            if (e[4] >= n_media)
-                unknown += __builtin_popcount(held_offsets(sm, e, qmask[s]) & want);
-        }
-    }
     if (held > 0) {
         /* The heads: the live incarnations holding page 0 (in segment 0) in a known medium. */
         const summary *sm = &sums[0];

@@ -19,9 +19,6 @@ from pof_connector.index.segments import MAX_TAGS, SegmentAnswer, SegmentPlan, S
 from pof_connector.index.summary import record_slots
 from pof_connector.keys import SEGMENT_PAGES, PageKey
 
-if TYPE_CHECKING:
-    pass
-
 T = TypeVar("T")
 
 
@@ -137,16 +134,15 @@ class SegmentPath:
         if not answer.heads:
             return {}
         names = self._inc_names
-        if any(i not in names for i in answer.heads):
-            self._names(answer.heads)
+        nodes = [names.get(i) for i in answer.heads]
+        if None in nodes:                          # incarnations not seen before: their names, once
+            known = self._names(answer.heads)
+            nodes = [known.get(i) for i in answer.heads]
         source = _Records(self, ns, answer)
-        out: dict[str, PrefixMatch] = {}
-        pages = answer.media.pages.tolist()
-        for h, inc in enumerate(answer.heads):
-            node = names.get(inc)
-            if node is not None:       # lean: one match per holder, so this loop is the lookup's per-holder cost
-                out[node] = PrefixMatch(node, None, None, None, None, source, h, pages[h])
-        return out
+        # Lean: one match per holder, so this is the lookup's per-holder cost in Python.
+        return {node: PrefixMatch(node, None, None, None, None, source, h, pages)
+                for h, (node, pages) in enumerate(zip(nodes, answer.media.pages.tolist(), strict=True))
+                if node is not None}
 
 
 def _read_records(index: SegmentPath, ns: bytes, query: SegmentQuery, layers: np.ndarray, inc: int, media: np.ndarray,
