@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -51,29 +52,34 @@ class Summary:
     """(incarnation, medium, masks per layer)."""
 
 
+_HOLDER = [np.dtype([("inc", "<u4"), ("medium", "u1"), ("masks", "<u2", (n,))]) for n in range(1, LAYERS + 1)]
+
+
+@lru_cache(maxsize=4096)
+def _offsets(presence: int) -> tuple[int, ...]:
+    """The offsets of a 16-bit presence mask (cached: parsing is the Python decoder's main cost)."""
+    return tuple(o for o in range(16) if presence >> o & 1)
+
+
 def parse_summary(v: bytes) -> Summary | None:
     """``None`` when ``v`` is not a summary (cut short, padded: a broken or hostile writer)."""
     if len(v) < 3 or v[2] > LAYERS or len(v) < 3 + 2 * v[2]:
         return None
     marks, n_layers = int.from_bytes(v[:2], "little"), v[2]
+    positions = [layer * 16 + o for layer in range(n_layers)
+                 for o in _offsets(int.from_bytes(v[3 + 2 * layer:5 + 2 * layer], "little"))]
     p = 3 + 2 * n_layers
-    tags: dict[int, int] = {}
-    for layer in range(n_layers):
-        presence = int.from_bytes(v[3 + 2 * layer:5 + 2 * layer], "little")
-        for o in range(16):
-            if presence >> o & 1:
-                if len(v) - p < 8:
-                    return None
-                tags[layer * 16 + o] = int.from_bytes(v[p:p + 8], "little")
-                p += 8
-    width = 5 + 2 * n_layers
-    rest = len(v) - p
-    if (n_layers == 0 and rest) or (n_layers and rest % width):
+    if len(v) - p < 8 * len(positions):
         return None
-    holders = []
-    for e in range(p, len(v), width) if n_layers else ():
-        masks = [int.from_bytes(v[e + 5 + 2 * lay:e + 7 + 2 * lay], "little") for lay in range(n_layers)]
-        holders.append((int.from_bytes(v[e:e + 4], "little"), v[e + 4], masks))
+    tags = dict(zip(positions, np.frombuffer(v, dtype="<u8", count=len(positions), offset=p).tolist(), strict=True))
+    p += 8 * len(positions)
+    rest = len(v) - p
+    if (n_layers == 0 and rest) or (n_layers and rest % (5 + 2 * n_layers)):
+        return None
+    holders: list[tuple[int, int, list[int]]] = []
+    if n_layers and rest:
+        recs = np.frombuffer(v, dtype=_HOLDER[n_layers - 1], offset=p)
+        holders = list(zip(recs["inc"].tolist(), recs["medium"].tolist(), recs["masks"].tolist(), strict=True))
     return Summary(marks, n_layers, tags, holders)
 
 
@@ -142,55 +148,81 @@ def summary_runs(vals: Sequence[Any], first_page: np.ndarray, tags: np.ndarray, 
         parsed.append(got)
     layer = np.full(pages, 255, dtype=np.uint8)
     marked: list[int] = []
-    holds: dict[tuple[int, int], set[int]] = {}       # (incarnation, medium) -> query pages
-    unknowns: list[int] = []
+    # Per (incarnation, medium), the query pages it holds as one bit per page of a Python int: a
+    # segment's entry costs a shift and an or, not a step per page.
+    holds: dict[tuple[int, int], int] = {}
+    unknowns: list[tuple[int, int]] = []           # (a segment's first page, its offsets), per unknown entry
+    qtags = tags.tolist()
     for s, sm in enumerate(parsed):
         if sm is None:
             continue
         fp = int(first_page[s])
-        for o in range(segment_pages):
+        qmask = [0] * sm.layers
+        at = {}                                    # (offset, tag) -> its lowest layer
+        for pos in sorted(sm.tags, reverse=True):
+            at[pos % 16, sm.tags[pos]] = pos // 16
+        for o in range(max(0, -fp), min(segment_pages, limit - fp)):
             q = fp + o
-            if not 0 <= q < limit:
-                continue
             if sm.marks >> o & 1:
                 marked.append(q)
-            lay = next((la for la in range(sm.layers) if sm.tags.get(la * 16 + o) == int(tags[q])), None)
-            if lay is None:
-                continue
-            layer[q] = lay
-            for inc, medium, masks in sm.holders:
-                if masks[lay] >> o & 1:
-                    holds.setdefault((inc, medium), set()).add(q)
-                    unknowns.append(q) if medium >= n_media else None   # per entry: a repeat counts again
-    covered = set().union(*[qs for (_, m), qs in holds.items() if m < n_media])
-    held = next((q for q in range(limit) if q not in covered), limit)
+            lay = at.get((o, qtags[q]))
+            if lay is not None:
+                layer[q] = lay
+                qmask[lay] |= 1 << o
+        if not any(qmask):
+            continue
+        for inc, medium, masks in sm.holders:
+            offs = 0
+            for m, qm in zip(masks, qmask, strict=True):
+                offs |= m & qm
+            if offs:
+                bits = offs << fp if fp >= 0 else offs >> -fp
+                holds[inc, medium] = holds.get((inc, medium), 0) | bits
+                if medium >= n_media:
+                    unknowns.append((fp, offs))          # per entry: a repeat counts again
+    covered = 0
+    for (_, m), bits in holds.items():
+        if m < n_media:
+            covered |= bits
+    held = min(_ones(covered), limit)
     bound = next((fp + segment_pages for fp in first_page[:len(parsed)].tolist() if fp <= held < fp + segment_pages),
                  limit)
-    unknown = sum(q < bound for q in unknowns)
+    unknown = sum(bin(offs & ((1 << max(0, min(segment_pages, bound - fp))) - 1)).count("1") for fp, offs in unknowns)
     live = set(alive)
-    heads = sorted({inc for (inc, m), qs in holds.items() if m < n_media and inc in live and 0 in qs}) if held else []
+    heads = sorted({inc for (inc, m), bits in holds.items() if m < n_media and inc in live and bits & 1}
+                   ) if held else []
     pages_of: list[int] = []
     offsets: list[int] = [0]
     starts: list[int] = []
     codes: list[int] = []
     for inc in heads:
-        mine = sorted((m, qs) for (i, m), qs in holds.items() if i == inc and m < n_media)
-        run: list[int] = []
-        while len(run) < held:
-            m = next((m for m, qs in mine if len(run) in qs), None)
-            if m is None:
-                break
-            run.append(m)
-        for q, m in enumerate(run):
-            if q == 0 or m != run[q - 1]:
-                starts.append(q)
-                codes.append(m)
-        pages_of.append(len(run))
+        mine = sorted((m, bits) for (i, m), bits in holds.items() if i == inc and m < n_media)
+        union = 0
+        for _, bits in mine:
+            union |= bits
+        run = min(_ones(union), held)
+        if len(mine) == 1:
+            starts.append(0)
+            codes.append(mine[0][0])
+        else:                                    # a page in two media: the lowest code, page by page
+            last = -1
+            for q in range(run):
+                m = next(m for m, bits in mine if bits >> q & 1)
+                if m != last:
+                    starts.append(q)
+                    codes.append(m)
+                    last = m
+        pages_of.append(run)
         offsets.append(len(starts))
     media = (np.array(pages_of, np.int64).tobytes(), np.array(offsets, np.int64).tobytes(),
              np.array(starts, np.int64).tobytes(), bytes(codes))
     return (held, malformed, unknown, np.array(heads, dtype="<u4").tobytes(), media, layer.tobytes(),
             np.array(marked, dtype=np.int64))
+
+
+def _ones(bits: int) -> int:
+    """Trailing one bits of ``bits``: the pages from page 0 held."""
+    return ((bits ^ (bits + 1)).bit_length() - 1) if bits >= 0 else 0
 
 
 def encode_summary(s: Summary) -> bytes:
