@@ -145,3 +145,28 @@ def test_hostile_node_info_is_refused_not_fatal(runtime_dir: str, namespace: byt
     finally:
         raw.close()
         a.close()
+
+
+def test_an_index_lost_between_the_lookup_and_the_record_read_costs_a_miss(
+        runtime_dir: str, namespace: bytes, shm_path: str, redis_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup answers from summaries; the slots of the holder a node loads from are read after
+    it picked one. An index that fails that read is a miss (the node's own pages still load),
+    counted as an index error, never an exception out of the pool."""
+    from pof_connector.index import IndexUnavailable
+    tiers = {"cxl": {"path": shm_path, "size": "1MiB", "partitions": 2}}
+    a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    try:
+        keys = a.keys_for(np.arange(16 * 4))
+        a.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: b.lookup(keys).pages == 4)
+
+        def lost(*_: object) -> list[object]:
+            raise IndexUnavailable("index went away")
+        monkeypatch.setattr(b.index, "_read_record_values", lost)
+        assert b.lookup(keys).pages == 0
+        assert b.stats.get("index_errors", op="records") >= 1
+    finally:
+        for p in (a, b):
+            p.close()
