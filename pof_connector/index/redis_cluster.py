@@ -209,7 +209,16 @@ class RedisClusterIndex(ClusterSummaries, RedisIndex):
 
     def _register(self, args: list[Any]) -> list[Any]:
         """The heartbeat script, then ``WAIT`` on the same connection, so that a new registration
-        is on a replica before the node publishes under it."""
+        is on a replica before the node publishes under it. Answered ``MOVED`` (a map refreshed
+        right after a failover can still name the former master: seen under load in CI), it is
+        sent once more on a map read again; the script did not run, so nothing is done twice."""
+        try:
+            return self._register_once(args)
+        except AskError:
+            self._refresh(force=True)
+            return self._register_once(args)
+
+    def _register_once(self, args: list[Any]) -> list[Any]:
         pipe = self._registry().pipeline(transaction=False)
         pipe.eval(self._heartbeat.script, len(REGISTRY_KEYS), *REGISTRY_KEYS, *args)
         if len(self._r.nodes_manager.slots_cache.get(REGISTRY_SLOT, ())) > 1:
