@@ -8,15 +8,12 @@
  * this one exists because a 2,000-page reply cost the client more in numpy calls than the server
  * spent answering it.
  *
- * segment_runs decodes the same runs from a segment lookup's reply (one value per segment field of
- * up to segment_pages pages: 26-byte records u8 offset | u64 tag | then the holder record), as
- * SegmentQuery.decode in pof_connector/index/segments.py does in numpy. A segment value holds its
- * pages' records in any order, so each record is classified once, the known ones of the heads are
- * grouped by head (a counting sort, stable), and each head's run is read off a table of its record
- * per page with the lowest medium code (of one holder's page in two media with one code, the first
- * in the reply wins, as in numpy). It exists for the same
- * reason: a 2,000-page query is 125 values, but numpy's calls over their records cost more than the
- * server's answer.
+ * summary_runs decodes the runs and holders of a segment lookup's reply (one summary per segment of
+ * up to 16 pages: which tags sit at which offset, and per holder and medium a bitmask per tag
+ * layer; pof_connector/index/summary.py), as summary.summary_runs does in Python, without slots:
+ * the loader reads those for the holder it picks. The work per segment is the holders' entries
+ * (a few bit operations each), and per head only while its run lasts, so a query held by 64 nodes
+ * costs about what one held by 4 does.
  *
  * Every length is checked before a byte is read: the values come from a server that a broken or
  * hostile writer may have filled.
@@ -260,41 +257,158 @@ done:
     return result;
 }
 
-#define SEG_RECORD 26
 
-PyDoc_STRVAR(segment_runs_doc,
-"segment_runs(values, first_page, tags, alive, n_media, segment_pages, /)\n"
-"    -> (held, malformed, unknown, heads, runs, marked)\n\n"
-"values: the segment lookup's HMGET reply, a list of bytes or None per segment field; first_page:\n"
-"per segment, the query page at its offset 0 (int64 buffer, one entry per value at least); tags:\n"
-"per query page, its tag (uint64 buffer); alive: the live incarnations as a sorted uint32 buffer;\n"
-"n_media: how many medium codes this build knows; segment_pages: the pages of a segment.\n"
-"held: pages up to the first one without a known record, or the segment of the first malformed\n"
-"value; malformed: 1 when a value was empty or not whole records; unknown: the query's records with\n"
-"a medium code >= n_media; heads: the live incarnations holding page 0, ascending; runs: per head\n"
-"(media u8, slots int64, generations int64) as bytearrays, one entry per page of its run; marked:\n"
-"the query pages with a marker record (incarnation 0), ascending, as int64s.");
+PyDoc_STRVAR(summary_runs_doc,
+"summary_runs(values, first_page, tags, alive, n_media, segment_pages, /)\n"
+"    -> (held, malformed, unknown, heads, media, layers, marked)\n\n"
+"values: the lookup's HMGET reply, a list of bytes or None per segment summary; first_page: per\n"
+"segment, the query page at its offset 0 (int64 buffer, one entry per value at least); tags: per\n"
+"query page, its tag (uint64 buffer); alive: the live incarnations as a sorted uint32 buffer;\n"
+"n_media: how many medium codes this build knows; segment_pages: the pages of a segment (<= 16).\n"
+"held: pages up to the first one no holder has in a known medium, or the segment of the first\n"
+"malformed value; malformed: 1 when a value was not a summary; unknown: (holder, query page) pairs\n"
+"of a medium code >= n_media up to the segment where the held pages end; heads: the live\n"
+"incarnations holding page 0, ascending (uint32s); media: (per head its run's pages (int64s), per\n"
+"head where its stretches start in the next two (k + 1 int64s), the stretches' first pages (int64s),\n"
+"their medium codes (bytes)): a stretch is pages of one code (of a page in two media, the lowest);\n"
+"layers: per query page, the layer of its tag in its summary (bytes, 255: no tag); marked: the\n"
+"query pages at an overflowed offset, ascending, as int64s.");
 
-/* A known-medium record of one of the query's pages: where it is, and its query page. */
+#define LAYERS 4
+
+/* One parsed summary (see pof_connector/index/summary.py): offsets marked, layers in use, per layer
+ * the offsets with a tag and where each tag is, and where the holder entries start. */
 typedef struct {
-    const unsigned char *r;
-    Py_ssize_t q;
-} seg_rec;
+    unsigned marks, n_layers, presence[LAYERS];
+    const unsigned char *tag[LAYERS][16];
+    const unsigned char *holders;
+    Py_ssize_t n_holders, width;
+} summary;
 
-/* The index of inc in heads[0..k), or -1, remembering the last answer: a reply holds one holder's
- * records together, so most lookups repeat the one before. A known record's incarnation is never 0
- * (those are markers), so *last_inc = 0 starts with nothing remembered. */
-static inline Py_ssize_t head_of(const uint32_t *heads, Py_ssize_t k, uint32_t inc, uint32_t *last_inc,
-                                 Py_ssize_t *last_h)
+static inline unsigned rd_u16(const unsigned char *p) { return (unsigned)p[0] | ((unsigned)p[1] << 8); }
+
+/* 0, or -1 when v is not a summary (cut short, padded, too many layers). */
+static int parse_summary(const unsigned char *v, Py_ssize_t len, summary *s)
 {
-    if (inc != *last_inc) {
-        *last_inc = inc;
-        *last_h = find_inc(heads, k, inc);
+    if (len < 3)
+        return -1;
+    s->marks = rd_u16(v);
+    s->n_layers = v[2];
+    if (s->n_layers > LAYERS || len < 3 + 2 * (Py_ssize_t)s->n_layers)
+        return -1;
+    const unsigned char *p = v + 3 + 2 * s->n_layers, *end = v + len;
+    for (unsigned l = 0; l < s->n_layers; l++) {
+        s->presence[l] = rd_u16(v + 3 + 2 * l);
+        for (unsigned o = 0; o < 16; o++) {
+            s->tag[l][o] = NULL;
+            if (s->presence[l] >> o & 1) {
+                if (end - p < 8)
+                    return -1;
+                s->tag[l][o] = p;
+                p += 8;
+            }
+        }
     }
-    return *last_h;
+    s->width = 5 + 2 * (Py_ssize_t)s->n_layers;
+    s->holders = p;
+    if (s->n_layers == 0)
+        return p == end ? (s->n_holders = 0, 0) : -1;
+    if ((end - p) % s->width != 0)
+        return -1;
+    s->n_holders = (end - p) / s->width;
+    return 0;
 }
 
-static PyObject *py_segment_runs(PyObject *self, PyObject *args)
+/* The offsets of a segment whose first offset is query page fp that are query pages before stop. */
+static inline unsigned seg_valid(int64_t fp, int seg_pages, Py_ssize_t stop)
+{
+    int64_t lo = fp < 0 ? -fp : 0, hi = fp + seg_pages <= (int64_t)stop ? seg_pages : (int64_t)stop - fp;
+    return hi <= lo ? 0 : (unsigned)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+/* The offsets of holder entry e that are query pages (qmask[l]: the offsets whose query page's tag
+ * is at layer l). */
+static inline unsigned held_offsets(const summary *s, const unsigned char *e, const unsigned *qmask)
+{
+    unsigned got = 0;
+    for (unsigned l = 0; l < s->n_layers; l++)
+        got |= rd_u16(e + 5 + 2 * l) & qmask[l];
+    return got;
+}
+
+/* The heads' indices by incarnation: open addressing in a power-of-two table at least twice as
+ * large (a binary search per holder entry cost a third of the decoding at 128 holders). */
+typedef struct {
+    int32_t *slot;
+    unsigned bits;
+    size_t mask;
+} head_table;
+
+static inline size_t head_hash(const head_table *t, uint32_t inc)
+{
+    return (size_t)((inc * 2654435761u) >> (32 - t->bits)) & t->mask;
+}
+
+static int head_table_make(head_table *t, const uint32_t *heads, Py_ssize_t k)
+{
+    t->bits = 4;
+    while (((Py_ssize_t)1 << t->bits) < 2 * k)
+        t->bits++;
+    t->mask = ((size_t)1 << t->bits) - 1;
+    t->slot = PyMem_Malloc((t->mask + 1) * sizeof(int32_t));
+    if (t->slot == NULL)
+        return -1;
+    memset(t->slot, 0xff, (t->mask + 1) * sizeof(int32_t));
+    for (Py_ssize_t h = 0; h < k; h++) {
+        size_t i = head_hash(t, heads[h]);
+        while (t->slot[i] >= 0)
+            i = (i + 1) & t->mask;
+        t->slot[i] = (int32_t)h;
+    }
+    return 0;
+}
+
+static inline Py_ssize_t head_find(const head_table *t, const uint32_t *heads, uint32_t inc)
+{
+    for (size_t i = head_hash(t, inc);; i = (i + 1) & t->mask) {
+        int32_t h = t->slot[i];
+        if (h < 0)
+            return -1;
+        if (heads[h] == inc)
+            return h;
+    }
+}
+
+/* A head's run as media runs: the first page of each stretch of one medium code, and the code. */
+typedef struct {
+    int64_t *starts;
+    unsigned char *codes;
+    Py_ssize_t n, cap;
+} media_runs;
+
+static int runs_push(media_runs *r, int64_t start, unsigned char code)
+{
+    if (r->n > 0 && r->codes[r->n - 1] == code)
+        return 0;
+    if (r->n == r->cap) {
+        Py_ssize_t cap = r->cap ? 2 * r->cap : 8;
+        int64_t *st = PyMem_Realloc(r->starts, (size_t)cap * 8);
+        if (st == NULL)
+            return -1;
+        r->starts = st;
+        unsigned char *c = PyMem_Realloc(r->codes, (size_t)cap);
+        if (c == NULL)
+            return -1;
+        r->codes = c;
+        r->cap = cap;
+    }
+    r->starts[r->n] = start;
+    r->codes[r->n] = code;
+    r->n++;
+    return 0;
+}
+
+static PyObject *py_summary_runs(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *values;
@@ -304,107 +418,133 @@ static PyObject *py_segment_runs(PyObject *self, PyObject *args)
                           &seg_pages))
         return NULL;
     Py_ssize_t n_seg = PyList_GET_SIZE(values), n = tagbuf.len / 8, n_live = alive.len / 4;
-    Py_ssize_t nv = 0, limit = n, held = 0, unknown = 0, most = 0, total = 0, n0 = 0, k = 0, n_marked = 0;
+    Py_ssize_t nv = 0, limit = n, held = 0, unknown = 0, k = 0, n_marked = 0;
     int malformed = 0, failed = 0;
     const unsigned char *fps = first.buf, *tags = tagbuf.buf;
     const uint32_t *live = alive.buf;
-    unsigned char *flag = NULL;
-    seg_rec *known = NULL, *mine = NULL;
-    uint32_t *kinc = NULL;
-    Py_ssize_t *at = NULL;
-    const unsigned char **tbl = NULL;
-    uint32_t *own = NULL;
+    summary *sums = NULL;
+    unsigned char *layer = NULL, *marked = NULL, *single = NULL, *segmed = NULL;
     uint32_t *heads = NULL;
-    run_buf *runs = NULL;
-    PyObject *out_heads = NULL, *out_runs = NULL, *out_marked = NULL, *result = NULL;
+    Py_ssize_t *run_end = NULL, *stamp = NULL, *active = NULL, n_active = 0;
+    unsigned *uni = NULL;
+    media_runs *runs = NULL;
+    head_table htab = {NULL, 0, 0};
+    unsigned (*qmask)[LAYERS] = NULL;
+    PyObject *out_heads = NULL, *out_media = NULL, *out_layers = NULL, *out_marked = NULL, *result = NULL;
     if (first.len % 8 != 0 || tagbuf.len % 8 != 0 || alive.len % 4 != 0 || n_media < 0 || n_media > 255
-        || seg_pages < 1 || seg_pages > 256) {
+        || seg_pages < 1 || seg_pages > 16) {
         PyErr_SetString(PyExc_ValueError, "first_page must be int64s, tags uint64s, alive uint32s, n_media in "
-                        "0..255 and segment_pages in 1..256");
+                        "0..255 and segment_pages in 1..16");
         goto done;
     }
     if (n_seg > first.len / 8) {
         PyErr_SetString(PyExc_ValueError, "more values than segments in first_page");
         goto done;
     }
-    /* A malformed value ends every run at its segment's first page: the values after it are not read,
-     * and the records before it only count on the pages before it. most: the records of the values
-     * read, a bound on the known ones. */
+    sums = PyMem_Calloc((size_t)n_seg + 1, sizeof(summary));
+    layer = PyMem_Malloc((size_t)n + 1);
+    marked = PyMem_Calloc((size_t)n + 1, 1);
+    if (sums == NULL || layer == NULL || marked == NULL) {
+        failed = 1;
+        goto done;
+    }
+    memset(layer, 255, (size_t)n + 1);
+    /* Parse every summary first: a malformed one ends every run at its segment's first page, and
+     * the values after it are not read. */
     for (; nv < n_seg; nv++) {
         PyObject *item = PyList_GET_ITEM(values, nv);
-        if (item == Py_None)
+        if (item == Py_None) {
+            sums[nv].n_layers = 0;
+            sums[nv].n_holders = 0;
+            sums[nv].marks = 0;
             continue;
-        if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) == 0 || PyBytes_GET_SIZE(item) % SEG_RECORD != 0) {
+        }
+        if (!PyBytes_Check(item)
+            || parse_summary((const unsigned char *)PyBytes_AS_STRING(item), PyBytes_GET_SIZE(item), &sums[nv]) < 0) {
             int64_t fp = rd_i64(fps + 8 * nv);
             malformed = 1;
             limit = fp < 0 ? 0 : (fp < (int64_t)n ? (Py_ssize_t)fp : n);
             break;
         }
-        Py_ssize_t c = PyBytes_GET_SIZE(item) / SEG_RECORD;
-        if (c >= PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(seg_rec) - most) {
-            failed = 1;
-            goto done;
-        }
-        most += c;
     }
-    /* flag[q]: 1 when page q has a marker, 2 when it has a known record. */
-    flag = PyMem_Calloc((size_t)n + 1, 1);
-    known = PyMem_Malloc(((size_t)most + 1) * sizeof(seg_rec));
-    kinc = PyMem_Malloc(((size_t)most + 1) * sizeof(uint32_t));
-    heads = PyMem_Malloc(((size_t)most + 1) * sizeof(uint32_t));
-    if (flag == NULL || known == NULL || kinc == NULL || heads == NULL) {
+    /* Per query page, the layer of its tag, and the marked ones; per segment and layer, the offsets
+     * whose query page's tag is at that layer (qmask). */
+    qmask = PyMem_Calloc((size_t)nv + 1, sizeof(*qmask));
+    if (qmask == NULL) {
         failed = 1;
         goto done;
     }
-    /* Each record is classified once: its page, a marker, a record of unknown medium or a known one,
-     * kept in reply order with its incarnation (and those of page 0 in heads, n0 of them). */
     for (Py_ssize_t s = 0; s < nv; s++) {
-        PyObject *item = PyList_GET_ITEM(values, s);
-        if (item == Py_None)
-            continue;
         int64_t fp = rd_i64(fps + 8 * s);
-        /* The offsets lo <= off < hi are the query's pages before limit (and in the segment); the
-         * bounds are compared before adding: fp is the caller's, but an overflow would be undefined
-         * behaviour. */
+        const summary *sm = &sums[s];
+        /* The bounds are compared before adding: fp is the caller's, and an overflow would be
+         * undefined behaviour. */
         if (fp >= (int64_t)limit || fp <= -(int64_t)seg_pages)
             continue;
         int64_t lo = fp < 0 ? -fp : 0;
         int64_t hi = fp <= (int64_t)limit - seg_pages ? (int64_t)seg_pages : (int64_t)limit - fp;
-        const unsigned char *r = (const unsigned char *)PyBytes_AS_STRING(item);
-        const unsigned char *end = r + PyBytes_GET_SIZE(item);
-        for (; r < end; r += SEG_RECORD) {
-            int64_t off = r[0];
-            if (off < lo || off >= hi)
-                continue;
-            Py_ssize_t q = (Py_ssize_t)(fp + off);
-            if (rd_u32(r + 9) == 0) {
-                n_marked += !(flag[q] & 1);
-                flag[q] |= 1;
-                continue;
+        for (int64_t o = lo; o < hi; o++) {
+            Py_ssize_t q = (Py_ssize_t)(fp + o);
+            if (sm->marks >> o & 1) {
+                marked[q] = 1;
+                n_marked++;
             }
-            if (rd_u64(r + 1) != rd_u64(tags + 8 * q))   /* another chain's page at this offset */
-                continue;
-            if (r[13] >= n_media) {
-                unknown++;
-                continue;
+            for (unsigned l = 0; l < sm->n_layers; l++) {
+                const unsigned char *t = sm->tag[l][o];
+                if (t != NULL && rd_u64(t) == rd_u64(tags + 8 * q)) {
+                    layer[q] = (unsigned char)l;
+                    qmask[s][l] |= 1u << o;
+                    break;
+                }
             }
-            uint32_t inc = rd_u32(r + 9);
-            flag[q] |= 2;
-            if (q == 0)
-                heads[n0++] = inc;
-            known[total].r = r;
-            known[total].q = q;
-            kinc[total] = inc;
-            total++;
         }
     }
-    for (held = 0; held < limit && (flag[held] & 2); held++)
-        ;
+    /* held: the first query page no holder has in a known medium; the scan stops at the segment
+     * with the gap. */
+    held = limit;
+    int64_t expect = 0;           /* the first page after the segments scanned */
+    for (Py_ssize_t s = 0; s < nv && held == limit; s++) {
+        const summary *sm = &sums[s];
+        int64_t fp = rd_i64(fps + 8 * s);
+        if (fp >= (int64_t)limit)
+            break;
+        if (fp > expect) {        /* a page no segment holds */
+            held = (Py_ssize_t)expect;
+            break;
+        }
+        if (fp + seg_pages > expect)
+            expect = fp + seg_pages;
+        /* In the same pass, the (holder, page) pairs in a medium this build does not know, up to
+         * the segment where the held pages end: absent pages, counted (what a hostile writer left
+         * stops the runs there). */
+        unsigned want = seg_valid(fp, seg_pages, limit), all = 0;
+        for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
+            const unsigned char *e = sm->holders + h * sm->width;
+            if (e[4] >= n_media)
+                unknown += __builtin_popcount(held_offsets(sm, e, qmask[s]) & want);
+            else if (all != want)
+                all |= held_offsets(sm, e, qmask[s]);
+        }
+        if (all != want)
+            held = (Py_ssize_t)(fp + __builtin_ctz(~all & want));
+    }
+    if (held == limit && expect < (int64_t)limit)      /* fewer values than segments */
+        held = (Py_ssize_t)expect;
     if (held > 0) {
-        /* The heads: the live incarnations among page 0's known records, ascending, once each. */
-        for (Py_ssize_t i = 0; i < n0; i++)
-            if (find_inc(live, n_live, heads[i]) >= 0)
-                heads[k++] = heads[i];
+        /* The heads: the live incarnations holding page 0 (in segment 0) in a known medium. */
+        const summary *sm = &sums[0];
+        int64_t o0 = -rd_i64(fps);
+        heads = PyMem_Malloc(((size_t)sm->n_holders + 1) * sizeof(uint32_t));
+        if (heads == NULL) {
+            failed = 1;
+            goto done;
+        }
+        for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
+            const unsigned char *e = sm->holders + h * sm->width;
+            uint32_t inc = rd_u32(e);
+            if (e[4] < n_media && (held_offsets(sm, e, qmask[0]) >> o0 & 1) && find_inc(live, n_live, inc) >= 0)
+                heads[k++] = inc;
+        }
         qsort(heads, (size_t)k, sizeof(uint32_t), cmp_u32);
         Py_ssize_t u = 0;
         for (Py_ssize_t h = 0; h < k; h++)
@@ -413,98 +553,137 @@ static PyObject *py_segment_runs(PyObject *self, PyObject *args)
         k = u;
     }
     if (k > 0) {
-        /* The heads' records of the held pages, grouped by head (a counting sort, stable: reply
-         * order within a head). */
-        uint32_t last_inc = 0;
-        Py_ssize_t last_h = -1;
-        at = PyMem_Calloc((size_t)k + 1, sizeof(Py_ssize_t));
-        runs = PyMem_Calloc((size_t)k, sizeof(run_buf));
-        tbl = PyMem_Malloc((size_t)held * sizeof(*tbl));
-        own = PyMem_Calloc((size_t)held, sizeof(*own));
-        if (at == NULL || runs == NULL || tbl == NULL || own == NULL) {
+        /* Per head, its run as media runs (first page, code): segments in order, a head whose run
+         * stopped in one is not looked at again, and a head with one entry in a segment (one medium:
+         * the usual case) costs a few bit operations there, not one per page: the work follows the
+         * holders' entries, a sixteenth of their pages. */
+        runs = PyMem_Calloc((size_t)k, sizeof(media_runs));
+        run_end = PyMem_Calloc((size_t)k, sizeof(Py_ssize_t));
+        stamp = PyMem_Malloc((size_t)k * sizeof(Py_ssize_t));
+        uni = PyMem_Malloc((size_t)k * sizeof(unsigned));
+        single = PyMem_Malloc((size_t)k);
+        segmed = PyMem_Malloc((size_t)k * 16);
+        if (runs == NULL || run_end == NULL || stamp == NULL || uni == NULL || single == NULL || segmed == NULL) {
             failed = 1;
             goto done;
         }
-        /* kinc[i] becomes record i's head index, or UINT32_MAX: k <= UINT32_MAX (the heads are distinct
-         * nonzero uint32s), so every index is below it. */
-        for (Py_ssize_t i = 0; i < total; i++) {
-            Py_ssize_t h = known[i].q < held ? head_of(heads, k, kinc[i], &last_inc, &last_h) : -1;
-            if (h >= 0) {
-                at[h + 1]++;
-                kinc[i] = (uint32_t)h;
-            } else {
-                kinc[i] = UINT32_MAX;
-            }
-        }
-        for (Py_ssize_t h = 1; h <= k; h++)
-            at[h] += at[h - 1];
-        mine = PyMem_Malloc(((size_t)at[k] + 1) * sizeof(seg_rec));
-        if (mine == NULL) {
+        active = PyMem_Malloc((size_t)k * sizeof(Py_ssize_t));
+        if (active == NULL) {
             failed = 1;
             goto done;
         }
-        /* One holder's records come together: its cursor stays in a register while they do. */
-        uint32_t cur = 0;
-        Py_ssize_t pos = at[0];
-        for (Py_ssize_t i = 0; i < total; i++) {
-            uint32_t h = kinc[i];
-            if (h == UINT32_MAX)
-                continue;
-            if (h != cur) {
-                at[cur] = pos;
-                cur = h;
-                pos = at[h];
-            }
-            mine[pos++] = known[i];
+        for (Py_ssize_t hd = 0; hd < k; hd++) {
+            stamp[hd] = -1;
+            active[hd] = hd;           /* the heads whose runs reached this segment, ascending */
         }
-        at[cur] = pos;
-        /* Now mine[at[h - 1] .. at[h]) are head h's (at[-1] being 0). Per head, tbl[q] takes its record
-         * of page q with the lowest medium code (strictly lower: the first one of a code), own[q] = h + 1
-         * saying tbl[q] is this head's (k <= UINT32_MAX: no overflow), and its run is the pages from 0
-         * that have one: at most its records, e - b <= most, so the sizes below do not overflow. */
-        for (Py_ssize_t h = 0; h < k; h++) {
-            Py_ssize_t b = h > 0 ? at[h - 1] : 0, e = at[h], len = 0;
-            uint32_t me = (uint32_t)h + 1;
-            for (Py_ssize_t i = b; i < e; i++) {
-                const unsigned char *r = mine[i].r;
-                Py_ssize_t q = mine[i].q;
-                if (own[q] != me || r[13] < tbl[q][13]) {
-                    own[q] = me;
-                    tbl[q] = r;
+        n_active = k;
+        if (head_table_make(&htab, heads, k) < 0) {
+            failed = 1;
+            goto done;
+        }
+        for (Py_ssize_t s = 0; s < nv; s++) {
+            const summary *sm = &sums[s];
+            int64_t fp = rd_i64(fps + 8 * s);
+            if (fp >= (int64_t)held)
+                break;
+            Py_ssize_t seg_start = fp < 0 ? 0 : (Py_ssize_t)fp;
+            Py_ssize_t seg_stop = fp + seg_pages < (int64_t)held ? (Py_ssize_t)(fp + seg_pages) : held;
+            unsigned lo = (unsigned)(seg_start - fp), hi = (unsigned)(seg_stop - fp);
+            unsigned valid = ((1u << hi) - 1) & ~((1u << lo) - 1);
+            for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
+                const unsigned char *e = sm->holders + h * sm->width;
+                unsigned char m = e[4];
+                if (m >= n_media)
+                    continue;
+                Py_ssize_t hd = head_find(&htab, heads, rd_u32(e));
+                if (hd < 0 || run_end[hd] != seg_start)      /* not a head, or its run stopped before */
+                    continue;
+                unsigned got = held_offsets(sm, e, qmask[s]) & valid;
+                unsigned char *sm16 = segmed + 16 * hd;
+                if (stamp[hd] != s) {
+                    stamp[hd] = s;
+                    uni[hd] = got;
+                    single[hd] = m;
+                    continue;
                 }
+                if (single[hd] != 255) {        /* a second entry: per offset from here on */
+                    memset(sm16, 255, 16);
+                    for (unsigned b = uni[hd]; b; b &= b - 1)
+                        sm16[__builtin_ctz(b)] = single[hd];
+                    single[hd] = 255;
+                }
+                for (unsigned b = got; b; b &= b - 1) {
+                    unsigned o = (unsigned)__builtin_ctz(b);
+                    if (m < sm16[o])
+                        sm16[o] = m;
+                }
+                uni[hd] |= got;
             }
-            run_buf *run = &runs[h];
-            run->media = PyMem_Malloc((size_t)(e - b));
-            run->slots = PyMem_Malloc((size_t)(e - b) * 8);
-            run->gens = PyMem_Malloc((size_t)(e - b) * 8);
-            if (run->media == NULL || run->slots == NULL || run->gens == NULL) {
-                failed = 1;
-                goto done;
+            Py_ssize_t still = 0;
+            for (Py_ssize_t a = 0; a < n_active; a++) {
+                Py_ssize_t hd = active[a];
+                unsigned ext = stamp[hd] == s ? (unsigned)__builtin_ctz(~(uni[hd] >> lo)) : 0;
+                if (ext > hi - lo)
+                    ext = hi - lo;
+                for (unsigned o = lo; o < lo + ext; o++) {
+                    unsigned char m = single[hd] != 255 ? single[hd] : segmed[16 * hd + o];
+                    if (runs_push(&runs[hd], fp + o, m) < 0) {
+                        failed = 1;
+                        goto done;
+                    }
+                    if (single[hd] != 255)
+                        break;                  /* one medium for the whole extension */
+                }
+                run_end[hd] = seg_start + ext;
+                if (run_end[hd] == seg_stop)
+                    active[still++] = hd;
             }
-            for (; len < held && own[len] == me; len++) {
-                const unsigned char *r = tbl[len];
-                run->media[len] = r[13];
-                run->slots[len] = (int64_t)rd_u32(r + 14);
-                run->gens[len] = rd_i64(r + 18);
-            }
-            run->len = run->cap = len;
+            n_active = still;
+            if (!n_active)
+                break;
         }
     }
-    /* No record is read past here: making objects may run a collection, and any finalizer the values. */
+    /* No value is read past here: making objects may run a collection, and any finalizer the values. */
     out_marked = PyBytes_FromStringAndSize(NULL, n_marked * 8);
-    out_heads = PyList_New(k);
-    out_runs = PyList_New(k);
-    if (out_marked == NULL || out_heads == NULL || out_runs == NULL)
+    out_layers = PyBytes_FromStringAndSize((const char *)layer, n);
+    /* Flat buffers, not an object per head: a lookup held by 128 nodes made a collection's worth of
+     * objects here. heads (uint32s), then per head its pages, where its stretches start in the
+     * stretch arrays (k + 1 int64s), and the stretches' first pages (int64s) and codes. */
+    Py_ssize_t total = 0;
+    for (Py_ssize_t hd = 0; hd < k; hd++)
+        total += runs[hd].n;
+    out_heads = PyBytes_FromStringAndSize((const char *)heads, k * 4);
+    PyObject *pages_b = PyBytes_FromStringAndSize(NULL, k * 8), *offs_b = PyBytes_FromStringAndSize(NULL, (k + 1) * 8);
+    PyObject *starts_b = PyBytes_FromStringAndSize(NULL, total * 8), *codes_b = PyBytes_FromStringAndSize(NULL, total);
+    if (pages_b != NULL && offs_b != NULL && starts_b != NULL && codes_b != NULL) {
+        int64_t at = 0;
+        for (Py_ssize_t hd = 0; hd < k; hd++) {
+            int64_t pg = (int64_t)run_end[hd];
+            memcpy(PyBytes_AS_STRING(pages_b) + 8 * hd, &pg, 8);
+            memcpy(PyBytes_AS_STRING(offs_b) + 8 * hd, &at, 8);
+            if (runs[hd].n) {
+                memcpy(PyBytes_AS_STRING(starts_b) + 8 * at, runs[hd].starts, (size_t)runs[hd].n * 8);
+                memcpy(PyBytes_AS_STRING(codes_b) + at, runs[hd].codes, (size_t)runs[hd].n);
+            }
+            at += runs[hd].n;
+        }
+        memcpy(PyBytes_AS_STRING(offs_b) + 8 * k, &at, 8);
+        out_media = PyTuple_Pack(4, pages_b, offs_b, starts_b, codes_b);
+    }
+    Py_XDECREF(pages_b);
+    Py_XDECREF(offs_b);
+    Py_XDECREF(starts_b);
+    Py_XDECREF(codes_b);
+    if (out_marked == NULL || out_layers == NULL || out_heads == NULL || out_media == NULL)
         goto done;
     for (Py_ssize_t q = 0, i = 0; q < n && i < n_marked; q++) {
-        if (flag[q] & 1) {
+        if (marked[q]) {
             int64_t page = (int64_t)q;
             memcpy(PyBytes_AS_STRING(out_marked) + 8 * i++, &page, 8);
         }
     }
-    if (fill_runs(runs, heads, k, out_heads, out_runs) < 0)
-        goto done;
-    result = Py_BuildValue("(nnnOOO)", held, (Py_ssize_t)malformed, unknown, out_heads, out_runs, out_marked);
+    result = Py_BuildValue("(nnnOOOO)", held, (Py_ssize_t)malformed, unknown, out_heads, out_media, out_layers,
+                           out_marked);
 done:
     if (failed)
         PyErr_NoMemory();
@@ -512,23 +691,99 @@ done:
     PyBuffer_Release(&tagbuf);
     PyBuffer_Release(&alive);
     Py_XDECREF(out_heads);
-    Py_XDECREF(out_runs);
+    Py_XDECREF(out_media);
+    Py_XDECREF(out_layers);
     Py_XDECREF(out_marked);
-    free_runs(runs, k);
+    PyMem_Free(sums);
+    PyMem_Free(layer);
+    PyMem_Free(marked);
     PyMem_Free(heads);
-    PyMem_Free(at);
-    PyMem_Free(tbl);
-    PyMem_Free(own);
-    PyMem_Free(mine);
-    PyMem_Free(known);
-    PyMem_Free(kinc);
-    PyMem_Free(flag);
+    PyMem_Free(run_end);
+    PyMem_Free(stamp);
+    PyMem_Free(active);
+    PyMem_Free(uni);
+    PyMem_Free(single);
+    PyMem_Free(segmed);
+    for (Py_ssize_t hd = 0; runs != NULL && hd < k; hd++) {
+        PyMem_Free(runs[hd].starts);
+        PyMem_Free(runs[hd].codes);
+    }
+    PyMem_Free(runs);
+    PyMem_Free(htab.slot);
+    PyMem_Free(qmask);
+    return result;
+}
+
+PyDoc_STRVAR(record_slots_doc,
+"record_slots(values, segments, base, media, layers, slots, gens, /)\n\n"
+"Fills a holder's slots and generations from its records (pof_connector/index/summary.py): values\n"
+"one per segment read (bytes or None), segments (int64s) which segment each is; a query page q is\n"
+"offset (q - base) % 16 of segment (q - base) // 16. For each page whose gens entry is negative and\n"
+"whose segment was read, the record of (media[q], layers[q], offset) sets slots[q] and gens[q]\n"
+"(int64 buffers, written in place); a page without one keeps -1. A value cut short gives what came\n"
+"before the cut.");
+
+static PyObject *py_record_slots(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *values;
+    Py_buffer segs, media, layers, slots, gens;
+    Py_ssize_t base;
+    if (!PyArg_ParseTuple(args, "O!y*ny*y*w*w*", &PyList_Type, &values, &segs, &base, &media, &layers, &slots,
+                          &gens))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = media.len, nv = PyList_GET_SIZE(values);
+    if (segs.len != nv * 8 || layers.len != n || slots.len != n * 8 || gens.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "segments must be one int64 per value, layers one byte and slots and "
+                        "gens one int64 per page of media");
+        goto done;
+    }
+    const unsigned char *md = media.buf, *ly = layers.buf;
+    int64_t *sl = slots.buf, *gn = gens.buf;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        PyObject *item = PyList_GET_ITEM(values, i);
+        if (!PyBytes_Check(item))
+            continue;
+        const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(item), *end = v + PyBytes_GET_SIZE(item);
+        int64_t s = rd_i64((const unsigned char *)segs.buf + 8 * i);
+        while (end - v >= 4) {
+            unsigned char gm = v[0], gl = v[1];
+            unsigned mask = rd_u16(v + 2);
+            v += 4;
+            for (unsigned o = 0; o < 16; o++) {
+                if (!(mask >> o & 1))
+                    continue;
+                if (end - v < 12)
+                    goto next;
+                /* q = base + 16 s + o, compared before adding: s is the caller's. */
+                if (s >= 0 && s < (int64_t)(n / 16 + 2)) {
+                    int64_t q = (int64_t)base + 16 * s + o;
+                    if (q >= 0 && q < (int64_t)n && gn[q] < 0 && md[q] == gm && ly[q] == gl) {
+                        sl[q] = (int64_t)rd_u32(v);
+                        gn[q] = rd_i64(v + 4);
+                    }
+                }
+                v += 12;
+            }
+        }
+    next:;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&segs);
+    PyBuffer_Release(&media);
+    PyBuffer_Release(&layers);
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&gens);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"leading_runs", py_leading_runs, METH_VARARGS, leading_runs_doc},
-    {"segment_runs", py_segment_runs, METH_VARARGS, segment_runs_doc},
+    {"summary_runs", py_summary_runs, METH_VARARGS, summary_runs_doc},
+    {"record_slots", py_record_slots, METH_VARARGS, record_slots_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -108,7 +108,11 @@ class SourceFinder:
         holders = {m.node for _, m in runs}
         near = {n: [m for m in MEDIA if self.readable(n, m)] for n in holders}
         far = {n: [m for m in MEDIA if self.remote_meta(n, m) is not None] for n in holders}
-        return reach(self.node_id, runs, near=near, far=far, own=own, length=length)
+        # reach() reads the chosen holders' slot records from the index: guarded as a lookup is
+        # (an index lost since the lookup leaves this node's own pages, and is counted once).
+        got: Reach | None = self.guard.call(
+            "records", lambda: reach(self.node_id, runs, near=near, far=far, own=own, length=length), default=None)
+        return got if got is not None else reach(self.node_id, [], near={}, far={}, own=own, length=length)
 
     def readable(self, node: str, medium: str) -> bool:
         """Can this node read ``node``'s ``medium`` tier with plain loads?"""

@@ -15,9 +15,10 @@ import redis
 
 from pof_connector.index import Location
 from pof_connector.index.record_runs import RECORD
-from pof_connector.index.redis import RedisIndex, loc_key, segment_key
-from pof_connector.index.segments import SEGMENT_RECORD, tag
+from pof_connector.index.redis import RedisIndex, loc_key, records_key, segment_key
+from pof_connector.index.segments import tag
 from pof_connector.index.server import RedisServer
+from pof_connector.index.summary import encode_records, encode_summary, parse_records, parse_summary
 from pof_connector.keys import PageKey
 from pof_connector.pool import Pool
 from tests.test_pool import SPEC, assert_pages, cfg, content, load_all, wait_for
@@ -29,11 +30,25 @@ def record(inc: int, medium: int, slot: int, gen: int) -> bytes:
     return rec.tobytes()
 
 
-def segment_record(key: PageKey, inc: int, medium: int, slot: int, gen: int) -> bytes:
-    rec = np.zeros(1, dtype=SEGMENT_RECORD)
-    assert key.place is not None
-    rec[0] = (key.place.offset, tag(key.digest), inc, medium, slot, gen)
-    return rec.tobytes()
+def write_segment(raw: redis.Redis, keys: list[PageKey], hostile: dict[int, bytes]) -> None:
+    """The ``hostile`` records (per page of segment 0) as a hostile writer would put them in the
+    segment's summary (a bit for each, the page's tag) and in the holder's records."""
+    namespace, field = keys[0].namespace, keys[0].digest[:16]
+    sm = parse_summary(raw.hget(segment_key(namespace), field) or b"")
+    assert sm is not None
+    recs: dict[int, dict[tuple[int, int, int], tuple[int, int]]] = {}
+    masks: dict[tuple[int, int], list[int]] = {(i, m): list(ms) for i, m, ms in sm.holders}
+    for page, rec in hostile.items():
+        inc, medium = int.from_bytes(rec[:4], "little"), rec[4]
+        sm.tags[page] = tag(keys[page].digest)                     # layer 0, offset = page
+        masks.setdefault((inc, medium), [0])[0] |= 1 << page
+        if inc not in recs:
+            recs[inc] = parse_records(raw.hget(records_key(namespace), field + inc.to_bytes(4, "little")))
+        recs[inc][medium, 0, page] = (int.from_bytes(rec[5:9], "little"), int.from_bytes(rec[9:17], "little"))
+    sm.holders = [(i, m, ms) for (i, m), ms in masks.items()]
+    raw.hset(segment_key(namespace), field, encode_summary(sm))
+    for inc, r in recs.items():
+        raw.hset(records_key(namespace), field + inc.to_bytes(4, "little"), encode_records(r))
 
 
 @pytest.mark.parametrize("schema", ["pages", "segments"])
@@ -65,12 +80,8 @@ def test_out_of_bounds_locations_are_refused_before_any_read(runtime_dir: str, n
             6: record(inc, 1, 0, gen) + b"\x01",                    # a record with bytes too many
             7: record(inc, 1, 1, gen),                              # a slot inside, another page's bytes
         }
-        if schema == "segments":           # a segment value is checked whole: cut and padded in test_segments.py
-            hostile = {page: segment_record(keys[page], inc, int(rec[4]), int.from_bytes(rec[5:9], "little"), gen)
-                       for page, rec in hostile.items() if len(rec) == RECORD.itemsize}
-            field = keys[0].digest[:16]
-            raw.hset(segment_key(namespace), field, (raw.hget(segment_key(namespace), field) or b"")
-                     + b"".join(hostile.values()))
+        if schema == "segments":           # a summary is checked whole: cut and padded in test_segments.py
+            write_segment(raw, keys, {page: rec for page, rec in hostile.items() if len(rec) == RECORD.itemsize})
         else:
             for page, rec in hostile.items():
                 raw.hset(loc_key(namespace), keys[page].digest[:16], rec)
@@ -134,3 +145,28 @@ def test_hostile_node_info_is_refused_not_fatal(runtime_dir: str, namespace: byt
     finally:
         raw.close()
         a.close()
+
+
+def test_an_index_lost_between_the_lookup_and_the_record_read_costs_a_miss(
+        runtime_dir: str, namespace: bytes, shm_path: str, redis_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup answers from summaries; the slots of the holder a node loads from are read after
+    it picked one. An index that fails that read is a miss (the node's own pages still load),
+    counted as an index error, never an exception out of the pool."""
+    from pof_connector.index import IndexUnavailable
+    tiers = {"cxl": {"path": shm_path, "size": "1MiB", "partitions": 2}}
+    a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    try:
+        keys = a.keys_for(np.arange(16 * 4))
+        a.store([(k, content(k)) for k in keys]).result()
+        wait_for(lambda: b.lookup(keys).pages == 4)
+
+        def lost(*_: object) -> list[object]:
+            raise IndexUnavailable("index went away")
+        monkeypatch.setattr(b.index, "_read_record_values", lost)
+        assert b.lookup(keys).pages == 0
+        assert b.stats.get("index_errors", op="records") >= 1
+    finally:
+        for p in (a, b):
+            p.close()

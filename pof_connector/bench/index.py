@@ -26,7 +26,7 @@ from pof_connector.credentials import IndexAuth
 from pof_connector.index import segments
 from pof_connector.index.base import MEDIA, IndexUnavailable, Location, NodeInfo, PrefixMatch
 from pof_connector.index.client import redis_client
-from pof_connector.index.redis import RedisIndex, flat_key, loc_key, segment_key
+from pof_connector.index.redis import RedisIndex, flat_key, loc_key, records_key, segment_key
 from pof_connector.index.segments import SegmentQuery
 from pof_connector.index.server import RedisServer
 from pof_connector.keys import Namespace, PageKey, page_keys
@@ -39,9 +39,11 @@ WARMUP = 10
 BATCH = 5000
 MEDIUM = "cpu_dram"
 NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, ZRANGE, the GET of "
-        "the namespace's placeless flag and one HMGET of every segment of the query (SEGMENT_PAGES pages each: "
-        "segments_per_lookup) as a single pipelined buffer, and this chain has no marked offset and no placeless "
-        "page, so no second round runs; ratio = lookup p50 / PING p50, measured "
+        "the namespace's placeless flag and one HMGET of every segment's summary (SEGMENT_PAGES pages each: "
+        "segments_per_lookup; which holder holds which page, no slots) as a single pipelined buffer, and this chain "
+        "has no marked offset and no placeless page, so no second round runs; resolve_p50_ms = the loader's read "
+        "of one holder's slot records for all its pages (one HMGET, the holder of the longest run; not part of a "
+        "lookup); ratio = lookup p50 / PING p50, measured "
         "interleaved on the same connection pool; server_hmget_ms = the server's own mean time in that HMGET "
         "(INFO commandstats, private server only), ratio_floor = (PING p50 + server_hmget_ms) / PING p50: the "
         "ratio of a client that took no time at all; decode_ms = the client's decoding of the reply per decoder "
@@ -54,6 +56,7 @@ class Latencies:
 
     lookup_ms: list[float]
     rtt_ms: list[float]
+    resolve_ms: list[float]
 
 
 def run(
@@ -145,27 +148,34 @@ def _publish(client: RedisIndex, keys: Sequence[PageKey]) -> None:
 
 
 def _measure(reader: RedisIndex, keys: list[PageKey], expected: dict[str, int], iterations: int) -> Latencies:
-    """Lookups after warm-ups, each followed by one PING; every answer is checked."""
+    """Lookups after warm-ups, each followed by one PING and the loader's slot read of one holder;
+    every answer's runs are checked, and every holder's slots after the warm-ups and the last lookup."""
     for _ in range(WARMUP):
-        _verify(reader.longest_prefix(keys), expected)
+        _verify(reader.longest_prefix(keys), expected, slots=True)
     lookup_ms: list[float] = []
     rtt_ms: list[float] = []
-    for _ in range(iterations):
+    resolve_ms: list[float] = []
+    for i in range(iterations):
         t0 = time.perf_counter()
         got = reader.longest_prefix(keys)
         lookup_ms.append((time.perf_counter() - t0) * 1000)
-        _verify(got, expected)
+        _verify(got, expected, slots=i == iterations - 1)
         rtt_ms.append(reader.ping_ms())
-    return Latencies(lookup_ms, rtt_ms)
+        longest = max(got.values(), key=lambda m: m.pages)
+        t0 = time.perf_counter()
+        longest.resolve(longest.pages)
+        resolve_ms.append((time.perf_counter() - t0) * 1000)
+    return Latencies(lookup_ms, rtt_ms, resolve_ms)
 
 
-def _verify(got: dict[str, PrefixMatch], expected: dict[str, int]) -> None:
-    """A wrong answer makes every latency figure meaningless: stop the benchmark."""
+def _verify(got: dict[str, PrefixMatch], expected: dict[str, int], *, slots: bool = True) -> None:
+    """A wrong answer makes every latency figure meaningless: stop the benchmark. ``slots``: read and
+    check every holder's slots too (a round trip per holder: not after every timed lookup)."""
     counts = {node: m.pages for node, m in got.items()}
     if counts != expected:
         raise BenchError(f"longest_prefix returned page counts {counts}, expected {expected}")
     for node, m in got.items():
-        if m.per_tier() != {MEDIUM: expected[node]} or int(m.slots[-1]) != expected[node] - 1:
+        if m.per_tier() != {MEDIUM: expected[node]} or (slots and int(m.slots[-1]) != expected[node] - 1):
             raise BenchError(f"longest_prefix returned wrong locations for {node}: {m.per_tier()}, "
                              f"last slot {int(m.slots[-1])}")
 
@@ -219,7 +229,8 @@ def _memory(client: RedisIndex, url: str, auth: IndexAuth | None, count: int, ru
         _publish(client, keys)
         elapsed = time.perf_counter() - t0
         after = int(r.info("memory")["used_memory"])
-        hash_bytes = sum(int(r.memory_usage(k, samples=0) or 0) for k in (loc_key(ns), segment_key(ns)))
+        hash_bytes = sum(int(r.memory_usage(k, samples=0) or 0)
+                         for k in (loc_key(ns), segment_key(ns), records_key(ns)))
     finally:
         r.close()
     return Memory((after - before) / count, hash_bytes / count, count / elapsed)
@@ -262,7 +273,8 @@ def _cleanup(url: str, auth: IndexAuth | None, reader: RedisIndex, clients: Sequ
     r = redis_client(url, auth, timeout_s=None)
     try:
         if namespaces:
-            r.delete(*(k for ns in namespaces for k in (loc_key(ns), segment_key(ns), flat_key(loc_key(ns)))))
+            r.delete(*(k for ns in namespaces
+                       for k in (loc_key(ns), segment_key(ns), records_key(ns), flat_key(loc_key(ns)))))
         for client in clients:
             if client.incarnation is not None:
                 client.leave()
@@ -291,6 +303,7 @@ def _result(lat: Latencies, memory: Memory, pages: int, nodes: int, iterations: 
         "lookup_p90_ms": _pct(lat.lookup_ms, 90),
         "lookup_p99_ms": _pct(lat.lookup_ms, 99),
         "rtt_p50_ms": round(rtt_p50, 4),
+        "resolve_p50_ms": _pct(lat.resolve_ms, 50),
         "round_trips_per_lookup": 1,
         "bytes_per_location": round(memory.bytes_per_location, 1),
         "hash_bytes_per_location": round(memory.hash_bytes_per_location, 1),

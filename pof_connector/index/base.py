@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -91,20 +92,94 @@ key asked for, so a chain whose pages are held by several nodes in a row is aske
 where the runs so far stop): a chain is found across up to this many holders in a row."""
 
 
-@dataclass(frozen=True)
+Resolver = Callable[[int, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+"""Reads a holder's slot records: given how many leading pages, their media codes, and the slots and
+generations known so far (generation -1: not known), returns all their slots and generations (a
+generation still -1: no record, so a miss from that page on)."""
+
+
+class MatchSource(Protocol):
+    """Where a lookup's matches get their media and slots when first asked for (``key``: which match)."""
+
+    def media_of(self, key: int) -> np.ndarray: ...
+
+    def resolve(self, key: int, pages: int, media: np.ndarray, slots: np.ndarray,
+                gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
 class PrefixMatch:
     """One node's leading run of pages: page ``i`` of the query lives at ``media[i]``,
-    ``slots[i]``, ``generations[i]`` (arrays of length :attr:`pages`; media are codes into
-    :data:`MEDIA`)."""
+    ``slots[i]``, ``generations[i]`` (media are codes into :data:`MEDIA`).
 
-    node: str
-    media: np.ndarray
-    slots: np.ndarray
-    generations: np.ndarray
+    An index may answer with the run and its media only (a lookup's reply then does not grow with
+    a record per holder and page) and a ``resolve`` that reads the slots when they are first asked
+    for: :meth:`resolve` reads only the leading pages a loader takes. A record the read does not
+    find (withdrawn since the lookup) cuts the run there."""
+
+    __slots__ = ("_gens", "_key", "_known", "_media", "_pages", "_resolve", "_slots", "_source", "node")
+
+    def __init__(self, node: str, media: np.ndarray | None, slots: np.ndarray | None = None,
+                 generations: np.ndarray | None = None, resolve: Resolver | None = None,
+                 source: MatchSource | None = None, key: int = 0, pages: int = 0) -> None:
+        """``source`` and ``key``: instead of ``media`` and ``resolve``, where both come from when first
+        asked for (``pages`` long): a lookup makes one match per holder, and most are never read."""
+        self.node = node
+        self._media = media
+        self._source = source
+        self._key = key
+        self._pages = len(media) if media is not None else pages
+        self._slots = slots
+        self._gens = generations
+        self._resolve = resolve
+        self._known = self._pages if resolve is None and source is None else 0
+        """Leading pages whose slots were read (or needed no read)."""
+
+    @property
+    def media(self) -> np.ndarray:
+        if self._media is None:
+            self._media = self._source.media_of(self._key) if self._source is not None else np.zeros(0, np.uint8)
+        return self._media
 
     @property
     def pages(self) -> int:
-        return len(self.slots)
+        return self._pages
+
+    @property
+    def slots(self) -> np.ndarray:
+        self.resolve(self.pages)
+        return self.known()[0]
+
+    @property
+    def generations(self) -> np.ndarray:
+        self.resolve(self.pages)
+        return self.known()[1]
+
+    def resolve(self, pages: int) -> int:
+        """Read the slots of the first ``pages`` pages (once); returns how many leading pages have
+        them now (fewer when a record was gone: the run is cut there)."""
+        pages = min(pages, self.pages)
+        if self._slots is None or self._gens is None:
+            self._slots = np.full(self.pages, -1, dtype=np.int64)
+            self._gens = np.full(self.pages, -1, dtype=np.int64)
+        if self._known < pages and (self._resolve is not None or self._source is not None):
+            media = self.media
+            args = (pages, media[:pages], self._slots[:pages], self._gens[:pages])
+            slots, gens = (self._resolve(*args) if self._resolve is not None
+                           else self._source.resolve(self._key, *args))   # type: ignore[union-attr]
+            self._slots = np.concatenate([slots, self._slots[pages:]])
+            self._gens = np.concatenate([gens, self._gens[pages:]])
+            good = int(np.argmax(self._gens[:pages] < 0)) if (self._gens[:pages] < 0).any() else pages
+            if good < pages:
+                self._media, self._slots, self._gens = media[:good], self._slots[:good], self._gens[:good]
+                self._pages = good
+            self._known = good
+        return min(pages, self._known)
+
+    def known(self) -> tuple[np.ndarray, np.ndarray]:
+        """The slots and generations read so far (-1 where not yet), without reading more."""
+        self.resolve(0)
+        assert self._slots is not None and self._gens is not None
+        return self._slots, self._gens
 
     def location(self, i: int) -> Location:
         return Location(self.node, MEDIA[int(self.media[i])], int(self.slots[i]), int(self.generations[i]))
@@ -112,6 +187,9 @@ class PrefixMatch:
     def per_tier(self) -> dict[str, int]:
         codes, counts = np.unique(self.media, return_counts=True)
         return {MEDIA[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)}
+
+    def __repr__(self) -> str:
+        return f"PrefixMatch({self.node!r}, pages={self.pages}, resolved={self._known})"
 
 
 class LocalityIndex(ABC):

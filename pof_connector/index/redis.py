@@ -5,9 +5,13 @@ the Lua scripts may touch several)::
 
     pof:{pof}:seg:<namespace hex>  HASH   field: the first 16 bytes of the chain digest of a segment's
                                           head page (the page at position p - p % SEGMENT_PAGES)
-                                          value: segment records, 26 bytes each (:mod:`.segments`):
-                                                 u8 offset | 8-byte tag (the page digest's first 8
-                                                 bytes) | the holder record below
+                                          value: its summary (:mod:`.summary`): the tags (8 bytes of
+                                                 each page's digest) of up to MAX_TAGS chains per
+                                                 offset, and per holder and medium a 16-bit mask per
+                                                 tag layer; no slots
+    pof:{pof}:rec:<namespace hex>  HASH   field: a segment's field + u32 incarnation
+                                          value: that holder's slots and generations in the segment
+                                                 (12 bytes a page, grouped by medium and layer)
     pof:{pof}:loc:<namespace hex>  HASH   field: the first 16 bytes of a page's chain digest
                                           value: holder records, 17 bytes each, little-endian
                                                  u32 incarnation | u8 medium | u32 slot | u64 generation
@@ -22,7 +26,7 @@ A page whose key knows its place in the chain (:class:`~pof_connector.keys.Chain
 computed from tokens) is recorded in its segment; one without (a digest an engine handed over) in
 its own per-page field, and the namespace is flagged. An offset of a segment holds the pages of
 at most :data:`~.segments.MAX_TAGS` chains: where more chains part inside one segment, the pages
-of the others go to per-page fields and the offset gets a marker, so a segment where many
+of the others go to per-page fields and the offset is marked, so a segment where many
 conversations leave a shared prompt does not grow for every lookup that reads it.
 
 Liveness uses the server's clock (``TIME`` inside the scripts), so clients' clocks may differ.
@@ -34,10 +38,14 @@ Digests are cut to 16 bytes (fields) and 8 (tags) in the index only: the page he
 full key, so a collision costs a miss, never wrong KV.
 
 A lookup of placed keys is one round trip of four pipelined commands — ``TIME``, ``ZRANGE live
-WITHSCORES``, ``GET`` of the namespace's flag and one ``HMGET`` of the query's segments (one field
-per 16 pages) — sent as a pre-encoded RESP buffer and decoded in C (:mod:`.segments`). A second
-round reads per-page fields only where a run may go on in them: a marked offset where a run
-stops, or a flagged namespace. A lookup of keys without places reads every page's field (``TIME``,
+WITHSCORES``, ``GET`` of the namespace's flag and one ``HMGET`` of the query's summaries (one field
+per 16 pages) — sent as a pre-encoded RESP buffer and decoded in C (:mod:`.segments`): it answers
+with each holder's run and media, not slots, so its reply grows by 7 bytes per holder and segment,
+not by a 26-byte record per holder and page. The loader reads the slots of the holder it picked,
+for the pages it loads, when it first asks for them (:meth:`.base.PrefixMatch.resolve`: one
+``HMGET`` of that holder's records; a router never does). A second lookup round reads per-page
+fields only where a run may go on in them: a marked offset where a run stops, or a flagged
+namespace. A lookup of keys without places reads every page's field (``TIME``,
 ``ZRANGE``, one ``HMGET``; :mod:`.record_runs`). Reading one field per page cost about 0.2 µs a
 field on the server and as much again in the client (one Python object per value), 5-7 ``PING``
 times for 2,000 pages; the segments' measurements are in ``docs/index-segments.md``.
@@ -76,239 +84,47 @@ from pof_connector.index.base import (
     Location,
     NodeInfo,
     PrefixMatch,
+    Resolver,
     check_one_namespace,
     node_id_taken,
 )
 from pof_connector.index.client import redis_client
+from pof_connector.index.keyspace import (
+    FLAG_MEMORY_S,
+    K_INC_NODE,
+    K_INC_OWNER,
+    K_INFO,
+    K_LIVE,
+    K_NODE_INC,
+    K_SEQ,
+    LIVE_QUERY,
+    PREFIX,
+    REGISTRY_KEYS,
+    flat_key,
+    loc_key,
+    records_key,
+    segment_key,
+)
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
-from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentPlan, segment_items
-from pof_connector.keys import DIGEST_BYTES, PageKey
+from pof_connector.index.resp import FIELD_RESP_BYTES, fields_resp, frame, hmget_head, hmget_resp, page_fields, resp
+from pof_connector.index.scripts import (
+    HEARTBEAT,
+    LEAVE,
+    PUBLISH,
+    SEGMENT_PRUNE,
+    SEGMENT_PUBLISH,
+    SEGMENT_WITHDRAW,
+    WITHDRAW,
+)
+from pof_connector.index.segment_path import SegmentPath
+from pof_connector.index.segments import SegmentPlan
+from pof_connector.index.summary import locations, parse_summary
+from pof_connector.keys import PageKey
 
 T = TypeVar("T")
-
-PREFIX = "pof:{pof}:"
-K_NODE_INC = PREFIX + "node-inc"
-K_INC_NODE = PREFIX + "inc-node"
-K_LIVE = PREFIX + "live"
-K_INFO = PREFIX + "info"
-K_SEQ = PREFIX + "seq"
-K_INC_OWNER = PREFIX + "inc-owner"
-REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
-
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# ARGV: node id, this client's last incarnation ('' if it never registered), TTL in ms, info JSON,
-# this client's owner token. Returns {incarnation, 1} for a new registration, {incarnation, 0} for
-# a renewal, and {holder, -1} when another live client registered the node id after this one.
-# Each incarnation records its owner's token (KEYS[6]): a registration that this very client made
-# by a heartbeat whose reply it never got (a timeout) is recognised as its own and adopted.
-_HEARTBEAT = _NOW + """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
-if #expired > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  redis.call('HDEL', KEYS[4], unpack(expired))
-  redis.call('HDEL', KEYS[6], unpack(expired))
-end
-local inc = redis.call('HGET', KEYS[1], ARGV[1])
-local live = inc and redis.call('ZSCORE', KEYS[3], inc)
-local fresh = 0
-if not (live and inc == ARGV[2]) then
-  fresh = 1
-  if live and redis.call('HGET', KEYS[6], inc) == ARGV[5] then
-    -- Ours, registered by a heartbeat whose reply we lost: adopt it (and publish again).
-  elseif live and ARGV[2] ~= '' then
-    return {inc, -1}
-  else
-    if live then
-      -- A new process of a node whose registration is live: the node restarted, and what its
-      -- former incarnation published points into memory that is gone. It dies now, not at its TTL.
-      redis.call('ZREM', KEYS[3], inc)
-      redis.call('HDEL', KEYS[4], inc)
-      redis.call('HDEL', KEYS[6], inc)
-    end
-    inc = tostring(redis.call('INCR', KEYS[5]))
-    redis.call('HSET', KEYS[1], ARGV[1], inc)
-    redis.call('HSET', KEYS[2], inc, ARGV[1])
-    redis.call('HSET', KEYS[6], inc, ARGV[5])
-  end
-end
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), inc)
-redis.call('HSET', KEYS[4], inc, ARGV[4])
-return {inc, fresh}
-"""
-
-# ARGV[1]: concatenated 16-byte fields; ARGV[2]: concatenated 17-byte records, one per field.
-# Publish replaces this incarnation's record for the same medium (a record's first 5 bytes).
-# KEYS[2], when given: the namespace's flag "placeless pages here", set (see _SEGMENT_LOOKUP).
-_PUBLISH = r"""
-local fields, recs = ARGV[1], ARGV[2]
-for k = 0, #fields / 16 - 1 do
-  local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
-  local rec = string.sub(recs, k * 17 + 1, k * 17 + 17)
-  local head = string.sub(rec, 1, 5)
-  local old = redis.call('HGET', KEYS[1], f)
-  if not old then
-    redis.call('HSET', KEYS[1], f, rec)
-  else
-    local out = {}
-    for p = 1, #old, 17 do
-      local r = string.sub(old, p, p + 16)
-      if string.sub(r, 1, 5) ~= head then out[#out + 1] = r end
-    end
-    out[#out + 1] = rec
-    redis.call('HSET', KEYS[1], f, table.concat(out))
-  end
-end
-if KEYS[2] then redis.call('SET', KEYS[2], '1') end
-return #fields / 16
-"""
-
-# Same arguments; removes exactly these records (and the flag once no per-page field is left).
-_WITHDRAW = r"""
-local fields, recs = ARGV[1], ARGV[2]
-for k = 0, #fields / 16 - 1 do
-  local f = string.sub(fields, k * 16 + 1, k * 16 + 16)
-  local rec = string.sub(recs, k * 17 + 1, k * 17 + 17)
-  local old = redis.call('HGET', KEYS[1], f)
-  if old then
-    local out = {}
-    for p = 1, #old, 17 do
-      local r = string.sub(old, p, p + 16)
-      if r ~= rec then out[#out + 1] = r end
-    end
-    if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
-  end
-end
-if KEYS[2] and redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[2]) end
-return #fields / 16
-"""
-
-# Per-page fields as the segment scripts use them (KEYS[2] of theirs): put replaces the record of
-# the same incarnation and medium (`who`, 5 bytes), drop removes it.
-_PAGE_FIELDS = r"""
-local function page_records(f)
-  local old = redis.call('HGET', KEYS[2], f) or ''
-  local out = {}
-  for p = 1, #old - 16, 17 do out[#out + 1] = string.sub(old, p, p + 16) end
-  return out
-end
-local function page_write(f, out)
-  if #out == 0 then redis.call('HDEL', KEYS[2], f) else redis.call('HSET', KEYS[2], f, table.concat(out)) end
-end
-local function page_drop(f, who)
-  local out = {}
-  for _, r in ipairs(page_records(f)) do
-    if string.sub(r, 1, 5) ~= who then out[#out + 1] = r end
-  end
-  page_write(f, out)
-end
-local function page_put(f, rec)
-  page_drop(f, string.sub(rec, 1, 5))
-  local out = page_records(f)
-  out[#out + 1] = rec
-  page_write(f, out)
-end
-local function segment_parse(old)
-  local by, order = {}, {}
-  for p = 1, #old - 25, 26 do
-    local r = string.sub(old, p, p + 25)
-    local o = string.sub(r, 1, 1)
-    if not by[o] then by[o] = {}; order[#order + 1] = o end
-    local t = by[o]
-    t[#t + 1] = r
-  end
-  return by, order
-end
-local function segment_write(f, by, order)
-  local out = {}
-  for _, o in ipairs(order) do
-    for _, r in ipairs(by[o]) do out[#out + 1] = r end
-  end
-  if #out == 0 then redis.call('HDEL', KEYS[1], f) else redis.call('HSET', KEYS[1], f, table.concat(out)) end
-end
-local ZERO4 = string.rep('\0', 4)
-"""
-
-# KEYS: the namespace's segment hash, its per-page hash. ARGV[1]: MAX_TAGS; then pairs of a
-# segment field and its items (segments.ITEM_BYTES each: the page's 16-byte field, its 26-byte
-# segment record). A record replaces the one of the same page, incarnation and medium. An offset
-# full of other chains' pages (MAX_TAGS tags) sends the page to its per-page field instead and
-# marks the offset (a record of incarnation 0); a page that finds room again leaves its field.
-_SEGMENT_PUBLISH = _PAGE_FIELDS + r"""
-local K = tonumber(ARGV[1])
-local n = 0
-for a = 2, #ARGV, 2 do
-  local f, items = ARGV[a], ARGV[a + 1]
-  local by, order = segment_parse(redis.call('HGET', KEYS[1], f) or '')
-  for q = 1, #items - 41, 42 do
-    local pf, r = string.sub(items, q, q + 15), string.sub(items, q + 16, q + 41)
-    local o, tag, who = string.sub(r, 1, 1), string.sub(r, 2, 9), string.sub(r, 10, 14)
-    if not by[o] then by[o] = {}; order[#order + 1] = o end
-    local keep, tags, ntags, marked = {}, {}, 0, false
-    for _, x in ipairs(by[o]) do
-      if string.sub(x, 10, 13) == ZERO4 then
-        marked = true
-        keep[#keep + 1] = x
-      elseif not (string.sub(x, 2, 9) == tag and string.sub(x, 10, 14) == who) then
-        local t = string.sub(x, 2, 9)
-        if not tags[t] then tags[t] = true; ntags = ntags + 1 end
-        keep[#keep + 1] = x
-      end
-    end
-    if tags[tag] or ntags < K then
-      keep[#keep + 1] = r
-      if marked then page_drop(pf, who) end
-    else
-      if not marked then keep[#keep + 1] = o .. string.rep('\0', 25) end
-      page_put(pf, string.sub(r, 10, 26))
-    end
-    by[o] = keep
-    n = n + 1
-  end
-  segment_write(f, by, order)
-end
-return n
-"""
-
-# Same keys and arguments (no MAX_TAGS): removes exactly these records, from the segment or, for a
-# page that is not there, from its per-page field.
-_SEGMENT_WITHDRAW = _PAGE_FIELDS + r"""
-local n = 0
-for a = 1, #ARGV, 2 do
-  local f, items = ARGV[a], ARGV[a + 1]
-  local by, order = segment_parse(redis.call('HGET', KEYS[1], f) or '')
-  for q = 1, #items - 41, 42 do
-    local pf, r = string.sub(items, q, q + 15), string.sub(items, q + 16, q + 41)
-    local o, found = string.sub(r, 1, 1), false
-    local keep = {}
-    for _, x in ipairs(by[o] or {}) do
-      if x == r then found = true else keep[#keep + 1] = x end
-    end
-    if found then
-      by[o] = keep
-    else
-      local rec, out = string.sub(r, 10, 26), {}
-      for _, x in ipairs(page_records(pf)) do
-        if x ~= rec then out[#out + 1] = x end
-      end
-      page_write(pf, out)
-    end
-    n = n + 1
-  end
-  segment_write(f, by, order)
-end
-return n
-"""
-
-_LEAVE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-return 1
-"""
+__all__ = ["FIELD_RESP_BYTES", "FLAG_MEMORY_S", "K_INC_NODE", "K_INC_OWNER", "K_INFO", "K_LIVE", "K_NODE_INC", "K_SEQ",
+           "LIVE_QUERY", "PREFIX", "REGISTRY_KEYS", "RedisIndex", "fields_resp", "flat_key", "frame", "hmget_head",
+           "hmget_resp", "loc_key", "page_fields", "records_key", "resp", "segment_key"]
 
 
 def _node_info(raw: bytes) -> NodeInfo | None:
@@ -320,67 +136,7 @@ def _node_info(raw: bytes) -> NodeInfo | None:
         return None
 
 
-def loc_key(namespace: bytes) -> str:
-    return f"{PREFIX}loc:{namespace.hex()}"
-
-
-def _segment_records(val: bytes) -> np.ndarray:
-    """A segment value's whole records (a broken writer's trailing bytes left out)."""
-    return np.frombuffer(val[:len(val) - len(val) % SEGMENT_RECORD.itemsize], dtype=SEGMENT_RECORD)
-
-
-def segment_key(namespace: bytes) -> str:
-    return f"{PREFIX}seg:{namespace.hex()}"
-
-
-def flat_key(loc: str) -> str:
-    """The flag "placeless pages here" of the namespace whose per-page hash is ``loc``."""
-    return loc.replace(":loc:", ":flat:", 1)
-
-
-def _resp(*args: bytes) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
-FLAG_MEMORY_S = 30.0
-"""How long a lookup keeps reading a namespace's per-page fields in its first round after it saw
-the namespace flagged (placeless pages, e.g. SGLang's without prefix keys): a mixed namespace then
-costs one round trip, not two (the first lookup that finds the flag gone stops it)."""
-
-LIVE_QUERY = _resp(b"TIME") + _resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
-_FIELD_RESP = np.frombuffer(b"$16\r\n" + bytes(FIELD_BYTES) + b"\r\n", dtype=np.uint8)
-
-
-FIELD_RESP_BYTES = len(_FIELD_RESP)
-_FIELDS_TEMPLATE = np.tile(_FIELD_RESP, (8192, 1))
-"""The framing of up to 8,192 fields, copied whole (faster than filling it in for each lookup)."""
-
-
-def fields_resp(fields: np.ndarray) -> bytes:
-    """The 16-byte ``fields`` as RESP bulk strings, one after the other, built with numpy."""
-    n = len(fields)
-    body = (_FIELDS_TEMPLATE[:n] if n <= len(_FIELDS_TEMPLATE)
-            else np.broadcast_to(_FIELD_RESP, (n, FIELD_RESP_BYTES))).copy()
-    body[:, 5:5 + FIELD_BYTES] = fields
-    return body.tobytes()
-
-
-def hmget_head(key: bytes, count: int) -> bytes:
-    """The start of ``HMGET key`` with ``count`` fields, in RESP (the fields follow)."""
-    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (count + 2, len(key), key)
-
-
-def _page_fields(keys: Sequence[PageKey]) -> np.ndarray:
-    """The keys' per-page fields (their digests' first 16 bytes), ``[len(keys), 16]`` uint8."""
-    return np.frombuffer(b"".join([k.digest for k in keys]), dtype=np.uint8).reshape(-1, DIGEST_BYTES)[:, :FIELD_BYTES]
-
-
-def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
-    """``HMGET key f1 f2 …`` in RESP: every field is 16 bytes."""
-    return hmget_head(key, len(fields)) + fields_resp(fields)
-
-
-class RedisIndex(LocalityIndex):
+class RedisIndex(SegmentPath, LocalityIndex):
     """A :class:`LocalityIndex` client on a Redis-protocol server; thread-safe.
 
     Every call either succeeds or raises :class:`IndexUnavailable` (server down, timeout), which
@@ -400,17 +156,19 @@ class RedisIndex(LocalityIndex):
         self._r: Any = self._connect(url, auth, timeout_s)
         """A ``redis.Redis``, or a ``redis.RedisCluster`` in :class:`.redis_cluster.RedisClusterIndex`:
         the commands this class sends to it are the same on both."""
-        self._heartbeat = self._r.register_script(_HEARTBEAT)
-        self._publish = self._r.register_script(_PUBLISH)
-        self._withdraw = self._r.register_script(_WITHDRAW)
-        self._segment_publish = self._r.register_script(_SEGMENT_PUBLISH)
-        self._segment_withdraw = self._r.register_script(_SEGMENT_WITHDRAW)
-        self._leave = self._r.register_script(_LEAVE)
+        self._heartbeat = self._r.register_script(HEARTBEAT)
+        self._publish = self._r.register_script(PUBLISH)
+        self._withdraw = self._r.register_script(WITHDRAW)
+        self._segment_publish = self._r.register_script(SEGMENT_PUBLISH)
+        self._segment_withdraw = self._r.register_script(SEGMENT_WITHDRAW)
+        self._segment_prune = self._r.register_script(SEGMENT_PRUNE)
+        self._leave = self._r.register_script(LEAVE)
         self._inc: int | None = None          # our live registration; None: not registered
         self._last_inc: int | None = None     # the last one we had (a newer holder of our id displaced it)
         self._owner = uuid.uuid4().hex        # tells our registrations from another process's
         self._inc_names: dict[int, str] = {}
         self._flag_seen: dict[bytes, float] = {}
+        self._live_cache: tuple[list[Any], np.ndarray, np.ndarray] | None = None
         """Namespace -> when a lookup last saw its placeless flag (monotonic seconds)."""
         self._lock = threading.Lock()
 
@@ -514,19 +272,6 @@ class RedisIndex(LocalityIndex):
             keys = [key, flat_key(key)] if self.SEGMENTS else [key]
             self._call(what, script, keys=keys, args=[fields, recs])
 
-    def _write_segments(self, what: str, entries: Sequence[tuple[PageKey, Location]], incs: dict[str, int]) -> None:
-        by_ns: dict[bytes, list[tuple[PageKey, int, int, int, int]]] = {}
-        for key, loc in entries:
-            if loc.node in incs:
-                by_ns.setdefault(key.namespace, []).append(
-                    (key, incs[loc.node], MEDIA.index(loc.medium), loc.slot, loc.generation))
-        for ns, group in by_ns.items():
-            args: list[bytes | int] = [MAX_TAGS] if what == "publish" else []
-            for field, items in segment_items(group).items():
-                args += [field, items]
-            script = self._segment_publish if what == "publish" else self._segment_withdraw
-            self._call(what, script, keys=[segment_key(ns), loc_key(ns)], args=args)
-
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         if not keys:
             return {}
@@ -534,7 +279,7 @@ class RedisIndex(LocalityIndex):
         plan = self._segment_plan(keys)
         if plan is not None:
             return self._segment_lookup(ns, keys, plan)
-        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), _page_fields(keys))
+        packed = LIVE_QUERY + hmget_resp(loc_key(ns).encode(), page_fields(keys))
         now, live, vals = self._call("lookup", self._send, packed, 3)
         return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
 
@@ -542,51 +287,31 @@ class RedisIndex(LocalityIndex):
         """The query as segment fields; ``None``: read per-page fields (a key without its place)."""
         return SegmentPlan.of(keys) if self.SEGMENTS else None
 
-    def _segment_lookup(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan) -> dict[str, PrefixMatch]:
-        """Round 1 reads the segments and the namespace's placeless flag, and, where this client saw
-        the flag within :data:`FLAG_MEMORY_S`, every page's per-page field too; round 2, only when
-        a run may go on in per-page fields round 1 did not read (a marked offset where a run
-        stops, or a flag not seen before), reads those fields; both are decoded together."""
-        seen = self._flag_seen.get(ns)
-        flagged = seen is not None and time.monotonic() - seen < FLAG_MEMORY_S
-        packed = (LIVE_QUERY + _resp(b"GET", flat_key(loc_key(ns)).encode())
-                  + hmget_resp(segment_key(ns).encode(), plan.fields)
-                  + (hmget_resp(loc_key(ns).encode(), _page_fields(keys)) if flagged else b""))
-        # The tags (a pass over every key) are computed while the server answers.
-        (now, live, flat, vals, *more), query = self._call("lookup", self._send_then, packed, 5 if flagged else 4,
-                                                           plan.query)
-        if flat is not None:
-            self._flag_seen[ns] = time.monotonic()
-        else:
-            self._flag_seen.pop(ns, None)
-        alive = self._alive(now, live)
-        answer = query.decode(vals, alive, len(MEDIA))
-        if flat is None and not answer.needs_pages():
-            return self._matches(answer.runs)
-        if more:
-            wanted, got = np.arange(query.pages), more[0]
-        else:
-            wanted = np.arange(query.pages) if flat is not None else answer.marked
-            fields = _page_fields([keys[int(i)] for i in wanted])
-            (got,) = self._call("lookup", self._send, hmget_resp(loc_key(ns).encode(), fields), 1)
-        merged = answer.page_values()
-        for i, v in zip(wanted.tolist(), got, strict=True):
-            if v is not None:
-                merged[i] = (merged[i] or b"") + v
-        found = leading_runs(merged, alive, len(MEDIA))
-        if answer.runs.malformed:
-            self._refused(1, "malformed")
-        return self._matches(found)
-
-    @staticmethod
-    def _alive(now: list[bytes], live: list[Any]) -> list[int]:
+    def _alive(self, now: list[bytes], live: list[Any]) -> list[int]:
         """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
-        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
-        pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
-        return [int(member) for member, score in pairs if float(score) > now_ms]   # RESP3 or RESP2
+        alive: list[int] = self._live(now, live).tolist()
+        return alive
 
-    def _matches(self, found: LeadingRuns) -> dict[str, PrefixMatch]:
-        """Each live node's leading run, from a decoded reply."""
+    def _live(self, now: list[bytes], live: list[Any]) -> np.ndarray:
+        """:meth:`_alive` as a sorted uint32 array. The registry's parse is kept while its reply
+        repeats (it changes with heartbeats, about once a second per node, while lookups come by the
+        thousand): parsing 64 members and scores cost a lookup as much as decoding its runs."""
+        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        cached = self._live_cache
+        if cached is None or cached[0] != live:
+            pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
+            incs = np.array([int(m) for m, _ in pairs], dtype=np.int64)     # RESP3 or RESP2
+            expiry = np.array([float(sc) for _, sc in pairs], dtype=np.float64)
+            order = np.argsort(incs, kind="stable")
+            cached = self._live_cache = (live, incs[order], expiry[order])
+        _, incs, expiry = cached
+        mine = incs[(expiry > now_ms) & (incs > 0) & (incs < 1 << 32)]
+        return np.unique(mine).astype("<u4") if len(mine) and (np.diff(mine) == 0).any() else mine.astype("<u4")
+
+    def _matches(self, found: LeadingRuns,
+                 resolver: Callable[[int], Resolver] | None = None) -> dict[str, PrefixMatch]:
+        """Each live node's leading run, from a decoded reply; ``resolver(inc)``: reads the slots of
+        that holder's pages whose generation is -1 (known from a summary only)."""
         # A value cut short or padded, or a medium code no build knows: what a hostile or broken
         # writer left. The run ends there, or that page is absent.
         if found.malformed:
@@ -600,7 +325,8 @@ class RedisIndex(LocalityIndex):
         for node_inc, (media, slots, gens) in zip(found.heads, found.runs, strict=True):
             node = names.get(node_inc)
             if node is not None:
-                out[node] = PrefixMatch(node, media, slots, gens)
+                lazy = resolver(node_inc) if resolver is not None and bool((gens < 0).any()) else None
+                out[node] = PrefixMatch(node, media, slots, gens, resolve=lazy)
         return out
 
     def _refused(self, n: int, why: str) -> None:
@@ -668,7 +394,8 @@ class RedisIndex(LocalityIndex):
                 fields += int(self._r.hlen(key))
             for key in self._r.scan_iter(match=PREFIX + "seg:*", count=1000):
                 for _, val in self._r.hscan_iter(key, count=1000):
-                    fields += int((_segment_records(val)["inc"] != 0).sum())     # markers are no location
+                    sm = parse_summary(val)
+                    fields += 0 if sm is None else locations(sm)
             mem = self._r.info("memory")
             live, _ = self._nodes_raw()
             return {"locations": fields, "memory_bytes": int(mem["used_memory"]), "nodes": len(live)}
@@ -682,9 +409,8 @@ class RedisIndex(LocalityIndex):
             alive = {int(i) for i in live}
             dropped = 0
             for key, field, val in self._hscan(namespace, batch):
-                segment = key == segment_key(namespace)
-                recs = _segment_records(val) if segment else np.frombuffer(val, dtype=RECORD)
-                keep = np.isin(recs["inc"], list(alive)) | (segment & (recs["inc"] == 0))    # and the markers
+                recs = np.frombuffer(val, dtype=RECORD)
+                keep = np.isin(recs["inc"], list(alive))
                 if keep.all():
                     continue
                 dropped += int((~keep).sum())
@@ -692,15 +418,25 @@ class RedisIndex(LocalityIndex):
                     self._r.hset(key, field, recs[keep].tobytes())
                 else:
                     self._r.hdel(key, field)
+            if self.SEGMENTS:
+                packed = np.array(sorted(alive), dtype="<u4").tobytes()
+                for keys in self._all_summary_hashes(namespace):
+                    fields: list[bytes] = []
+                    for field, _ in self._r.hscan_iter(keys[0], count=batch):
+                        fields.append(field)
+                        if len(fields) >= batch:
+                            dropped += int(self._segment_prune(keys=list(keys), args=[packed, *fields]))
+                            fields = []
+                    if fields:
+                        dropped += int(self._segment_prune(keys=list(keys), args=[packed, *fields]))
             return dropped
         dropped: int = self._call("sweep", run)
         return dropped
 
     def _hscan(self, namespace: bytes, batch: int) -> Iterator[tuple[str, bytes, bytes]]:
-        """(hash key, field, records) of every per-page field and segment of ``namespace``."""
-        for key in (loc_key(namespace), segment_key(namespace)) if self.SEGMENTS else (loc_key(namespace),):
-            for field, val in self._r.hscan_iter(key, count=batch):
-                yield key, field, val
+        """(hash key, field, records) of every per-page field of ``namespace``."""
+        for field, val in self._r.hscan_iter(loc_key(namespace), count=batch):
+            yield loc_key(namespace), field, val
 
     def ping_ms(self) -> float:
         """One round trip, for benchmarks."""

@@ -41,7 +41,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -63,6 +63,10 @@ from pof_connector.index.base import (
     PrefixMatch,
     check_one_namespace,
 )
+from pof_connector.index.cluster_summaries import BUCKET_BYTE as BUCKET_BYTE
+from pof_connector.index.cluster_summaries import BUCKETS as BUCKETS
+from pof_connector.index.cluster_summaries import REGISTRY_SLOT, ClusterSummaries, flag_key
+from pof_connector.index.cluster_summaries import bucket_key as bucket_key
 from pof_connector.index.record_runs import FIELD_BYTES, leading_runs
 from pof_connector.index.redis import (
     FIELD_RESP_BYTES,
@@ -77,21 +81,11 @@ from pof_connector.index.redis import (
 from pof_connector.keys import PageKey
 
 log = logging.getLogger("pof_connector.index")
-BUCKETS = 32
-"""Hashes per namespace: how many slots, and so shards, one namespace spans at most. Each is one
-``HMGET`` (one reply to read) per lookup: 64 cost a lookup of 2,000 pages 1.6x the client CPU of
-16 (measured), so a namespace spreads over up to 32 shards."""
-BUCKET_BYTE = 16
-"""The digest byte that picks a page's bucket (not one of the 16 stored as the field)."""
-REGISTRY_SLOT = key_slot(K_LIVE.encode())
 WAIT_MS = 100
 """How long a heartbeat waits for a replica to acknowledge a new registration."""
 REFRESH_EVERY_S = 0.2
 _DIGEST = operator.attrgetter("digest")
-
-
-def bucket_key(namespace: bytes, bucket: int) -> str:
-    return f"pof:{{{namespace.hex()}/{bucket:02x}}}:loc"
+T = TypeVar("T")
 
 
 class LazyCluster:
@@ -129,12 +123,12 @@ class LazyCluster:
             self._client.close()
 
 
-class RedisClusterIndex(RedisIndex):
+class RedisClusterIndex(ClusterSummaries, RedisIndex):
     """A :class:`~.base.LocalityIndex` client on a Redis Cluster; thread-safe. Every call
     succeeds or raises :class:`~.base.IndexUnavailable`, as :class:`.redis.RedisIndex`."""
 
-    SEGMENTS = False
-    """Every key in its per-page field: segments would need their own buckets (not built yet)."""
+    SEGMENTS = True
+    """Placed keys go to segment summaries and records, bucketed by their segment's field."""
 
     def __init__(self, url: str, node_id: str | None, *, timeout_s: float = 1.0,
                  auth: IndexAuth | None = None) -> None:
@@ -142,6 +136,7 @@ class RedisClusterIndex(RedisIndex):
         self._refreshed = 0.0
         self._refresh_lock = threading.Lock()
         self._bucket_cache: dict[bytes, tuple[list[bytes], list[int]]] = {}
+        self._kind_cache: dict[tuple[bytes, str], list[bytes]] = {}
         super().__init__(url, node_id, timeout_s=timeout_s, auth=auth)
 
     def _connect(self, url: str, auth: IndexAuth | None, timeout_s: float) -> Any:
@@ -214,7 +209,16 @@ class RedisClusterIndex(RedisIndex):
 
     def _register(self, args: list[Any]) -> list[Any]:
         """The heartbeat script, then ``WAIT`` on the same connection, so that a new registration
-        is on a replica before the node publishes under it."""
+        is on a replica before the node publishes under it. Answered ``MOVED`` (a map refreshed
+        right after a failover can still name the former master: seen under load in CI), it is
+        sent once more on a map read again; the script did not run, so nothing is done twice."""
+        try:
+            return self._register_once(args)
+        except AskError:
+            self._refresh(force=True)
+            return self._register_once(args)
+
+    def _register_once(self, args: list[Any]) -> list[Any]:
         pipe = self._registry().pipeline(transaction=False)
         pipe.eval(self._heartbeat.script, len(REGISTRY_KEYS), *REGISTRY_KEYS, *args)
         if len(self._r.nodes_manager.slots_cache.get(REGISTRY_SLOT, ())) > 1:
@@ -242,6 +246,9 @@ class RedisClusterIndex(RedisIndex):
             pipe = self._r.pipeline(transaction=False)
             for key, (fields, recs) in records.items():
                 pipe.execute_command("EVAL", script, 1, key, fields, recs)
+            if what == "publish":       # placeless pages here: placed lookups read per-page fields too
+                for ns in {key[key.index("{") + 1:key.index("/")] for key in records}:
+                    pipe.execute_command("SET", flag_key(bytes.fromhex(ns)), "1")
             pipe.execute()
         self._call(what, send)
 
@@ -259,6 +266,9 @@ class RedisClusterIndex(RedisIndex):
         if not keys:
             return {}
         ns = check_one_namespace(keys)
+        plan = self._segment_plan(keys)
+        if plan is not None:
+            return self._retried(ns, lambda: self._segment_lookup(ns, keys, plan))
         joined = b"".join(list(map(_DIGEST, keys)))
         digests = np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), -1)
         before = self._masters(ns)
@@ -273,6 +283,20 @@ class RedisClusterIndex(RedisIndex):
                 raise
             now, live, vals = self._call("lookup", self._lookup_round, ns, digests)
         return self._matches(leading_runs(vals, self._alive(now, live), len(MEDIA)))
+
+    def _retried(self, ns: bytes, lookup: Callable[[], T]) -> T:
+        """``lookup``, sent once more when it failed on MOVED or on a master that the refreshed slot
+        map no longer names (as the per-page lookup is)."""
+        # The slot map's refresh stamp, not the masters themselves: listing 33 masters cost a
+        # lookup a tenth of its time. A failed call refreshes the map (at most every 0.2 s).
+        before = self._refreshed
+        try:
+            return lookup()
+        except IndexUnavailable as e:
+            moved = isinstance(e.__cause__, AskError)
+            if isinstance(e, IndexTimeout) or not (moved or self._refreshed != before):
+                raise
+            return lookup()
 
     def _masters(self, ns: bytes) -> list[str]:
         """The masters a lookup in ``ns`` goes to, as the slot map says now ([] if a slot has none)."""
@@ -310,9 +334,11 @@ class RedisClusterIndex(RedisIndex):
         vals[order] = [v for _, hm in per_bucket for v in hm]
         return now, live, vals.tolist()
 
-    def _exchange(self, plan: dict[str, tuple[ClusterNode, bytes, int]]) -> dict[str, list[Any]]:
+    def _exchange(self, plan: dict[str, tuple[ClusterNode, bytes, int]],
+                  meanwhile: Callable[[], object] | None = None) -> dict[str, list[Any]]:
         """Write each node's buffer, then read its replies (``n`` of them), all nodes at once;
-        raises the first error reply after every reply was read."""
+        raises the first error reply after every reply was read. ``meanwhile``: run between the
+        writes and the reads (this client's work overlaps the servers')."""
         taken: list[tuple[Any, Any]] = []
         out: dict[str, list[Any]] = {}
         first_error: redis.ResponseError | None = None
@@ -323,6 +349,8 @@ class RedisClusterIndex(RedisIndex):
                 conn = pool.get_connection()
                 taken.append((pool, conn))
                 conn.send_packed_command([packed], check_health=False)
+            if meanwhile is not None:
+                meanwhile()
             for (name, (_, _, n)), (_, conn) in zip(plan.items(), taken, strict=True):
                 got = []
                 for _ in range(n):
@@ -359,7 +387,7 @@ class RedisClusterIndex(RedisIndex):
                     fields += int(r.hlen(key))
                 mem += int(r.info("memory")["used_memory"])
             live, _ = self._nodes_raw()
-            return {"locations": fields, "memory_bytes": mem, "nodes": len(live)}
+            return {"locations": fields + self._summary_locations(), "memory_bytes": mem, "nodes": len(live)}
         result: dict[str, int] = self._call("stats", collect)
         return result
 

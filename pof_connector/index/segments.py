@@ -1,17 +1,18 @@
-"""The locality index's segment records: the holders of up to :data:`~pof_connector.keys.SEGMENT_PAGES`
-pages of a chain under one hash field, so a lookup reads one field per segment instead of one per
-page (the schema and the reasons: :mod:`.redis` and ``docs/index-segments.md``).
+"""The locality index's segments: the pages of up to :data:`~pof_connector.keys.SEGMENT_PAGES`
+consecutive pages of a chain under one field, found from the segment's head page, so a lookup
+reads one field per segment instead of one per page (the reasons: ``docs/index-segments.md``; the
+summary and record layouts: :mod:`.summary`).
 
-A segment's field is the first 16 bytes of its head page's chain digest; its value is a run of
-:data:`SEGMENT_RECORD` records: the page's offset in the segment, the first 8 bytes of the page's
-own digest (its tag: chains that diverge inside a segment have different pages at one offset)
-and the holder record of :data:`~.record_runs.RECORD`. An offset holds the pages of at most
-:data:`MAX_TAGS` chains; a page of one more chain goes to its own per-page field instead, and a
-marker record (incarnation 0, which no node has) at that offset tells lookups to read the
-per-page fields of the query's pages at that offset too.
+A publish or withdraw sends, per segment, items of :data:`ITEM_BYTES`: the page's own 16-byte
+field (for a page that goes to, or is in, a per-page field), then :data:`SEGMENT_RECORD`: its
+offset in the segment, its tag (the first 8 bytes of its own digest: chains that diverge inside a
+segment have different pages at one offset) and its holder record. An offset holds the pages of at
+most :data:`MAX_TAGS` chains; a page of one more chain goes to its own per-page field instead, and
+the offset is marked in the summary, which tells lookups to read the per-page fields of the
+query's pages at that offset too.
 
 Everything here is pure: building a query's fields and a publish's arguments, and decoding a
-reply into the :class:`~.record_runs.LeadingRuns` the per-page decoder gives.
+reply into runs and holders (:class:`SegmentAnswer`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from pof_connector.index import record_runs
-from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, block_runs
+from pof_connector.index import record_runs, summary
+from pof_connector.index.record_runs import FIELD_BYTES, RECORD
 from pof_connector.keys import SEGMENT_PAGES, PageKey
 
 TAG_BYTES = 8
 SEGMENT_RECORD = np.dtype([("offset", "u1"), ("tag", "<u8"), ("inc", "<u4"), ("medium", "u1"), ("slot", "<u4"),
                            ("gen", "<u8")])
-"""One segment record: offset in the segment, tag (the page digest's first 8 bytes, little-endian),
-then the 17-byte holder record (incarnation, medium code, slot, generation)."""
+"""One location as the write scripts take it: offset in the segment, tag (the page digest's first 8
+bytes, little-endian), then the 17-byte holder record (incarnation, medium code, slot, generation)."""
 assert SEGMENT_RECORD.itemsize == 1 + TAG_BYTES + RECORD.itemsize == 26
 ITEM_BYTES = FIELD_BYTES + SEGMENT_RECORD.itemsize
 """A publish or withdraw item sent to the scripts: the page's own 16-byte field (for a page that
@@ -38,17 +39,18 @@ goes to, or is in, a per-page field), then its segment record."""
 MAX_TAGS = 4
 """Chains whose pages one offset of a segment holds at most (the pages of others go to per-page
 fields): a segment where many chains diverge stays small for every lookup that reads it."""
+assert MAX_TAGS <= summary.LAYERS
 
 
 def _native() -> Any:
-    """The native decoder's module when it has the segment decoder (read at each call: tests
-    switch :mod:`.record_runs`' to ``None`` to run numpy)."""
+    """The native decoder's module when it has the summary decoder (read at each call: tests
+    switch :mod:`.record_runs`' to ``None`` to run Python)."""
     mod = record_runs._native
-    return mod if mod is not None and hasattr(mod, "segment_runs") else None
+    return mod if mod is not None and hasattr(mod, "summary_runs") else None
 
 
 NATIVE: bool = _native() is not None
-"""Whether the native segment decoder runs (else numpy: same runs, slower)."""
+"""Whether the native summary decoder runs (else Python: same runs, slower)."""
 
 
 def tag(digest: bytes) -> int:
@@ -112,74 +114,46 @@ class SegmentQuery:
     def pages(self) -> int:
         return len(self.tags)
 
-    def decode(self, vals: list[Any], alive: list[int], n_media: int, *, native: bool | None = None) -> SegmentAnswer:
-        """The runs in the reply ``vals`` (one value per field: ``None`` or records) of the live
-        incarnations ``alive``, for a build that knows ``n_media`` medium codes. ``native``: force
-        one implementation (``None``: the native one when it was built)."""
+    def decode(self, vals: list[Any], alive: list[int] | np.ndarray, n_media: int, *,
+               native: bool | None = None) -> SegmentAnswer:
+        """The runs and holders in the reply ``vals`` (one summary per field, or ``None``) of the live
+        incarnations ``alive`` (a list, or already a sorted uint32 array), for a build that knows
+        ``n_media`` medium codes. ``native``: force one implementation (``None``: the native one when
+        it was built)."""
         nat = _native()
+        live = alive if isinstance(alive, np.ndarray) else np.array(
+            sorted({i for i in alive if 0 < i < 1 << 32}), dtype="<u4")    # np.unique: ~3x the time
         if native or (native is None and nat is not None):
             if nat is None:
-                raise RuntimeError("pof_connector._prefix_runs was not built with segment_runs")
-            live = np.array(sorted({i for i in alive if 0 < i < 1 << 32}), dtype="<u4")   # np.unique: ~3x the time
-            held, malformed, unknown, heads, runs, marked = nat.segment_runs(
+                raise RuntimeError("pof_connector._prefix_runs was not built with summary_runs")
+            held, malformed, unknown, heads, media, layers, marked = nat.summary_runs(
                 vals, self.first_page, self.tags, live, n_media, SEGMENT_PAGES)
-            found = LeadingRuns(held, bool(malformed), unknown, heads,
-                                [(np.frombuffer(m, dtype=np.uint8), np.frombuffer(s, dtype=np.int64),
-                                  np.frombuffer(g, dtype=np.int64)) for m, s, g in runs])
-            return SegmentAnswer(found, np.frombuffer(marked, dtype=np.int64), self, vals)
-        m = self._match(vals)
-        known = m.match & (m.recs["medium"] < n_media)
-        unknown = int((m.match & ~known).sum())
-        found = _runs(np.flatnonzero(known), m.page, m.recs, alive, m.limit, m.malformed, unknown)
-        return SegmentAnswer(found, np.unique(m.page[m.marker]), self, vals)
-
-    def _match(self, vals: list[Any]) -> _Matched:
-        """Each record of the reply with its query page, and whether it is that page's (its tag)
-        or a marker. Values after a malformed one are not read."""
-        limit, malformed = self.pages, False
-        good: list[bytes] = []
-        for s, v in enumerate(vals):
-            if v is None:
-                good.append(b"")
-            elif len(v) == 0 or len(v) % SEGMENT_RECORD.itemsize:
-                # Cut short or padded: what a broken or hostile writer left. Every run ends here.
-                limit, malformed = max(0, min(self.pages, int(self.first_page[s]))), True
-                break
-            else:
-                good.append(v)
-        lens = np.fromiter(map(len, good), dtype=np.int64, count=len(good)) // SEGMENT_RECORD.itemsize
-        recs = np.frombuffer(b"".join(good), dtype=SEGMENT_RECORD)
-        offset = recs["offset"].astype(np.int64)
-        page = np.repeat(self.first_page[:len(good)], lens) + offset
-        inside = (offset < SEGMENT_PAGES) & (page >= 0) & (page < limit)
-        page = np.where(inside, page, 0)
-        inc = recs["inc"]
-        marker = inside & (inc == 0)
-        match = inside & (inc != 0) & (recs["tag"] == self.tags[page])
-        return _Matched(recs, page, match, marker, limit, malformed)
-
-
-@dataclass(frozen=True)
-class _Matched:
-    recs: np.ndarray
-    page: np.ndarray
-    """Per record, its query page (0 where it is not :attr:`match` nor :attr:`marker`)."""
-    match: np.ndarray
-    """Per record: a holder record of its query page."""
-    marker: np.ndarray
-    limit: int
-    """Pages before the first malformed value's segment (all of the query when none)."""
-    malformed: bool
+            marks = np.frombuffer(marked, dtype=np.int64)
+        else:
+            held, malformed, unknown, heads, media, layers, marks = summary.summary_runs(
+                vals, self.first_page, self.tags, live.tolist(), n_media, SEGMENT_PAGES)
+        return SegmentAnswer(held, bool(malformed), unknown, np.frombuffer(heads, dtype="<u4").tolist(),
+                             summary.Stretches.of(media), np.frombuffer(layers, dtype=np.uint8), marks, self, vals)
 
 
 @dataclass(frozen=True)
 class SegmentAnswer:
-    """A decoded segment reply: the runs, and what a second round needs."""
+    """A decoded summary reply: the runs and holders, and what a second round or the loader needs."""
 
-    runs: LeadingRuns
+    held: int
+    """Pages before the first one no holder has in a known medium (or the first malformed value's segment)."""
+    malformed: bool
+    unknown: int
+    """(holder, query page) pairs in a medium code this build does not know."""
+    heads: list[int]
+    """The live incarnations holding page 0, ascending."""
+    media: summary.Stretches
+    """The heads' runs' media (:meth:`~.summary.Stretches.media`)."""
+    layers: np.ndarray
+    """Per query page, the layer of its tag in its summary (255: no tag): where the records are."""
     marked: np.ndarray
-    """Query pages whose offset carries a marker (int64, ascending): other chains' pages there
-    are in per-page fields."""
+    """Query pages at an overflowed offset (int64, ascending): other chains' pages there are in
+    per-page fields."""
     query: SegmentQuery
     vals: list[Any]
 
@@ -188,44 +162,40 @@ class SegmentAnswer:
         marked pages must be read too."""
         if not len(self.marked):
             return False
-        ends = [len(slots) for _, slots, _ in self.runs.runs] or [0]
-        return int(self.marked[0]) <= max(ends)
+        return int(self.marked[0]) <= int(self.media.pages.max(initial=0))
 
-    def page_values(self) -> list[bytes | None]:
-        """The reply's records as a per-page reply (17-byte records per query page, ``None`` where
-        none is), to merge with per-page fields and decode as one."""
-        m = self.query._match(self.vals)
-        rows = np.flatnonzero(m.match)
-        rows = rows[np.argsort(m.page[rows], kind="stable")]
-        rec = np.zeros(len(rows), dtype=RECORD)
-        for name in RECORD.names or ():
-            rec[name] = m.recs[name][rows]
-        blob = rec.tobytes()
-        ends = np.cumsum(np.bincount(m.page[rows], minlength=self.query.pages)) * RECORD.itemsize
-        starts = np.concatenate(([0], ends[:-1]))
-        return [blob[a:b] if b > a else None for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    def media_of(self, h: int) -> np.ndarray:
+        """The medium code of each page of head ``h``'s run."""
+        return self.media.media(h)
+
+    def page_values(self, alive: list[int], n_media: int) -> list[bytes | None]:
+        """The reply as a per-page reply (17-byte records per query page, ``None`` where none is),
+        to merge with per-page fields and decode as one. The records carry no slot
+        (:data:`~.summary.SENTINEL_SLOT`, generation -1): the loader reads them."""
+        pages = self.query.pages
+        out: list[list[bytes]] = [[] for _ in range(pages)]
+        for s, v in enumerate(self.vals):
+            sm = None if v is None else summary.parse_summary(v)
+            if sm is None:
+                if v is not None:
+                    break                     # malformed: nothing from here on
+                continue
+            fp = int(self.query.first_page[s])
+            for o in range(SEGMENT_PAGES):
+                q = fp + o
+                if not 0 <= q < pages or self.layers[q] == 255:
+                    continue
+                lay = int(self.layers[q])
+                for inc, medium, masks in sm.holders:
+                    if lay < len(masks) and masks[lay] >> o & 1:
+                        out[q].append(_unresolved(inc, medium))
+        return [b"".join(r) if r else None for r in out]
 
 
-def _runs(sel: np.ndarray, page: np.ndarray, recs: np.ndarray, alive: list[int], limit: int, malformed: bool,
-          unknown: int) -> LeadingRuns:
-    """Per live holder of page 0, its run of pages from page 0 among the records ``sel``; of a
-    page it holds in two media, the lowest medium code."""
-    pg = page[sel]
-    covered = np.zeros(limit + 1, dtype=bool)
-    covered[pg] = True
-    held = int(np.argmin(covered))
-    inc = np.ascontiguousarray(recs["inc"])[sel]
-    heads = sorted(set(inc[pg == 0].tolist()).intersection(alive))
-    if not heads or held == 0:
-        return LeadingRuns(held, malformed, unknown, [], [])
-    order = np.array(heads, dtype=inc.dtype)
-    row = np.minimum(np.searchsorted(order, inc), len(heads) - 1)
-    mine = (order[row] == inc) & (pg < held)
-    medium = np.ascontiguousarray(recs["medium"])
-    idx = block_runs(sel[mine], row[mine], pg[mine], medium, len(heads), held)
-    slot, gen = np.ascontiguousarray(recs["slot"]), np.ascontiguousarray(recs["gen"])
-    return LeadingRuns(held, malformed, unknown, heads,
-                       [(medium[i], slot[i].astype(np.int64), gen[i].astype(np.int64)) for i in idx])
+def _unresolved(inc: int, medium: int) -> bytes:
+    rec = np.zeros(1, dtype=RECORD)
+    rec["inc"], rec["medium"], rec["slot"], rec["gen"] = inc, medium, summary.SENTINEL_SLOT, np.uint64(2**64 - 1)
+    return rec.tobytes()
 
 
 def segment_items(entries: Sequence[tuple[PageKey, int, int, int, int]]) -> dict[bytes, bytes]:

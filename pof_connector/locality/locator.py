@@ -212,7 +212,7 @@ def _usable(me: str, runs: list[Run], domains: dict[str, dict[str, str]],
     holders = {m.node for _, m in runs}
     near = {h: [m for m, d in mine.items() if domains.get(h, {}).get(m) == d] for h in holders}
     far = {h: fabric.get(h, frozenset()) for h in holders} if me in fabric else {}
-    got = reach(me, runs, near=near, far=far)
+    got = reach(me, runs, near=near, far=far, slots=False)
     per_tier: dict[str, int] = {}
     for src, remote in zip(got.sources, got.fabric, strict=True):
         tier = REMOTE if remote else src.medium

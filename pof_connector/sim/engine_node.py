@@ -24,6 +24,7 @@ from collections import deque
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.sim.base import NodeEvents, NodeView
 from pof_connector.sim.counters import Counters
+from pof_connector.sim.index_cost import request_index_s
 from pof_connector.sim.job import Job
 from pof_connector.sim.kv_pool import KvPool
 from pof_connector.sim.prefix_cache import PrefixCache
@@ -130,7 +131,8 @@ class EngineNode(NodeView):
         for job in self._prefill:
             job.generated += 1
             if job.first_token_at is None:
-                job.first_token_at = now + self.profile.request_latency_s     # the API server's part
+                # The API server's part, and the index's lookups (neither occupies the engine).
+                job.first_token_at = now + self.profile.request_latency_s + job.index_s
                 self.events.first_token(job, job.first_token_at)
             self._join(job)
         self._prefill = []
@@ -248,6 +250,9 @@ class EngineNode(NodeView):
                     continue
                 break
             engine, best, key, tier = self._lookup(job)
+            if self.pool is not None and job.first_token_at is None:
+                job.index_s = request_index_s(len(self.pool.holders(job.system_key)),
+                                              tier is not None and tier is not self.profile.local_tier)
             compute = job.context - best
             if admitted and budget + compute > p.max_batched_tokens:
                 break

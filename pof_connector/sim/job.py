@@ -35,6 +35,8 @@ class Job:
     """KV blocks it holds now."""
     first_token_at: float | None = None
     """``None``: no first token yet."""
+    index_s: float = 0.0
+    """What the locality index added to its TTFT (:mod:`~pof_connector.sim.index_cost`)."""
     done_at: float | None = None
     failed: bool = False
     preemptions: int = 0

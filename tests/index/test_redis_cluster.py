@@ -1,18 +1,24 @@
 """The cluster index beyond the shared contract: its URL forms, records spread over every master,
-and a graceful failover (MOVED) followed without an error."""
+a graceful failover (MOVED) followed without an error, and the same answers as one server."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 
 from pof_connector.cluster_url import ClusterUrl
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.index import Location, NodeInfo, open_index
+from pof_connector.index import Location, NodeInfo, open_index, redis_index
+from pof_connector.index.base import MEDIA, PrefixMatch
 from pof_connector.index.cluster_servers import ClusterServers
+from pof_connector.index.cluster_summaries import SEGMENT_BUCKET_BYTE, SEGMENT_BUCKETS
 from pof_connector.index.redis_cluster import BUCKET_BYTE, BUCKETS, RedisClusterIndex
-from pof_connector.keys import page_keys
+from pof_connector.index.segments import MAX_TAGS
+from pof_connector.index.server import RedisServer
+from pof_connector.keys import Namespace, PageKey, page_keys
+from pof_connector.pages import PageSpec
 
 
 def test_cluster_urls_parse_and_bad_ones_name_the_key() -> None:
@@ -38,15 +44,25 @@ def test_records_spread_over_every_master(redis_cluster: ClusterServers, namespa
     try:
         assert isinstance(a, RedisClusterIndex)
         a.heartbeat(NodeInfo("a"), 10)
-        ks = page_keys(namespace, list(range(16 * 300)), 16)
+        ks = page_keys(namespace, list(range(16 * 1600)), 16)
         a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(ks)])
+        # Summaries and records are bucketed by their segment's field.
+        heads = {k.place.head[SEGMENT_BUCKET_BYTE] % SEGMENT_BUCKETS for k in ks if k.place is not None}
+        for kind in ("seg", "rec"):
+            per_master = {p.port: sum(1 for _ in p.client().scan_iter(match=f"pof:{{*}}:{kind}")) for p in
+                          redis_cluster.primaries()}
+            assert len(per_master) == 3 and min(per_master.values()) > 0
+            assert sum(per_master.values()) == len(heads) == SEGMENT_BUCKETS
+        got = reader.longest_prefix(ks)["a"]
+        assert got.pages == 1600 and got.location(1599) == Location("a", "cpu_dram", 1599, 1)
+        assert reader.stats()["locations"] == 1600
+        # Keys without places (an engine's bare digests) go to per-page fields, bucketed by digest.
+        flat = [PageKey(namespace, bytes([i]) * 32) for i in range(1, 101)]
+        a.publish([(k, Location("a", "cxl", i, 1)) for i, k in enumerate(flat)])
         per_master = {p.port: sum(1 for _ in p.client().scan_iter(match="pof:{*}:loc")) for p in
                       redis_cluster.primaries()}
-        assert len(per_master) == 3 and min(per_master.values()) > 0
-        assert sum(per_master.values()) == len({k.digest[BUCKET_BYTE] % BUCKETS for k in ks}) > 24
-        got = reader.longest_prefix(ks)["a"]
-        assert got.pages == 300 and got.location(299) == Location("a", "cpu_dram", 299, 1)
-        assert reader.stats()["locations"] == 300
+        assert sum(per_master.values()) == len({k.digest[BUCKET_BYTE] % BUCKETS for k in flat})
+        assert reader.longest_prefix(flat[:3])["a"].pages == 3
         from pof_connector.cli import main
 
         assert main(["index", "stats", "--url", redis_cluster.url]) == 0        # pof index stats on a cluster
@@ -161,3 +177,51 @@ def test_a_cluster_with_a_password_through_index_password_env(monkeypatch: pytes
             wrong.close()
     finally:
         cluster.stop()
+
+
+def test_the_cluster_answers_as_one_server(redis_cluster: ClusterServers, redis_server: RedisServer) -> None:
+    """The same holdings on one server and on the cluster: branches past what an offset keeps (so
+    some pages overflow to per-page fields), a placeless publisher in the placed namespace, withdraws,
+    a spill; every lookup, from several starts, gives the same runs, slots and generations on both."""
+    rng = random.Random(11)
+    ns = Namespace("cl", "bfloat16", "x", PageSpec(2, 1024, 16)).digest
+    trunk = [rng.randrange(30_000) for _ in range(16 * 20)]
+    chains = [page_keys(ns, trunk + [rng.randrange(30_000) for _ in range(16 * 30)], 16) for _ in range(MAX_TAGS + 2)]
+    sides = {url: {n: redis_index(url, n) for n in ("a", "b")} for url in (redis_server.url, redis_cluster.url)}
+    readers = {url: redis_index(url, None) for url in sides}
+    try:
+        for clients in sides.values():
+            for n, c in clients.items():
+                c.heartbeat(NodeInfo(n), 30)
+        ops: list[tuple[str, str, list[tuple[PageKey, Location]]]] = []
+        for c, chain in enumerate(chains):
+            for n in ("a", "b"):
+                held = chain[:rng.randrange(len(chain))]
+                ops.append(("publish", n, [(k, Location(n, MEDIA[rng.randrange(3)], 1000 * c + i,
+                                                        rng.randrange(1, 99))) for i, k in enumerate(held)]))
+        ops.append(("publish", "b", [(PageKey(ns, k.digest), Location("b", "cxl", i, 7))       # placeless
+                                     for i, k in enumerate(chains[0][:25])]))
+        ops.append(("publish", "a", [(k, Location("b", "cpu_dram", 9000 + i, 3))               # spilled into b
+                                     for i, k in enumerate(chains[1][:10])]))
+        ops.append(("withdraw", "a", rng.sample(ops[0][2], len(ops[0][2]) // 3)))
+        for what, n, entries in ops:
+            for clients in sides.values():
+                getattr(clients[n], what)(entries)
+        looked = 0
+        for chain in chains:
+            for start in (0, 3, 16, 21, 37):
+                for end in (start + 5, len(chain)):
+                    one, cl = (_view(readers[u].longest_prefix(chain[start:end])) for u in sides)
+                    assert one == cl, (start, end)
+                    looked += bool(one)
+        assert looked > 20
+    finally:
+        for clients in sides.values():
+            for c in clients.values():
+                c.close()
+        for r in readers.values():
+            r.close()
+
+
+def _view(found: dict[str, PrefixMatch]) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    return {n: (m.media.tolist(), m.slots.tolist(), m.generations.tolist()) for n, m in found.items()}

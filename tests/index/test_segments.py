@@ -14,9 +14,10 @@ import redis
 
 from pof_connector.index import record_runs
 from pof_connector.index.base import MEDIA, Location, NodeInfo, PrefixMatch
-from pof_connector.index.redis import RedisIndex, flat_key, loc_key, segment_key
-from pof_connector.index.segments import MAX_TAGS, SEGMENT_RECORD, SegmentQuery
+from pof_connector.index.redis import RedisIndex, flat_key, loc_key, records_key, segment_key
+from pof_connector.index.segments import MAX_TAGS, SegmentQuery
 from pof_connector.index.server import RedisServer
+from pof_connector.index.summary import encode_summary, parse_summary
 from pof_connector.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, keys_from_hex, page_keys
 from pof_connector.pages import PageSpec
 
@@ -114,14 +115,9 @@ def test_lookups_match_the_per_page_schema(redis_server: RedisServer) -> None:
             n.withdraw([(key, loc)])
             n.withdraw([(PageKey(flat_ns, key.digest), loc)])
         raw = redis.Redis(unix_socket_path=str(redis_server.socket))
-        values = raw.hvals(segment_key(placed_ns))
-        records = np.frombuffer(b"".join(values), dtype=SEGMENT_RECORD)
-        assert (records["inc"] == 0).any(), "no offset overflowed: the test does not reach per-page fields"
-        for v in values:
-            recs = np.frombuffer(v, dtype=SEGMENT_RECORD)
-            live = recs[recs["inc"] != 0]
-            for off in np.unique(live["offset"]):
-                assert len(np.unique(live["tag"][live["offset"] == off])) <= MAX_TAGS
+        summaries = [parse_summary(v) for v in raw.hvals(segment_key(placed_ns))]
+        assert all(sm is not None and sm.layers <= MAX_TAGS for sm in summaries)
+        assert any(sm.marks for sm in summaries if sm), "no offset overflowed: the test does not reach per-page fields"
         assert raw.exists(flat_key(loc_key(placed_ns))) == 0            # every page there was placed
         looked = 0
         for chain in chains:
@@ -221,16 +217,18 @@ def test_hostile_segment_values_end_the_run_and_are_counted(redis_server: RedisS
         a.publish([(k, Location("a", "cpu_dram", i, 1)) for i, k in enumerate(keys)])
         key, field = segment_key(namespace), keys[16].digest[:16]
         good = raw.hget(key, field)
-        assert good is not None and len(good) == 16 * SEGMENT_RECORD.itemsize
+        assert good is not None and parse_summary(good) is not None
         for bad in (good + b"\x00", good[:-1], b""):
             raw.hset(key, field, bad)
             refused.clear()
             assert {n: m.pages for n, m in reader.longest_prefix(keys).items()} == {"a": 16}
             assert refused == [(1, "malformed")]
-        recs = np.frombuffer(good, dtype=SEGMENT_RECORD).copy()
-        recs["medium"][3] = 200                                  # page 19: a medium no build knows
-        recs["offset"][5] = 16 + 5                               # page 21's record: past the segment
-        raw.hset(key, field, recs.tobytes())
+        sm = parse_summary(good)
+        assert sm is not None and len(sm.holders) == 1
+        inc, medium, masks = sm.holders[0]
+        # Page 19 (offset 3) in a medium no build knows, not in its own: the run stops before it.
+        sm.holders = [(inc, medium, [masks[0] & ~(1 << 3)]), (inc, 200, [1 << 3])]
+        raw.hset(key, field, encode_summary(sm))
         refused.clear()
         got = reader.longest_prefix(keys)
         assert got["a"].pages == 19 and refused == [(1, "unknown_medium")]
@@ -256,8 +254,10 @@ def test_sweep_drops_dead_segment_records_and_keeps_markers(redis_server: RedisS
         assert b.sweep(namespace) == locations
         assert b.stats()["locations"] == 1
         raw = redis.Redis(unix_socket_path=str(redis_server.socket))
-        recs = np.frombuffer(raw.hget(segment_key(namespace), chains[0][0].digest[:16]) or b"", dtype=SEGMENT_RECORD)
-        assert (recs["inc"] == 0).sum() == 4       # the markers of offsets 4-7 stay
+        sm = parse_summary(raw.hget(segment_key(namespace), chains[0][0].digest[:16]) or b"")
+        assert sm is not None and sm.marks == 0b1111 << 4      # the marks of offsets 4-7 stay
+        assert [h[0] for h in sm.holders] == [b.incarnation]   # a's holder entries went with its records
+        assert raw.hlen(records_key(namespace)) == 1
     finally:
         a.close()
         b.close()

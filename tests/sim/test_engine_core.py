@@ -14,6 +14,7 @@ from pof_connector.config import ConfigError
 from pof_connector.sim.base import NodeEvents, NodeView, Policy
 from pof_connector.sim.counters import Counters
 from pof_connector.sim.engine_node import EngineNode
+from pof_connector.sim.index_cost import request_index_s
 from pof_connector.sim.job import Job
 from pof_connector.sim.prefix_cache import PrefixCache
 from pof_connector.sim.profile import Profile, load_profile, profile_from_mapping
@@ -133,7 +134,8 @@ def test_session_moving_without_the_pool_recomputes() -> None:
 def test_session_moving_with_the_pool_loads_its_kv() -> None:
     (_, two), sim = run(toy(), session(), [0, 1], pool=True, nodes=2)
     load_s = 8 * 1_000_000 / 0.5e9                                  # 8 tokens over the remote tier
-    assert two.ttft == pytest.approx(0.1 + 8 * 0.01 + load_s)
+    index_s = request_index_s(1, True)          # two lookups of a prefix one node holds, its records read
+    assert two.ttft == pytest.approx(0.1 + 8 * 0.01 + load_s + index_s)
     assert two.ttft < 0.1 + 16 * 0.01                              # cheaper than recomputing
     assert sim.counters.recomputed_tokens == 3
     assert sim.pool is not None and sim.pool.loaded_bytes["remote"] == 8_000_000
