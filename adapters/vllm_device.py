@@ -216,13 +216,8 @@ class StepLoads:
                 if refilled:     # a reader buffer the next layer's segment call refills: copied out first
                     lane.drain()
                 return
-        by_reader: dict[int, tuple[PageReader, list[tuple[int, int]]]] = {}
-        for pos in present:
-            p = self.pages[pos]
-            got = p.reader.landed_sum(p.page, landed[pos].numpy())
-            by_reader.setdefault(id(p.reader), (p.reader, []))[1].append((p.page, got))
-        for reader, checks in by_reader.values():
-            reader.check_all(layer, checks)
+        self._check(layer, present, lambda pos: self.pages[pos].reader.landed_sum(self.pages[pos].page,
+                                                                                  landed[pos].numpy()))
 
     def ready(self, layer: int) -> None:
         """Before the engine reads layer ``layer``: its stream waits for the layer's copy and sums."""
@@ -239,13 +234,18 @@ class StepLoads:
         with self.lane.queue():     # on pof's stream: a copy on the engine's would wait for its forward
             sums = self._sums.cpu().tolist()
         for layer, present in self._pending:
-            by_reader: dict[int, tuple[PageReader, list[tuple[int, int]]]] = {}
-            for pos in present:
-                p = self.pages[pos]
-                by_reader.setdefault(id(p.reader), (p.reader, []))[1].append((p.page, int(sums[layer][pos])))
-            for reader, checks in by_reader.values():
-                reader.check_all(layer, checks)
+            self._check(layer, present, sums[layer].__getitem__)      # tolist(): Python ints
         self._pending = []
+
+    def _check(self, layer: int, present: Sequence[int], landed: Callable[[int], int]) -> None:
+        """Check layer ``layer`` of the pages at ``present`` against the sums ``landed(pos)`` of
+        their bytes where they landed, a reader's pages at once (failures land in its ``failed``)."""
+        by_reader: dict[int, tuple[PageReader, list[tuple[int, int]]]] = {}
+        for pos in present:
+            p = self.pages[pos]
+            by_reader.setdefault(id(p.reader), (p.reader, []))[1].append((p.page, landed(pos)))
+        for reader, checks in by_reader.values():
+            reader.check_all(layer, checks)
 
     def drain(self) -> None:
         """Wait for pof's copies (before the sources are unpinned after an error)."""

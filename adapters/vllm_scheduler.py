@@ -171,12 +171,20 @@ class PoFScheduler:
         found = self._with_approved(keys, self._lookup(request.request_id, first, limit, keys))
         if found.pages == 0 or (first + found.pages) * P <= num_computed:
             return 0
-        if self.saves and self._audit_pick.setdefault(request.request_id, self._sampler.sampled()):
+        if self.saves and self._audited(request.request_id):
             # Audited: the engine computes these pages; the workers compare them with the pool's.
             self._audits[request.request_id] = (first, keys[:found.pages], list(found.sources))
             return 0
         self._plans[request.request_id] = _Plan(first, num_computed, keys[:found.pages], found.sources)
         return (first + found.pages) * P - num_computed
+
+    def _audited(self, req_id: str) -> bool:
+        """Whether ``req_id``'s pool hit is audited: drawn once, however often vLLM asks again (a
+        seeded sampler then picks the same requests in every run)."""
+        pick = self._audit_pick.get(req_id)
+        if pick is None:
+            pick = self._audit_pick[req_id] = self._sampler.sampled()
+        return pick
 
     def _lookup(self, req_id: str, first: int, limit: int, keys: list[PageKey]) -> Lookup:
         now = time.monotonic()

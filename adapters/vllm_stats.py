@@ -23,6 +23,10 @@ _SERIES = re.compile(r"^(\w+)\{((?:\w+=[^,}]*,?)+)\}$")
 EXPORTED = {name: labels.split(",") for name, labels in COUNTER_LABELS.items()}   # pool counter -> its labels
 
 
+LISTS = ("load_seconds", "wait_seconds", "audit_errors")
+"""The per-event series a step's stats carry besides the counters."""
+
+
 def series(key: str) -> tuple[str, dict[str, str]] | None:
     """``("name", {label: value})`` of a snapshot key ``name{a=x,b=y}``; ``None`` for a total."""
     m = _SERIES.match(key)
@@ -45,12 +49,11 @@ class PoFConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
         data: dict[str, Any] = self.data
         data.setdefault("counters", {})
-        data.setdefault("load_seconds", [])
-        data.setdefault("wait_seconds", [])
-        data.setdefault("audit_errors", [])
+        for name in LISTS:
+            data.setdefault(name, [])
 
     def reset(self) -> None:
-        fresh: dict[str, Any] = {"counters": {}, "load_seconds": [], "wait_seconds": [], "audit_errors": []}
+        fresh: dict[str, Any] = {"counters": {}, **{name: [] for name in LISTS}}
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -58,7 +61,7 @@ class PoFConnectorStats(KVConnectorStats):
         theirs: dict[str, Any] = other.data
         for k, v in theirs.get("counters", {}).items():
             mine["counters"][k] = mine["counters"].get(k, 0) + v
-        for name in ("load_seconds", "wait_seconds", "audit_errors"):
+        for name in LISTS:
             mine[name] = list(mine.get(name, [])) + list(theirs.get(name, []))
         return self
 
@@ -79,7 +82,7 @@ class PoFConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in ("counters", "load_seconds", "wait_seconds", "audit_errors"))
+        return not any(self.data.get(k) for k in ("counters", *LISTS))
 
 
 class PoFPromMetrics(KVConnectorPromMetrics):

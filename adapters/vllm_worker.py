@@ -514,22 +514,19 @@ class PoFWorker:
                                           for i, key in enumerate(save.keys) if i not in save.stored]))
         self._saves = []
         batches = [(req_id, items) for req_id, items in batches if items]
+        futures: list[Future[int]] = []
         if not self._hold:
             items = [item for _, items in batches for item in items]
-            if items:
-                self.pool.store(items, ready=ready).add_done_callback(release.done)
-            else:
-                step_saves.drain()                      # no copy still writes into the buffers
-                release.done()
-            return
-        futures: list[Future[int]] = []
-        for req_id, items in batches:
-            stored = self.pool.store(items, hold=(self._step, req_id), ready=ready)
-            futures.append(stored)
-            self._held.setdefault(self._step, []).append((req_id, stored, frozenset(k.digest for k, _ in items)))
-            if self.tp_rank == 0 and self.pp_rank == 0:     # the scheduler plans with rank 0's keys
-                self._report.held[req_id] = [key for key, _ in items]
-        self._report.medium = self.pool.tiers[0].medium if self.pool.tiers else ""
+            futures = [self.pool.store(items, ready=ready)] if items else []
+        else:
+            for req_id, items in batches:
+                stored = self.pool.store(items, hold=(self._step, req_id), ready=ready)
+                futures.append(stored)
+                self._held.setdefault(self._step, []).append((req_id, stored,
+                                                              frozenset(k.digest for k, _ in items)))
+                if self.tp_rank == 0 and self.pp_rank == 0:     # the scheduler plans with rank 0's keys
+                    self._report.held[req_id] = [key for key, _ in items]
+            self._report.medium = self.pool.tiers[0].medium if self.pool.tiers else ""
         if futures:
             futures[-1].add_done_callback(release.done)      # the store thread runs them in order
         else:

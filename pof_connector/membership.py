@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from pof_connector.audit.revocations import revoked_for
 from pof_connector.config import ConfigError
-from pof_connector.index import Location, NodeIdTaken, NodeInfo, TierUsage
+from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
 from pof_connector.placement import Placement
@@ -32,6 +32,7 @@ class Membership:
 
     def __init__(self, parts: NodeParts, meta: dict[str, str], finder: SourceFinder, placement: Placement) -> None:
         self.config = parts.config
+        self.parts = parts
         self.node_id = parts.own.node_id
         self.meta = meta
         self.own = parts.own
@@ -74,12 +75,9 @@ class Membership:
         infos = self.guard.call("nodes", self.index.nodes, default=None)
         dropped = 0
         for key, loc in revoked_for(self.node_id, infos or ()):
-            tier = self.own.get(loc.medium)
-            gone = tier.remove(key, slot=loc.slot) if tier is not None else None
-            if gone is not None:
+            if self.parts.drop_own(key, loc.medium, loc.slot):
                 dropped += 1
                 self.stats.add("audit_revoked", tier=loc.medium)
-                self.publisher.withdraw([(key, Location(self.node_id, loc.medium, gone.slot, gone.generation))])
         if dropped:
             log.warning("pof: another node's audit found %d page(s) of ours wrong; dropped them "
                         "(pof_audit_revoked_total)", dropped)

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pof_connector.config import PofConfig
-from pof_connector.index import LocalityIndex
+from pof_connector.index import LocalityIndex, Location
 from pof_connector.index.guarded import IndexGuard, LogOnce
+from pof_connector.keys import PageKey
 from pof_connector.metrics import PoolStats
 from pof_connector.own_tiers import OwnTiers
 from pof_connector.pages import PageSpec
@@ -31,3 +32,13 @@ class NodeParts:
     stats: PoolStats
     log_once: LogOnce
     fabric: FabricNode | None
+
+    def drop_own(self, key: PageKey, medium: str, slot: int) -> bool:
+        """Forget this node's page ``key`` if it sits in ``slot`` of its ``medium`` tier (only that
+        copy: the key may be stored anew elsewhere) and withdraw that record. False: not there."""
+        tier = self.own.get(medium)
+        gone = tier.remove(key, slot=slot) if tier is not None else None
+        if gone is None:
+            return False
+        self.publisher.withdraw([(key, Location(self.own.node_id, medium, gone.slot, gone.generation))])
+        return True

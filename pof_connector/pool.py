@@ -100,6 +100,7 @@ class Pool:
         self._publisher = Publisher(index, guard)
         self._guard = guard
         parts = NodeParts(config, spec, own, index, guard, self._publisher, self.stats, log_once, self._fabric)
+        self._parts = parts
         self.finder = SourceFinder(parts)
         """What this node can read, and from where."""
         self._reads = Reads(parts, self.finder)
@@ -177,12 +178,8 @@ class Pool:
     def withdraw(self, key: PageKey, src: Location) -> None:
         """No node loads ``key`` from ``src`` again (a page found wrong): this node's own copy is
         dropped from its tier, and the index record is withdrawn whoever wrote it."""
-        if src.node == self.node_id:
-            tier = self._own.get(src.medium)
-            gone = tier.remove(key, slot=src.slot) if tier is not None else None
-            if gone is not None:
-                src = Location(self.node_id, src.medium, gone.slot, gone.generation)
-        self._publisher.withdraw([(key, src)])
+        if src.node != self.node_id or not self._parts.drop_own(key, src.medium, src.slot):
+            self._publisher.withdraw([(key, src)])
 
     def contains(self, key: PageKey) -> bool:
         """True when this node stores (or is storing) ``key``: storing it again is pointless."""

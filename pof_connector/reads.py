@@ -29,6 +29,7 @@ class Reads:
     """Reads of node ``own.node_id`` (a client's pool has no tiers: every read fails "unreachable")."""
 
     def __init__(self, parts: NodeParts, finder: SourceFinder) -> None:
+        self._parts = parts
         self._spec = parts.spec
         self._stats = parts.stats
         self.node_id = parts.own.node_id
@@ -134,9 +135,7 @@ class Reads:
         if tier is None:
             return
         if own:
-            gone = tier.remove(key, slot=ref.slot)     # only that copy: the key may be stored anew elsewhere
-            if gone is not None:
-                self.publisher.withdraw([(key, Location(self.node_id, src.medium, gone.slot, gone.generation))])
+            self._parts.drop_own(key, src.medium, ref.slot)
         elif tier.is_lent(ref.slot):
             # Spilled into a slot we lent and published as ours: the writer's entry leads only to
             # misses. The slot stays the writer's until its lease ends.
