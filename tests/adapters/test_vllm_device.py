@@ -84,6 +84,17 @@ def worker(runtime_dir: str) -> Iterator[tuple[PoFWorker, dict[str, torch.Tensor
     w.close()
 
 
+def store_two_pages(w: PoFWorker, names: list[str]) -> list[Any]:
+    """Two pages saved from blocks 1-4 and stored; their keys."""
+    keys = w.pool.keys_for(list(range(4 * TOKENS)))
+    w.prepare_saves(PoFConnectorMetadata(saves=[SaveJob("s", keys, [[1, 2], [3, 4]])]))
+    for name in names:
+        w.save_layer(name)
+    w.end_step()
+    w.pool.flush()
+    return keys
+
+
 def test_saves_wait_for_the_engine_and_the_store_waits_for_the_copies(worker: Any) -> None:
     """Each layer's gather waits for the engine's stream (attention wrote the layer); at the end
     of the step the engine's stream waits for the last gather (the blocks may be reused next step)
@@ -111,12 +122,7 @@ def test_loads_are_ordered_by_events_and_checked_once_the_stream_drained(worker:
     reported then, the other lands byte-exact."""
     w, kv, log = worker
     names = list(kv)
-    keys = w.pool.keys_for(list(range(4 * TOKENS)))
-    w.prepare_saves(PoFConnectorMetadata(saves=[SaveJob("s", keys, [[1, 2], [3, 4]])]))
-    for name in names:
-        w.save_layer(name)
-    w.end_step()
-    w.pool.flush()
+    keys = store_two_pages(w, names)
     original = {name: t.clone() for name, t in kv.items()}
     tier = w.pool.tiers[0]
     ref = tier.find(keys[1])
@@ -145,12 +151,7 @@ def test_layers_copied_in_groups_land_byte_exact(worker: Any, monkeypatch: pytes
 
     w, kv, _ = worker
     names = list(kv)
-    keys = w.pool.keys_for(list(range(4 * TOKENS)))
-    w.prepare_saves(PoFConnectorMetadata(saves=[SaveJob("s", keys, [[1, 2], [3, 4]])]))
-    for name in names:
-        w.save_layer(name)
-    w.end_step()
-    w.pool.flush()
+    keys = store_two_pages(w, names)
     original = {name: t.clone() for name, t in kv.items()}
     monkeypatch.setattr(vllm_device, "COPY_BYTES", group * w.pool.spec.segment_bytes)
     tier = w.pool.tiers[0]
