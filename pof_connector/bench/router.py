@@ -33,13 +33,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pof_connector.bench import BenchError
+from pof_connector.bench import BenchError, nearest_rank
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port, stream_completion
@@ -94,12 +95,14 @@ def make_workload(tokenize: Callable[[str], list[int]], *, tenants: int, system_
     return Workload(prompts, [tokenize(p) for p in prompts], chosen)
 
 
-def _drive(url: str, work: Workload, clients: int, rate: float, seed: int) -> tuple[list[float], list[str], float]:
-    """Send every prompt in order; (TTFTs, answers, wall seconds). ``rate`` > 0: open loop, Poisson
-    arrivals at ``rate`` per second (a request never waits for another's answer, as with many
-    users); otherwise ``clients`` closed-loop clients."""
+def _drive(url: str, work: Workload, clients: int, rate: float,
+           seed: int) -> tuple[list[float], list[str], list[dict[str, str]], float]:
+    """Send every prompt in order; (TTFTs, answers, answer headers, wall seconds). ``rate`` > 0:
+    open loop, Poisson arrivals at ``rate`` per second (a request never waits for another's
+    answer, as with many users); otherwise ``clients`` closed-loop clients."""
     ttfts = [0.0] * len(work.prompts)
     answers = [""] * len(work.prompts)
+    headers: list[dict[str, str]] = [{} for _ in work.prompts]
     t0 = time.perf_counter()
     if rate > 0:
         rnd = random.Random(seed)
@@ -111,12 +114,12 @@ def _drive(url: str, work: Workload, clients: int, rate: float, seed: int) -> tu
 
         def one(i: int) -> None:
             time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8)
+            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8, headers=headers[i])
 
         with ThreadPoolExecutor(len(work.prompts)) as ex:
             for f in [ex.submit(one, i) for i in range(len(work.prompts))]:
                 f.result()
-        return ttfts, answers, time.perf_counter() - t0
+        return ttfts, answers, headers, time.perf_counter() - t0
     nxt = iter(range(len(work.prompts)))
     lock = threading.Lock()
 
@@ -126,12 +129,12 @@ def _drive(url: str, work: Workload, clients: int, rate: float, seed: int) -> tu
                 i = next(nxt, None)
             if i is None:
                 return
-            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8)
+            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8, headers=headers[i])
 
     with ThreadPoolExecutor(clients) as ex:
         for f in [ex.submit(client) for _ in range(clients)]:
             f.result()
-    return ttfts, answers, time.perf_counter() - t0
+    return ttfts, answers, headers, time.perf_counter() - t0
 
 
 def _counters(servers: list[VllmServer]) -> dict[str, float]:
@@ -150,7 +153,7 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
     before = _counters(servers)
     how = f"{rate:g} requests/s" if rate > 0 else f"{clients} clients"
     progress(f"  {name}: {len(work.prompts)} requests, {how} ...")
-    ttfts, answers, wall = _drive(url, work, clients, rate, seed)
+    ttfts, answers, headers, wall = _drive(url, work, clients, rate, seed)
     after = _counters(servers)
     delta = {k: after[k] - before[k] for k in METRICS}
     hits = delta["vllm:prefix_cache_hits_total"] + delta["vllm:external_prefix_cache_hits_total"]
@@ -163,8 +166,13 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
            "hit_vs_first_touch_bound": round(hits / bound, 4) if bound else None,
            "pool_hit_tokens": int(delta["vllm:external_prefix_cache_hits_total"]),
            "engine_hit_tokens": int(delta["vllm:prefix_cache_hits_total"]), "wall_s": round(wall, 2)}
+    routing = routing_summary(headers, ttfts)
+    if routing:
+        row["routing"] = routing
     progress(f"  {name}: mean TTFT {row['mean_ttft_s']:.3f} s, p90 {row['p90_ttft_s']:.3f} s, hit rate "
-             f"{row['hit_rate']:.3f} ({row['hit_vs_first_touch_bound']} of the bound)")
+             f"{row['hit_rate']:.3f} ({row['hit_vs_first_touch_bound']} of the bound)"
+             + (f"; router's own time p50 {routing['overhead_p50_ms']} ms, p99 {routing['overhead_p99_ms']} ms"
+                if routing else ""))
     row["answers"] = answers
     return row
 
@@ -264,6 +272,35 @@ def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, c
                 "connector: no pool loads); "
                 "hit rate = (engine prefix-cache + connector hits) / prompt tokens",
     }
+
+
+def routing_summary(headers: list[dict[str, str]], ttfts: list[float]) -> dict[str, Any]:
+    """What `pof router`'s answer headers say of a phase: its own time per request (p50/p99, total
+    and per stage), the backends and route reasons it chose, and its TTFT estimates against the
+    TTFTs measured; empty for a router that sends no ``x-pof-*`` headers."""
+    own = sorted(float(h["x-pof-router-overhead"]) for h in headers if "x-pof-router-overhead" in h)
+    if not own:
+        return {}
+    out: dict[str, Any] = {"overhead_p50_ms": round(1e3 * nearest_rank(own, 0.5), 3),
+                           "overhead_p99_ms": round(1e3 * nearest_rank(own, 0.99), 3)}
+    stages: dict[str, list[float]] = {}
+    for h in headers:
+        for part in filter(None, h.get("x-pof-router-stages", "").split(",")):
+            name, _, value = part.partition("=")
+            stages.setdefault(name, []).append(float(value))
+    for v in stages.values():
+        v.sort()
+    if stages:
+        out["stages_p50_ms"] = {k: round(1e3 * nearest_rank(v, 0.5), 3) for k, v in stages.items()}
+        out["stages_p99_ms"] = {k: round(1e3 * nearest_rank(v, 0.99), 3) for k, v in stages.items()}
+    out["backends"] = dict(Counter(h.get("x-pof-backend", "?") for h in headers))
+    out["route_reasons"] = dict(Counter(h.get("x-pof-route-reason", h.get("x-pof-reason", "?")) for h in headers))
+    errors = [float(h["x-pof-estimated-ttft"]) - t for h, t in zip(headers, ttfts, strict=True)
+              if "x-pof-estimated-ttft" in h]
+    if errors:
+        out["estimate_minus_ttft_mean_s"] = round(statistics.fmean(errors), 4)
+        out["estimate_abs_error_mean_s"] = round(statistics.fmean(abs(e) for e in errors), 4)
+    return out
 
 
 def _start_pair(model_dir: Path, tmp: Path, name: str, pool: dict[str, Any], max_len: int, common: list[str],

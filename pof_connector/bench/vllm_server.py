@@ -152,10 +152,12 @@ class VllmServer(ServiceProcess):
 
 
 def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
-                      cache_salt: str | None = None, chunk_times: list[float] | None = None) -> tuple[float, str]:
+                      cache_salt: str | None = None, chunk_times: list[float] | None = None,
+                      headers: dict[str, str] | None = None) -> tuple[float, str]:
     """Stream a greedy completion from an OpenAI server (or a router) at ``url``; returns (seconds
     to the first streamed token, the text). ``chunk_times``: gets the seconds from the request to
-    each streamed chunk (one token each, as vLLM streams)."""
+    each streamed chunk (one token each, as vLLM streams); ``headers``: gets the answer's headers
+    (lower-case names; a router's ``x-pof-*`` say how it routed)."""
     body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "stream": True, "ignore_eos": True}
     if cache_salt is not None:
@@ -165,6 +167,8 @@ def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
     t0 = time.perf_counter()
     ttft, text = 0.0, []
     with urllib.request.urlopen(req, timeout=600) as r:
+        if headers is not None:
+            headers.update((k.lower(), v) for k, v in r.headers.items())
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":

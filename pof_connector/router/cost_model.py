@@ -44,6 +44,8 @@ FORGET = 0.98
 """Weight of the past per observation: about the last 50 requests count."""
 TOKEN_SCALE = 1e-3
 """Tokens enter the regression in thousands, so the three features have similar magnitudes."""
+ERROR_WEIGHT = 0.1
+"""Weight of a new sample in the estimates' mean error (:attr:`CostModel.error_s`)."""
 FETCH_BOUNDS = (0.1, 1e4)
 CEILINGS = (10.0, 0.1 / TOKEN_SCALE, 1.0)
 """Upper bounds (overhead s, s per token, s per decoding request) that hold whatever the start
@@ -110,6 +112,10 @@ class CostModel:
         self._lock = threading.Lock()
         self.observed = 0
         """Samples learnt from."""
+        self.error_s = 0.0
+        """Mean absolute error of the estimates against the TTFTs observed (weighted to the last
+        ~10 samples; 0 before any): how far apart two estimates must be to mean something."""
+        self._misses = 0
 
     @property
     def s_per_token(self) -> float:
@@ -169,7 +175,13 @@ class CostModel:
         """Learn from a request whose first token came ``ttft_s`` after it was sent;
         ``cached_tokens``: the prompt tokens the engine reported it did not compute (``None``:
         it did not say, the estimate's own view stands)."""
-        if not self._learn or not math.isfinite(ttft_s) or ttft_s < 0:
+        if not math.isfinite(ttft_s) or ttft_s < 0:
+            return
+        miss = abs(est.ttft_s - ttft_s)
+        with self._lock:
+            self.error_s = miss if self._misses == 0 else self.error_s + ERROR_WEIGHT * (miss - self.error_s)
+            self._misses += 1
+        if not self._learn:
             return
         x = np.array(est.corrected(cached_tokens) if cached_tokens is not None else est.features)
         # the ufuncs and methods np.clip / np.outer / np.trace call, without their wrappers' cost

@@ -25,8 +25,11 @@ Every routed answer says how it was routed: ``x-pof-backend``, ``x-pof-reason`` 
 <pof_connector.router.router.Decision.route>`), ``x-pof-estimated-ttft``, ``x-pof-kv-need-blocks``
 / ``x-pof-kv-free-blocks`` (the chosen node's admission), ``x-pof-saturated`` (backends full for
 this request), ``x-pof-tokens`` (where the prompt's tokens came from) and
-``x-pof-router-overhead`` (seconds the router spent before sending the request on: reading the
-body, tokenizing, the index lookup: the router's own share of the TTFT).
+``x-pof-balance`` (``gain=G,margin=M``: the lowest estimate beat the least loaded backend's by G
+seconds, and had to beat it by more than the estimates' measured error M, or the request goes to
+the least loaded: route ``load-balanced``), ``x-pof-router-overhead`` (seconds the router spent
+before sending the request on: reading the body, tokenizing, the index lookup: the router's own
+share of the TTFT).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class _Metrics:
         learnt.labels("prefill_s_per_token").set_function(lambda: router.cost.s_per_token)
         learnt.labels("s_per_decoding_request").set_function(lambda: router.cost.s_per_decoding)
         learnt.labels("fetch_factor").set_function(lambda: router.cost.fetch_factor)
+        learnt.labels("estimate_error_s").set_function(lambda: router.cost.error_s)
         self.routes = Counter("pof_router_routes", "Requests routed by policy pof, by why that node "
                               "(x-pof-route-reason)", ["backend", "route_reason"], registry=self.registry)
         self.overhead = Histogram("pof_router_overhead_seconds", "Time the router spent on a request before "
@@ -264,6 +268,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                 out_headers["x-pof-route-reason"] = decision.route
             if decision.estimate is not None:
                 out_headers["x-pof-estimated-ttft"] = f"{decision.estimate.ttft_s:.4f}"
+            if decision.balance is not None:
+                out_headers["x-pof-balance"] = "gain={:.4f},margin={:.4f}".format(*decision.balance)
             if decision.admission is not None:
                 out_headers["x-pof-kv-need-blocks"] = str(decision.admission.need_blocks)
                 if decision.admission.free_blocks is not None:
@@ -333,6 +339,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                                                "prefill_s_per_token": router.cost.s_per_token,
                                                "s_per_decoding_request": router.cost.s_per_decoding,
                                                "fetch_factor": router.cost.fetch_factor,
+                                               "estimate_error_s": router.cost.error_s,
                                                "observed": router.cost.observed},
                 "tokenizer": tokens_source.origin,
                 "backends": [b.state() for b in router.backends]}

@@ -60,7 +60,8 @@ class Decision:
     route: str = ""
     """Why this node, for policy ``pof`` (header ``x-pof-route-reason``): 'prefix-holder' (it holds
     the longest prefix and has KV room), 'lower-cost' (another node holds more, but this one is
-    estimated faster: queue, load), 'no-prefix' (no node holds any), 'holder-saturated:pool' (the
+    estimated faster: queue, load), 'load-balanced' (the least loaded node: the lowest estimate
+    beat it by less than the estimates' measured error), 'no-prefix' (no node holds any), 'holder-saturated:pool' (the
     holder is saturated; this node has room and its pool loads the prefix),
     'holder-saturated:recompute' (the same, but it recomputes the prefix), 'all-saturated' (the
     least admission cost), 'sticky-saturated:...' (a session moved off its saturated node: the same
@@ -73,6 +74,10 @@ class Decision:
     """The backend holding the longest prefix (engine cache or own pool tiers); ``None``: none."""
     pool_tokens: int = 0
     """Prompt tokens the chosen node's pool loads (beyond its engine's own cache)."""
+    balance: tuple[float, float] | None = None
+    """(gain, margin), seconds: how much lower the lowest estimate was than the least loaded
+    backend's, and the estimates' measured error it had to beat (route 'load-balanced' when it
+    did not); ``None``: not weighed (another policy, or every backend saturated)."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -176,6 +181,11 @@ class Router:
         need_pos = need if need > 0 else 0
         best: tuple[Backend, NodeLocality | None, float, int] | None = None
         best_ttft, best_held = 0.0, 0
+        # the least loaded backend with room (the earliest in turn order of equals): the stock
+        # load balancer's choice, taken when the lowest estimate beats it by less than the
+        # estimates' measured error
+        lightest: tuple[Backend, NodeLocality | None, float, int] | None = None
+        lightest_ttft, lightest_load = 0.0, (0, 0)
         holder: tuple[Backend, int] | None = None
         holder_held = -1
         saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, EngineLoad | None, int, bool]] = []
@@ -211,6 +221,8 @@ class Router:
             if fit is None or need_pos <= fit:
                 if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
                     best, best_ttft, best_held = (b, node, bpt, held), ttft, held
+                if lightest is None or (waiting_tokens, running) < lightest_load:
+                    lightest, lightest_ttft, lightest_load = (b, node, bpt, held), ttft, (waiting_tokens, running)
             else:
                 saturated.append((turn, b, node, bpt, held, ttft, state[0], state[1], state[2]))
             if held > holder_held:
@@ -224,6 +236,12 @@ class Router:
                 if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
                     best, best_ttft, best_held = (b, node, bpt, held), ttft, held
         assert best is not None
+        gain = lightest_ttft - best_ttft if lightest is not None else 0.0
+        margin = cost.error_s if self.config.cost.balance_within_error else 0.0
+        balanced = lightest is not None and lightest[0] is not best[0] and gain < margin
+        if balanced:
+            assert lightest is not None
+            best, best_held = lightest, lightest[3]
         b, node, bpt, _ = best
         estimate = cost.estimate(Candidate(
             b.name, n_tokens, node.engine_tokens if node else 0, node.usable if node else {}, bpt,
@@ -233,6 +251,8 @@ class Router:
         has_holder = holder_held > 0
         if not roomy:
             route = "all-saturated"
+        elif balanced:
+            route = "load-balanced"
         elif not has_holder:
             route = "no-prefix"
         elif holder_b is b or best_held >= holder_held:
@@ -244,7 +264,8 @@ class Router:
         # the saturated backends in live order
         names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated)) if saturated else ()
         return Decision(b, "pof", estimate, n_tokens, route, admission, names,
-                        holder_b.name if has_holder else None, estimate.fetch_tokens)
+                        holder_b.name if has_holder else None, estimate.fetch_tokens,
+                        (round(gain, 6), round(margin, 6)) if roomy else None)
 
     def _prefix_terms(self, node: NodeLocality | None, n_tokens: int) -> tuple[int, float, float, int]:
         """(recompute, fetch_s, bytes per token, held) of a prompt on a node with locality ``node``

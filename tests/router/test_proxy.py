@@ -234,7 +234,8 @@ def test_sticky_sessions_and_bad_requests(engines: dict[str, StandInEngine]) -> 
     ({"backends": []}, "backends"),
     ({"backends": [{"name": "a", "url": "ftp://x"}]}, "backends.0.url"),
     ({"backends": [{"name": "a", "url": "http://x"}], "policy": "fastest"}, "'round_robin'"),
-    ({"backends": [{"name": "a", "url": "http://x"}], "cost": {"speed": 1}}, "allowed keys here: decode_s"),
+    ({"backends": [{"name": "a", "url": "http://x"}], "cost": {"speed": 1}},
+     "allowed keys here: balance_within_error, decode_s"),
     ({"backends": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}, "unique"),
 ])
 def test_bad_config_names_the_key(raw: dict[str, Any], words: str) -> None:

@@ -48,8 +48,15 @@ def reference(router: Router, found: Locality, n_tokens: int, need: int, offset:
     roomy = [o for o in options if not o[2].saturated]
     best = min(roomy or options, key=lambda o: (o[1].ttft_s + (0.0 if roomy else o[2].cost_s), -o[3], o[4]))
     holder = max(options, key=lambda o: (o[3], -o[4]))
+    balanced = False
+    if roomy:       # the least loaded, unless the lowest estimate beats it by the estimates' error
+        lightest = min(roomy, key=lambda o: (o[0].waiting_tokens, o[0].running, o[4]))
+        balanced = lightest is not best and lightest[1].ttft_s - best[1].ttft_s < router.cost.error_s
+        best = lightest if balanced else best
     if not roomy:
         route = "all-saturated"
+    elif balanced:
+        route = "load-balanced"
     elif holder[3] == 0:
         route = "no-prefix"
     elif best is holder or best[3] >= holder[3]:
