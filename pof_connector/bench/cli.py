@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -251,25 +252,29 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
-    result = bench_router.run(model=args.model, tenants=args.tenants, system_tokens=args.system_tokens,
-                              requests=args.requests, clients=args.clients, rate=args.rate, hot_share=args.hot_share,
-                              kv_tokens=args.kv_tokens, seed=args.seed, progress=progress)
+    names = ("model", "tenants", "system_tokens", "requests", "rate", "clients", "hot_share", "kv_tokens")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    result = bench_router.run(workloads=args.workload, overrides=overrides, seed=args.seed, progress=progress)
     if args.json:
         print_json(result)
         return 0
-    w = result["workload"]
-    how = f"{w['rate']:g} requests/s" if w["rate"] > 0 else f"{w['clients']} clients"
-    table = Table(title=f"routers, {w['requests']} requests of {w['tenants']} tenants (hot share {w['hot_share']}), "
-                        f"{how}", title_justify="left")
-    for name in ("router", "mean TTFT s", "p90 TTFT s", "hit rate", "of first-touch bound", "pool tokens"):
-        table.add_column(name, justify="right" if name != "router" else "left")
-    for name, row in result["policies"].items():
-        table.add_row(name, f"{row['mean_ttft_s']:.3f}", f"{row['p90_ttft_s']:.3f}", f"{row['hit_rate']:.3f}",
-                      str(row["hit_vs_first_touch_bound"]), str(row["pool_hit_tokens"]))
     out = out_console()
-    out.print(table)
-    out.print(f"ratio pof / vllm-router cache_aware [bold]{result['ratio']:.3f}[/bold], pof / round_robin "
-              f"{result['pof_vs_round_robin']:.3f}; first-touch bound hit rate {result['first_touch_bound_hit_rate']}")
+    for wname, res in result["workloads"].items():
+        w = res["workload"]
+        how = f"{w['rate']:g} requests/s" if w["rate"] > 0 else f"{w['clients']} clients"
+        table = Table(title=f"{wname}: {w['requests']} requests of {w['tenants']} tenants (hot share "
+                            f"{w['hot_share']}), {how}, model {Path(w['model']).name}", title_justify="left")
+        for col in ("router", "mean TTFT s", "p90 TTFT s", "hit rate", "of first-touch bound", "pool tokens",
+                    "own time p50/p99 ms"):
+            table.add_column(col, justify="right" if col != "router" else "left")
+        for name, row in res["policies"].items():
+            own = row.get("routing")
+            table.add_row(name, f"{row['mean_ttft_s']:.3f}", f"{row['p90_ttft_s']:.3f}", f"{row['hit_rate']:.3f}",
+                          str(row["hit_vs_first_touch_bound"]), str(row["pool_hit_tokens"]),
+                          f"{own['overhead_p50_ms']:.2f} / {own['overhead_p99_ms']:.2f}" if own else "")
+        out.print(table)
+        out.print(f"{wname}: pof / best stock ({res['best_stock']}) [bold]{res['ratio_vs_best']:.3f}[/bold]; "
+                  f"first-touch bound hit rate {res['first_touch_bound_hit_rate']}")
     return 0
 
 
@@ -408,21 +413,26 @@ def add_parser(sub: Any) -> None:
     vllm.add_argument("--audit-rates", type=_rates, default=[], metavar="R,R",
                       help="also the pof server with each audit.sample_rate (e.g. 0.01,0.1): TTFT with the audit on")
     vllm.set_defaults(handler=cmd_bench_vllm)
-    router = bsub.add_parser("router", help="pof router + pool vs vllm-router round_robin / cache_aware",
-                             description="A multi-tenant workload (one hot tenant, concurrent clients, KV-limited "
-                                         "servers) through vllm-router round_robin and cache_aware (plain vLLM "
-                                         "servers) and pof router (servers sharing a pool). Needs vLLM and "
-                                         "vllm-router.")
+    router = bsub.add_parser("router", help="pof router + pool vs vllm-router round_robin / power_of_two / "
+                                            "cache_aware, cheap and dear prefill",
+                             description="A multi-tenant workload (one hot tenant, open-loop arrivals, KV-limited "
+                                         "servers) through vllm-router round_robin, power_of_two and cache_aware "
+                                         "(servers with a store-only connector) and pof router (servers sharing a "
+                                         "pool), on the tiny model (cheap prefill) and the bench model (dear). "
+                                         "Needs vLLM and vllm-router.")
     router.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    router.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
-    router.add_argument("--tenants", type=int, default=12, help="tenants, each with its system prompt (default 12)")
-    router.add_argument("--system-tokens", type=int, default=2900, help="system prompt tokens (default 2900)")
-    router.add_argument("--requests", type=int, default=160, help="requests per router (default 160)")
-    router.add_argument("--rate", type=float, default=3.0,
-                        help="open-loop Poisson arrivals per second; 0: closed loop with --clients (default 3)")
-    router.add_argument("--clients", type=int, default=4, help="closed-loop clients when --rate is 0 (default 4)")
-    router.add_argument("--hot-share", type=float, default=0.7, help="the hot tenant's share (default 0.7)")
-    router.add_argument("--kv-tokens", type=int, default=12288, help="KV cache tokens per server (default 12288)")
+    router.add_argument("--workload", type=lambda v: [w for w in v.split(",") if w], default=["cheap", "dear"],
+                        metavar="W,W", help="workloads to run, of cheap (tiny model), dear (bench model) "
+                                            "(default cheap,dear)")
+    router.add_argument("--model", metavar="DIR|PRESET", help="model (default: each workload's: tiny, bench)")
+    router.add_argument("--tenants", type=int, help="tenants, each with its system prompt (default 12 / 8)")
+    router.add_argument("--system-tokens", type=int, help="system prompt tokens (default 2900 / 1024)")
+    router.add_argument("--requests", type=int, help="requests per router (default 160 / 60)")
+    router.add_argument("--rate", type=float,
+                        help="open-loop Poisson arrivals per second; 0: closed loop with --clients (default 3 / 0.8)")
+    router.add_argument("--clients", type=int, help="closed-loop clients when --rate is 0 (default 4)")
+    router.add_argument("--hot-share", type=float, help="the hot tenant's share (default 0.7)")
+    router.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 12288 / 6144)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     router.set_defaults(handler=cmd_bench_router)
     chaos = bsub.add_parser("chaos", help="traffic with random faults; every answer checked against a reference",

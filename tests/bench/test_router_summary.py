@@ -22,3 +22,13 @@ def test_summary_of_pof_router_headers() -> None:
 
 def test_a_stock_router_has_no_summary() -> None:
     assert routing_summary([{"content-type": "text/event-stream"}] * 3, [0.1] * 3) == {}
+
+
+def test_an_unknown_workload_stops_before_anything_starts() -> None:
+    import pytest
+
+    from pof_connector.bench import BenchError
+    from pof_connector.bench.router import run
+
+    with pytest.raises(BenchError, match="allowed: cheap, dear"):
+        run(workloads=["cheap", "huge"], overrides={}, seed=1, progress=print)
