@@ -7,8 +7,8 @@ Tenants share long system prompts; one hot tenant takes ``hot_share`` of the req
 one server can serve alone; requests arrive open-loop (Poisson, ``rate`` per second, as from many
 users) or from ``clients`` closed-loop clients; each server's KV cache is limited with
 ``--num-gpu-blocks-override`` so it cannot keep every tenant, and each server computes on its own
-half of the CPU cores (``VLLM_CPU_OMP_THREADS_BIND``), as two hosts would. The set-ups, one after
-another:
+half of the CPU cores (``VLLM_CPU_OMP_THREADS_BIND``), as two hosts would; every router runs at
+niceness :data:`ROUTER_NICE`, as on a host of its own. The set-ups, one after another:
 
 - ``round_robin``, ``power_of_two`` and ``cache_aware``: the stock ``vllm-router`` in front of two
   vLLM servers whose connector only stores (``kv_role: kv_producer``, private pools): they run the
@@ -184,6 +184,9 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
     return row
 
 
+ROUTER_NICE = -10
+"""Every router's niceness (stock and pof alike): a router that a deployment runs on a host of its
+own is not made to wait behind the engines that share this host's two cores."""
 STOCK = ("round_robin", "power_of_two", "cache_aware")
 """The stock vllm-router policies pof is ranked against (its best one is the bar)."""
 
@@ -262,7 +265,7 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[s
             _check_tokenizer(baseline[0], work)
             for policy in STOCK:
                 router = RouterProcess.vllm_router(tmp, [s.url for s in baseline], policy, name=f"vllm-router-{policy}")
-                router.start()
+                router.start(nice=ROUTER_NICE)
                 try:
                     results[policy] = _phase(policy, router.url, baseline, work, clients, rate, seed, progress)
                 finally:
@@ -285,7 +288,7 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[s
                                               endpoint))
                 config = {"index_url": redis.url, "tokenizer": str(model_dir),
                           "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
-                router = RouterProcess.pof(tmp, config).start()
+                router = RouterProcess.pof(tmp, config).start(nice=ROUTER_NICE)
                 try:
                     results["pof"] = _phase("pof", router.url, pooled, work, clients, rate, seed, progress)
                 finally:
