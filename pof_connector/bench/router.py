@@ -19,7 +19,8 @@ Each request streams a short greedy completion; TTFT is the client-side time to 
 The prefix hit rate is (engine prefix-cache hits + connector hits) / prompt tokens, from the
 servers' own metrics, compared with the first-touch bound: every tenant's system prompt is
 computed once in the cluster and hit by every later request (whole blocks, never a prompt's last
-token). ``ratio`` = pof mean TTFT / cache_aware mean TTFT. Needs vLLM and vllm-router.
+token). ``ratio`` = pof mean TTFT / cache_aware mean TTFT. Needs vLLM and vllm-router (:data:`NEEDS`,
+checked before anything starts).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.bench import BenchError
+from pof_connector.bench.needs import VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port, stream_completion
@@ -47,6 +49,7 @@ from pof_connector.index.server import RedisServer
 
 Progress = Callable[[str], None]
 BLOCK = 128
+NEEDS: list[Need] = [VLLM, Need("the round_robin and cache_aware routers", VLLM_ROUTER.package, binary="vllm-router")]
 METRICS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total")
 
 
@@ -171,6 +174,7 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
 
 def run(*, model: str | None, tenants: int, system_tokens: int, requests: int, clients: int, rate: float,
         hot_share: float, kv_tokens: int, seed: int, progress: Progress) -> dict[str, Any]:
+    check(NEEDS, "router")      # before a model is built or a server started
     from tokenizers import Tokenizer
 
     from pof_connector.locality.locator import load_tokenizer
