@@ -43,7 +43,7 @@ def check(needs: list[Need], bench: str) -> None:
         return
     lines = [f"  {n.package.split('=')[0]} (for {n.purpose}): {sys.executable} -m pip install '{n.package}'"
              for n in missing]
-    raise BenchError(f"pof bench {bench}: missing package{'s' if len(missing) > 1 else ''}, nothing started:\n"
+    raise BenchError(f"bench {bench}: missing package{'s' if len(missing) > 1 else ''}, nothing started:\n"
                      + "\n".join(lines))
 
 
