@@ -9,9 +9,11 @@ servers.
 - **SLO**: ``SLO_MULTIPLE`` x the unloaded TTFT, measured at the start of the run: the p90 TTFT of
   a sample of the trace's prompt sizes, sent one at a time, cold, to an idle server.
 - **Goodput** of a set-up: the highest offered load (the trace's arrival rate x a factor) at which
-  p90 TTFT stays within the SLO and no request fails, found by a bounded search over the factor
-  (doubling or halving from 1, then bisecting geometrically; each factor is one trial with fresh
-  token content, so trials share no cached prefix).
+  p90 TTFT stays within the SLO and no request fails, found by :mod:`.capacity_search` (doubling or
+  halving from 1, then bisecting geometrically; no factor ceiling: each set-up searches for a time
+  budget, and one cut by it while still passing is reported ``at_bound``; time the others left
+  unspent goes afterwards to those, highest goodput first, on fresh servers; each factor is one
+  trial with fresh token content, so trials share no cached prefix).
 - Per trial: mean/p90 TTFT, preemptions (``vllm:num_preemptions_total``), pages resumed requests
   loaded from the pool (``vllm:pof_loaded_pages``), tokens recomputed (tokens the engines
   computed, ``vllm:iteration_tokens_total``, beyond the first-touch minimum: every prompt block
@@ -21,22 +23,22 @@ servers.
   fragmentation spread (mean and p90 over time of max - min ``vllm:kv_cache_usage_perc`` across
   servers).
 
-``ratio`` = pof goodput / static goodput; ``ratio_vs_best`` = pof goodput / the best other set-up.
-Needs vLLM (and vllm-router for the ``cache_aware`` set-ups) in this Python.
+``ratio`` = pof goodput / static goodput; ``ratio_vs_best`` = pof goodput / the best other set-up;
+``ratio_bound`` / ``ratio_vs_best_bound`` say when either is only a bound. Needs vLLM (and
+vllm-router for the ``cache_aware`` set-ups) in this Python: checked before anything starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,9 @@ from typing import Any
 from pof_connector.bench import BenchError, Progress, nearest_rank
 from pof_connector.bench.capacity_fleet import SETUPS, VLLM_ROUTER_SETUPS, Fleet, FleetSpec, UsageSampler
 from pof_connector.bench.capacity_replay import Replay, Trial
+from pof_connector.bench.capacity_report import SLO_MULTIPLE, draw, setup_row
+from pof_connector.bench.capacity_report import report as _report
+from pof_connector.bench.capacity_search import RESOLUTION, SAFETY_CAP, GoodputSearch, bounded_search, ratio_bound
 from pof_connector.bench.capacity_trace import (
     Mix,
     TraceRequest,
@@ -54,10 +59,9 @@ from pof_connector.bench.capacity_trace import (
     tokens_for,
 )
 from pof_connector.bench.make_model import PRESETS
+from pof_connector.bench.needs import MATPLOTLIB, VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.vllm_server import build_model, stream_completion
 
-SLO_MULTIPLE = 4.0
-"""The SLO is this many times the unloaded p90 TTFT."""
 DECODE_STEPS = 16
 """Tokens each unloaded sample decodes after its first: their pace is the engine's step time at that context."""
 BATCH_STEPS = 32
@@ -65,10 +69,24 @@ BATCH_STEPS = 32
 BATCH_PROMPT = 32
 """Prompt tokens of each request of a decode-batch sample (short: its prefill barely delays the others)."""
 BLOCK = 128
-MAX_FACTOR, MIN_FACTOR = 16.0, 1 / 16
+TIME_BUDGET_S, QUICK_TIME_BUDGET_S = 900.0, 300.0
+"""Seconds of trials each set-up's search gets (``--time-budget-s``)."""
+MIN_RESUME_S = 60.0
+"""Left-over time below which no set-up is restarted to search further (a start alone takes about that)."""
 ROUTER_NICE = -10
 """The routers' default niceness in this bench: a router that a deployment runs on a host of its own
 is not made to wait behind the engines that share this host's cores (``--router-nice``)."""
+
+
+def needs(setups: list[str], plot: bool) -> list[Need]:
+    """The packages a run of ``setups`` (and ``--plot``) needs. No set-up uses LMCache:
+    ``cache_aware_offload``'s per-server tier is pof's connector."""
+    out = [VLLM]
+    if any(s in VLLM_ROUTER_SETUPS for s in setups):
+        out.append(VLLM_ROUTER)
+    if plot:
+        out.append(MATPLOTLIB)
+    return out
 
 
 def _vocab(model: Path) -> int:
@@ -194,14 +212,16 @@ def batch_decode_steps(url: str, vocab: int, batches: list[int]) -> list[tuple[i
 class SetupRun:
     """The trials of one set-up on its fleet."""
 
-    def __init__(self, fleet: Fleet, trace: list[TraceRequest], vocab: int, slo_s: float, progress: Progress) -> None:
+    def __init__(self, fleet: Fleet, trace: list[TraceRequest], vocab: int, slo_s: float, progress: Progress,
+                 trials: list[dict[str, Any]] | None = None) -> None:
+        """``trials``: the rows of an earlier fleet of this set-up, when its search goes on here."""
         self.fleet = fleet
         self.trace = trace
         self.vocab = vocab
         self.slo_s = slo_s
         self.progress = progress
-        self.trials: list[dict[str, Any]] = []
-        self._variant = 0
+        self.trials: list[dict[str, Any]] = trials if trials is not None else []
+        self._variant = len(self.trials)
 
     def trial(self, factor: float) -> bool:
         self._variant += 1
@@ -254,9 +274,9 @@ class SetupRun:
             time.sleep(0.5)
         self.fleet.reset_caches()
 
-    def search(self, max_trials: int) -> float:
-        """The highest passing factor found within ``max_trials`` trials (0: none passed)."""
-        return bounded_search(self.trial, max_trials)
+    def search(self, search: GoodputSearch, budget_s: float | None) -> GoodputSearch:
+        """``search`` carried on with this fleet for ``budget_s`` seconds (``None``: until it ends)."""
+        return search.run(self.trial, budget_s)
 
 
 def _router_text(row: dict[str, Any]) -> str:
@@ -283,32 +303,6 @@ def ttft_parts(d: dict[str, float], client_mean_s: float | None) -> dict[str, fl
             "outside": round(client_mean_s - engine, 4) if client_mean_s is not None and engine is not None else None}
 
 
-def bounded_search(trial: Callable[[float], bool], max_trials: int) -> float:
-    """The goodput search: ``trial(factor)`` at 1, doubling while it passes (up to
-    ``MAX_FACTOR``) or halving while it fails (down to ``MIN_FACTOR``), then bisecting
-    geometrically between the highest pass and the lowest failure; the highest passing factor
-    found within ``max_trials`` trials (0: none passed). ``pof sim validate`` replays a bench with
-    this same search."""
-    passed, failed = 0.0, math.inf
-    f = 1.0
-    for _ in range(max_trials):
-        if trial(f):
-            passed = f
-        else:
-            failed = f
-        if math.isinf(failed):
-            if f >= MAX_FACTOR:
-                break
-            f *= 2
-        elif passed == 0.0:
-            if f <= MIN_FACTOR:
-                break
-            f /= 2
-        else:
-            f = math.sqrt(passed * failed)
-    return passed
-
-
 def _shares(trial: Trial) -> dict[str, int]:
     out: dict[str, int] = {}
     for o in trial.outcomes:
@@ -331,15 +325,19 @@ def router_latency(fleet: Fleet, vocab: int, n: int = 5) -> float | None:
 
 
 def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model: str | None, setups: list[str],
-        kv_tokens: int | None, max_trials: int | None, plot: Path | None, progress: Progress,
-        router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = ()) -> dict[str, Any]:
+        kv_tokens: int | None, max_trials: int | None, progress: Progress, time_budget_s: float | None = None,
+        resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE,
+        audit_rates: tuple[float, ...] = ()) -> dict[str, Any]:
     """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
-    (same trace, same SLO): what the audit costs in goodput."""
+    (same trace, same SLO): what the audit costs in goodput. ``time_budget_s``: seconds of trials
+    each set-up's search gets (default :data:`TIME_BUDGET_S`); ``max_trials``: a cap on its trials
+    besides (default: none; ``quick``: 2)."""
     if servers not in (2, 3):
         raise BenchError(f"--servers must be 2 or 3, got {servers}")
     bad = [s for s in setups if s not in SETUPS]
     if bad or not setups:
         raise BenchError(f"unknown set-ups {bad}; allowed: {', '.join(SETUPS)}")
+    check(needs(setups, plot=False), "capacity")
     mix = Mix().scaled(0.3) if quick else Mix()
     trace = read_trace(trace_file) if trace_file is not None else fragmenting_trace(seed, mix)
     check_sessions(trace)
@@ -356,25 +354,36 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     blocks = max(-(-kv // BLOCK), max_len // BLOCK + 1)
     spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8,
                      router_nice=router_nice)
-    trials = max_trials or (2 if quick else 6)
+    budget = time_budget_s or (QUICK_TIME_BUDGET_S if quick else TIME_BUDGET_S)
+    limit = max_trials or (2 if quick else None)
+    runs = len(setups) + len(audit_rates)
+    plan = {"time_budget_s_per_setup": budget, "time_budget_s_total": budget * runs, "max_trials": limit,
+            "resolution": resolution, "safety_cap": SAFETY_CAP, "min_resume_s": MIN_RESUME_S}
     progress(f"trace: {info['requests']} requests, {info['sessions']} sessions ({info['multi_turn_sessions']} "
              f"multi-turn, longest context {longest} tokens), {info['tenants']} tenants over {info['span_s']} s; "
-             f"{servers} servers with KV for {blocks * BLOCK} tokens each; set-ups {', '.join(setups)}")
+             f"{servers} servers with KV for {blocks * BLOCK} tokens each; set-ups {', '.join(setups)}; "
+             f"search: {budget:g} s of trials per set-up ({budget * runs:g} s in all, the unspent part going to "
+             f"set-ups still passing when theirs ran out), bisecting to {resolution:.0%}"
+             f"{f', at most {limit} trials each' if limit else ''}, factor cap x{SAFETY_CAP:g}")
     workdir = Path(tempfile.mkdtemp(prefix="pof-bench-capacity-", dir="/tmp"))
     results: dict[str, dict[str, Any]] = {}
     slo_s = unloaded = 0.0
     samples: list[tuple[int, float]] = []
     steps: list[tuple[int, int, float]] = []
     host: list[tuple[int, float, float]] = []
-    skipped: dict[str, str] = {}
     audits: dict[str, dict[str, Any]] = {}
+    searches: dict[str, GoodputSearch] = {}
+    rows: dict[str, list[dict[str, Any]]] = {}
+    starts = itertools.count()       # a fresh work directory per fleet (a set-up may start twice)
 
-    def one(name: str, fleet_spec: FleetSpec, k: int) -> dict[str, Any]:
-        """Start ``name``'s fleet, search its goodput, stop it."""
+    def one(name: str, fleet_spec: FleetSpec, key: str, budget_s: float) -> dict[str, Any]:
+        """Start ``name``'s fleet, carry its goodput search (``searches[key]``) on for ``budget_s``
+        seconds, stop it."""
         nonlocal slo_s, unloaded, samples, steps, host
+        search = searches.setdefault(key, GoodputSearch(max_trials=limit, resolution=resolution))
         progress(f"{name}: starting {servers} vLLM servers ...")
         # a number, not the name: vLLM's and the index's unix sockets live below it (107 bytes at most)
-        fleet = start_fleet(name, model_path, workdir / str(k), fleet_spec, progress)
+        fleet = start_fleet(name, model_path, workdir / str(next(starts)), fleet_spec, progress)
         try:
             if not slo_s:
                 samples, steps = unloaded_ttft(fleet.servers[0].url, trace, vocab, samples=6 if quick else 10)
@@ -389,146 +398,52 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             added = router_latency(fleet, vocab)
             nice = fleet.router.niceness() if fleet.router is not None else None
             index_nice = fleet.index_niceness()
-            setup = SetupRun(fleet, trace, vocab, slo_s, progress)
-            best = setup.search(trials)
+            progress(f"{name}: searching for {budget_s:.0f} s" + (f" more, from x{search.passed:.3g} passed"
+                                                                    if search.trials else ""))
+            SetupRun(fleet, trace, vocab, slo_s, progress, rows.setdefault(key, [])).search(search, budget_s)
         finally:
             fleet.stop()
-        base_rps = len(trace) / max(trace[-1].at, 1e-3)
-        at_best = next((t for t in setup.trials if t["passed"] and t["factor"] == round(best, 4)), None)
-        at_one = next((t for t in setup.trials if t["factor"] == 1.0), None)
-        failed = [t["factor"] for t in setup.trials if not t["passed"]]
-        row = {"goodput_rps": round(best * base_rps, 4), "goodput_factor": round(best, 4),
-               "failed_at_rps": round(min(failed) * base_rps, 4) if failed else None,
-               "router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
-               "at_goodput": at_best, "at_reference_load": at_one,
-               "trials": sorted(setup.trials, key=lambda t: t["factor"])}
-        progress(f"{name}: goodput {row['goodput_rps']} req/s (x{best:.3g})")
+        row = setup_row(search, rows[key], len(trace) / max(trace[-1].at, 1e-3))
+        row.update({"router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice})
+        progress(f"{name}: goodput {row['goodput_rps']} req/s (x{search.passed:.3g}"
+                 + (f", at a bound: {row['bound_reason']}, still passing" if row["at_bound"] else
+                    f", failed at x{search.failed:.3g}" if not math.isinf(search.failed) else "")
+                 + f"; {search.stop}, {search.spent_s:.0f} s of trials)")
         return row
 
     try:
-        for k, name in enumerate(setups):
-            if name in VLLM_ROUTER_SETUPS and shutil.which("vllm-router") is None \
-                    and not (Path(sys.executable).parent / "vllm-router").exists():
-                skipped[name] = "vllm-router is not installed"
-                progress(f"{name}: skipped ({skipped[name]})")
-                continue
-            results[name] = one(name, spec, k)
-        for j, rate in enumerate(audit_rates):       # the pof set-up again, auditing that share of its hits
+        for name in setups:
+            results[name] = one(name, spec, name, budget)
+        for rate in audit_rates:       # the pof set-up again, auditing that share of its hits
             progress(f"pof with audit.sample_rate {rate:g}:")
-            audits[f"{rate:g}"] = one("pof", dataclasses.replace(spec, audit_rate=rate), len(setups) + j)
+            audits[f"{rate:g}"] = one("pof", dataclasses.replace(spec, audit_rate=rate), f"audit {rate:g}", budget)
+        # what the set-ups that ended early left goes to those still passing, the highest first, so
+        # the ones that rank highest are the ones measured to the end
+        left = budget * runs - sum(s.spent_s for s in searches.values())
+        for name in sorted((n for n in setups if searches[n].resumable), key=lambda n: -searches[n].passed):
+            if left < MIN_RESUME_S:
+                break
+            progress(f"{name}: {left:.0f} s left over, searching further on fresh servers")
+            spent = searches[name].spent_s
+            results[name] = one(name, spec, name, left)
+            left -= searches[name].spent_s - spent
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    out = _report(results, skipped, info, slo_s, unloaded, spec, seed, trace_file, model_path)
+    out = _report(results, {}, info, slo_s, unloaded, spec, seed, trace_file, model_path, search=plan)
     if audits:
         base = results.get("pof", {})
         out["audit"] = {rate: {"goodput_rps": row["goodput_rps"], "failed_at_rps": row["failed_at_rps"],
+                               "at_bound": row["at_bound"],
                                "vs_no_audit": (round(row["goodput_rps"] / base["goodput_rps"], 4)
                                                if base.get("goodput_rps") else None),
+                               "vs_no_audit_bound": ratio_bound(row["at_bound"], base.get("at_bound", False)),
                                "at_reference_load": row["at_reference_load"]}
                         for rate, row in audits.items()}
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
     out["host_samples"] = [[n, round(a, 4), round(t, 4)] for n, a, t in host]
-    if plot is not None:
-        draw(results, slo_s, plot)
-        out["plot"] = str(plot)
     return out
 
 
-def _report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: dict[str, Any], slo_s: float,
-            unloaded: float, spec: FleetSpec, seed: int, trace_file: Path | None, model: Path) -> dict[str, Any]:
-    def ratio(a: float | None, b: float | None) -> float | None:
-        """``a / b``; ``None`` when either is unknown or ``b`` is 0 (JSON has no infinity)."""
-        if a is None or b is None or b <= 0:
-            return None
-        return round(a / b, 4)
-
-    pof = results.get("pof", {}).get("goodput_rps")
-    static = results.get("static", {}).get("goodput_rps")
-    others = [n for n in results if n != "pof"]
-    best = max(others, key=lambda n: (results[n]["goodput_rps"], results[n].get("failed_at_rps") or math.inf),
-               default=None)
-
-    def ratio_range(a: str, b: str | None) -> list[float | None] | None:
-        """Where ``a``'s goodput / ``b``'s lies, given that each set-up's goodput is at least the load
-        it passed and below the lowest load it failed: [low, high] (``None``: unbounded that side)."""
-        if a not in results or b is None or b not in results:
-            return None
-        ra, rb = results[a], results[b]
-        return [ratio(ra["goodput_rps"], rb.get("failed_at_rps")), ratio(ra.get("failed_at_rps"), rb["goodput_rps"])]
-
-    def spread(name: str, field: str = "spread_mean") -> float | None:
-        row = (results.get(name) or {}).get("at_reference_load") or {}
-        return row.get(field)
-
-    return {
-        "bench": "capacity",
-        "ratio": ratio(pof, static),
-        "ratio_vs_best": ratio(pof, results[best]["goodput_rps"]) if best else None,
-        "best_other": best,
-        "ratio_range": ratio_range("pof", "static"),
-        "ratio_vs_best_range": ratio_range("pof", best),
-        "goals": {"ratio": 2.0, "ratio_vs_best": 1.3, "pof_spread_vs_static": 0.5},
-        "fragmentation": {"pof_spread_mean": spread("pof"), "static_spread_mean": spread("static"),
-                          "pof_vs_static": ratio(spread("pof"), spread("static")),
-                          "pof_floor_mean": spread("pof", "spread_floor_mean"),
-                          "static_floor_mean": spread("static", "spread_floor_mean"),
-                          "pof_floor_vs_static": ratio(spread("pof", "spread_floor_mean"), spread("static"))},
-        "slo_s": round(slo_s, 4), "slo_multiple": SLO_MULTIPLE, "unloaded_p90_ttft_s": round(unloaded, 4),
-        "setups": results, "skipped": skipped,
-        "trace": {**info, "source": str(trace_file) if trace_file else f"seeded fragmenting mix (seed {seed})",
-                  "seed": seed},
-        "cluster": {"servers": spec.servers, "kv_tokens_per_server": spec.kv_blocks * spec.block,
-                    "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
-                    "dtype": spec.dtype, "model": str(model), "router_nice": spec.router_nice},
-        "note": f"goodput = highest offered load (trace arrival rate x factor, bounded search) with p90 TTFT <= SLO "
-                "and no failed request (0: none of the loads tried passed; failed_at_rps: the lowest that failed, "
-                "so goodput lies below it); ratio = pof / static goodput (null when static's is 0), ratio_range: "
-                "[pof goodput / static failed_at, pof failed_at / static goodput], what the search's resolution "
-                f"allows; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "
-                "(cold, one at a time; unloaded_samples: [prompt tokens, TTFT s] of each; decode_samples: "
-                "[batch, prompt tokens, s per decode step] of each alone, then of short requests decoding together; "
-                "host_samples: [prompt tokens, cold TTFT on one server alone, on every server at once]); "
-                "ratio_vs_best = pof / the best other set-up's goodput (best_other); "
-                "spread = max - min vllm:kv_cache_usage_perc across servers, sampled every 0.5 s, at the reference "
-                "load (factor 1); spread_floor: the least spread any placement of the requests running at each "
-                "sample could have had (a server running one request shows its size, which goes whole to one "
-                "server; several count as divisible), so pof_floor_vs_static above the goal means no placement of "
-                "pof's requests meets it; tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM "
-                "counts them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "
-                "re-prefill after a preemption is in no vLLM counter (see preemptions, pool_loaded_pages)",
-    }
-
-
-def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path,
-         title: str = "pof bench capacity: p90 TTFT vs offered load") -> None:
-    """p90 TTFT against offered load, one line per set-up, the SLO as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ceiling = 2 * slo_s       # where a trial that failed or gave up (no p90) is marked
-    for name, row in results.items():
-        pts = [(t["offered_rps"], t["p90_ttft_s"] if t["passed"] or t["p90_ttft_s"] is not None else ceiling)
-               for t in row["trials"]]
-        if pts:
-            line = ax.plot(*zip(*pts, strict=True), marker="o", label=name)[0]
-            failed = [(t["offered_rps"], ceiling) for t in row["trials"] if not t["passed"] and t["p90_ttft_s"] is None]
-            if failed:
-                ax.scatter(*zip(*failed, strict=True), marker="x", s=80, color=line.get_color())
-    ax.axhline(ceiling, linestyle=":", color="lightgrey", label="failed / gave up (x)")
-    ax.axhline(slo_s, linestyle="--", color="grey", label=f"SLO {slo_s:.2f} s")
-    ax.set_xlabel("offered load (requests/s)")
-    ax.set_ylabel("p90 TTFT (s)")
-    ax.set_yscale("log")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-__all__ = ["SETUPS", "SLO_MULTIPLE", "bounded_search", "draw", "prompt_sizes", "run"]
+__all__ = ["QUICK_TIME_BUDGET_S", "RESOLUTION", "SETUPS", "SLO_MULTIPLE", "TIME_BUDGET_S", "bounded_search", "draw",
+           "needs", "prompt_sizes", "run"]

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from pof_connector.bench import BenchError
 from pof_connector.bench import capacity as bench_capacity  # starts vLLM servers and routers; imports no vLLM
+from pof_connector.bench.needs import check
 from pof_connector.cli_support import out_console, print_json, progress
 
 
@@ -28,13 +32,50 @@ def _setups(text: str) -> list[str]:
 
 def cmd_bench_capacity(args: argparse.Namespace) -> int:
     setups = args.setups or (["static", "pof"] if args.quick else list(bench_capacity.SETUPS))
+    check(bench_capacity.needs(setups, plot=args.plot is not None), "capacity")     # before any server starts
     result = bench_capacity.run(servers=args.servers, quick=args.quick, trace_file=args.trace, seed=args.seed,
                                 model=args.model, setups=setups, kv_tokens=args.kv_tokens,
-                                max_trials=args.max_trials, plot=args.plot, progress=progress,
+                                max_trials=args.max_trials, time_budget_s=args.time_budget_s,
+                                resolution=args.resolution, progress=progress,
                                 router_nice=args.router_nice, audit_rates=tuple(args.audit_rates))
+    if args.plot is not None:
+        result["plot"] = str(args.plot)
+    # the run's result leaves first: a table or a plot that fails after it loses nothing
+    save_json(result, args.out, quiet=args.json)
     if args.json:
         print_json(result)
-        return 0
+    else:
+        print_table(result)
+    if args.plot is not None:
+        plot(result, args.plot)
+    return 0
+
+
+def save_json(result: dict[str, Any], out: Path | None, quiet: bool) -> None:
+    """``result`` to ``out``; without ``--out`` and ``--json`` to a file of its own (the table shows
+    less than the JSON holds, and the run took long)."""
+    if out is None and quiet:
+        return
+    if out is None:
+        fd, name = tempfile.mkstemp(prefix="pof-bench-capacity-", suffix=".json", dir="/tmp")
+        out = Path(name)
+        with open(fd, "w") as f:
+            json.dump(result, f)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result) + "\n")
+    progress(f"result JSON: {out}")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Draw ``--plot``; a failure is an error after the result, not instead of it."""
+    try:
+        bench_capacity.draw(result["setups"], result["slo_s"], path)
+    except (ImportError, OSError, ValueError, RuntimeError) as e:
+        raise BenchError(f"--plot {path}: {type(e).__name__}: {e} (the result above is complete)") from e
+
+
+def print_table(result: dict[str, Any]) -> None:
     t = result["trace"]
     table = Table(title=f"capacity: {t['requests']} requests, {t['sessions']} sessions, {result['cluster']['servers']} "
                         f"servers, SLO p90 TTFT <= {result['slo_s']:.3f} s", title_justify="left")
@@ -44,21 +85,28 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
     for name, row in result["setups"].items():
         ref = row["at_reference_load"] or {}
         below = row.get("failed_at_rps")
-        table.add_row(name, f"{row['goodput_rps']:.3f}" + (f" (< {below:.3f})" if below is not None else ""),
+        limit = f" (< {below:.3f})" if below is not None else f" (>=, {row['bound_reason']})" if row["at_bound"] else ""
+        table.add_row(name, f"{row['goodput_rps']:.3f}" + limit,
                       str(ref.get("mean_ttft_s")), str(ref.get("p90_ttft_s")),
                       f"{ref.get('preemptions', 0):.0f}", str(ref.get("tokens_recomputed")),
                       str(ref.get("spread_mean")), str(ref.get("spread_p90")), str(ref.get("spread_floor_mean")))
     out = out_console()
     out.print(table)
-    out.print(f"ratio pof / static goodput [bold]{result['ratio']}[/bold] (range {result['ratio_range']}), pof / "
-              f"best other ({result['best_other']}) {result['ratio_vs_best']} (range {result['ratio_vs_best_range']}); "
+    out.print(f"ratio pof / static goodput [bold]{result['ratio']}[/bold]{_bound(result['ratio_bound'])} (range "
+              f"{result['ratio_range']}), pof / best other ({result['best_other']}) {result['ratio_vs_best']}"
+              f"{_bound(result['ratio_vs_best_bound'])} (range {result['ratio_vs_best_range']}); "
               f"spread pof / static {result['fragmentation']['pof_vs_static']} (pof's floor / static's spread "
               f"{result['fragmentation']['pof_floor_vs_static']}: no placement of pof's requests goes below it) "
               "(TTFT, preemptions, tokens and spread at the reference load, factor 1)")
     for rate, row in result.get("audit", {}).items():
         out.print(f"pof with audit.sample_rate {rate}: goodput {row['goodput_rps']} req/s, "
-                  f"{row['vs_no_audit']} of pof without it")
-    return 0
+                  f"{row['vs_no_audit']}{_bound(row['vs_no_audit_bound'])} of pof without it")
+
+
+def _bound(kind: str | None) -> str:
+    """How a ratio that is only a bound reads in the table ('' for a measured one)."""
+    return {None: "", "lower": " (at least: a set-up at a bound)", "upper": " (at most: a set-up at a bound)",
+            "unknown": " (both at a bound: unknown)"}[kind]
 
 
 def add_capacity_parser(bsub: Any) -> None:
@@ -70,12 +118,19 @@ def add_capacity_parser(bsub: Any) -> None:
                                     "round_robin, vllm-router cache_aware (without and with a per-server CPU "
                                     "offload tier) and pof router + pool, each on freshly started servers; "
                                     "searches each set-up's goodput (highest load with p90 TTFT within the SLO "
-                                    "and no failure). Needs vLLM (and vllm-router for the cache_aware set-ups).")
+                                    "and no failure; no factor ceiling, a time budget per set-up). Needs vLLM "
+                                    "(and vllm-router for the cache_aware set-ups, matplotlib for --plot): "
+                                    "checked before anything starts.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help='replay a JSONL trace: one {"at", "session", "tenant", "system_tokens", "turn_tokens", '
                         '"max_tokens"} per line (default: the seeded fragmenting mix)')
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="write p90 TTFT vs offered load (needs matplotlib)")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="write p90 TTFT vs offered load (needs matplotlib, checked before anything starts; drawn "
+                        "after the result is out)")
+    p.add_argument("--out", type=Path, metavar="FILE.json",
+                   help="also write the result JSON to FILE (before any table or plot; without it and --json, "
+                        "the JSON goes to a file in /tmp, named on stderr)")
     p.add_argument("--quick", action="store_true",
                    help="a short trace, static and pof only, two trials each (what CI runs)")
     p.add_argument("--servers", type=int, default=2, choices=(2, 3), help="vLLM servers (default 2)")
@@ -84,7 +139,17 @@ def add_capacity_parser(bsub: Any) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of the default trace (default 1)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV cache tokens per server (default: twice the trace's longest session context)")
-    p.add_argument("--max-trials", type=int, default=None, help="trials per set-up (default 6; --quick 2)")
+    p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
+                   help=f"seconds of trials each set-up's goodput search gets (default "
+                        f"{bench_capacity.TIME_BUDGET_S:g}; --quick {bench_capacity.QUICK_TIME_BUDGET_S:g}); the "
+                        "search has no factor ceiling: it doubles the load while the set-up meets the SLO until "
+                        "this runs out (the set-up is then reported at_bound), and what set-ups that failed "
+                        "earlier left unspent goes afterwards to those still passing, highest first")
+    p.add_argument("--resolution", type=float, default=bench_capacity.RESOLUTION, metavar="R",
+                   help="bisect until the lowest failing load is within this share above the highest passing one "
+                        f"(default {bench_capacity.RESOLUTION:g})")
+    p.add_argument("--max-trials", type=int, default=None,
+                   help="at most this many trials per set-up besides the time budget (default: no limit; --quick 2)")
     p.add_argument("--model", metavar="DIR|PRESET",
                    help="model directory, or a local preset built on first use: tiny (the default; 4,096 "
                         "positions), tiny-long (the same weights, 32,768 positions: long-context traces), bench")

@@ -24,7 +24,8 @@ The prefix hit rate is (engine prefix-cache hits + connector hits) / prompt toke
 servers' own metrics, compared with the first-touch bound: every tenant's system prompt is
 computed once in the cluster and hit by every later request (whole blocks, never a prompt's last
 token). ``ratio_vs_best`` = pof mean TTFT / the best stock policy's mean TTFT; `pof router`'s own
-time per request (p50/p99, per stage) is read from its answers' headers. Needs vLLM and vllm-router.
+time per request (p50/p99, per stage) is read from its answers' headers. Needs vLLM and vllm-router
+(:data:`NEEDS`, checked before anything starts).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 
 from pof_connector.bench import BenchError, nearest_rank
 from pof_connector.bench.make_model import PRESETS
+from pof_connector.bench.needs import VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port, stream_completion
@@ -55,6 +57,7 @@ from pof_connector.index.server import RedisServer
 
 Progress = Callable[[str], None]
 BLOCK = 128
+NEEDS: list[Need] = [VLLM, Need("the stock routers", VLLM_ROUTER.package, binary="vllm-router")]
 METRICS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total")
 
 
@@ -222,6 +225,7 @@ def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         raise BenchError(f"--workload: {', '.join(unknown) or 'none'}; allowed: {', '.join(WORKLOADS)}")
+    check(NEEDS, "router")      # before a model is built or a server started
     out: dict[str, Any] = {"bench": "router", "workloads": {}}
     for name in workloads:
         spec = dataclasses.replace(WORKLOADS[name], **overrides)

@@ -2,7 +2,7 @@
 set-up, simulated and measured goodput (and p90 TTFT at goodput).
 
 Each set-up is simulated on as many nodes as the bench had servers, with the bench's trace, SLO
-(``slo_s``) and goodput search (:func:`~pof_connector.bench.capacity.bounded_search`, as many
+(``slo_s``) and goodput search (:func:`~pof_connector.bench.capacity_search.bounded_search`, as many
 trials as the bench ran per set-up), so both goodputs come from the same discrete factors.
 ``max_rel_error`` = the largest |simulated - measured| / measured goodput; ``same_ordering``: every
 pair of set-ups compares the same way (higher, lower or equal) in both.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from itertools import combinations
 from typing import Any
 
-from pof_connector.bench.capacity import bounded_search
+from pof_connector.bench.capacity_search import bounded_search
 from pof_connector.sim.bench_run import BenchRun, replay_trial
 from pof_connector.sim.policies import POLICIES
 from pof_connector.sim.profile import Profile

@@ -133,13 +133,14 @@ class FakeFleet:
 def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
     from pof_connector.bench.capacity import SetupRun, _report
     from pof_connector.bench.capacity_fleet import FleetSpec
+    from pof_connector.bench.capacity_search import GoodputSearch
 
     seen: list[list[int]] = []
     lines: list[str] = []
     many = [TraceRequest(i * 0.05, f"s{i}", "t", 40, 10, 2) for i in range(20)]
     with serve(fake_vllm(seen, 0.0)) as url:
         run = SetupRun(FakeFleet(url, seen), many, 500, 1.0, lines.append)  # type: ignore[arg-type]
-        best = run.search(max_trials=3)
+        best = run.search(GoodputSearch(max_trials=3), None).passed
     assert best == 4.0 and [t["factor"] for t in run.trials] == [1.0, 2.0, 4.0]      # doubling while it passes
     assert all(t["passed"] and t["tokens_computed"] > 0 for t in run.trials)
     assert run.trials[0]["spread_mean"] == 0.5 and run.trials[0]["spread_floor_mean"] == 0.0 and len(lines) == 3

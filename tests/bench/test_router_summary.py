@@ -3,7 +3,10 @@ its choices); a stock router's answers carry none, and get no routing summary.""
 
 from __future__ import annotations
 
-from pof_connector.bench.router import routing_summary
+import pytest
+
+from pof_connector.bench import BenchError
+from pof_connector.bench.router import routing_summary, run
 
 
 def test_summary_of_pof_router_headers() -> None:
@@ -25,10 +28,5 @@ def test_a_stock_router_has_no_summary() -> None:
 
 
 def test_an_unknown_workload_stops_before_anything_starts() -> None:
-    import pytest
-
-    from pof_connector.bench import BenchError
-    from pof_connector.bench.router import run
-
     with pytest.raises(BenchError, match="allowed: cheap, dear"):
         run(workloads=["cheap", "huge"], overrides={}, seed=1, progress=print)

@@ -35,7 +35,7 @@ def test_bounded_search_is_the_benchs() -> None:
     assert bounded_search(trial, 5) == pytest.approx(math.sqrt(8))       # 1, 2, 4 (fails), 2.83, 3.36 (fails)
     assert seen == pytest.approx([1.0, 2.0, 4.0, math.sqrt(8), math.sqrt(math.sqrt(8) * 4)])
     assert bounded_search(lambda f: False, 10) == 0.0
-    assert bounded_search(lambda f: True, 10) == 16.0                      # bounded above, as the bench
+    assert bounded_search(lambda f: True, 10) == 512.0                     # no ceiling: 1, 2, ... 512
 
 
 def test_bench_trace_is_rebuilt(tmp_path: Path) -> None:

@@ -1,0 +1,116 @@
+"""``pof bench capacity`` and ``pof bench router`` at argument time: a missing package stops them
+before anything starts, naming it and how to install it; the result JSON leaves before any table or
+plot, so a plot that fails loses nothing. ``capacity.run`` is replaced: no server starts here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pof_connector.bench import capacity, router
+from pof_connector.bench.capacity_fleet import FleetSpec
+from pof_connector.bench.capacity_report import report, setup_row
+from pof_connector.bench.capacity_search import GoodputSearch
+from pof_connector.cli import main
+
+REAL_FIND_SPEC = importlib.util.find_spec
+
+
+def installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, missing: set[str]) -> None:
+    """Every package but ``missing`` (module or binary names) installed; this Python in ``tmp_path``."""
+    def find_spec(name: str, *args: Any) -> object:
+        return None if name in missing else REAL_FIND_SPEC("json")
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr("shutil.which", lambda name, *a, **k: None if name in missing else f"/usr/bin/{name}")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+
+
+def never(*_: object, **__: object) -> Any:
+    raise AssertionError("started something")
+
+
+def result() -> dict[str, Any]:
+    rows = {}
+    for name, goodput in (("static", 3.0), ("pof", float("inf"))):
+        s = GoodputSearch().run(lambda f, g=goodput: f <= g, budget_s=None)      # pof: up to the safety cap
+        trials = [{"factor": round(f, 4), "passed": ok, "offered_rps": f, "p90_ttft_s": 0.1} for f, ok in s.trials]
+        rows[name] = setup_row(s, trials, base_rps=1.0)
+    return report(rows, {}, {"requests": 20, "sessions": 4}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1, None,
+                  Path("m"), search={"time_budget_s_per_setup": 300.0})
+
+
+@pytest.mark.parametrize(("args", "missing", "named"), [
+    (["--plot", "p.png", "--setups", "static,pof"], {"matplotlib"}, "matplotlib (for --plot)"),
+    ([], {"vllm-router"}, "vllm-router (for the cache_aware set-ups)"),
+    (["--setups", "static"], {"vllm"}, "vllm (for the vLLM servers)"),
+])
+def test_a_missing_package_stops_the_bench_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        args: list[str], missing: set[str], named: str) -> None:
+    installed(monkeypatch, tmp_path, missing=missing)
+    for name in ("Fleet", "build_model", "model_dir", "fragmenting_trace"):
+        monkeypatch.setattr(capacity, name, never)
+    assert main(["bench", "capacity", "--json", *args]) == 1
+    err = capsys.readouterr().err
+    assert "missing package, nothing started" in err and named in err
+    assert f"{tmp_path}/venv/bin/python -m pip install" in err           # into the Python that runs the bench
+
+
+def test_without_cache_aware_setups_vllm_router_is_not_needed(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    installed(monkeypatch, tmp_path, missing={"vllm-router"})
+    assert [n.package for n in capacity.needs(["static", "pof"], plot=False)] == ["vllm"]
+    assert "vllm-router==0.1.17" in [n.package for n in capacity.needs(["cache_aware_offload"], plot=True)]
+    capacity.check(capacity.needs(["static", "pof"], plot=False), "capacity")
+
+
+def test_the_router_bench_checks_vllm_and_vllm_router_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    installed(monkeypatch, tmp_path, missing={"vllm", "vllm-router"})
+    monkeypatch.setattr(router, "build_model", never)
+    monkeypatch.setattr(router, "VllmServer", never)
+    assert main(["bench", "router", "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "missing packages, nothing started" in err
+    assert "vllm (for the vLLM servers)" in err and "vllm-router (for the stock routers)" in err
+
+
+def test_the_json_leaves_before_a_plot_that_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    monkeypatch.setattr(capacity, "run", lambda **kw: result())
+    printed: list[str] = []
+
+    def draw(*_: object) -> None:
+        printed.append(capsys.readouterr().out)          # what was out when the plot began
+        raise OSError("No space left on device")
+    monkeypatch.setattr(capacity, "draw", draw)
+    out = tmp_path / "runs" / "capacity.json"
+    code = main(["bench", "capacity", "--json", "--plot", str(tmp_path / "p.png"), "--out", str(out)])
+    assert code == 1
+    (line,) = printed[0].splitlines()
+    got = json.loads(line)
+    assert got == json.loads(out.read_text()) and got["plot"] == str(tmp_path / "p.png")
+    assert got["setups"]["pof"]["at_bound"] and got["ratio_bound"] == "lower"
+    err = capsys.readouterr().err
+    assert re.search(r"pof: --plot .*p\.png: OSError: No space left on device \(the result above is complete\)", err)
+
+
+def test_the_table_comes_after_the_json_is_saved(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    monkeypatch.setattr(capacity, "run", lambda **kw: result())
+    assert main(["bench", "capacity", "--setups", "static,pof"]) == 0
+    captured = capsys.readouterr()
+    saved = Path(re.search(r"result JSON: (\S+)", captured.err).group(1))      # type: ignore[union-attr]
+    try:
+        assert json.loads(saved.read_text())["ratio_bound"] == "lower"
+    finally:
+        saved.unlink()
+    assert "(at least: a set-up at a bound)" in captured.out and "(>=, safety cap)" in captured.out
