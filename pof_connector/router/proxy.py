@@ -52,6 +52,7 @@ from pof_connector.locality.engine_load import PLAIN, EngineLoad, MetricsPage
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
 from pof_connector.router.openai_shapes import document
+from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.proxy_metrics import ProxyMetrics
 from pof_connector.router.router import Decision, NoBackend, Router
 from pof_connector.router.stage_clock import StageClock
@@ -137,8 +138,10 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                 return None, "none"
             local = tokens_source.tokenizer
             if local is not None:
-                # Short prompts in the event loop: a thread hop costs more than they do.
-                if len(prompt) <= INLINE_TOKENIZE_CHARS:
+                # Short prompts in the event loop: a thread hop costs more than they do (so does a
+                # long one whose leading text the tokenizer has cached).
+                if len(prompt) <= INLINE_TOKENIZE_CHARS or (isinstance(local, PrefixTokenizer) and
+                                                            local.uncached_chars(prompt) <= INLINE_TOKENIZE_CHARS):
                     return local(prompt), "local"
                 return await asyncio.to_thread(local, prompt), "local"
             got = await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
@@ -378,7 +381,9 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 
 def _token_ids(prompt: list[Any]) -> list[int]:
     """``prompt`` as token ids; a list that is not (ints in 0..2^32-1) is refused, as vLLM does."""
-    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+    # The types and the range checked in C (a per-id Python test cost 0.1 ms on 2,900 ids); bool
+    # is its own type here, so true/false are refused as before.
+    if not set(map(type, prompt)) <= {int} or (prompt and (min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID)):
         raise _BadRequest(400, f"'prompt' as a list must hold token ids, integers in 0..{MAX_TOKEN_ID}")
     return prompt
 
