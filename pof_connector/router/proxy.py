@@ -25,8 +25,9 @@ Every routed answer says how it was routed: ``x-pof-backend``, ``x-pof-reason`` 
 <pof_connector.router.router.Decision.route>`), ``x-pof-estimated-ttft``, ``x-pof-kv-need-blocks``
 / ``x-pof-kv-free-blocks`` (the chosen node's admission), ``x-pof-saturated`` (backends full for
 this request), ``x-pof-tokens`` (where the prompt's tokens came from) and
-``x-pof-router-overhead`` (seconds the router spent before sending the request on: reading the
-body, tokenizing, the index lookup: the router's own share of the TTFT).
+``x-pof-router-overhead`` (seconds the router spent before the request was written to the
+backend: the router's own share of the TTFT), by stage in ``x-pof-router-stages``
+(:mod:`~pof_connector.router.stage_clock`).
 """
 
 from __future__ import annotations
