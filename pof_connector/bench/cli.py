@@ -1,4 +1,5 @@
-"""``pof bench tiers | index | fabric | hbm | vllm | router | lmcache``: run a benchmark, print its table or JSON."""
+"""``pof bench tiers | index | fabric | hbm | vllm | router | router-overhead | lmcache | ...``: run a
+benchmark, print its table or JSON."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; impor
 from pof_connector.bench.audit import add_audit_parser
 from pof_connector.bench.capacity_cli import add_capacity_parser
 from pof_connector.bench.chaos_faults import KINDS as CHAOS_KINDS
+from pof_connector.bench.router_overhead_cli import add_router_overhead_parser
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
 from pof_connector.config import ConfigError, PofConfig, format_size, redact_url
 
@@ -455,3 +457,4 @@ def add_parser(sub: Any) -> None:
     chaos.set_defaults(handler=cmd_bench_chaos)
     add_capacity_parser(bsub)
     add_audit_parser(bsub)
+    add_router_overhead_parser(bsub)

@@ -59,10 +59,18 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
     ``slots``: read the chosen holders' slot records (:meth:`PrefixMatch.resolve`, for the pages
     taken from each; a record gone since the lookup ends the sources there); ``False``: a router's
     count, whose sources carry slot and generation -1."""
+    if all(m.node != me and not near.get(m.node) and not far.get(m.node) for _, m in runs):
+        # Nothing here is readable by ``me`` (most nodes for most prompts in a router's count):
+        # what the tables below would conclude, without building them.
+        elsewhere: dict[str, int] = {}
+        for at, m in runs:
+            if len(m.media):
+                elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
+        return Reach(list(own or []), [False] * len(own or []), elsewhere)
     order = sorted(runs, key=lambda r: r[1].node != me)      # own first, else as the index gave them
     # Per run, whether ``me`` reads each medium code near / far, as lookup tables; the pick is made
     # on a (runs x pages) table in numpy: a loop over pages and runs cost 3 ms at 64 holders.
-    elsewhere: dict[str, int] = {}
+    elsewhere = {}
     first = len(own or [])
     end = max((at + m.pages for at, m in runs), default=0)
     if length is not None:

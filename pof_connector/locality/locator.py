@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo
@@ -41,13 +42,18 @@ def load_tokenizer(path: str, *, special_tokens: bool) -> Tokenizer:
     """A ``tokenizers`` tokenizer from a model directory (its tokenizer.json) or a file.
     ``special_tokens``: add them as the engine does for a completions prompt (routing must see the
     engine's exact tokens); the locality API's text queries leave them out."""
+    tok = hf_tokenizer(path)
+    return lambda text: list(tok.encode(text, add_special_tokens=special_tokens).ids)
+
+
+def hf_tokenizer(path: str) -> Any:
+    """The ``tokenizers.Tokenizer`` of a model directory (its tokenizer.json) or a file."""
     from pathlib import Path
 
     from tokenizers import Tokenizer as HFTokenizer
 
     p = Path(path)
-    tok = HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
-    return lambda text: list(tok.encode(text, add_special_tokens=special_tokens).ids)
+    return HFTokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 
 
 class UnknownModel(LookupError):

@@ -74,6 +74,8 @@ class Decision:
     """The backend holding the longest prefix (engine cache or own pool tiers); ``None``: none."""
     pool_tokens: int = 0
     """Prompt tokens the chosen node's pool loads (beyond its engine's own cache)."""
+    lookup_s: float = 0.0
+    """Seconds this decision waited on the locality index (the router's ``lookup`` stage)."""
     balance: tuple[float, float] | None = None
     """(gain, margin), seconds: how much lower the lowest estimate was than the least loaded
     backend's, and the estimates' measured error it had to beat (route 'load-balanced' when it
@@ -153,11 +155,15 @@ class Router:
 
     def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend], need: int) -> Decision:
         assert self.locator is not None
+        asked = time.perf_counter()
         try:
             found: Locality | None = self.locator.locate(tokens, self.config.model, cache_salt)
         except (IndexUnavailable, ModelRequired, UnknownModel) as e:
+            lookup_s = time.perf_counter() - asked
             self.index_health.lost(type(e).__name__, str(e), "routing to the least loaded backend until it is back")
-            return self._least_loaded_decision(live, f"fallback:{type(e).__name__}", len(tokens), need)
+            decision = self._least_loaded_decision(live, f"fallback:{type(e).__name__}", len(tokens), need)
+            return replace(decision, lookup_s=lookup_s)
+        lookup_s = time.perf_counter() - asked
         assert found is not None
         self.index_health.ok()
         n_tokens = len(tokens)
@@ -264,7 +270,7 @@ class Router:
         # the saturated backends in live order
         names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated)) if saturated else ()
         return Decision(b, "pof", estimate, n_tokens, route, admission, names,
-                        holder_b.name if has_holder else None, estimate.fetch_tokens,
+                        holder_b.name if has_holder else None, estimate.fetch_tokens, lookup_s,
                         (round(gain, 6), round(margin, 6)) if roomy else None)
 
     def _prefix_terms(self, node: NodeLocality | None, n_tokens: int) -> tuple[int, float, float, int]:

@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 from pof_connector.config import ConfigError
-from pof_connector.locality.locator import Tokenizer, load_tokenizer
+from pof_connector.locality.locator import Tokenizer, hf_tokenizer
+from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 
 log = logging.getLogger("pof.router")
 BACKEND = "backend"
@@ -42,7 +43,7 @@ class TokenizerSource:
         """No more discovery: configured, or the backends' model directory was tried."""
         if setting is not None and setting != BACKEND:
             try:
-                self.tokenizer = load_tokenizer(setting, special_tokens=True)
+                self.tokenizer = PrefixTokenizer(hf_tokenizer(setting))
             except Exception as e:       # tokenizers raises its own Exception type for a bad file
                 raise ConfigError(f"tokenizer: cannot load {setting!r} ({e}); give a model directory holding "
                                   f"tokenizer.json, the file itself, '{BACKEND}' or null") from None
@@ -65,7 +66,7 @@ class TokenizerSource:
                 path = Path(root)
                 if (path / "tokenizer.json").is_file():
                     try:
-                        self.tokenizer = load_tokenizer(str(path), special_tokens=True)
+                        self.tokenizer = PrefixTokenizer(hf_tokenizer(str(path)))
                     except Exception as e:   # a corrupt file: say so, keep asking the backends
                         log.warning("pof router: cannot load %s/tokenizer.json (%s)", path, e)
                         continue
