@@ -67,38 +67,8 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
             if len(m.media):
                 elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
         return Reach(list(own or []), [False] * len(own or []), elsewhere)
-    order = sorted(runs, key=lambda r: r[1].node != me)      # own first, else as the index gave them
-    # Per run, whether ``me`` reads each medium code near / far, as lookup tables; the pick is made
-    # on a (runs x pages) table in numpy: a loop over pages and runs cost 3 ms at 64 holders.
-    elsewhere = {}
-    first = len(own or [])
-    end = max((at + m.pages for at, m in runs), default=0)
-    if length is not None:
-        end = min(end, length)
-    width = max(end - first, 0)
-    near_ok = np.zeros((len(order), width), dtype=bool)
-    far_ok = np.zeros((len(order), width), dtype=bool)
-    for r, (at, m) in enumerate(order):
-        near_media = near.get(m.node, ()) if m.node != me else MEDIA
-        far_media = far.get(m.node, ()) if m.node != me else ()
-        nr, fr = _table(near_media), _table(far_media)
-        media = m.media
-        if len(media) and not (nr | fr)[media].all():
-            elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
-        lo, hi = max(at, first), min(at + len(media), end)
-        if hi > lo:
-            near_ok[r, lo - first:hi - first] = nr[media[lo - at:hi - at]]
-            far_ok[r, lo - first:hi - first] = fr[media[lo - at:hi - at]]
-    picks: list[tuple[int, int, bool]] = []            # per page: run, page in the run, over the fabric
-    if order and width:
-        has_near = np.asarray(near_ok.any(axis=0))
-        has_far = np.asarray(far_ok.any(axis=0))
-        readable = has_near | has_far
-        stop = int(np.argmin(readable)) if not readable.all() else width
-        run_of = np.where(has_near, near_ok.argmax(axis=0), far_ok.argmax(axis=0))[:stop]
-        at_of = np.array([at for at, _ in order], dtype=np.int64)
-        j_of = np.arange(first, first + stop) - at_of[run_of]
-        picks = list(zip(run_of.tolist(), j_of.tolist(), (~has_near[:stop]).tolist(), strict=True))
+    order, elsewhere, run_of, j_of, far_of = _pick(me, runs, near, far, len(own or []), length)
+    picks: list[tuple[int, int, bool]] = list(zip(run_of.tolist(), j_of.tolist(), far_of.tolist(), strict=True))
     prepared = [(m, m.media) for _, m in order]
     if slots:
         # Only the pages taken from each holder are read, and a record gone since the lookup cuts there.
@@ -117,6 +87,58 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
         sources.append(Location(prepared[r][0].node, MEDIA[media[j]], sl[j], gens[j]))
         fabric.append(far_read)
     return Reach(sources, fabric, elsewhere)
+
+
+def reach_media(me: str, runs: list[Run], *, near: Readable, far: Readable) -> tuple[np.ndarray, np.ndarray]:
+    """A router's count of :func:`reach` (``slots=False``), without a :class:`Location` per page:
+    per leading page node ``me`` can load, its medium code and whether it comes over the fabric."""
+    if all(m.node != me and not near.get(m.node) and not far.get(m.node) for _, m in runs):
+        return np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=bool)
+    order, _, run_of, j_of, far_of = _pick(me, runs, near, far, 0, None)
+    codes = np.zeros(len(run_of), dtype=np.uint8)
+    for r in np.unique(run_of).tolist():
+        taken = run_of == r
+        codes[taken] = order[r][1].media[j_of[taken]]
+    return codes, far_of
+
+
+def _pick(me: str, runs: list[Run], near: Readable, far: Readable, first: int, length: int | None
+          ) -> tuple[list[Run], dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`reach`'s choice from page ``first`` on: (the runs in the order picked from, the
+    ``elsewhere`` counts, and per page taken: its run in that order, its page in the run, whether
+    over the fabric)."""
+    order = sorted(runs, key=lambda r: r[1].node != me)      # own first, else as the index gave them
+    # Per run, whether ``me`` reads each medium code near / far, as lookup tables; the pick is made
+    # on a (runs x pages) table in numpy: a loop over pages and runs cost 3 ms at 64 holders.
+    elsewhere: dict[str, int] = {}
+    end = max((at + m.pages for at, m in runs), default=0)
+    if length is not None:
+        end = min(end, length)
+    width = max(end - first, 0)
+    near_ok = np.zeros((len(order), width), dtype=bool)
+    far_ok = np.zeros((len(order), width), dtype=bool)
+    for r, (at, m) in enumerate(order):
+        near_media = near.get(m.node, ()) if m.node != me else MEDIA
+        far_media = far.get(m.node, ()) if m.node != me else ()
+        nr, fr = _table(near_media), _table(far_media)
+        media = m.media
+        if len(media) and not (nr | fr)[media].all():
+            elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
+        lo, hi = max(at, first), min(at + len(media), end)
+        if hi > lo:
+            near_ok[r, lo - first:hi - first] = nr[media[lo - at:hi - at]]
+            far_ok[r, lo - first:hi - first] = fr[media[lo - at:hi - at]]
+    if not (order and width):
+        empty = np.zeros(0, dtype=np.int64)
+        return order, elsewhere, empty, empty, np.zeros(0, dtype=bool)
+    has_near = np.asarray(near_ok.any(axis=0))
+    has_far = np.asarray(far_ok.any(axis=0))
+    readable = has_near | has_far
+    stop = int(np.argmin(readable)) if not readable.all() else width
+    run_of = np.where(has_near, near_ok.argmax(axis=0), far_ok.argmax(axis=0))[:stop]
+    at_of = np.array([at for at, _ in order], dtype=np.int64)
+    j_of = np.arange(first, first + stop) - at_of[run_of]
+    return order, elsewhere, run_of, j_of, ~has_near[:stop]
 
 
 @lru_cache(maxsize=256)

@@ -25,11 +25,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo
-from pof_connector.index.reach import ENGINE, Run, gather_runs, reach
-from pof_connector.keys import page_keys
+from pof_connector.index.base import MEDIA
+from pof_connector.index.reach import ENGINE, Run, gather_runs, reach_media
 from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.locality.page_key_cache import PageKeyCache
 
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = ENGINE
@@ -110,6 +113,8 @@ class Locator:
         self._nodes_ttl_s = nodes_ttl_s
         self._nodes: tuple[float, list[NodeInfo]] = (-1e9, [])
         self._lock = threading.Lock()
+        self._page_keys = PageKeyCache()
+        """Page keys per shared prefix: most prompts begin with a system prompt seen before."""
 
     def nodes(self, *, fresh: bool = False) -> list[NodeInfo]:
         """Live nodes, cached for ``nodes_ttl_s``. Raises ``IndexUnavailable``."""
@@ -141,7 +146,7 @@ class Locator:
             space = _space(n)
             assert space is not None
             if space not in runs:
-                keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
+                keys = self._page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
                 # Asked once per namespace for every node: later rounds start where the longest run stops.
                 runs[space] = gather_runs(keys, self.index.longest_prefix,
                                           lambda rs: max((at + m.pages for at, m in rs), default=0))
@@ -218,9 +223,14 @@ def _usable(me: str, runs: list[Run], domains: dict[str, dict[str, str]],
     holders = {m.node for _, m in runs}
     near = {h: [m for m, d in mine.items() if domains.get(h, {}).get(m) == d] for h in holders}
     far = {h: fabric.get(h, frozenset()) for h in holders} if me in fabric else {}
-    got = reach(me, runs, near=near, far=far, slots=False)
+    codes, remote = reach_media(me, runs, near=near, far=far)
+    if not remote.any():
+        per_code = np.bincount(codes, minlength=1)
+        # tiers in the order their first page comes, as a page walk would meet them
+        firsts = sorted((int(np.argmax(codes == c)), c) for c in np.flatnonzero(per_code).tolist())
+        return {MEDIA[c]: int(per_code[c]) for _, c in firsts}, len(codes)
     per_tier: dict[str, int] = {}
-    for src, remote in zip(got.sources, got.fabric, strict=True):
-        tier = REMOTE if remote else src.medium
+    for code, far_read in zip(codes.tolist(), remote.tolist(), strict=True):
+        tier = REMOTE if far_read else MEDIA[code]
         per_tier[tier] = per_tier.get(tier, 0) + 1
-    return per_tier, got.near_pages
+    return per_tier, int(np.argmax(remote))

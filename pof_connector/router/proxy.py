@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -54,6 +55,7 @@ from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.engine_load import PLAIN, EngineLoad, MetricsPage
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.inline_gate import InlineGate
 from pof_connector.router.openai_shapes import document
 from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.proxy_metrics import ProxyMetrics
@@ -101,6 +103,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
     expected = f"Bearer {key}".encode() if (key := cfg.api_key()) is not None else None
     backend_key = cfg.backend_api_key()
     backend_headers = {"authorization": f"Bearer {backend_key}"} if backend_key is not None else {}
+    gate = InlineGate()
     forward = _FORWARD_HEADERS if backend_key is None else tuple(h for h in _FORWARD_HEADERS if h != "authorization")
 
     @contextlib.asynccontextmanager
@@ -178,8 +181,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         tried: set[str] = set()
         while True:
             try:
-                decision = await asyncio.to_thread(router.choose, tokens, cache_salt=salt, session=session,
-                                                   exclude=frozenset(tried), max_tokens=max_tokens)
+                decision = await gate.run(functools.partial(router.choose, tokens, cache_salt=salt, session=session,
+                                                            exclude=frozenset(tried), max_tokens=max_tokens))
             except NoBackend as e:
                 return _error(503, str(e))
             b = decision.backend

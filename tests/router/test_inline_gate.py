@@ -1,0 +1,44 @@
+"""The routing choice runs on the event loop while it is fast, on a thread for a while after a slow one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from pof_connector.router.inline_gate import InlineGate
+
+
+def test_fast_choices_inline_slow_one_moves_the_next_to_a_thread() -> None:
+    gate = InlineGate(max_s=0.01, threaded_after_slow=3)
+    loop_thread = threading.get_ident()
+
+    async def main() -> list[bool]:
+        where = []
+        for slow in (False, True, False, False, False, False):
+            def fn(slow: bool = slow) -> int:
+                if slow:
+                    time.sleep(0.02)
+                return threading.get_ident()
+            where.append(await gate.run(fn) == loop_thread)
+        return where
+
+    # fast: inline; the slow one still inline (it was not known slow); then 3 on a thread; inline again
+    assert asyncio.run(main()) == [True, True, False, False, False, True]
+
+
+def test_a_raising_choice_raises_through_the_gate() -> None:
+    gate = InlineGate()
+
+    def fn() -> int:
+        raise LookupError("no backend")
+
+    async def main() -> None:
+        await gate.run(fn)
+
+    try:
+        asyncio.run(main())
+    except LookupError as e:
+        assert str(e) == "no backend"
+    else:
+        raise AssertionError("not raised")
