@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from pof_connector.adapters.vllm_geometry import cache_spec_problem, geometry, on_cpu, pof_config
 from pof_connector.adapters.vllm_metadata import PoFConnectorMetadata
@@ -83,7 +84,8 @@ class PoFConnector(KVConnectorBase_V1):
             # kv_role as vLLM defines it: a producer only stores, a consumer only loads.
             kv_role = self._kv_transfer_config.kv_role
             self._scheduler = PoFScheduler(config, geo, loads=kv_role != "kv_producer",
-                                           saves=kv_role != "kv_consumer")
+                                           saves=kv_role != "kv_consumer",
+                                           tp_size=vllm_config.parallel_config.tensor_parallel_size)
         else:
             self._worker = PoFWorker(config, geo, tp_rank=_tp_rank(), pp_rank=_pp_rank(), cpu_attention=on_cpu())
 
@@ -110,6 +112,8 @@ class PoFConnector(KVConnectorBase_V1):
     # ---- scheduler side ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Loads are synchronous (``False``); ``None``: a P/D decode request waits for its
+        prefill's pages to reach the index (see ``adapters/vllm_pd.py``)."""
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
 
@@ -140,10 +144,19 @@ class PoFConnector(KVConnectorBase_V1):
             self._scheduler.fail_unsettled()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves were copied out of the blocks during the forward: vLLM may free them now.
+        """Saves were copied out of the blocks during the forward: vLLM may free them now, a P/D
+        prefill's too (the decode server reads the pool, never these blocks). The prefill half of
+        a disaggregated request returns the hand-off for its decode half."""
         assert self._scheduler is not None
+        # Like NixlConnector: an aborted prefill hands nothing on (the proxy's decode half computes).
+        done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        handoff = self._scheduler.handoff(request) if done else None
         self._scheduler.finished(request.request_id)
-        return False, None
+        return False, handoff
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while saves wait for their verdict (see ``PoFScheduler.has_pending_work``)."""
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     # ---- worker side -----------------------------------------------------------------------------
 

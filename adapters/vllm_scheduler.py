@@ -10,19 +10,20 @@ park the request for at least one extra scheduler step and gain nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from pof_connector.adapters.vllm_chain import Chain
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, SaveJob, Verdict
+from pof_connector.adapters.vllm_pd import PDBooks, is_prefill
 from pof_connector.audit.sampler import Sampler
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
-from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
+from pof_connector.keys import PageKey
 from pof_connector.pool import Lookup, Pool
 
 log = logging.getLogger("pof_connector.vllm")
@@ -61,61 +62,21 @@ class _Plan:
     sources: list[Location]
 
 
-class _Chain:
-    """A request's page keys, extended as its tokens grow.
-
-    Every input that changes a request's KV besides its token ids is in the key or keeps the
-    request out of the pool, as vLLM's own block hashes do (``generate_block_hash_extra_keys``):
-    ``cache_salt`` and the LoRA adapter (name and path) seed the chain; pages that reach a
-    multimodal placeholder (whose KV depends on the image, not on the placeholder ids) or any
-    token of a prompt given as embeddings are neither loaded nor stored. Pages before the first
-    placeholder are plain text KV and are shared.
-    """
-
-    def __init__(self, namespace: bytes, request: Any) -> None:
-        self.namespace = namespace
-        self.seed = storage_seed(lora_extra_key(request), request.cache_salt)
-        self.limit = token_limit(request)
-        self.keys: list[PageKey] = []
-
-    def upto(self, tokens: list[int], pages: int, page_tokens: int) -> list[PageKey]:
-        """Keys of the first ``pages`` pages, fewer when the request's :attr:`limit` stops them."""
-        pages = min(pages, self.limit // page_tokens)
-        have = len(self.keys)
-        if pages > have:
-            prior = self.keys[-1].digest if self.keys else self.seed
-            more = chain_digests(tokens[have * page_tokens:pages * page_tokens], page_tokens, prior)
-            self.keys += chain_keys(self.namespace, self.keys, more)
-        return self.keys[:pages]
-
-
-def lora_extra_key(request: Any) -> str | None:
-    """The LoRA adapter as a chain seed part (``None``: the base model)."""
-    lora = getattr(request, "lora_request", None)
-    if not lora:
-        return None
-    return json.dumps(["vllm-lora", str(lora.lora_name), str(lora.lora_path)], separators=(",", ":"))
-
-
-def token_limit(request: Any) -> int:
-    """How many leading tokens have KV that only token ids (and the chain's seed) determine."""
-    if getattr(request, "prompt_embeds", None) is not None:
-        return 0
-    offsets = [f.mm_position.offset for f in getattr(request, "mm_features", None) or ()]
-    return min(offsets, default=1 << 62)
-
-
 class PoFScheduler:
-    def __init__(self, config: PofConfig, geo: VllmGeometry, *, loads: bool = True, saves: bool = True) -> None:
+    def __init__(self, config: PofConfig, geo: VllmGeometry, *, loads: bool = True, saves: bool = True,
+                 tp_size: int = 1) -> None:
         """``loads`` / ``saves``: whether requests take pages from the pool / give their pages to it
         (vLLM's ``kv_role``: ``kv_producer`` never loads, ``kv_consumer`` never saves)."""
         self.config = config
+        self.pd = PDBooks(config.pd, config.node_id, tp_size)
+        self._decodes: set[str] = set()
+        """P/D decode requests (a prefill's hand-off), whose own pages ``pd.decode_saves`` stores"""
         self.geo = geo
         self.loads = loads
         self.saves = saves
         # The client pool never touches bytes, but its keys (rank 0's) name the whole page geometry.
         self.pool = Pool(config, geo.spec, geo.namespace(config, tp_rank=0), role="client")
-        self._chains: dict[str, _Chain] = {}
+        self._chains: dict[str, Chain] = {}
         self._plans: dict[str, _Plan] = {}
         self._requests: dict[str, Any] = {}
         self._blocks: dict[str, list[int]] = {}
@@ -146,29 +107,38 @@ class PoFScheduler:
         self._audits: dict[str, tuple[int, list[PageKey], list[Location]]] = {}
         """request id -> (first page, keys, sources) of the pool hit the engine computes instead"""
 
-    def _chain(self, request: Any) -> _Chain:
+    def _chain(self, request: Any) -> Chain:
         chain = self._chains.get(request.request_id)
         if chain is None:
-            chain = self._chains[request.request_id] = _Chain(self.pool.namespace, request)
+            chain = self._chains[request.request_id] = Chain(self.pool.namespace, request)
         return chain
 
     # ---- get_num_new_matched_tokens ------------------------------------------------------
 
-    def matched_tokens(self, request: Any, num_computed: int) -> int:
+    def matched_tokens(self, request: Any, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` the pool can load: whole pages only, never the
-        prompt's last token (vLLM must compute it to produce logits)."""
+        prompt's last token (vLLM must compute it to produce logits). ``None`` ("ask again next
+        step") while a P/D decode request waits for the pages its prefill named (:mod:`.vllm_pd`)."""
         P = self.geo.page_tokens
         tokens = request.all_token_ids
         limit = (len(tokens) - 1) // P
         first = num_computed // P
-        self._plans.pop(request.request_id, None)
-        self._local[request.request_id] = num_computed
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        self._local[req_id] = num_computed
+        named = min(self.pd.named_pages(request, P), limit)
+        if named:
+            self._decodes.add(req_id)
         if limit <= first or not self.loads:
             return 0
         keys = self._chain(request).upto(tokens, limit, P)[first:]
         if not keys:
             return 0
-        found = self._with_approved(keys, self._lookup(request.request_id, first, limit, keys))
+        if self.pd.waiting(req_id) and not self.pd.may_ask(req_id):
+            return None
+        found = self._with_approved(keys, self._lookup(req_id, first, limit, keys, fresh=self.pd.waiting(req_id)))
+        if named > first and self.pd.keep_waiting(req_id, first + found.pages, min(named, first + len(keys))):
+            return None
         if found.pages == 0 or (first + found.pages) * P <= num_computed:
             return 0
         if self.saves and self._audited(request.request_id):
@@ -186,10 +156,12 @@ class PoFScheduler:
             pick = self._audit_pick[req_id] = self._sampler.sampled()
         return pick
 
-    def _lookup(self, req_id: str, first: int, limit: int, keys: list[PageKey]) -> Lookup:
+    def _lookup(self, req_id: str, first: int, limit: int, keys: list[PageKey], fresh: bool = False) -> Lookup:
+        """``fresh``: ask the index even within :data:`LOOKUP_REUSE_S` (a P/D decode request waiting
+        for its prefill's pages, which :class:`PDBooks` paces)."""
         now = time.monotonic()
         seen = self._looked.get(req_id)
-        if seen is not None and seen[1:3] == (first, limit) and now - seen[0] < LOOKUP_REUSE_S:
+        if not fresh and seen is not None and seen[1:3] == (first, limit) and now - seen[0] < LOOKUP_REUSE_S:
             return seen[3]
         found = self.pool.lookup(keys)
         self._looked[req_id] = (now, first, limit, found)
@@ -409,7 +381,7 @@ class PoFScheduler:
     def _plan_saves(self, req_id: str, computed_after: int, meta: PoFConnectorMetadata) -> None:
         self._progress[req_id] = computed_after
         request = self._requests.get(req_id)
-        if request is None or not self.saves:
+        if request is None or not self.saves or (req_id in self._decodes and not self.config.pd.decode_saves):
             return
         P, bpp = self.geo.page_tokens, self.geo.blocks_per_page
         tokens = request.all_token_ids
@@ -419,7 +391,7 @@ class PoFScheduler:
         if full <= start:
             return
         keys = self._chain(request).upto(tokens, full, P)
-        full = len(keys)          # fewer when the request's KV is not its tokens' alone (see _Chain)
+        full = len(keys)          # fewer when the request's KV is not its tokens' alone (see Chain)
         if full <= start:
             return
         page_blocks = [blocks[p * bpp:(p + 1) * bpp] for p in range(start, full)]
@@ -433,7 +405,27 @@ class PoFScheduler:
 
     # ---- request_finished ----------------------------------------------------------------------
 
+    def handoff(self, request: Any) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` for the decode half when ``request`` is the prefill half of a
+        disaggregated request (its pages are in the pool or on their way); call before
+        :meth:`finished`."""
+        if not is_prefill(request):
+            return None
+        # Pages it had, loaded or saved: 0 when it stored nothing (a kv_consumer, a poisoned
+        # request), and the decode server then looks up without waiting.
+        req_id = request.request_id
+        stored = self._saved_pages.get(req_id, 0) if self.saves and req_id not in self._poisoned else 0
+        return self.pd.handoff(request, stored * self.geo.page_tokens)
+
+    def has_pending_work(self) -> bool:
+        """Saves held for a verdict the workers have not received: vLLM keeps stepping (empty
+        steps) until they have, so an idle server's last pages are published now rather than at
+        its next request. A P/D decode server waits for exactly those pages."""
+        return bool(self._verdicts) or any(s.held for s in self._unsettled.values())
+
     def finished(self, req_id: str) -> None:
+        self.pd.finished(req_id)
+        self._decodes.discard(req_id)
         for books in (self._chains, self._plans, self._requests, self._blocks, self._saved_pages, self._hit_tiers,
                       self._progress, self._looked, self._local, self._audit_pick, self._audits):
             books.pop(req_id, None)  # type: ignore[attr-defined]

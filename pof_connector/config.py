@@ -24,6 +24,7 @@ from pof_connector.audit.audit_config import AuditConfig, parse_audit
 from pof_connector.cluster_url import ClusterUrl, is_cluster_url
 from pof_connector.config_error import ConfigError as ConfigError
 from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
+from pof_connector.pd_config import PDConfig, parse_pd
 
 KNOWN_MEDIA = ("cpu_dram", "cxl", "peer_hbm")
 """Tier media this build can use, in the order of the default preference."""
@@ -278,6 +279,8 @@ class PofConfig:
     fabric: FabricConfig = field(default_factory=FabricConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     """Sampled shadow recompute of pool hits (see :mod:`pof_connector.audit`)."""
+    pd: PDConfig = field(default_factory=PDConfig)
+    """Prefill/decode disaggregation through the pool (see :mod:`pof_connector.pd_config`)."""
     index_auth: IndexAuth = field(default_factory=IndexAuth)
 
     def tier(self, medium: str) -> TierConfig | None:
@@ -327,6 +330,8 @@ class PofConfig:
             kw["fabric"] = _fabric(raw["fabric"])
         if raw.get("audit") is not None:
             kw["audit"] = parse_audit(raw["audit"])
+        if raw.get("pd") is not None:
+            kw["pd"] = parse_pd(raw["pd"])
         kw["index_auth"] = IndexAuth.from_mapping(raw, kw.get("index_url", "embedded"))
         config = cls(**kw)
         if config.node_ttl_s <= config.heartbeat_s:
@@ -376,6 +381,7 @@ class PofConfig:
                        "spill_lease_s": self.fabric.spill_lease_s,
                        "max_lent_fraction_per_writer": self.fabric.max_lent_fraction_per_writer},
             "audit": self.audit.to_mapping(),
+            "pd": self.pd.to_mapping(),
             **self.index_auth.to_mapping(),
         }
 

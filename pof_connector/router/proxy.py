@@ -57,6 +57,7 @@ from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
 from pof_connector.router.inline_gate import InlineGate
 from pof_connector.router.openai_shapes import document
+from pof_connector.router.pd_proxy import decode_body, prefill_half
 from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.proxy_metrics import ProxyMetrics
 from pof_connector.router.router import Decision, NoBackend, Router
@@ -87,13 +88,15 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Paths answered without the API key, as vLLM leaves them open (probes and scrapers)."""
 
 
-def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
+def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Router | None = None) -> FastAPI:
     """The router's app. Its API key (``api_key_env`` / ``api_key_file``) and the backends' key
     are read here, once; a request without the key gets vLLM's 401 (``/health`` and
     ``/metrics`` stay open). With a backend key, the client's ``Authorization`` is replaced by
     it; without one, the client's header is passed on unchanged. ``tokenizer``: the text
     tokenizer to use (``None``: the config's ``tokenizer``, see
-    :class:`~pof_connector.router.tokenizer_source.TokenizerSource`)."""
+    :class:`~pof_connector.router.tokenizer_source.TokenizerSource`). ``prefill``: P/D mode, the
+    prefill group's router (``router``'s backends are then the decode group; see
+    :mod:`~pof_connector.router.pd_proxy`)."""
     cfg = router.config
     metrics = ProxyMetrics(router)
     tokens_source = TokenizerSource(cfg.tokenizer if tokenizer is None else "backend")
@@ -111,9 +114,11 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), limits=limits,
                                             headers=backend_headers)
-        tasks = [asyncio.create_task(_health_loop(router, state["client"], tokens_source))]
-        if cfg.policy == "pof" and cfg.capacity.enabled:
-            tasks.append(asyncio.create_task(_load_loop(router, state["client"])))
+        tasks = []
+        for group in (router, prefill) if prefill is not None else (router,):
+            tasks.append(asyncio.create_task(_health_loop(group, state["client"], tokens_source)))
+            if cfg.policy == "pof" and cfg.capacity.enabled:
+                tasks.append(asyncio.create_task(_load_loop(group, state["client"])))
         try:
             yield
         finally:
@@ -178,6 +183,12 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
             return _error(400, "'cache_salt' is not valid Unicode (it holds a lone UTF-16 surrogate)")
         headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
         target = path + (f"?{request.url.query}" if request.url.query else "")
+        pd_header: dict[str, str] = {}
+        if prefill is not None and body is not None and route_by_prompt:
+            handoff, pd_header["x-pof-prefill"] = await prefill_half(prefill, state["client"], target, body, tokens,
+                                                                    headers, salt)
+            raw = decode_body(body, handoff)
+            clock.skip()
         tried: set[str] = set()
         while True:
             try:
@@ -219,7 +230,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None) -> FastAPI:
                 metrics.tokens_from.labels(source).inc()
             out_headers = {"x-pof-backend": b.name, "x-pof-reason": decision.reason,
                            "x-pof-router-overhead": f"{clock.total:.6f}", "x-pof-router-stages": clock.header(),
-                           "x-pof-tokens": source}
+                           "x-pof-tokens": source, **pd_header}
             if decision.route:
                 metrics.routes.labels(b.name, decision.route).inc()
                 out_headers["x-pof-route-reason"] = decision.route

@@ -121,7 +121,13 @@ class RouterConfig(_Frozen):
                                                                "require (their --api-key); None: the client's "
                                                                "Authorization header is passed on")
     backend_api_key_file: str | None = Field(None, description="file holding the backends' key")
-    backends: list[BackendConfig] = Field(min_length=1)
+    backends: list[BackendConfig] = Field(default_factory=list, description="the engines (leave out with "
+                                                                             "prefill: and decode:)")
+    prefill: list[BackendConfig] = Field(default_factory=list, description="P/D mode: the prefill servers (vLLM "
+                                                                           "with pof); each request is prefilled "
+                                                                           "on one of them, its pages handed to "
+                                                                           "a decode server through the pool")
+    decode: list[BackendConfig] = Field(default_factory=list, description="P/D mode: the decode servers")
     cost: CostConfig = CostConfig()
     capacity: CapacityConfig = CapacityConfig()
     health: HealthConfig = HealthConfig()
@@ -154,10 +160,27 @@ class RouterConfig(_Frozen):
 
     @model_validator(mode="after")
     def unique_names(self) -> RouterConfig:
-        names = [b.name for b in self.backends]
+        if self.prefill or self.decode:
+            if not self.prefill or not self.decode:
+                missing = "prefill" if not self.prefill else "decode"
+                raise ValueError(f"{missing}: P/D mode needs at least one prefill and one decode server")
+            if self.backends:
+                raise ValueError("backends: leave it out in P/D mode (prefill: and decode: name the servers)")
+        elif not self.backends:
+            raise ValueError("backends: at least one backend is needed (or prefill: and decode: groups)")
+        names = [b.name for b in (*self.backends, *self.prefill, *self.decode)]
         if len(set(names)) != len(names):
-            raise ValueError(f"backends: names must be unique, got {names}")
+            raise ValueError(f"backends: names must be unique (across prefill and decode too), got {names}")
         return self
+
+    @property
+    def pd(self) -> bool:
+        """P/D mode: requests are prefilled on the prefill group, decoded on the decode group."""
+        return bool(self.prefill)
+
+    def group(self, name: str) -> RouterConfig:
+        """This config routing over ``name`` ('prefill' or 'decode') as its backends."""
+        return self.model_copy(update={"backends": list(getattr(self, name)), "prefill": [], "decode": []})
 
     @property
     def host(self) -> str:

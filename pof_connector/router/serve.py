@@ -29,9 +29,18 @@ def add_parser(sub: Any) -> None:
 
 
 def build(config: RouterConfig) -> tuple[Router, RedisIndex | None]:
-    """The router and its index client (``None`` without ``index_url``; the caller closes it)."""
+    """The router and its index client (``None`` without ``index_url``; the caller closes it).
+    In P/D mode, the decode group's router (see :func:`build_prefill`)."""
     index = redis_index(config.index_url, None, auth=config.index_auth) if config.index_url else None
-    return Router(config, Locator(index) if index is not None else None), index
+    locator = Locator(index) if index is not None else None
+    return Router(config.group("decode") if config.pd else config, locator), index
+
+
+def build_prefill(config: RouterConfig, index: RedisIndex | None) -> Router | None:
+    """P/D mode: the prefill group's router on the same index; ``None`` otherwise."""
+    if not config.pd:
+        return None
+    return Router(config.group("prefill"), Locator(index) if index is not None else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per proxied request otherwise
     router, index = build(config)
     try:
-        app = make_app(router)             # loads a configured tokenizer: a bad path stops here, named
-        names = ", ".join(f"{b.name}={b.url}" for b in config.backends)
+        app = make_app(router, prefill=build_prefill(config, index))   # a bad tokenizer path stops here, named
+        names = ", ".join(f"{b.name}={b.url}" for b in config.backends) or \
+            "prefill " + ", ".join(f"{b.name}={b.url}" for b in config.prefill) + \
+            "; decode " + ", ".join(f"{b.name}={b.url}" for b in config.decode)
         log.info("pof router on http://%s (policy %s, index %s): %s", config.listen, config.policy,
                  redact_url(config.index_url) if config.index_url else "none", names)
         uvicorn.Server(server_config(app, config.host, config.port, timeout_s=config.read_timeout_s)).run()

@@ -43,6 +43,13 @@ class StageClock:
         self.last = at
         return at
 
+    def skip(self) -> None:
+        """Leave the time since the last lap out of every stage and of :attr:`total` (P/D mode's
+        prefill half: an engine's time, not the router's)."""
+        now = time.perf_counter()
+        self.began += now - self.last
+        self.last = now
+
     def move(self, seconds: float, *, source: str, target: str) -> None:
         """Count ``seconds`` of ``source``'s time to ``target`` instead (a part timed inside it)."""
         self.seconds[source] -= seconds
