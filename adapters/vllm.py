@@ -36,6 +36,7 @@ from pof_connector.adapters.vllm_scheduler import PoFScheduler
 from pof_connector.adapters.vllm_stats import PoFConnectorStats, PoFPromMetrics, counter_delta
 from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import ConfigError
+from pof_connector.metrics import tier_gauges
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -76,6 +77,7 @@ class PoFConnector(KVConnectorBase_V1):
         self._scheduler: PoFScheduler | None = None
         self._worker: PoFWorker | None = None
         self._last_snapshot: dict[str, Any] = {}
+        self._last_gauges: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("pof: kv_load_failure_policy is %r: a page the pool rejects will fail its request. "
@@ -239,13 +241,18 @@ class PoFConnector(KVConnectorBase_V1):
         latencies: list[float] = []
         waits: list[float] = []
         errors: list[float] = []
+        gauges: dict[str, float] = {}
         if self._worker is not None:
+            # the worker's tiers hold the pages: their levels now, sent when they moved
+            now_gauges = tier_gauges(pool.tiers)
+            gauges = {k: v for k, v in now_gauges.items() if self._last_gauges.get(k) != v}
+            self._last_gauges = now_gauges
             latencies, self._worker.load_latencies = self._worker.load_latencies, []
             waits, self._worker.wait_seconds = self._worker.wait_seconds, []
             if self._worker.audits is not None:
                 errors = self._worker.audits.auditor.take_errors()
         stats = PoFConnectorStats(data={"counters": delta, "load_seconds": latencies, "wait_seconds": waits,
-                                        "audit_errors": errors})
+                                        "audit_errors": errors, "gauges": gauges})
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pof_connector.audit.auditor import ERROR_BUCKETS
-from pof_connector.metrics import COUNTER_LABELS, COUNTERS
+from pof_connector.metrics import COUNTER_LABELS, COUNTERS, GAUGES
 
 _SERIES = re.compile(r"^(\w+)\{((?:\w+=[^,}]*,?)+)\}$")
 EXPORTED = {name: labels.split(",") for name, labels in COUNTER_LABELS.items()}   # pool counter -> its labels
@@ -43,17 +43,20 @@ def counter_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, floa
 @dataclass
 class PoFConnectorStats(KVConnectorStats):
     """``data = {"counters": {"loaded_pages{tier=cxl}": 3, ...}, "load_seconds": [0.01, ...],
-    "wait_seconds": [0.008, ...]}``: a request's load from its start to the end of the forward it
-    ran in; the time the forward's thread spent in pof in a step that loaded."""
+    "wait_seconds": [0.008, ...], "gauges": {"tier_used_bytes{tier=cxl}": 4096.0, ...}}``: a
+    request's load from its start to the end of the forward it ran in; the time the forward's thread
+    spent in pof in a step that loaded; the worker's tier gauges when they changed (the newest wins
+    when steps are aggregated: a gauge is a level, not a sum)."""
 
     def __post_init__(self) -> None:
         data: dict[str, Any] = self.data
         data.setdefault("counters", {})
+        data.setdefault("gauges", {})
         for name in LISTS:
             data.setdefault(name, [])
 
     def reset(self) -> None:
-        fresh: dict[str, Any] = {"counters": {}, **{name: [] for name in LISTS}}
+        fresh: dict[str, Any] = {"counters": {}, "gauges": {}, **{name: [] for name in LISTS}}
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -61,6 +64,7 @@ class PoFConnectorStats(KVConnectorStats):
         theirs: dict[str, Any] = other.data
         for k, v in theirs.get("counters", {}).items():
             mine["counters"][k] = mine["counters"].get(k, 0) + v
+        mine.setdefault("gauges", {}).update(theirs.get("gauges", {}))
         for name in LISTS:
             mine[name] = list(mine.get(name, [])) + list(theirs.get(name, []))
         return self
@@ -82,7 +86,7 @@ class PoFConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in ("counters", *LISTS))
+        return not any(self.data.get(k) for k in ("counters", "gauges", *LISTS))
 
 
 class PoFPromMetrics(KVConnectorPromMetrics):
@@ -93,6 +97,12 @@ class PoFPromMetrics(KVConnectorPromMetrics):
             name: self._counter_cls(name=f"vllm:pof_{name}", documentation=f"pof: {COUNTERS[name]}",
                                     labelnames=[*labelnames, *labels])
             for name, labels in EXPORTED.items()
+        }
+        # the tiers' levels, set from the newest worker reading (vLLM's Gauge is multiprocess-safe)
+        self._gauges = {
+            name: self._gauge_cls(name=f"vllm:pof_{name}", documentation=f"pof: {doc}",
+                                  labelnames=[*labelnames, "tier"], multiprocess_mode="mostrecent")
+            for name, doc in GAUGES.items()
         }
         buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
         hist = self._histogram_cls(name="vllm:pof_load_seconds", documentation="pof: one request's load, from "
@@ -118,6 +128,11 @@ class PoFPromMetrics(KVConnectorPromMetrics):
                 continue
             name, labels = parsed
             self._counters[name].labels(*base, *(labels[k] for k in EXPORTED[name])).inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            parsed = series(key)
+            if parsed is None or parsed[0] not in self._gauges or set(parsed[1]) != {"tier"}:
+                continue
+            self._gauges[parsed[0]].labels(*base, parsed[1]["tier"]).set(value)
         for s in transfer_stats_data.get("load_seconds", []):
             self._load_seconds[engine_idx].observe(s)
         for s in transfer_stats_data.get("wait_seconds", []):

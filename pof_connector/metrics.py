@@ -57,6 +57,23 @@ COUNTER_LABELS: dict[str, str] = {
 """The labels each labelled counter carries (comma-separated, sorted): what an engine's own metrics
 endpoint exports."""
 
+GAUGES: dict[str, str] = {
+    "tier_used_bytes": "Bytes of slots this process holds pages in, by tier (a shared region: its own partition)",
+    "tier_capacity_bytes": "Bytes of slots this process may write, by tier",
+}
+"""Gauges an engine's metrics endpoint exports (label ``tier``), read from the tiers as they are: a
+bench reads a tier's use while it runs, and its evictions from ``evicted_pages``."""
+
+
+def tier_gauges(tiers: list[Any]) -> dict[str, float]:
+    """:data:`GAUGES` of ``tiers`` now, keyed as a snapshot is (``"tier_used_bytes{tier=cxl}"``).
+    ``tiers``: :class:`~pof_connector.tiers.Tier` objects (typed loosely: this module imports no tier)."""
+    out: dict[str, float] = {}
+    for t in tiers:
+        out[f"tier_used_bytes{{tier={t.medium}}}"] = float(t.used_slots * t.slot_bytes)
+        out[f"tier_capacity_bytes{{tier={t.medium}}}"] = float(t.capacity_slots * t.slot_bytes)
+    return out
+
 
 class PoolStats:
     """Thread-safe named counters with optional labels."""

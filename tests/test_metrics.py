@@ -24,3 +24,27 @@ def test_each_counter_is_counted_with_the_label_it_is_exported_with() -> None:
             seen.add(name)
             assert label in COUNTER_LABELS.get(name, "").split(","), f"{path.name}: {name} counted by {label}"
     assert {"spilled_pages", "spill_failures", "demoted_pages", "load_failures"} <= seen
+
+
+def test_tier_gauges_read_the_tiers_as_they_are() -> None:
+    """What the vLLM adapter exports as ``vllm:pof_tier_used_bytes`` / ``..._capacity_bytes``:
+    the slots a tier holds pages in, read when asked (not at the last heartbeat)."""
+    import numpy as np
+
+    from pof_connector.keys import PageKey
+    from pof_connector.metrics import GAUGES, tier_gauges
+    from pof_connector.pages import PageSpec
+    from pof_connector.tiers.cpu_dram import CpuDramTier
+
+    spec = PageSpec(num_layers=2, segment_bytes=1024, page_tokens=4)
+    tier = CpuDramTier(spec, 3 * spec.page_bytes + 1024)
+    empty = tier_gauges([tier])
+    assert set(empty) == {f"{name}{{tier=cpu_dram}}" for name in GAUGES}
+    assert empty["tier_used_bytes{tier=cpu_dram}"] == 0
+    assert empty["tier_capacity_bytes{tier=cpu_dram}"] == tier.capacity_slots * tier.slot_bytes > 0
+    key = PageKey(bytes(range(16)), bytes(range(32)))
+    got = tier.prepare_store(key)
+    assert got is not None
+    tier.write(got[0], key, [np.zeros(spec.segment_bytes, dtype=np.uint8)] * spec.num_layers)
+    tier.complete_store(key, True)
+    assert tier_gauges([tier])["tier_used_bytes{tier=cpu_dram}"] == tier.slot_bytes

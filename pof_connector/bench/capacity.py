@@ -2,9 +2,10 @@
 without the pool, on real vLLM CPU servers (issue 14).
 
 The workload is a trace (:mod:`.capacity_trace`: ``--trace FILE`` or the seeded fragmenting mix),
-replayed open-loop (:mod:`.capacity_replay`) through each set-up (:mod:`.capacity_fleet`:
-``static``, ``round_robin``, ``cache_aware``, ``cache_aware_offload``, ``pof``), each on freshly started
-servers.
+replayed open-loop (:mod:`.capacity_replay`) through each set-up's own front door (its router, or
+the client's choice) after a warm-up (:func:`~.capacity_probe.warm_up`), each on freshly started
+servers with the same total of tier memory (:mod:`.capacity_setups`: ``static`` over several
+namings, ``round_robin``, ``cache_aware``, ``kv_aware``, ``pof_private``, ``pof``).
 
 - **SLO**: ``SLO_MULTIPLE`` x the unloaded TTFT, measured at the start of the run: the p90 TTFT of
   a sample of the trace's prompt sizes, sent one at a time, cold, to an idle server.
@@ -12,8 +13,9 @@ servers.
   p90 TTFT stays within the SLO and no request fails, found by :mod:`.capacity_search` (doubling or
   halving from 1, then bisecting geometrically; no factor ceiling: each set-up searches for a time
   budget, and one cut by it while still passing is reported ``at_bound``; time the others left
-  unspent goes afterwards to those, highest goodput first, on fresh servers; each factor is one
-  trial with fresh token content, so trials share no cached prefix).
+  unspent goes afterwards to those, highest goodput first, on fresh servers). Each factor runs
+  ``--trials-per-factor`` trials (:mod:`.capacity_stats`: it passes by ``--pass-rule``), each with
+  fresh token content, so trials share no cached prefix.
 - Per trial: mean/p90 TTFT, preemptions (``vllm:num_preemptions_total``), pages resumed requests
   loaded from the pool (``vllm:pof_loaded_pages``), tokens recomputed (tokens the engines
   computed, ``vllm:iteration_tokens_total``, beyond the first-touch minimum: every prompt block
@@ -21,11 +23,13 @@ servers.
   prefill only, so the re-prefill of a request resumed without the pool is in no counter and
   shows as ``preemptions``; concurrent first touches of one prefix count once each), and the
   fragmentation spread (mean and p90 over time of max - min ``vllm:kv_cache_usage_perc`` across
-  servers).
+  servers), and the tiers' evictions (``vllm:pof_evicted_pages``) and peak use
+  (``vllm:pof_tier_used_bytes``, sampled).
 
-``ratio`` = pof goodput / static goodput; ``ratio_vs_best`` = pof goodput / the best other set-up;
-``ratio_bound`` / ``ratio_vs_best_bound`` say when either is only a bound. Needs vLLM (and
-vllm-router for the ``cache_aware`` set-ups) in this Python: checked before anything starts.
+``ratio`` = pof goodput / static goodput (the median naming); ``ratio_vs_best`` = pof goodput / the
+best other set-up; ``ratio_bound`` / ``ratio_vs_best_bound`` say when either is only a bound, and
+``intervals`` give every ratio as the interval the search's brackets allow. Needs vLLM (and
+vllm-router for its set-ups) in this Python: checked before anything starts.
 """
 
 from __future__ import annotations
@@ -36,19 +40,33 @@ import json
 import math
 import re
 import shutil
-import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from pof_connector.bench import BenchError, Progress, nearest_rank
-from pof_connector.bench.capacity_fleet import SETUPS, VLLM_ROUTER_SETUPS, Fleet, FleetSpec, UsageSampler
+from pof_connector.bench.capacity_fleet import Fleet, FleetSpec, UsageSampler
+from pof_connector.bench.capacity_probe import (
+    batch_decode_steps,
+    host_sharing,
+    prompt_sizes,
+    router_latency,
+    unloaded_ttft,
+    warm_up,
+)
 from pof_connector.bench.capacity_replay import Replay, Trial
-from pof_connector.bench.capacity_report import SLO_MULTIPLE, draw, setup_row
+from pof_connector.bench.capacity_report import SLO_MULTIPLE, draw, merge_namings, setup_row
 from pof_connector.bench.capacity_report import report as _report
 from pof_connector.bench.capacity_search import RESOLUTION, SAFETY_CAP, GoodputSearch, bounded_search, ratio_bound
+from pof_connector.bench.capacity_setups import (
+    SETUPS,
+    SHARED_SETUPS,
+    VLLM_ROUTER_SETUPS,
+    kv_bytes_per_token,
+    tier_share,
+)
+from pof_connector.bench.capacity_stats import PASS_RULES, TRIALS_PER_FACTOR, needed, repeated
 from pof_connector.bench.capacity_trace import (
     Mix,
     TraceRequest,
@@ -56,21 +74,19 @@ from pof_connector.bench.capacity_trace import (
     fragmenting_trace,
     read_trace,
     summary,
-    tokens_for,
 )
 from pof_connector.bench.make_model import PRESETS
 from pof_connector.bench.needs import MATPLOTLIB, VLLM, VLLM_ROUTER, Need, check
-from pof_connector.bench.vllm_server import build_model, stream_completion
+from pof_connector.bench.vllm_server import build_model
 
-DECODE_STEPS = 16
-"""Tokens each unloaded sample decodes after its first: their pace is the engine's step time at that context."""
-BATCH_STEPS = 32
-"""Tokens each request of a decode-batch sample decodes."""
-BATCH_PROMPT = 32
-"""Prompt tokens of each request of a decode-batch sample (short: its prefill barely delays the others)."""
 BLOCK = 128
 TIME_BUDGET_S, QUICK_TIME_BUDGET_S = 900.0, 300.0
-"""Seconds of trials each set-up's search gets (``--time-budget-s``)."""
+"""Seconds of trials each set-up's search gets per trial of a factor (``--time-budget-s``)."""
+STATIC_NAMINGS = 3
+"""``static`` runs under this many namings (``--static-namings``; ``--quick``: 1)."""
+TIER_KV_MULTIPLE = 2
+"""Default ``--tier-bytes``: this many times the engines' KV memory, in all (each server's tier holds
+twice its engine's KV cache: enough to keep what the engines evict for a while, not the whole trace)."""
 MIN_RESUME_S = 60.0
 """Left-over time below which no set-up is restarted to search further (a start alone takes about that)."""
 ROUTER_NICE = -10
@@ -79,8 +95,8 @@ is not made to wait behind the engines that share this host's cores (``--router-
 
 
 def needs(setups: list[str], plot: bool) -> list[Need]:
-    """The packages a run of ``setups`` (and ``--plot``) needs. No set-up uses LMCache:
-    ``cache_aware_offload``'s per-server tier is pof's connector."""
+    """The packages a run of ``setups`` (and ``--plot``) needs. No set-up uses LMCache: the
+    baselines' per-server tiers are pof's connector's (:mod:`.capacity_setups` says why)."""
     out = [VLLM]
     if any(s in VLLM_ROUTER_SETUPS for s in setups):
         out.append(VLLM_ROUTER)
@@ -143,85 +159,32 @@ def failure_cause(message: str) -> str:
     return (named.group(1) if named else message.split("\n", 1)[0]).strip()[:300]
 
 
-def prompt_sizes(trace: list[TraceRequest]) -> list[int]:
-    """Each request's prompt length, answers counted at their ``max_tokens``."""
-    context: dict[str, int] = {}
-    out = []
-    for r in trace:
-        n = context.get(r.session, r.system_tokens) + r.turn_tokens
-        out.append(n)
-        context[r.session] = n + r.max_tokens
-    return out
-
-
-def unloaded_ttft(url: str, trace: list[TraceRequest], vocab: int,
-                  samples: int) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
-    """(prompt tokens, TTFT) of cold prompts of the trace's sizes (evenly spread quantiles), one at a
-    time; and for each, (1, prompt tokens, seconds per decode step) from the pace of the
-    :data:`DECODE_STEPS` tokens it decodes after its first."""
-    sizes = sorted(prompt_sizes(trace))
-    picks = [sizes[min(len(sizes) - 1, round(q * (len(sizes) - 1) / max(samples - 1, 1)))] for q in range(samples)]
-    out, steps = [], []
-    for i, n in enumerate(picks):
-        times: list[float] = []
-        ttft, _ = stream_completion(url, tokens_for("unloaded", str(i), n, vocab, variant=-1),
-                                    max_tokens=DECODE_STEPS + 1, chunk_times=times)
-        out.append((n, ttft))
-        if len(times) > 1:
-            steps.append((1, n, (times[-1] - times[0]) / (len(times) - 1)))
-    return out, steps
-
-
-def host_sharing(urls: list[str], vocab: int, prompt_tokens: int, pairs: int = 2) -> list[tuple[int, float, float]]:
-    """(prompt tokens, mean TTFT of a cold prompt on the first server alone, mean TTFT of one on
-    every server at once), ``pairs`` times each: how much the servers, sharing this host's cores,
-    slow each other (``pof sim calibrate``'s ``host_slowdown``)."""
-    def cold(tag: str, url: str) -> float:
-        return stream_completion(url, tokens_for("host", tag, prompt_tokens, vocab, variant=-1), max_tokens=1)[0]
-    alone = [cold(f"alone/{k}", urls[0]) for k in range(pairs)]
-    together: list[float] = []
-    with ThreadPoolExecutor(len(urls)) as ex:
-        for k in range(pairs):
-            together += ex.map(lambda i, k=k: cold(f"both/{k}/{i}", urls[i]), range(len(urls)))
-    return [(prompt_tokens, statistics.fmean(alone), statistics.fmean(together))]
-
-
-def batch_decode_steps(url: str, vocab: int, batches: list[int]) -> list[tuple[int, int, float]]:
-    """(batch, prompt tokens, seconds per decode step) of ``batch`` short requests decoding
-    together: each decodes :data:`BATCH_STEPS` tokens; the step time is the mean pace of their
-    middle halves, when all of them are decoding (the first and last quarters overlap the others'
-    prefills and ends)."""
-    out = []
-    for b in batches:
-        paces: list[float] = []
-
-        def one(i: int, b: int = b, paces: list[float] = paces) -> None:
-            times: list[float] = []
-            stream_completion(url, tokens_for("batch", f"{b}/{i}", BATCH_PROMPT, vocab, variant=-1),
-                              max_tokens=BATCH_STEPS + 1, chunk_times=times)
-            q = len(times) // 4
-            if len(times) - 2 * q > 1:
-                paces.append((times[-q - 1] - times[q]) / (len(times) - 2 * q - 1))
-        with ThreadPoolExecutor(b) as ex:
-            list(ex.map(one, range(b)))
-        if paces:
-            out.append((b, BATCH_PROMPT, statistics.fmean(paces)))
-    return out
-
-
 class SetupRun:
     """The trials of one set-up on its fleet."""
 
     def __init__(self, fleet: Fleet, trace: list[TraceRequest], vocab: int, slo_s: float, progress: Progress,
-                 trials: list[dict[str, Any]] | None = None) -> None:
-        """``trials``: the rows of an earlier fleet of this set-up, when its search goes on here."""
+                 trials: list[dict[str, Any]] | None = None, *, trials_per_factor: int = 1,
+                 pass_rule: str = "majority", verdicts: list[dict[str, Any]] | None = None) -> None:
+        """``trials`` / ``verdicts``: the trial rows and factor verdicts of an earlier fleet of this
+        set-up, when its search goes on here; ``trials_per_factor`` / ``pass_rule``: see
+        :mod:`.capacity_stats`."""
         self.fleet = fleet
         self.trace = trace
         self.vocab = vocab
         self.slo_s = slo_s
         self.progress = progress
         self.trials: list[dict[str, Any]] = trials if trials is not None else []
+        self.verdicts: list[dict[str, Any]] = verdicts if verdicts is not None else []
+        self.trials_per_factor = trials_per_factor
+        self.pass_rule = pass_rule
         self._variant = len(self.trials)
+
+    def warm_up(self) -> None:
+        """:func:`~.capacity_probe.warm_up` through this set-up's front door, then a clean slate."""
+        served = warm_up(self.trace, self.fleet.route(self.trace), self.vocab, BLOCK, self.slo_s,
+                         variant=-10 - len(self.trials))
+        self._quiesce()
+        self.progress(f"  {self.fleet.setup}: warmed up ({served} requests through its front door)")
 
     def trial(self, factor: float) -> bool:
         self._variant += 1
@@ -237,6 +200,7 @@ class SetupRun:
         row.update(sampler.figures())
         row.update(self._work(trial, before, after, row["mean_ttft_s"]))
         row["backends"] = _shares(trial)
+        row["repeat"] = sum(1 for t in self.trials if t["factor"] == row["factor"])      # 0: its factor's first
         self.trials.append(row)
         verdict = "meets" if row["passed"] else "misses"
         errors = ", ".join(f"{n} {why}" for why, n in row["errors"].items() if not why.startswith("not sent"))
@@ -245,8 +209,15 @@ class SetupRun:
                       f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
                       f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} "
                       f"(floor {row['spread_floor_mean']}), mean TTFT parts {_parts_text(row['ttft_parts_s'])}"
-                      f"{_router_text(row)} -> {verdict} the SLO")
+                      f"{_router_text(row)}, tier: {row['tier_evicted_pages']} evicted, peak "
+                      f"{row['tier_peak_used_bytes']} B -> {verdict} the SLO")
         return bool(row["passed"])
+
+    def _verdict(self, factor: float, results: list[bool], passed: bool) -> None:
+        self.verdicts.append({"factor": round(factor, 4), "trials": results, "passed": passed})
+        if self.trials_per_factor > 1:
+            self.progress(f"  {self.fleet.setup} x{factor:.3g}: {sum(results)} of {len(results)} trials met the SLO "
+                          f"-> {'passes' if passed else 'fails'} ({self.pass_rule} of {self.trials_per_factor})")
 
     def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float],
               mean_ttft_s: float | None) -> dict[str, Any]:
@@ -256,10 +227,16 @@ class SetupRun:
         computed = d["vllm:iteration_tokens_total_sum"]
         sent = [o for o in trial.outcomes if not o.error.startswith("not sent")]
         minimum = sum(o.first_touch_tokens + o.max_tokens - 1 for o in sent)
+        external = int(d["vllm:external_prefix_cache_hits_total"])
         return {"preemptions": d["vllm:num_preemptions_total"], "tokens_computed": int(computed),
                 "tokens_first_touch": minimum, "tokens_recomputed": int(max(0.0, computed - minimum)),
                 "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
-                "pool_hit_tokens": int(d["vllm:external_prefix_cache_hits_total"]),
+                # loads from a tier: the shared pool's (pool_hit_tokens) or a private one's
+                "tier_hit_tokens": external,
+                "pool_hit_tokens": external if self.fleet.setup in SHARED_SETUPS else 0,
+                "tier_evicted_pages": int(d.get("vllm:pof_evicted_pages_total", 0.0)),
+                "tier_evicted_pages_by_server": {k.split(":")[0]: int(v) for k, v in d.items()
+                                                 if k.endswith(":evicted_pages")},
                 "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"]),
                 "ttft_parts_s": ttft_parts(d, mean_ttft_s),
                 "engine_first_tokens": {k.split(":")[0]: int(v) for k, v in d.items() if k.endswith(":first_tokens")}}
@@ -275,8 +252,9 @@ class SetupRun:
         self.fleet.reset_caches()
 
     def search(self, search: GoodputSearch, budget_s: float | None) -> GoodputSearch:
-        """``search`` carried on with this fleet for ``budget_s`` seconds (``None``: until it ends)."""
-        return search.run(self.trial, budget_s)
+        """``search`` carried on with this fleet for ``budget_s`` seconds (``None``: until it ends),
+        each factor decided by its trials (:func:`~.capacity_stats.repeated`)."""
+        return search.run(repeated(self.trial, self.trials_per_factor, self.pass_rule, self._verdict), budget_s)
 
 
 def _router_text(row: dict[str, Any]) -> str:
@@ -311,32 +289,29 @@ def _shares(trial: Trial) -> dict[str, int]:
     return out
 
 
-def router_latency(fleet: Fleet, vocab: int, n: int = 5) -> float | None:
-    """Mean TTFT through the set-up's router minus direct, on cold 512-token prompts (None: no router)."""
-    if fleet.router is None:
-        return None
-    direct, routed = [], []
-    for i in range(n):
-        direct.append(stream_completion(fleet.servers[i % len(fleet.servers)].url,
-                                        tokens_for("latency-direct", str(i), 512, vocab, variant=-2), 2)[0])
-        routed.append(stream_completion(fleet.router.url, tokens_for("latency-routed", str(i), 512, vocab,
-                                                                     variant=-2), 2)[0])
-    return round(statistics.fmean(routed) - statistics.fmean(direct), 4)
-
-
 def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model: str | None, setups: list[str],
         kv_tokens: int | None, max_trials: int | None, progress: Progress, time_budget_s: float | None = None,
-        resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE,
-        audit_rates: tuple[float, ...] = ()) -> dict[str, Any]:
+        resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = (),
+        tier_bytes: int | None = None, trials_per_factor: int | None = None, pass_rule: str = "majority",
+        static_namings: int | None = None) -> dict[str, Any]:
     """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
     (same trace, same SLO): what the audit costs in goodput. ``time_budget_s``: seconds of trials
-    each set-up's search gets (default :data:`TIME_BUDGET_S`); ``max_trials``: a cap on its trials
-    besides (default: none; ``quick``: 2)."""
+    each set-up's search gets (default :data:`TIME_BUDGET_S` per trial of a factor); ``max_trials``:
+    a cap on its factors besides (default: none; ``quick``: 2). ``tier_bytes``: tier memory in all
+    (default :data:`TIER_KV_MULTIPLE` x the engines' KV); ``trials_per_factor`` / ``pass_rule``:
+    :mod:`.capacity_stats` (default 3, ``quick`` 1); ``static_namings``: how many namings
+    ``static`` runs under (default :data:`STATIC_NAMINGS`, ``quick`` 1)."""
     if servers not in (2, 3):
         raise BenchError(f"--servers must be 2 or 3, got {servers}")
     bad = [s for s in setups if s not in SETUPS]
     if bad or not setups:
         raise BenchError(f"unknown set-ups {bad}; allowed: {', '.join(SETUPS)}")
+    repeats = trials_per_factor or (1 if quick else TRIALS_PER_FACTOR)
+    namings = static_namings or (1 if quick else STATIC_NAMINGS)
+    try:
+        needed(repeats, pass_rule)
+    except ValueError as e:
+        raise BenchError(f"--trials-per-factor / --pass-rule: {e}") from e
     check(needs(setups, plot=False), "capacity")
     mix = Mix().scaled(0.3) if quick else Mix()
     trace = read_trace(trace_file) if trace_file is not None else fragmenting_trace(seed, mix)
@@ -354,17 +329,31 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     blocks = max(-(-kv // BLOCK), max_len // BLOCK + 1)
     spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8,
                      router_nice=router_nice)
-    budget = time_budget_s or (QUICK_TIME_BUDGET_S if quick else TIME_BUDGET_S)
+    kv_bytes = servers * blocks * BLOCK * kv_bytes_per_token(json.loads((model_path / "config.json").read_text()),
+                                                            spec.dtype)
+    total = tier_bytes or TIER_KV_MULTIPLE * kv_bytes
+    try:
+        share = tier_share(total, servers)
+    except ValueError as e:
+        raise BenchError(str(e)) from e
+    spec = dataclasses.replace(spec, tier_bytes=share * servers)
+    budget = time_budget_s or (QUICK_TIME_BUDGET_S if quick else TIME_BUDGET_S * repeats)
     limit = max_trials or (2 if quick else None)
-    runs = len(setups) + len(audit_rates)
-    plan = {"time_budget_s_per_setup": budget, "time_budget_s_total": budget * runs, "max_trials": limit,
-            "resolution": resolution, "safety_cap": SAFETY_CAP, "min_resume_s": MIN_RESUME_S}
+    # (search key, set-up, spec): static once per naming, "static" being the bare hash of earlier runs
+    runs = [(n if n != "static" or k == 0 else f"static@{k}", n, dataclasses.replace(spec, naming=k))
+            for n in setups for k in range(namings if n == "static" else 1)]
+    total_budget = budget * (len(runs) + len(audit_rates))
+    plan: dict[str, Any] = {"time_budget_s_per_setup": budget, "time_budget_s_total": total_budget,
+            "max_trials": limit, "resolution": resolution, "safety_cap": SAFETY_CAP, "min_resume_s": MIN_RESUME_S,
+            "trials_per_factor": repeats, "pass_rule": pass_rule, "static_namings": namings}
     progress(f"trace: {info['requests']} requests, {info['sessions']} sessions ({info['multi_turn_sessions']} "
              f"multi-turn, longest context {longest} tokens), {info['tenants']} tenants over {info['span_s']} s; "
-             f"{servers} servers with KV for {blocks * BLOCK} tokens each; set-ups {', '.join(setups)}; "
-             f"search: {budget:g} s of trials per set-up ({budget * runs:g} s in all, the unspent part going to "
-             f"set-ups still passing when theirs ran out), bisecting to {resolution:.0%}"
-             f"{f', at most {limit} trials each' if limit else ''}, factor cap x{SAFETY_CAP:g}")
+             f"{servers} servers with KV for {blocks * BLOCK} tokens each ({kv_bytes / 2**20:.0f} MiB in all), "
+             f"tiers of {spec.tier_bytes / 2**20:.0f} MiB in all; set-ups {', '.join(k for k, _, _ in runs)}; "
+             f"search: {budget:g} s of trials per set-up ({total_budget:g} s in all, the unspent "
+             f"part going to set-ups still passing when theirs ran out), {repeats} trial(s) a factor "
+             f"({pass_rule} pass), bisecting to {resolution:.0%}"
+             f"{f', at most {limit} factors each' if limit else ''}, factor cap x{SAFETY_CAP:g}")
     workdir = Path(tempfile.mkdtemp(prefix="pof-bench-capacity-", dir="/tmp"))
     results: dict[str, dict[str, Any]] = {}
     slo_s = unloaded = 0.0
@@ -374,6 +363,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     audits: dict[str, dict[str, Any]] = {}
     searches: dict[str, GoodputSearch] = {}
     rows: dict[str, list[dict[str, Any]]] = {}
+    verdicts: dict[str, list[dict[str, Any]]] = {}
     starts = itertools.count()       # a fresh work directory per fleet (a set-up may start twice)
 
     def one(name: str, fleet_spec: FleetSpec, key: str, budget_s: float) -> dict[str, Any]:
@@ -381,7 +371,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         seconds, stop it."""
         nonlocal slo_s, unloaded, samples, steps, host
         search = searches.setdefault(key, GoodputSearch(max_trials=limit, resolution=resolution))
-        progress(f"{name}: starting {servers} vLLM servers ...")
+        progress(f"{key}: starting {servers} vLLM servers ...")
         # a number, not the name: vLLM's and the index's unix sockets live below it (107 bytes at most)
         fleet = start_fleet(name, model_path, workdir / str(next(starts)), fleet_spec, progress)
         try:
@@ -398,38 +388,50 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             added = router_latency(fleet, vocab)
             nice = fleet.router.niceness() if fleet.router is not None else None
             index_nice = fleet.index_niceness()
-            progress(f"{name}: searching for {budget_s:.0f} s" + (f" more, from x{search.passed:.3g} passed"
-                                                                    if search.trials else ""))
-            SetupRun(fleet, trace, vocab, slo_s, progress, rows.setdefault(key, [])).search(search, budget_s)
+            setup_run = SetupRun(fleet, trace, vocab, slo_s, progress, rows.setdefault(key, []),
+                                 trials_per_factor=repeats, pass_rule=pass_rule,
+                                 verdicts=verdicts.setdefault(key, []))
+            setup_run.warm_up()
+            progress(f"{key}: searching for {budget_s:.0f} s" + (f" more, from x{search.passed:.3g} passed"
+                                                                   if search.trials else ""))
+            setup_run.search(search, budget_s)
         finally:
             fleet.stop()
-        row = setup_row(search, rows[key], len(trace) / max(trace[-1].at, 1e-3))
-        row.update({"router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice})
-        progress(f"{name}: goodput {row['goodput_rps']} req/s (x{search.passed:.3g}"
+        row = setup_row(search, rows[key], len(trace) / max(trace[-1].at, 1e-3), verdicts[key])
+        row.update({"router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
+                    "naming": fleet_spec.naming if name == "static" else None})
+        progress(f"{key}: goodput {row['goodput_rps']} req/s (x{search.passed:.3g}"
                  + (f", at a bound: {row['bound_reason']}, still passing" if row["at_bound"] else
                     f", failed at x{search.failed:.3g}" if not math.isinf(search.failed) else "")
                  + f"; {search.stop}, {search.spent_s:.0f} s of trials)")
         return row
 
     try:
-        for name in setups:
-            results[name] = one(name, spec, name, budget)
+        for key, name, run_spec in runs:
+            results[key] = one(name, run_spec, key, budget)
         for rate in audit_rates:       # the pof set-up again, auditing that share of its hits
             progress(f"pof with audit.sample_rate {rate:g}:")
             audits[f"{rate:g}"] = one("pof", dataclasses.replace(spec, audit_rate=rate), f"audit {rate:g}", budget)
         # what the set-ups that ended early left goes to those still passing, the highest first, so
         # the ones that rank highest are the ones measured to the end
-        left = budget * runs - sum(s.spent_s for s in searches.values())
-        for name in sorted((n for n in setups if searches[n].resumable), key=lambda n: -searches[n].passed):
+        left = total_budget - sum(s.spent_s for s in searches.values())
+        for key, name, run_spec in sorted((r for r in runs if searches[r[0]].resumable),
+                                          key=lambda r: -searches[r[0]].passed):
             if left < MIN_RESUME_S:
                 break
-            progress(f"{name}: {left:.0f} s left over, searching further on fresh servers")
-            spent = searches[name].spent_s
-            results[name] = one(name, spec, name, left)
-            left -= searches[name].spent_s - spent
+            progress(f"{key}: {left:.0f} s left over, searching further on fresh servers")
+            spent = searches[key].spent_s
+            results[key] = one(name, run_spec, key, left)
+            left -= searches[key].spent_s - spent
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    results, static_spread = merge_namings(results, [k for k, n, _ in runs if n == "static"])
     out = _report(results, {}, info, slo_s, unloaded, spec, seed, trace_file, model_path, search=plan)
+    out["static_namings"] = static_spread
+    # each set-up's planned tiers, summed: the same total by construction (tests hold it to that)
+    sums = {n: spec.plan(n, workdir, "redis://index", "region", port=lambda: 0).tier_bytes() for n in setups}
+    out["memory"] = {"tier_bytes_total": spec.tier_bytes, "tier_bytes_per_server": share,
+                     "kv_cache_bytes_total": kv_bytes, "tier_bytes_by_setup": sums}
     if audits:
         base = results.get("pof", {})
         out["audit"] = {rate: {"goodput_rps": row["goodput_rps"], "failed_at_rps": row["failed_at_rps"],
@@ -445,5 +447,6 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     return out
 
 
-__all__ = ["QUICK_TIME_BUDGET_S", "RESOLUTION", "SETUPS", "SLO_MULTIPLE", "TIME_BUDGET_S", "bounded_search", "draw",
-           "needs", "prompt_sizes", "run"]
+__all__ = ["PASS_RULES", "QUICK_TIME_BUDGET_S", "RESOLUTION", "SETUPS", "SLO_MULTIPLE", "STATIC_NAMINGS",
+           "TIER_KV_MULTIPLE", "TIME_BUDGET_S", "TRIALS_PER_FACTOR", "bounded_search", "draw", "needs", "prompt_sizes",
+           "run"]

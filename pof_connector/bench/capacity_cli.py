@@ -30,6 +30,15 @@ def _setups(text: str) -> list[str]:
     return names
 
 
+def _size(text: str) -> int:
+    from pof_connector.config import ConfigError, parse_size
+
+    try:
+        return parse_size(text, "--tier-bytes")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def cmd_bench_capacity(args: argparse.Namespace) -> int:
     setups = args.setups or (["static", "pof"] if args.quick else list(bench_capacity.SETUPS))
     check(bench_capacity.needs(setups, plot=args.plot is not None), "capacity")     # before any server starts
@@ -37,7 +46,9 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
                                 model=args.model, setups=setups, kv_tokens=args.kv_tokens,
                                 max_trials=args.max_trials, time_budget_s=args.time_budget_s,
                                 resolution=args.resolution, progress=progress,
-                                router_nice=args.router_nice, audit_rates=tuple(args.audit_rates))
+                                router_nice=args.router_nice, audit_rates=tuple(args.audit_rates),
+                                tier_bytes=args.tier_bytes, trials_per_factor=args.trials_per_factor,
+                                pass_rule=args.pass_rule, static_namings=args.static_namings)
     if args.plot is not None:
         result["plot"] = str(args.plot)
     # the run's result leaves first: a table or a plot that fails after it loses nothing
@@ -92,6 +103,13 @@ def print_table(result: dict[str, Any]) -> None:
                       str(ref.get("spread_mean")), str(ref.get("spread_p90")), str(ref.get("spread_floor_mean")))
     out = out_console()
     out.print(table)
+    for pair, interval in result.get("intervals", {}).items():
+        out.print(f"goodput {pair}: {interval['text']}")
+    spread = result.get("static_namings")
+    if spread:
+        g = spread["goodput_rps"]
+        out.print(f"static over {len(spread['namings'])} namings: goodput min {g['min']} / median {g['median']} / "
+                  f"max {g['max']} req/s (the table's static row: {spread['median']})")
     out.print(f"ratio pof / static goodput [bold]{result['ratio']}[/bold]{_bound(result['ratio_bound'])} (range "
               f"{result['ratio_range']}), pof / best other ({result['best_other']}) {result['ratio_vs_best']}"
               f"{_bound(result['ratio_vs_best_bound'])} (range {result['ratio_vs_best_range']}); "
@@ -114,13 +132,15 @@ def add_capacity_parser(bsub: Any) -> None:
                                          "the pool",
                         description="Replays a fragmenting multi-tenant trace (long multi-turn sessions, short "
                                     "requests of tenants sharing system prompts, open loop) on 2 or 3 real vLLM "
-                                    "CPU servers whose KV memory is bounded, through static (hash affinity), "
-                                    "round_robin, vllm-router cache_aware (without and with a per-server CPU "
-                                    "offload tier) and pof router + pool, each on freshly started servers; "
-                                    "searches each set-up's goodput (highest load with p90 TTFT within the SLO "
-                                    "and no failure; no factor ceiling, a time budget per set-up). Needs vLLM "
-                                    "(and vllm-router for the cache_aware set-ups, matplotlib for --plot): "
-                                    "checked before anything starts.")
+                                    "CPU servers whose KV memory is bounded, every set-up with the same total of "
+                                    "tier memory (--tier-bytes): static (hash affinity, over several namings), "
+                                    "round_robin, vllm-router cache_aware, vllm-router kv_aware (fed by pof "
+                                    "relays), pof router with private tiers (pof_private) and pof router + "
+                                    "shared pool (pof), each on freshly started servers; searches each set-up's "
+                                    "goodput (highest load with p90 TTFT within the SLO and no failure, "
+                                    "--trials-per-factor trials a factor; no factor ceiling, a time budget per "
+                                    "set-up). Needs vLLM (and vllm-router for cache_aware / kv_aware, matplotlib "
+                                    "for --plot): checked before anything starts.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help='replay a JSONL trace: one {"at", "session", "tenant", "system_tokens", "turn_tokens", '
@@ -132,7 +152,8 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="also write the result JSON to FILE (before any table or plot; without it and --json, "
                         "the JSON goes to a file in /tmp, named on stderr)")
     p.add_argument("--quick", action="store_true",
-                   help="a short trace, static and pof only, two trials each (what CI runs)")
+                   help="a short trace, static and pof only, two factors each, one trial a factor, one naming "
+                        "(what CI runs)")
     p.add_argument("--servers", type=int, default=2, choices=(2, 3), help="vLLM servers (default 2)")
     p.add_argument("--setups", type=_setups, default=None,
                    help=f"comma-separated, of {','.join(bench_capacity.SETUPS)} (default all; --quick: static,pof)")
@@ -141,7 +162,8 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="KV cache tokens per server (default: twice the trace's longest session context)")
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                    help=f"seconds of trials each set-up's goodput search gets (default "
-                        f"{bench_capacity.TIME_BUDGET_S:g}; --quick {bench_capacity.QUICK_TIME_BUDGET_S:g}); the "
+                        f"{bench_capacity.TIME_BUDGET_S:g} x --trials-per-factor; --quick "
+                        f"{bench_capacity.QUICK_TIME_BUDGET_S:g}); the "
                         "search has no factor ceiling: it doubles the load while the set-up meets the SLO until "
                         "this runs out (the set-up is then reported at_bound), and what set-ups that failed "
                         "earlier left unspent goes afterwards to those still passing, highest first")
@@ -149,7 +171,21 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="bisect until the lowest failing load is within this share above the highest passing one "
                         f"(default {bench_capacity.RESOLUTION:g})")
     p.add_argument("--max-trials", type=int, default=None,
-                   help="at most this many trials per set-up besides the time budget (default: no limit; --quick 2)")
+                   help="at most this many load factors per set-up besides the time budget (default: no limit; "
+                        "--quick 2)")
+    p.add_argument("--trials-per-factor", type=int, default=None, metavar="N",
+                   help=f"trials of each load factor (default {bench_capacity.TRIALS_PER_FACTOR}; --quick 1); the "
+                        "factor passes by --pass-rule")
+    p.add_argument("--pass-rule", choices=bench_capacity.PASS_RULES, default="majority",
+                   help="majority (default): more than half of a factor's trials meet the SLO, decided as soon as "
+                        "certain; all: every one does")
+    p.add_argument("--static-namings", type=int, default=None, metavar="N",
+                   help=f"run static under N namings (the hash salted; default {bench_capacity.STATIC_NAMINGS}, "
+                        "--quick 1) and report their spread; the median one is static's row")
+    p.add_argument("--tier-bytes", type=_size, default=None, metavar="SIZE",
+                   help="tier memory the engines can read back, in all (e.g. 512MiB): one private DRAM tier of "
+                        "SIZE / servers a server for the baselines and pof_private, one shared region of SIZE for "
+                        f"pof (default {bench_capacity.TIER_KV_MULTIPLE}x the servers' KV caches)")
     p.add_argument("--model", metavar="DIR|PRESET",
                    help="model directory, or a local preset built on first use: tiny (the default; 4,096 "
                         "positions), tiny-long (the same weights, 32,768 positions: long-context traces), bench")

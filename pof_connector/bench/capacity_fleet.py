@@ -1,31 +1,14 @@
 """The servers and the router of one ``pof bench capacity`` set-up, started clean and stopped by PID.
 
-Set-ups (:data:`SETUPS`):
-
-- ``static``: each session (a short request: its tenant) goes to the server its id hashes to, for
-  the whole run — the fixed, affinity-based allocation of a cluster without a pool;
-- ``round_robin``: requests go round the servers;
-- ``cache_aware``: the stock ``vllm-router --policy cache_aware``;
-- ``cache_aware_offload``: the same router in front of servers that each offload KV to a CPU
-  memory tier of their own and load it back (pof's connector with a private DRAM tier and a
-  private index: what a per-node offload such as vLLM's CPU offloading or LMCache's local CPU
-  backend gives), so a conversation that returns to its server finds its context even after the
-  engine evicted it, but no server reads another's;
-- ``pof``: `pof router` (configured in :func:`pof_router`, the one place this bench depends on
-  it) in front of servers whose pools share one CXL region and one index, sessions free to move,
-  a `pof relay` per server reporting its engine's prefix cache.
-
-``static``, ``round_robin`` and ``cache_aware`` run servers whose connector only stores
-(``kv_role: kv_producer``, private pools): the same engine code as the pooled servers, never a
-load (as ``pof bench router`` does for fairness). Every server runs unpinned with one OpenMP
-thread (as the chaos bench does), its KV cache bounded with ``--num-gpu-blocks-override``, so
-memory runs out before compute does.
+What each set-up starts is planned in :mod:`.capacity_setups` (its docstring names the set-ups and
+the equal-memory rule); :class:`Fleet` starts a plan and reads the servers' metrics. Every server
+runs unpinned with one OpenMP thread (as the chaos bench does), its KV cache bounded with
+``--num-gpu-blocks-override``, so memory runs out before compute does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import os
 import shutil
@@ -38,6 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.bench.capacity_replay import Route
+from pof_connector.bench.capacity_setups import (
+    INDEXED_SETUPS,
+    SetupPlan,
+    plan,
+    static_server,
+)
 from pof_connector.bench.capacity_trace import TraceRequest
 from pof_connector.bench.chaos import UNPINNED
 from pof_connector.bench.router import kv_events_args, start_relay
@@ -47,17 +36,18 @@ from pof_connector.bench.spread_floor import spread_floor
 from pof_connector.bench.vllm_server import VllmServer, connector_config, free_port
 from pof_connector.index.server import RedisServer
 
-SETUPS = ("static", "round_robin", "cache_aware", "cache_aware_offload", "pof")
-VLLM_ROUTER_SETUPS = ("cache_aware", "cache_aware_offload")
-COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vllm:prefix_cache_hits_total",
+COUNTERS = ("vllm:num_preemptions_total", "vllm:pof_evicted_pages_total", "vllm:iteration_tokens_total_sum",
+            "vllm:prefix_cache_hits_total",
             "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:pof_loaded_pages_total",
             "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
             "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
             "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 """``vllm:pof_loaded_pages`` counts what vLLM's external-hit counter leaves out: the pages a request
-resumed after a preemption loads from the pool."""
+resumed after a preemption loads from the pool; ``vllm:pof_evicted_pages``: pages the server's tier
+(its partition of a shared one) evicted to make room."""
 QUEUES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-OCCUPANCY = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
+OCCUPANCY = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:pof_tier_used_bytes",
+             "vllm:pof_tier_capacity_bytes")
 
 
 @dataclass(frozen=True)
@@ -74,6 +64,23 @@ class FleetSpec:
     """The niceness of the routing tier: the routers (pof router and vllm-router alike) and pof's
     index server (``None``: this process's). Negative: what a deployment runs on hosts of its own
     is served before the engines that share this one's cores."""
+    tier_bytes: int = 1 << 30
+    """Tier memory the engines can read back, in all (every set-up alike: see :mod:`.capacity_setups`)."""
+    naming: int = 0
+    """``static``'s naming (:func:`~.capacity_setups.static_server`)."""
+
+    def plan(self, setup: str, workdir: Path, index_url: str | None = None, region: str | None = None,
+             port: Any = free_port) -> SetupPlan:
+        """What ``setup`` starts on this spec (nothing is started)."""
+        return plan(setup, servers=self.servers, tier_bytes=self.tier_bytes, block=self.block,
+                    max_num_seqs=self.max_num_seqs, runtime_dir=lambda name: str(workdir / f"rt-{name}"),
+                    index_url=index_url, region=region, port=port, audit_rate=self.audit_rate)
+
+    def server_args(self, events: str | None) -> list[str]:
+        """vLLM flags of every server (``events``: where it publishes its KV events)."""
+        return ["--block-size", str(self.block), "--num-gpu-blocks-override", str(self.kv_blocks),
+                "--max-num-seqs", str(self.max_num_seqs), "--dtype", self.dtype,
+                *(kv_events_args(events) if events else [])]
 
 
 def pof_router(workdir: Path, index_url: str, model: Path, backends: list[tuple[str, str]]) -> RouterProcess:
@@ -97,6 +104,7 @@ class Fleet:
         self.relays: list[ServiceProcess] = []
         self.redis: RedisServer | None = None
         self._shm: Path | None = None
+        self.plan: SetupPlan | None = None
         self._rr = itertools.count()
         self._lock = threading.Lock()
 
@@ -113,50 +121,38 @@ class Fleet:
 
     def _start(self) -> None:
         s = self.spec
-        common = ["--block-size", str(s.block), "--num-gpu-blocks-override", str(s.kv_blocks), "--max-num-seqs",
-                  str(s.max_num_seqs), "--dtype", s.dtype]
-        pooled = self.setup == "pof"
-        offload = self.setup == "cache_aware_offload"      # a private tier per server, loaded back
-        events: list[str] = []
-        pool: dict[str, Any]
-        if pooled:
+        index_url = region = None
+        if self.setup in INDEXED_SETUPS:
             self.redis = RedisServer(self.workdir / "redis").start()
             if s.router_nice is not None and self.redis.pid is not None:
                 # The index, like the router, has a host of its own in a deployment. Its serving
                 # thread is the main one (later threads do background work only).
                 with contextlib.suppress(PermissionError):
                     os.setpriority(os.PRIO_PROCESS, self.redis.pid, s.router_nice)
+            index_url = self.redis.url
+        if self.setup == "pof":
             self._shm = Path(tempfile.mkdtemp(prefix="pof-capacity-", dir="/dev/shm"))
-            pool = {"index_url": self.redis.url, "audit": {"sample_rate": s.audit_rate, "seed": 7},
-                    "tiers": {"cxl": {"path": str(self._shm / "cxl.region"), "size": "1GiB", "partitions": s.servers}}}
-            events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(s.servers)]
-        else:
-            # offload: an embedded index in each server's own runtime_dir, as private as its tier
-            pool = {"index_url": "embedded" if offload else "local", "tiers": {"cpu_dram": {"size": "256MiB"}}}
-        node_pools: list[dict[str, Any]] = []
-        for i, name in enumerate(self.names()):
-            node_pool = {**pool, "runtime_dir": str(self.workdir / f"rt-{name}")}
-            if pooled:
-                node_pool["tiers"] = {"cxl": {**pool["tiers"]["cxl"], "partition": i}}
-            node_pools.append(node_pool)
-            role = "kv_both" if pooled or offload else "kv_producer"
-            kv = connector_config({"node_id": name, **node_pool}, role=role)
-            extra = [*common, *(kv_events_args(events[i]) if pooled else [])]
-            self.servers.append(VllmServer(self.model, self.workdir / name, kv_transfer=kv,
-                                           max_model_len=s.max_model_len, extra_args=extra, env=UNPINNED))
+            region = str(self._shm / "cxl.region")
+        self.plan = p = s.plan(self.setup, self.workdir, index_url, region)
+        for server in p.servers:
+            self.servers.append(VllmServer(self.model, self.workdir / server.name,
+                                           kv_transfer=connector_config(server.pool, role="kv_both"),
+                                           max_model_len=s.max_model_len, extra_args=s.server_args(server.events),
+                                           env=UNPINNED))
         with ThreadPoolExecutor(len(self.servers)) as ex:
             list(ex.map(lambda v: v.start(timeout_s=600), self.servers))
         backends = list(zip(self.names(), [v.url for v in self.servers], strict=True))
-        if pooled:
-            assert self.redis is not None
-            for i, name in enumerate(self.names()):
-                # as `pof bench router` configures its relays: the shared pool, no writer partition
-                relay_pool = {**pool, "runtime_dir": node_pools[i]["runtime_dir"]}
-                self.relays.append(start_relay(self.workdir, name, relay_pool, events[i]))
-            self.router = pof_router(self.workdir, self.redis.url, self.model, backends).start(nice=s.router_nice)
-        elif self.setup in VLLM_ROUTER_SETUPS:
-            self.router = RouterProcess.vllm_router(self.workdir, [u for _, u in backends],
-                                                    "cache_aware").start(nice=s.router_nice)
+        for relay in p.relays:
+            self.relays.append(start_relay(self.workdir, relay.node, relay.pool, relay.events, bind=relay.bind,
+                                           pool_residency=relay.pool_residency))
+        if p.router == "pof":
+            assert index_url is not None
+            self.router = pof_router(self.workdir, index_url, self.model, backends).start(nice=s.router_nice)
+        elif p.router == "vllm-router":
+            assert p.policy is not None
+            urls = [u for _, u in backends]
+            extra = p.router_args(urls) if p.router_args is not None else []
+            self.router = RouterProcess.vllm_router(self.workdir, urls, p.policy, extra).start(nice=s.router_nice)
 
     def route(self, trace: list[TraceRequest]) -> Route:
         """Where each request of ``trace`` goes."""
@@ -172,7 +168,7 @@ class Fleet:
             def static(r: TraceRequest, k: int) -> tuple[str, dict[str, str]]:
                 """A conversation stays on its session's server, a one-off request goes to its tenant's."""
                 key = r.session if turns[r.session] > 1 else r.tenant
-                return urls[int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % len(urls)], {}
+                return urls[static_server(key, self.spec.naming, len(urls))], {}
             return static
 
         def round_robin(r: TraceRequest, k: int) -> tuple[str, dict[str, str]]:
@@ -193,14 +189,17 @@ class Fleet:
             for k in COUNTERS:
                 out[k] += m.get(k, 0.0)
             out[f"{name}:first_tokens"] = m.get("vllm:time_to_first_token_seconds_count", 0.0)
+            out[f"{name}:evicted_pages"] = m.get("vllm:pof_evicted_pages_total", 0.0)
         return out
 
-    def occupancy(self) -> list[tuple[float, int]]:
-        """Each server's KV usage (0-1) and running requests, read in one scrape."""
+    def occupancy(self) -> list[tuple[float, int, float, float]]:
+        """Each server's KV usage (0-1), running requests, and its tier's used and capacity bytes
+        (0 until its connector first reported them), read in one scrape."""
         out = []
         for v in self.servers:
             m = v.metrics(OCCUPANCY)
-            out.append((m.get("vllm:kv_cache_usage_perc", 0.0), round(m.get("vllm:num_requests_running", 0.0))))
+            out.append((m.get("vllm:kv_cache_usage_perc", 0.0), round(m.get("vllm:num_requests_running", 0.0)),
+                        m.get("vllm:pof_tier_used_bytes", 0.0), m.get("vllm:pof_tier_capacity_bytes", 0.0)))
         return out
 
     def idle(self) -> bool:
@@ -238,6 +237,9 @@ class UsageSampler:
         self.spreads: list[float] = []
         self.floors: list[float] = []
         self.peaks: list[float] = []
+        self.tier_used: list[list[float]] = []
+        """Per sample, each server's tier bytes in use."""
+        self.tier_capacity = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -255,19 +257,33 @@ class UsageSampler:
                 occupancy = self.fleet.occupancy()
             except OSError:
                 continue
-            u = [usage for usage, _ in occupancy]
+            u = [o[0] for o in occupancy]
+            if all(len(o) > 3 for o in occupancy):       # a fleet that reads its tiers
+                self.tier_used.append([o[2] for o in occupancy])      # type: ignore[misc]
+                self.tier_capacity = max(self.tier_capacity, sum(o[3] for o in occupancy))   # type: ignore[misc]
             self.spreads.append(max(u) - min(u))
-            self.floors.append(spread_floor(u, [running for _, running in occupancy]))
+            self.floors.append(spread_floor(u, [o[1] for o in occupancy]))
             self.peaks.append(max(u))
 
-    def figures(self) -> dict[str, float | None]:
+    def tier_figures(self) -> dict[str, Any]:
+        """The tiers' peak use over the samples: all servers' together (a shared region: the sum
+        of its partitions) and each server's, with their capacity (sampled every ``interval_s``: a
+        peak between two samples is missed)."""
+        if not self.tier_used:
+            return {"tier_peak_used_bytes": None, "tier_peak_used_bytes_by_server": None, "tier_capacity_bytes": None}
+        return {"tier_peak_used_bytes": int(max(sum(s) for s in self.tier_used)),
+                "tier_peak_used_bytes_by_server": [int(max(col)) for col in zip(*self.tier_used, strict=True)],
+                "tier_capacity_bytes": int(self.tier_capacity)}
+
+    def figures(self) -> dict[str, Any]:
         if not self.spreads:
             return {"spread_mean": None, "spread_p90": None, "spread_floor_mean": None, "spread_floor_p90": None,
-                    "samples": 0}
+                    "samples": 0, **self.tier_figures()}
 
         def p90(values: list[float]) -> float:
             return round(sorted(values)[int(0.9 * (len(values) - 1))], 4)
 
         return {"spread_mean": round(statistics.fmean(self.spreads), 4), "spread_p90": p90(self.spreads),
                 "spread_floor_mean": round(statistics.fmean(self.floors), 4), "spread_floor_p90": p90(self.floors),
-                "max_usage_mean": round(statistics.fmean(self.peaks), 4), "samples": len(self.spreads)}
+                "max_usage_mean": round(statistics.fmean(self.peaks), 4), "samples": len(self.spreads),
+                **self.tier_figures()}

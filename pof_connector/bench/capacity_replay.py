@@ -1,10 +1,18 @@
 """One trial of ``pof bench capacity``: replay a trace open-loop at a rate factor, time each request's
 first token.
 
-A session's turns go one after another (turn k's prompt holds turn k-1's answer), each sent at its
-arrival time scaled by the factor or when the previous turn answered, whichever is later; different
-sessions never wait for each other. Each request streams a greedy completion with its token ids, and
-its TTFT is the client-side time to the first chunk. A trial that can no longer meet the SLO (more
+A session's turns go one after another (turn k's prompt holds turn k-1's prompt and an answer), each
+sent at its arrival time scaled by the factor or when the previous turn answered, whichever is later;
+different sessions never wait for each other. Each request streams a greedy completion, and its TTFT
+is the client-side time to the first chunk.
+
+The requests do not ask for the answer's token ids (``return_token_ids``): vllm-router 0.1.17's
+``kv_aware`` gives a request that sets it no KV credit at all, which would hand every set-up behind
+that router a handicap no deployment has. So the next turn carries a stand-in for the answer
+(:func:`answer_tokens`, ``max_tokens`` tokens of the bench's own), as a client that re-encodes the
+answer's text does: the previous prompt's whole blocks are a prefix hit, the answer is new tokens
+for every set-up alike. A request is complete when its last chunk says ``finish_reason: length``
+(``ignore_eos``: it decoded ``max_tokens``). A trial that can no longer meet the SLO (more
 than a tenth of its requests late or failed) gives up early: the requests not yet sent are not
 sent, and streams in flight are closed (vLLM aborts them), so an overloaded trial ends quickly and
 leaves the servers idle for the next.
@@ -52,9 +60,14 @@ class Outcome:
     reading, tokenizing, choosing); ``None``: no such header (no pof router on the way)."""
 
 
+def answer_tokens(session: str, turn: int, n: int, vocab: int, variant: int) -> list[int]:
+    """The stand-in for turn ``turn``'s answer that the next turn's prompt carries."""
+    return tokens_for("answer", f"{session}/{turn}", n, vocab, variant)
+
+
 class FirstTouch:
-    """Which leading blocks of a prompt some earlier request already computed (its prompt and
-    the answer it generated, all but the answer's last token), cluster-wide."""
+    """Which leading blocks of a prompt some earlier request already computed (its prompt: the
+    answer it generated is not what the next turn carries), cluster-wide."""
 
     def __init__(self, block: int) -> None:
         self.block = block
@@ -211,25 +224,26 @@ class Replay:
                 continue
             o.first_touch_tokens = self.touch.new_tokens(prompt)       # what the cluster computed until now
             url, headers = self.route(r, k)
-            answer = self._one(o, url, headers, prompt)
+            done = self._one(o, url, headers, prompt)
             if o.ttft_s is None or o.ttft_s > self.slo_s:
                 with self._lock:
                     self._bad += 1
                     if self._bad > allowed:
                         self._give_up.set()
-            if answer is not None:
-                self.touch.computed(prompt + answer[:-1])
-                context = prompt + answer
+            if done:
+                self.touch.computed(prompt)
+                context = prompt + answer_tokens(r.session, k, r.max_tokens, self.vocab, self.variant)
         return out
 
-    def _one(self, o: Outcome, url: str, headers: dict[str, str], prompt: list[int]) -> list[int] | None:
-        """Stream one completion; the answer's token ids, or None (``o.error`` set)."""
+    def _one(self, o: Outcome, url: str, headers: dict[str, str], prompt: list[int]) -> bool:
+        """Stream one completion; whether it completed (else ``o.error`` is set)."""
+        # no return_token_ids: see the module docstring
         body = {"model": "m", "prompt": prompt, "max_tokens": o.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
+                "stream": True}
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", **headers})
         t0 = time.perf_counter()
-        answer: list[int] = []
+        finish: str | None = None
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 o.backend = r.headers.get("x-pof-backend", "") or url
@@ -238,22 +252,24 @@ class Replay:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    ids = choice.get("token_ids") or []
-                    if ids and o.ttft_s is None:
+                    choices = json.loads(line[6:])["choices"]
+                    if not choices:
+                        continue
+                    # vLLM sends no chunk before the first token (an empty one only mid-prefill: never)
+                    if o.ttft_s is None:
                         o.ttft_s = time.perf_counter() - t0
-                    answer += ids
+                    finish = choices[0].get("finish_reason") or finish
                     if self._give_up.is_set():
                         o.error = "closed: the trial gave up"
-                        return None
+                        return False
         except urllib.error.HTTPError as e:
             o.error = f"HTTP {e.code}: {e.read()[:200]!r}"
         except (OSError, ValueError, KeyError, IndexError) as e:
             o.error = f"{type(e).__name__}: {e}"
         if o.error:
             o.ttft_s = None
-            return None
-        if len(answer) != o.max_tokens:
-            o.error, o.ttft_s = f"{len(answer)} tokens of {o.max_tokens} in the answer", None
-            return None
-        return answer
+            return False
+        if finish != "length":
+            o.error, o.ttft_s = f"finished {finish!r}, not after its {o.max_tokens} tokens", None
+            return False
+        return True

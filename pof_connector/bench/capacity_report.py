@@ -9,21 +9,49 @@ from typing import Any
 
 from pof_connector.bench.capacity_fleet import FleetSpec
 from pof_connector.bench.capacity_search import GoodputSearch, ratio_bound
+from pof_connector.bench.capacity_stats import interval_of, median_row, spread
 
 SLO_MULTIPLE = 4.0
 """The SLO is this many times the unloaded p90 TTFT."""
 
 
-def setup_row(search: GoodputSearch, trials: list[dict[str, Any]], base_rps: float) -> dict[str, Any]:
-    """A set-up's result: its goodput, the trials around it, whether it is only a bound."""
+def setup_row(search: GoodputSearch, trials: list[dict[str, Any]], base_rps: float,
+              verdicts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A set-up's result: its goodput, the trials around it, whether it is only a bound;
+    ``verdicts``: each factor's trial outcomes and verdict, as run (:mod:`.capacity_stats`)."""
     best = search.passed
     failed = search.failed
     return {"goodput_rps": round(best * base_rps, 4),
             "failed_at_rps": None if math.isinf(failed) else round(failed * base_rps, 4),
             **search.summary(),
+            "factors": verdicts if verdicts is not None else [{"factor": round(f, 4), "trials": [ok], "passed": ok}
+                                                              for f, ok in search.trials],
             "at_goodput": next((t for t in trials if t["passed"] and t["factor"] == round(best, 4)), None),
             "at_reference_load": next((t for t in trials if t["factor"] == 1.0), None),
             "trials": sorted(trials, key=lambda t: t["factor"])}
+
+
+def merge_namings(results: dict[str, dict[str, Any]], keys: list[str]
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """``results`` with static's namings (``keys``, e.g. ``static``, ``static@1``) folded into one
+    ``static`` row, the median naming's (:func:`~.capacity_stats.median_row`; its key in the row's
+    ``naming_key``), in the set-ups' order; and their spread (``None``: static did not run)."""
+    runs = {k: results[k] for k in keys if k in results}
+    if not runs:
+        return results, None
+    middle = median_row(runs)
+    out: dict[str, dict[str, Any]] = {}
+    for k, row in results.items():
+        if k not in runs:
+            out[k] = row
+        elif "static" not in out:
+            out["static"] = {**runs[middle], "naming_key": middle}
+    goodputs = [r["goodput_rps"] for r in runs.values()]
+    return out, {"median": middle, "goodput_rps": spread(goodputs),
+                 "namings": {k: {"naming": r.get("naming"), "goodput_rps": r["goodput_rps"],
+                                 "failed_at_rps": r.get("failed_at_rps"), "at_bound": r.get("at_bound")}
+                             for k, r in runs.items()},
+                 "rows": {k: r for k, r in runs.items() if k != middle}}
 
 
 def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: dict[str, Any], slo_s: float,
@@ -71,6 +99,11 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
         "search": search,
         "ratio_range": ratio_range("pof", "static"),
         "ratio_vs_best_range": ratio_range("pof", best),
+        # every ratio as its interval: pof against each set-up, and the steps that separate causes
+        "intervals": {f"{a}/{b}": interval_of(results[a], results[b])
+                      for a, b in [*(("pof", n) for n in others), ("pof", "pof_private"), ("pof_private", "kv_aware"),
+                                   ("kv_aware", "cache_aware"), ("cache_aware", "round_robin")]
+                      if a in results and b in results and a != b},
         "goals": {"ratio": 2.0, "ratio_vs_best": 1.3, "pof_spread_vs_static": 0.5},
         "fragmentation": {"pof_spread_mean": spread("pof"), "static_spread_mean": spread("static"),
                           "pof_vs_static": ratio(spread("pof"), spread("static")),
@@ -82,6 +115,7 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
         "trace": {**info, "source": str(trace_file) if trace_file else f"seeded fragmenting mix (seed {seed})",
                   "seed": seed},
         "cluster": {"servers": spec.servers, "kv_tokens_per_server": spec.kv_blocks * spec.block,
+                    "tier_bytes": spec.tier_bytes,
                     "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
                     "dtype": spec.dtype, "model": str(model), "router_nice": spec.router_nice},
         "note": f"goodput = highest offered load (trace arrival rate x factor: doubled from 1 while it passes, halved "
@@ -94,7 +128,17 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
                 "the safety_cap factor) is at_bound (bound_reason): its goodput is only a lower bound, and "
                 "ratio_bound / ratio_vs_best_bound say so of a ratio taken from it: lower (the true ratio is at "
                 "least it), upper (at most it), unknown (both set-ups at a bound), null (measured); "
-                "search.order: [factor, passed] of each trial as run; "
+                "search.order: [factor, passed] of each factor as decided; factors: each factor's trial outcomes "
+                "and verdict (search.trials_per_factor trials, search.pass_rule: majority = more than half met the "
+                "SLO, decided as soon as certain; all = every one); trials: every trial (repeat: its index at its "
+                "factor); intervals[A/B]: A's goodput / B's as the search brackets allow, [A goodput / B failed_at, "
+                "A failed_at / B goodput], text '>= x' where A never failed (its goodput only a lower bound), "
+                "'<= y' where B never failed; static runs under search.static_namings namings (the hash salted): "
+                "setups.static is the median naming's row, static_namings their spread; memory: every set-up's "
+                "engines read back memory.tier_bytes_total of tier (private per server, or pof's one shared "
+                "region), tier_evicted_pages / tier_peak_used_bytes per trial from vllm:pof_evicted_pages and "
+                "vllm:pof_tier_used_bytes (sampled every 0.5 s); tier_hit_tokens: prompt tokens loaded from a tier, "
+                "pool_hit_tokens: those of them loaded from the shared pool (pof only); "
                 "ratio = pof / static goodput (null when static's is 0), ratio_range: "
                 "[pof goodput / static failed_at, pof failed_at / static goodput], what the search's resolution "
                 f"allows; SLO = {SLO_MULTIPLE:g} x the unloaded p90 TTFT of the trace's prompt sizes "

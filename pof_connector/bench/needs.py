@@ -31,7 +31,7 @@ class Need:
 
 
 VLLM = Need("the vLLM servers", "vllm", module="vllm")
-VLLM_ROUTER = Need("the cache_aware set-ups", "vllm-router==0.1.17", binary="vllm-router")
+VLLM_ROUTER = Need("the cache_aware and kv_aware set-ups", "vllm-router==0.1.17", binary="vllm-router")
 MATPLOTLIB = Need("--plot", "matplotlib", module="matplotlib")
 
 

@@ -403,14 +403,18 @@ def kv_events_args(endpoint: str) -> list[str]:
                                               "endpoint": f"tcp://*:{port}", "topic": ""})]
 
 
-def start_relay(tmp: Path, node: str, pool: dict[str, Any], endpoint: str) -> ServiceProcess:
+def start_relay(tmp: Path, node: str, pool: dict[str, Any], endpoint: str, *, bind: str | None = None,
+                pool_residency: bool = False) -> ServiceProcess:
     """A `pof relay` putting node ``node``'s engine prefix cache (its KV events on ``endpoint``)
-    into the index of ``pool`` (a pof config without ``node_id``)."""
+    into the index of ``pool`` (a pof config without ``node_id``). ``bind``: where routers connect
+    (default: a free port nobody is told of); ``pool_residency``: also announce the pages the node's
+    pool can load (what vllm-router's ``kv_aware`` credits as host memory)."""
     cfg = tmp / f"relay-{node}.json"
     cfg.write_text(json.dumps({"node_id": node, **pool}))
     relay = ServiceProcess(tmp / f"relay-{node}.log")
     relay.launch([sys.executable, "-m", "pof_connector.cli", "relay", "--config", str(cfg),
-                  "--engine-events", endpoint, "--bind", f"tcp://127.0.0.1:{free_port()}", "--no-pool-residency"])
+                  "--engine-events", endpoint, "--bind", bind or f"tcp://127.0.0.1:{free_port()}",
+                  *([] if pool_residency else ["--no-pool-residency"])])
     return relay
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from pof_connector.bench import nearest_rank
-from pof_connector.bench.capacity import BATCH_STEPS, DECODE_STEPS, prompt_sizes
+from pof_connector.bench.capacity_probe import BATCH_STEPS, DECODE_STEPS, prompt_sizes
 from pof_connector.config import ConfigError
 from pof_connector.sim.bench_run import BenchRun, replay_trial
 from pof_connector.sim.profile import Profile, TierProfile, load_profile

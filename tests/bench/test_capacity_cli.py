@@ -47,7 +47,7 @@ def result() -> dict[str, Any]:
 
 @pytest.mark.parametrize(("args", "missing", "named"), [
     (["--plot", "p.png", "--setups", "static,pof"], {"matplotlib"}, "matplotlib (for --plot)"),
-    ([], {"vllm-router"}, "vllm-router (for the cache_aware set-ups)"),
+    ([], {"vllm-router"}, "vllm-router (for the cache_aware and kv_aware set-ups)"),
     (["--setups", "static"], {"vllm"}, "vllm (for the vLLM servers)"),
 ])
 def test_a_missing_package_stops_the_bench_before_anything_starts(
@@ -66,7 +66,7 @@ def test_without_cache_aware_setups_vllm_router_is_not_needed(monkeypatch: pytes
                                                               tmp_path: Path) -> None:
     installed(monkeypatch, tmp_path, missing={"vllm-router"})
     assert [n.package for n in capacity.needs(["static", "pof"], plot=False)] == ["vllm"]
-    assert "vllm-router==0.1.17" in [n.package for n in capacity.needs(["cache_aware_offload"], plot=True)]
+    assert "vllm-router==0.1.17" in [n.package for n in capacity.needs(["kv_aware"], plot=True)]
     capacity.check(capacity.needs(["static", "pof"], plot=False), "capacity")
 
 

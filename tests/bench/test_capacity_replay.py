@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from pof_connector.bench.capacity_replay import Replay
+from pof_connector.bench.capacity_replay import Replay, answer_tokens
 from pof_connector.bench.capacity_trace import TraceRequest, tokens_for
 from tests.http_server import serve
 
@@ -22,21 +22,23 @@ BLOCK = 16
 
 
 def fake_vllm(seen: list[list[int]], delay_s: float, headers: dict[str, str] | None = None) -> FastAPI:
-    """Streams ``max_tokens`` token ids (the prompt's length mod 97, then +1...) as vLLM does with
-    ``return_token_ids``, after ``delay_s``, with ``headers`` (as a router adds them); records every
-    prompt."""
+    """Streams ``max_tokens`` chunks of text, the last with ``finish_reason: length``, as vLLM does,
+    after ``delay_s``, with ``headers`` (as a router adds them); records every prompt (and fails a
+    request that asks for token ids: vllm-router's kv_aware gives those no credit)."""
     app = FastAPI()
 
     @app.post("/v1/completions")
     async def complete(request: Request) -> StreamingResponse:
         body = await request.json()
+        assert "return_token_ids" not in body, body
         seen.append(body["prompt"])
 
         async def chunks() -> AsyncIterator[str]:
             await asyncio.sleep(delay_s)
-            for i in range(body["max_tokens"]):
-                ids = [3 + (len(body["prompt"]) + i) % 97]
-                yield "data: " + json.dumps({"choices": [{"text": "x", "token_ids": ids}]}) + "\n\n"
+            n = body["max_tokens"]
+            for i in range(n):
+                choice = {"text": "x", "finish_reason": "length" if i == n - 1 else None}
+                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
@@ -59,12 +61,12 @@ def test_a_session_turn_carries_the_earlier_turn_and_answer() -> None:
     assert trial.passed(5.0) and trial.failed == 0 and len(trial.ttfts()) == 3
     system = tokens_for("system", "t", 40, 500, 1)
     first = system + tokens_for("turn", "s/0", 10, 500, 1)
-    answer = [3 + (len(first) + i) % 97 for i in range(5)]
+    answer = answer_tokens("s", 0, 5, 500, 1)                  # a stand-in: the answer's ids were not asked for
     assert first in seen
     assert first + answer + tokens_for("turn", "s/1", 20, 500, 1) in seen
     by = {(o.session, o.turn): o for o in trial.outcomes}
     assert by[("s", 0)].first_touch_tokens == 50
-    # turn 1: the first turn's prompt and answer but its last token (54 tokens: 3 blocks) are known
+    # turn 1: the first turn's prompt (50 tokens: 3 whole blocks) is known, the stand-in answer is not
     assert by[("s", 1)].first_touch_tokens == 75 - 3 * BLOCK
     # the other session shares the tenant's system prompt: its 2 whole blocks are known
     assert by[("other", 0)].first_touch_tokens == 47 - 2 * BLOCK
