@@ -20,8 +20,7 @@ import json
 import logging
 from typing import Any
 
-import httpx
-
+from pof_connector.router.forward import BackendError, Forwarder
 from pof_connector.router.router import NoBackend, Router
 
 log = logging.getLogger("pof.router")
@@ -37,7 +36,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return half
 
 
-async def prefill_half(prefill: Router, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+async def prefill_half(prefill: Router, forwarder: Forwarder, path: str, body: dict[str, Any],
                        tokens: list[int] | None, headers: dict[str, str],
                        cache_salt: str | None) -> tuple[dict[str, Any] | None, str]:
     """Run the prefill half of ``body``; returns the decode half's ``kv_transfer_params``
@@ -53,22 +52,27 @@ async def prefill_half(prefill: Router, client: httpx.AsyncClient, path: str, bo
         b = decision.backend
         ticket = b.admit(decision.prefill_tokens, decision.kv_blocks)
         try:
-            r = await client.post(b.url + path, content=json.dumps(prefill_body(body)).encode(),
-                                  headers={**headers, "content-type": "application/json"})
-        except httpx.TransportError as e:
-            b.check_failed(f"{type(e).__name__}: {e}", now=True)
+            r = await forwarder.send("POST", b.url + path, json.dumps(prefill_body(body)).encode(),
+                                     {**headers, "content-type": "application/json"})
+            try:
+                answer = await r.read()
+            finally:
+                r.close()
+        except BackendError as e:
+            b.check_failed(str(e), now=True)
             tried.add(b.name)
-            log.warning("pof router: prefill server %s failed (%s); trying another", b.name, type(e).__name__)
+            log.warning("pof router: prefill server %s failed (%s); trying another", b.name, e)
             continue
         finally:
             b.finish(ticket)
-        if r.status_code != 200:
+        if r.status != 200:
             # The request itself may be bad: the decode server answers it, with its own error.
-            return None, f"none:prefill-status-{r.status_code}"
+            return None, f"none:prefill-status-{r.status}"
         try:
-            params = r.json().get("kv_transfer_params")
+            got = json.loads(answer)
         except ValueError:
             return None, "none:prefill-answer-not-json"
+        params = got.get("kv_transfer_params") if isinstance(got, dict) else None
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None, "none:no-handoff"        # a prefill server without a P/D connector
         return params, b.name

@@ -42,7 +42,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx
@@ -55,6 +55,7 @@ from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.engine_load import PLAIN, EngineLoad, MetricsPage
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.forward import Answer, BackendError, Forwarder, Sent
 from pof_connector.router.inline_gate import InlineGate
 from pof_connector.router.openai_shapes import document
 from pof_connector.router.pd_proxy import decode_body, prefill_half
@@ -71,10 +72,8 @@ INLINE_TOKENIZE_CHARS = 2048
 """Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
 longer ones on a thread, so one huge prompt does not stall every other request."""
 STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-"""What a request sent on a kept-alive connection that the backend has just closed fails with (a
-server closes one after an internal error, or at its keep-alive timeout): such a request is sent
-once more, on another connection, before the backend counts as failed. Only errors before any
-answer: a backend that answered nothing has done nothing the client saw."""
+"""A health check on a kept-alive connection the backend has just closed: sent once more (the
+routed requests' equivalent is :data:`pof_connector.router.forward.STALE`)."""
 DISCONNECT_POLL_S = 0.25
 """How often a request waiting for its backend's answer checks that its client is still there."""
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -102,7 +101,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
     tokens_source = TokenizerSource(cfg.tokenizer if tokenizer is None else "backend")
     if tokenizer is not None:
         tokens_source.tokenizer, tokens_source.origin = tokenizer, "local"
-    state: dict[str, httpx.AsyncClient] = {}
+    state: dict[str, httpx.AsyncClient] = {}       # health, /metrics, /tokenize, /v1/models
+    forwarder: list[Forwarder] = []                 # the routed requests' client, made in the event loop
     expected = f"Bearer {key}".encode() if (key := cfg.api_key()) is not None else None
     backend_key = cfg.backend_api_key()
     backend_headers = {"authorization": f"Bearer {backend_key}"} if backend_key is not None else {}
@@ -114,6 +114,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), limits=limits,
                                             headers=backend_headers)
+        forwarder.append(Forwarder(cfg.request_timeout_s, backend_headers))
         tasks = []
         for group in (router, prefill) if prefill is not None else (router,):
             tasks.append(asyncio.create_task(_health_loop(group, state["client"], tokens_source)))
@@ -127,6 +128,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await state["client"].aclose()
+            await forwarder.pop().aclose()
 
     app = FastAPI(title="pof router", version="1", description=__doc__, lifespan=lifespan)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_body_bytes, timeout_s=cfg.read_timeout_s, error=_error_body,
@@ -185,7 +187,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         target = path + (f"?{request.url.query}" if request.url.query else "")
         pd_header: dict[str, str] = {}
         if prefill is not None and body is not None and route_by_prompt:
-            handoff, pd_header["x-pof-prefill"] = await prefill_half(prefill, state["client"], target, body, tokens,
+            handoff, pd_header["x-pof-prefill"] = await prefill_half(prefill, forwarder[0], target, body, tokens,
                                                                     headers, salt)
             raw = decode_body(body, handoff)
             clock.skip()
@@ -200,20 +202,14 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
             ticket = b.admit(decision.prefill_tokens, decision.kv_blocks)
             sent = clock.lap("choose")
             clock.move(decision.lookup_s, source="choose", target="lookup")
-            written = _Written()
+            written = Sent()
             try:
-                try:
-                    resp = await _send_unless_gone(state["client"], state["client"].build_request(
-                        request.method, b.url + target, content=raw, headers=headers,
-                        extensions={"trace": written.trace}), request)
-                except STALE:
-                    resp = await _send_unless_gone(state["client"], state["client"].build_request(
-                        request.method, b.url + target, content=raw, headers=headers,
-                        extensions={"trace": written.trace}), request)
-            except httpx.TransportError as e:
+                resp = await _send_unless_gone(forwarder[0].send(request.method, b.url + target, raw or None, headers,
+                                                                 written), request)
+            except BackendError as e:
                 clock.lap("proxy")
                 b.finish(ticket)
-                b.check_failed(f"{type(e).__name__}: {e}", now=True)
+                b.check_failed(str(e), now=True)
                 metrics.errors.labels(b.name).inc()
                 tried.add(b.name)
                 continue
@@ -245,35 +241,35 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
             if decision.saturated:
                 out_headers["x-pof-saturated"] = ",".join(decision.saturated)
             return StreamingResponse(_relay(resp, decision, ticket, sent, streamed, tokens),
-                                     status_code=resp.status_code, headers=out_headers,
+                                     status_code=resp.status, headers=out_headers,
                                      media_type=resp.headers.get("content-type"))
 
-    async def _relay(resp: httpx.Response, decision: Decision, ticket: Ticket,
+    async def _relay(resp: Answer, decision: Decision, ticket: Ticket,
                      sent: float, streamed: bool, tokens: list[int] | None) -> AsyncIterator[bytes]:
         b = decision.backend
         ttft: float | None = None
         tail = b""
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.chunks():
                 if not ticket.first_token_seen:
                     ttft = time.perf_counter() - sent
                     b.first_token(ticket)
                     metrics.ttft.labels(b.name).observe(ttft)
                 tail = (tail + chunk)[-TAIL_BYTES:]
                 yield chunk
-        except httpx.TransportError as e:
+        except BackendError as e:
             b.check_failed(f"broken response: {e}", now=True)
             metrics.errors.labels(b.name).inc()
         finally:
             b.finish(ticket)
-            await resp.aclose()
+            resp.close()
             # After the answer, off its path: what this backend was sent before, then this prompt.
             guess = router.sent.cached_then_record(b.name, tokens) if tokens else 0
             # Only a streamed answer's first chunk is its first token (a non-streamed one arrives
             # whole); learnt once the stream ended, with the cached tokens its usage reports, else
             # the prefix this router sent the backend before (what its engine probably caches).
             est = decision.estimate
-            if streamed and ttft is not None and est is not None and resp.status_code == 200:
+            if streamed and ttft is not None and est is not None and resp.status == 200:
                 found = CACHED_TOKENS.findall(tail)
                 cached = int(found[-1]) if found else max(guess, est.prompt_tokens - est.recompute_tokens)
                 router.cost.observe(est, ttft, cached)
@@ -358,20 +354,6 @@ class _ClientGone(Exception):
     """The client disconnected before the backend's answer began."""
 
 
-class _Written:
-    """When a request was last written whole to its backend connection (httpcore's ``trace``
-    extension: the end of the router's ``proxy`` stage); ``None`` until it is."""
-
-    __slots__ = ("at",)
-
-    def __init__(self) -> None:
-        self.at: float | None = None
-
-    async def trace(self, event: str, _: dict[str, Any]) -> None:
-        if event == "http11.send_request_body.complete":
-            self.at = time.perf_counter()
-
-
 async def _body(request: Request, limit: int) -> bytes:
     """The request body, refused (413) past ``limit`` bytes without reading it whole."""
     declared = request.headers.get("content-length", "")
@@ -441,19 +423,20 @@ def _text_length(messages: list[Any]) -> int:
     return total
 
 
-async def _send_unless_gone(client: httpx.AsyncClient, req: httpx.Request, request: Request) -> httpx.Response:
-    """Send ``req`` and wait for the response headers, unless ``request``'s client disconnects
-    first (then the send is cancelled, closing the backend connection, and :class:`_ClientGone`)."""
-    send = asyncio.ensure_future(client.send(req, stream=True))
+async def _send_unless_gone(sending: Coroutine[Any, Any, Answer], request: Request) -> Answer:
+    """Await ``sending`` (a request until its answer's headers), unless ``request``'s client
+    disconnects first (then the send is cancelled, closing the backend connection, and
+    :class:`_ClientGone`)."""
+    send = asyncio.ensure_future(sending)
     while True:
         done, _ = await asyncio.wait({send}, timeout=DISCONNECT_POLL_S)
         if done:
             return send.result()
         if await request.is_disconnected():
             send.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.TransportError):
+            with contextlib.suppress(asyncio.CancelledError, BackendError):
                 late = await send
-                await late.aclose()    # it arrived just before the cancel: unclosed, its connection would leak
+                late.close()    # it arrived just before the cancel: unclosed, its connection would leak
             raise _ClientGone()
 
 

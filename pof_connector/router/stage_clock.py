@@ -10,7 +10,9 @@ passes ``choose`` and ``proxy`` again; its time adds up per stage):
   <pof_connector.locality.locator.Locator.locate>`: prefix hashes, the index round trips);
 - ``choose``: the rest of the decision (the request's routing fields, the cost estimate and KV
   admission per backend, the ticket);
-- ``proxy``: from the decision until the request is written to the backend's connection.
+- ``proxy``: from the decision until the request is written to the backend's connection (handed
+  whole to the socket: aiohttp's trace of its last chunk sent, :class:`~pof_connector.router.forward.Sent`;
+  a connection opened for it included, the backend's answer not).
 
 Their sum is the router's overhead (header ``x-pof-router-overhead``); the stages go out in the
 header ``x-pof-router-stages`` and the histogram ``pof_router_stage_seconds{stage}``.
