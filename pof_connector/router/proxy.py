@@ -52,9 +52,8 @@ from prometheus_client import generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.body_limits import BodyLimits
-from pof_connector.locality.engine_load import PLAIN, EngineLoad, MetricsPage
 from pof_connector.locality.locator import Tokenizer
-from pof_connector.router.backend import Backend, Ticket
+from pof_connector.router.backend import Ticket
 from pof_connector.router.forward import Answer, BackendError, Forwarder, Sent
 from pof_connector.router.inline_gate import InlineGate
 from pof_connector.router.openai_shapes import document
@@ -62,6 +61,7 @@ from pof_connector.router.pd_proxy import decode_body, prefill_half
 from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.proxy_metrics import ProxyMetrics
 from pof_connector.router.router import Decision, NoBackend, Router
+from pof_connector.router.side_requests import health_loop, load_loop, tokenize
 from pof_connector.router.stage_clock import StageClock
 from pof_connector.router.tokenizer_source import TokenizerSource
 
@@ -71,9 +71,6 @@ MAX_TOKEN_ID = 0xFFFFFFFF
 INLINE_TOKENIZE_CHARS = 2048
 """Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
 longer ones on a thread, so one huge prompt does not stall every other request."""
-STALE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-"""A health check on a kept-alive connection the backend has just closed: sent once more (the
-routed requests' equivalent is :data:`pof_connector.router.forward.STALE`)."""
 DISCONNECT_POLL_S = 0.25
 """How often a request waiting for its backend's answer checks that its client is still there."""
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -117,9 +114,9 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         forwarder.append(Forwarder(cfg.request_timeout_s, backend_headers))
         tasks = []
         for group in (router, prefill) if prefill is not None else (router,):
-            tasks.append(asyncio.create_task(_health_loop(group, state["client"], tokens_source)))
+            tasks.append(asyncio.create_task(health_loop(group, state["client"], tokens_source)))
             if cfg.policy == "pof" and cfg.capacity.enabled:
-                tasks.append(asyncio.create_task(_load_loop(group, state["client"])))
+                tasks.append(asyncio.create_task(load_loop(group, state["client"])))
         try:
             yield
         finally:
@@ -157,12 +154,12 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
                                                             local.uncached_chars(prompt) <= INLINE_TOKENIZE_CHARS):
                     return local(prompt), "local"
                 return await asyncio.to_thread(local, prompt), "local"
-            got = await _tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
+            got = await tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
             return got, "backend" if got is not None else "none"
         messages = body.get("messages")
         if not isinstance(messages, list) or _text_length(messages) > cfg.max_tokenize_chars:
             return None, "none"
-        got = await _tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
+        got = await tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
         return got, "backend" if got is not None else "none"
 
     async def proxy(request: Request, path: str, *, route_by_prompt: bool = True) -> Response:
@@ -438,94 +435,6 @@ async def _send_unless_gone(sending: Coroutine[Any, Any, Answer], request: Reque
                 late = await send
                 late.close()    # it arrived just before the cancel: unclosed, its connection would leak
             raise _ClientGone()
-
-
-async def _tokenize(router: Router, client: httpx.AsyncClient, body: dict[str, Any]) -> list[int] | None:
-    """Token ids from the least busy healthy backend's ``/tokenize``; ``None`` when none answers."""
-    for b in sorted(router.healthy(), key=lambda b: b.running):
-        try:
-            # ASCII JSON: a prompt may hold lone surrogates (valid JSON escapes, not encodable as
-            # UTF-8); the backend judges them, the router must not fail on them
-            r = await client.post(b.url + "/tokenize", content=json.dumps(body).encode(),
-                                  headers={"content-type": "application/json"}, timeout=10.0)
-        except httpx.TransportError:
-            continue
-        if r.status_code == 200:
-            tokens = r.json().get("tokens")
-            if isinstance(tokens, list):
-                return tokens
-        return None            # the backend understood the request and refused it: others will too
-    return None
-
-
-async def _health_loop(router: Router, client: httpx.AsyncClient, tokens_source: TokenizerSource) -> None:
-    h = router.config.health
-    while True:
-        await asyncio.gather(*(_check(b, client, h.timeout_s) for b in router.backends))
-        if not tokens_source.settled:
-            await tokens_source.discover(client, [b.url for b in router.healthy()])
-        await asyncio.sleep(h.interval_s)
-
-
-async def _load_loop(router: Router, client: httpx.AsyncClient) -> None:
-    """Read every backend's ``/metrics`` each ``capacity.metrics_interval_s`` (KV usage, queue,
-    preemptions) for KV-aware admission."""
-    cap = router.config.capacity
-    silent: set[str] = set()
-    pages = {b.name: MetricsPage(b.url) for b in router.backends}
-    while True:
-        readings = await asyncio.gather(*(_read_load(b, pages[b.name], client, cap.metrics_interval_s * 4)
-                                          for b in router.backends))
-        for b, load in zip(router.backends, readings, strict=True):
-            b.record_load(load)
-            if (load is None or load.kv_usage is None) and b.name not in silent:
-                silent.add(b.name)
-                log.info("pof router: backend %s exports no KV usage on %s/metrics (yet); it is routed without "
-                         "KV-capacity awareness until it does", b.name, b.url)
-            elif load is not None and load.kv_usage is not None:
-                silent.discard(b.name)
-        await asyncio.sleep(cap.metrics_interval_s)
-
-
-async def _read_load(b: Backend, page: MetricsPage, client: httpx.AsyncClient, timeout_s: float) -> EngineLoad | None:
-    """``b``'s load from ``page`` (only the series the router reads, where the engine can restrict
-    its page); ``None`` when it is out of service, does not answer or exports no load."""
-    if not b.healthy:
-        return None
-    for url in page.urls():
-        try:
-            r = await client.get(url, headers=PLAIN, timeout=max(timeout_s, 1.0))
-        except httpx.TransportError:
-            return None
-        if r.status_code != 200:
-            if url != page.full_url:
-                continue            # no restricted page here: the whole one says
-            return None
-        try:
-            # a whole page (an engine that cannot restrict it) is ~55 KB: parsed off the event loop
-            load = page.load_from(url, r.text) if url != page.full_url else \
-                await asyncio.to_thread(page.load_from, url, r.text)
-        except ValueError:          # not Prometheus text
-            return None
-        if load is not None:
-            return load
-    return None
-
-
-async def _check(b: Backend, client: httpx.AsyncClient, timeout_s: float) -> None:
-    try:
-        try:
-            r = await client.get(b.url + "/health", timeout=timeout_s)
-        except STALE:
-            r = await client.get(b.url + "/health", timeout=timeout_s)
-    except httpx.TransportError as e:
-        b.check_failed(f"health check: {type(e).__name__}")
-        log.debug("health check of %s failed: %s", b.name, e)
-        return
-    if r.status_code == 200:
-        b.check_passed()
-    else:
-        b.check_failed(f"health check answered {r.status_code}")
 
 
 def _error_body(status: int, message: str, kind: str = "pof_router") -> dict[str, Any]:
