@@ -126,3 +126,30 @@ def test_a_refused_connection_fails_at_once_and_a_silent_backend_times_out() -> 
             await f.aclose()
 
     _run(handler, scenario)
+
+
+def test_an_answer_left_unread_closes_its_connection() -> None:
+    """A client that leaves a stream: closing its unfinished answer closes the backend connection
+    (the engine aborts the request), it does not go back to the pool."""
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        if await reader.read() == b"":        # the router's end closed
+            gone.set()
+
+    async def scenario(url: str) -> None:
+        f = Forwarder(5.0)
+        try:
+            answer = await f.send("POST", url + "/v1/completions", b"{}", {})
+            chunks = answer.chunks()
+            assert await anext(chunks) == b"first"
+            await chunks.aclose()
+            answer.close()
+            await asyncio.wait_for(gone.wait(), 2.0)
+        finally:
+            await f.aclose()
+
+    _run(handler, scenario)
