@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
+from pof_connector.tenant_config import DEFAULT_TENANT
 
 
 class Chain:
@@ -19,9 +20,11 @@ class Chain:
     placeholder are plain text KV and are shared.
     """
 
-    def __init__(self, namespace: bytes, request: Any) -> None:
+    def __init__(self, namespace: bytes, request: Any, tenant: str = DEFAULT_TENANT) -> None:
         self.namespace = namespace
         self.seed = storage_seed(lora_extra_key(request), request.cache_salt)
+        self.tenant = tenant
+        """Whose pages these are (``Pool.tenant_of`` the salt), for the tiers' quotas."""
         self.limit = token_limit(request)
         self.keys: list[PageKey] = []
 

@@ -16,6 +16,7 @@ from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
 from pof_connector.placement import Placement
+from pof_connector.tenant_usage import META_KEY, TenantUsage
 
 if TYPE_CHECKING:
     pass
@@ -44,6 +45,7 @@ class Membership:
         self.stats = parts.stats
         self.log_once = parts.log_once
         self.fabric = parts.fabric
+        self._tenants = TenantUsage(self.stats) if self.config.tenants.enabled else None
         self._next_index_restart = 0.0
         self._next_revocations = 0.0
         self._closed = threading.Event()
@@ -89,6 +91,8 @@ class Membership:
             self.stats.set_gauge("tier_used_bytes", t.used_slots * t.slot_bytes, tier=t.medium)
             self.stats.set_gauge("tier_capacity_bytes", t.capacity_slots * t.slot_bytes, tier=t.medium)
         meta = self.meta if self.fabric is None else {**self.meta, **self.fabric.lend_meta()}
+        if self._tenants is not None:
+            meta = {**meta, META_KEY: self._tenants.report(self.own.all)}
         return NodeInfo(self.node_id, tiers, meta)
 
     def heartbeat(self) -> None:
