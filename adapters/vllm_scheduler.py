@@ -111,7 +111,8 @@ class PoFScheduler:
         chain = self._chains.get(request.request_id)
         if chain is None:
             chain = self._chains[request.request_id] = Chain(self.pool.namespace, request,
-                                                             self.pool.tenant_of(request.cache_salt))
+                                                             self.pool.tenant_of(request.cache_salt),
+                                                             self.geo.page_tokens)
         return chain
 
     # ---- get_num_new_matched_tokens ------------------------------------------------------
