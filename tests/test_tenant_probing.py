@@ -177,7 +177,8 @@ def test_users_of_one_org_share_its_prompt_and_never_each_others_turns() -> None
 
 def test_a_shared_part_that_ends_inside_a_page_keeps_that_page_private() -> None:
     k = page_keys(NS, ORG_PROMPT + TURN, 16, cache_salt="u", shared_salt=ORG_A, shared_tokens=len(ORG_PROMPT) + 8)
-    assert k[:ORG_PAGES] == two_salt_keys("u", ORG_A)[:ORG_PAGES] and k[ORG_PAGES] != two_salt_keys("v", ORG_A)[ORG_PAGES]
+    assert k[:ORG_PAGES] == two_salt_keys("u", ORG_A)[:ORG_PAGES]
+    assert k[ORG_PAGES] != two_salt_keys("v", ORG_A)[ORG_PAGES]
 
 
 def test_the_vllm_chain_computes_the_same_two_salt_keys() -> None:
