@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pof_connector.keys import PageKey, chain_digests, chain_keys, storage_seed
+from pof_connector.keys import ChainSeeds, PageKey, chain_keys
 
 
 class Chain:
@@ -17,11 +17,19 @@ class Chain:
     multimodal placeholder (whose KV depends on the image, not on the placeholder ids) or any
     token of a prompt given as embeddings are neither loaded nor stored. Pages before the first
     placeholder are plain text KV and are shared.
+
+    Two salts: ``kv_transfer_params`` ``{"pof_shared_salt": ORG_SALT, "pof_shared_tokens": K}``
+    puts the first ``K`` tokens under the organisation's salt and the rest under the request's
+    ``cache_salt`` (the rule: :mod:`pof_connector.keys`).
     """
 
-    def __init__(self, namespace: bytes, request: Any) -> None:
+    def __init__(self, namespace: bytes, request: Any, tenant: str, page_tokens: int) -> None:
         self.namespace = namespace
-        self.seed = storage_seed(lora_extra_key(request), request.cache_salt)
+        shared_salt, shared_tokens = shared_part(request)
+        self.seeds = ChainSeeds.of(page_tokens, cache_salt=request.cache_salt, extra_key=lora_extra_key(request),
+                                   shared_salt=shared_salt, shared_tokens=shared_tokens)
+        self.tenant = tenant
+        """Whose pages these are (``Pool.tenant_of`` the salt), for the tiers' quotas."""
         self.limit = token_limit(request)
         self.keys: list[PageKey] = []
 
@@ -30,8 +38,8 @@ class Chain:
         pages = min(pages, self.limit // page_tokens)
         have = len(self.keys)
         if pages > have:
-            prior = self.keys[-1].digest if self.keys else self.seed
-            more = chain_digests(tokens[have * page_tokens:pages * page_tokens], page_tokens, prior)
+            previous = self.keys[-1].digest if self.keys else None
+            more = self.seeds.digests(tokens[have * page_tokens:pages * page_tokens], page_tokens, have, previous)
             self.keys += chain_keys(self.namespace, self.keys, more)
         return self.keys[:pages]
 
@@ -50,3 +58,16 @@ def token_limit(request: Any) -> int:
         return 0
     offsets = [f.mm_position.offset for f in getattr(request, "mm_features", None) or ()]
     return min(offsets, default=1 << 62)
+
+
+def shared_part(request: Any) -> tuple[str | None, int]:
+    """The organisation's salt and how many leading tokens it covers, from the request's
+    ``kv_transfer_params`` (``(None, 0)``: one salt). Malformed values are ignored: the request
+    then keeps to its own salt, which shares nothing it should not."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return None, 0
+    salt, tokens = params.get("pof_shared_salt"), params.get("pof_shared_tokens")
+    if not isinstance(salt, str) or not salt or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        return None, 0
+    return salt, tokens

@@ -15,6 +15,7 @@ except ImportError:     # the worker in a harness where vLLM cannot be installed
 
 from pof_connector.index import Location
 from pof_connector.keys import PageKey
+from pof_connector.tenant_config import DEFAULT_TENANT
 
 
 @dataclass
@@ -46,12 +47,14 @@ class SaveJob:
 
     ``audit``: pages (index into ``keys``) the pool holds but the engine computed anyway (a sampled
     pool hit, see :mod:`pof_connector.audit`), each with the pool's source the scheduler found
-    (rank 0's): compare them with the pool's page instead of storing them twice."""
+    (rank 0's): compare them with the pool's page instead of storing them twice. ``tenant``: whose
+    pages they are (a name: a request's salt never travels to the workers)."""
 
     req_id: str
     keys: list[PageKey]
     block_ids: list[list[int]]
     audit: dict[int, Location] = field(default_factory=dict)
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass

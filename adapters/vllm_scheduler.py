@@ -110,7 +110,9 @@ class PoFScheduler:
     def _chain(self, request: Any) -> Chain:
         chain = self._chains.get(request.request_id)
         if chain is None:
-            chain = self._chains[request.request_id] = Chain(self.pool.namespace, request)
+            chain = self._chains[request.request_id] = Chain(self.pool.namespace, request,
+                                                             self.pool.tenant_of(request.cache_salt),
+                                                             self.geo.page_tokens)
         return chain
 
     # ---- get_num_new_matched_tokens ------------------------------------------------------
@@ -390,7 +392,8 @@ class PoFScheduler:
         start = self._saved_pages.get(req_id, 0)
         if full <= start:
             return
-        keys = self._chain(request).upto(tokens, full, P)
+        chain = self._chain(request)
+        keys = chain.upto(tokens, full, P)
         full = len(keys)          # fewer when the request's KV is not its tokens' alone (see Chain)
         if full <= start:
             return
@@ -400,7 +403,7 @@ class PoFScheduler:
             a_first, a_keys, a_sources = self._audits[req_id]
             pages = range(max(start, a_first), min(full, a_first + len(a_keys)))
             audit = {p - start: a_sources[p - a_first] for p in pages if keys[p] == a_keys[p - a_first]}
-        meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks, audit))
+        meta.saves.append(SaveJob(req_id, keys[start:full], page_blocks, audit, chain.tenant))
         self._saved_pages[req_id] = full
 
     # ---- request_finished ----------------------------------------------------------------------

@@ -49,6 +49,7 @@ from pof_connector.page_reader import PageReader
 from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
+from pof_connector.tenant_config import DEFAULT_TENANT
 
 log = logging.getLogger("pof_connector.vllm")
 HELD_STEPS_MAX = 16
@@ -86,6 +87,7 @@ class _PendingSave:
     segments: np.ndarray              # [layers, pages, segment_bytes]
     audit: dict[int, Location] = field(default_factory=dict)   # position -> the pool's copy to compare with
     stored: set[int] = field(default_factory=set)              # positions this node stores already
+    tenant: str = DEFAULT_TENANT                               # whose pages (the tiers' quotas)
 
 
 class PoFWorker:
@@ -455,7 +457,7 @@ class PoFWorker:
             self._saves.append(_PendingSave(job.req_id, [keys[i] for i in keep],
                                             buffer.reshape(spec.num_layers, len(keep), spec.segment_bytes),
                                             {n: audit[i] for n, i in enumerate(keep) if i in audit},
-                                            {n for n, i in enumerate(keep) if i in have}))
+                                            {n for n, i in enumerate(keep) if i in have}, job.tenant))
         if self._saves:
             assert self.layout is not None
             self._unsaved = set(range(len(self.kv)))
@@ -494,7 +496,7 @@ class PoFWorker:
             for save in self._saves:
                 self._faults.damage(save.segments, self.layout.canonical_shape(self.geo.page_tokens),
                                     self.kv[0].element_size())
-        batches: list[tuple[str, list[tuple[PageKey, list[np.ndarray]]]]] = []
+        batches: list[tuple[str, str, list[tuple[PageKey, list[np.ndarray]]]]] = []
         buffers = [save.segments for save in self._saves]
 
         def give_back() -> None:        # the staging is reusable once the pool wrote it and every audit read it
@@ -510,17 +512,20 @@ class PoFWorker:
                 self.audits.add(self._step, self._hold, save.req_id,
                                 [(save.keys[n], src, n) for n, src in save.audit.items()], save.segments, ready,
                                 release.done)
-            batches.append((save.req_id, [(key, [save.segments[layer, i] for layer in range(layers)])
-                                          for i, key in enumerate(save.keys) if i not in save.stored]))
+            batches.append((save.req_id, save.tenant,
+                            [(key, [save.segments[layer, i] for layer in range(layers)])
+                             for i, key in enumerate(save.keys) if i not in save.stored]))
         self._saves = []
-        batches = [(req_id, items) for req_id, items in batches if items]
+        batches = [(req_id, tenant, items) for req_id, tenant, items in batches if items]
         futures: list[Future[int]] = []
         if not self._hold:
-            items = [item for _, items in batches for item in items]
-            futures = [self.pool.store(items, ready=ready)] if items else []
+            by_tenant: dict[str, list[tuple[PageKey, list[np.ndarray]]]] = {}
+            for _, tenant, items in batches:
+                by_tenant.setdefault(tenant, []).extend(items)
+            futures = [self.pool.store(items, ready=ready, tenant=tenant) for tenant, items in by_tenant.items()]
         else:
-            for req_id, items in batches:
-                stored = self.pool.store(items, hold=(self._step, req_id), ready=ready)
+            for req_id, tenant, items in batches:
+                stored = self.pool.store(items, hold=(self._step, req_id), ready=ready, tenant=tenant)
                 futures.append(stored)
                 self._held.setdefault(self._step, []).append((req_id, stored,
                                                               frozenset(k.digest for k, _ in items)))

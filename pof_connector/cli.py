@@ -12,6 +12,7 @@ Commands::
     pof router        OpenAI-compatible proxy routing by estimated time to first token
     pof relay         feed a KV-event router (vllm-router kv_aware) an engine's cache and its pool
     pof memd          a memory-only pool node: lends its DRAM/CXL to other nodes' spilled pages
+    pof pin           pin a prompt prefix in the pool for a while (soft or hard); list, remove pins
     pof sim           simulate a cluster: goodput per placement policy, with and without the pool
 
 Every command returns an exit code instead of raising: 0 on success, 1 when it could not do
@@ -37,6 +38,7 @@ from pof_connector.cli_support import CommandError, Handler, err_console, usage
 from pof_connector.config import ConfigError
 from pof_connector.index import cli as index_cli
 from pof_connector.index.base import IndexUnavailable
+from pof_connector.pins import cli as pin_cli
 from pof_connector.relay import cli as relay_cli
 from pof_connector.router import serve as router_serve
 from pof_connector.sim import sim_cli
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_serve.add_parser(sub)
     relay_cli.add_parser(sub)
     memd_cli.add_parser(sub)
+    pin_cli.add_parser(sub)
     sim_cli.add_parser(sub)
     return parser
 

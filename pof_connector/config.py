@@ -25,6 +25,7 @@ from pof_connector.cluster_url import ClusterUrl, is_cluster_url
 from pof_connector.config_error import ConfigError as ConfigError
 from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
 from pof_connector.pd_config import PDConfig, parse_pd
+from pof_connector.tenant_config import TenantsConfig, parse_tenants
 
 KNOWN_MEDIA = ("cpu_dram", "cxl", "peer_hbm")
 """Tier media this build can use, in the order of the default preference."""
@@ -282,6 +283,8 @@ class PofConfig:
     pd: PDConfig = field(default_factory=PDConfig)
     """Prefill/decode disaggregation through the pool (see :mod:`pof_connector.pd_config`)."""
     index_auth: IndexAuth = field(default_factory=IndexAuth)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    """Tenants (mapped from their salt) and their byte quotas per tier (see :mod:`pof_connector.tenant_config`)."""
 
     def tier(self, medium: str) -> TierConfig | None:
         """The options of ``medium``; ``None`` when this node has no such tier."""
@@ -332,6 +335,8 @@ class PofConfig:
             kw["audit"] = parse_audit(raw["audit"])
         if raw.get("pd") is not None:
             kw["pd"] = parse_pd(raw["pd"])
+        if raw.get("tenants") is not None:
+            kw["tenants"] = parse_tenants(raw["tenants"], KNOWN_MEDIA, parse_size)
         kw["index_auth"] = IndexAuth.from_mapping(raw, kw.get("index_url", "embedded"))
         config = cls(**kw)
         if config.node_ttl_s <= config.heartbeat_s:
@@ -382,6 +387,7 @@ class PofConfig:
                        "max_lent_fraction_per_writer": self.fabric.max_lent_fraction_per_writer},
             "audit": self.audit.to_mapping(),
             "pd": self.pd.to_mapping(),
+            "tenants": self.tenants.to_mapping(),
             **self.index_auth.to_mapping(),
         }
 

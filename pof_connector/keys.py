@@ -18,6 +18,22 @@ namespace string. It is stored beside the chain digest in every key, so two mode
 or two PP stages never collide. Every field a page header is checked against on a load is in the
 digest, so a lookup never finds a page that its own engine's loads would refuse.
 Nothing here uses Python's ``hash()``: keys are the same in every process and on every host.
+
+**Two salts** (:class:`ChainSeeds`): an organisation's prompt of ``K`` tokens shared by its users,
+the rest of each request private to its user. With ``P`` tokens per page and ``s = K // P`` (the
+pages wholly inside the first ``K`` tokens):
+
+* pages ``0..s-1`` chain from ``storage_seed(extra_key, shared_salt)``, exactly as a request with
+  ``cache_salt = shared_salt`` would: every user of the organisation gets the same keys for them;
+* page ``s`` chains from ``sha256(b"pof-two-salts-v1" || c_{s-1} || storage_seed(extra_key,
+  user_salt))`` (``c_{s-1}``: the shared part's last digest; when ``s = 0``, nothing), and later
+  pages chain as usual.
+
+So a user's turns depend on their own salt's seed (two users' turns never have equal keys unless
+sha256 collides), on the organisation's prompt and salt through ``c_{s-1}`` (a user of another
+organisation with the same user salt gets other keys), and the tag keeps them apart from any
+single-salt chain (whose pages chain from a digest or a seed alone, never from a tagged one).
+Without a user salt the chain simply continues under the shared salt.
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ SEGMENT_PAGES = 16
 field, found from the segment's head page (see :class:`ChainPlace`). Persistent: an index written
 with one value is read wrongly (as misses) with another."""
 _SEED_TAG = b"sglang-cache-namespace-v1"
+_TWO_SALTS_TAG = b"pof-two-salts-v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +238,47 @@ def chain_digests(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ChainSeeds:
+    """What a request's chain starts from: ``seed`` for page 0 and, with two salts, the page
+    ``switch`` where the user's part begins, re-seeded with ``user_seed`` (the rule: module
+    docstring)."""
+
+    seed: bytes | None
+    switch: int | None = None
+    user_seed: bytes | None = None
+
+    @classmethod
+    def of(cls, page_tokens: int, *, cache_salt: str | None = None, extra_key: str | None = None,
+           shared_salt: str | None = None, shared_tokens: int = 0) -> ChainSeeds:
+        """The seeds of a request with ``cache_salt`` (the user's), and, when ``shared_salt`` is
+        given, its first ``shared_tokens`` under it."""
+        if shared_salt is None:
+            return cls(storage_seed(extra_key, cache_salt))
+        if shared_tokens < 0:
+            raise ValueError(f"shared_tokens must be >= 0, got {shared_tokens}")
+        user = None if cache_salt is None else storage_seed(extra_key, cache_salt)
+        return cls(storage_seed(extra_key, shared_salt), shared_tokens // page_tokens if user else None, user)
+
+    def prior(self, page: int, previous: bytes | None) -> bytes | None:
+        """The prior digest of page ``page``, given ``previous`` (page ``page - 1``'s digest)."""
+        if page == self.switch and self.user_seed is not None:
+            return hashlib.sha256(_TWO_SALTS_TAG + (previous or b"") + self.user_seed).digest()
+        return previous if page else self.seed
+
+    def digests(self, tokens: Sequence[int] | np.ndarray, page_tokens: int, start: int = 0,
+                previous: bytes | None = None) -> list[bytes]:
+        """Chain digests of the full pages of ``tokens``, which begin at page ``start`` (after the
+        page whose digest is ``previous``)."""
+        n = len(tokens) // page_tokens
+        if self.switch is None or not start <= self.switch < start + n:
+            return chain_digests(tokens, page_tokens, self.prior(start, previous))
+        cut = (self.switch - start) * page_tokens
+        head = chain_digests(tokens[:cut], page_tokens, self.prior(start, previous))
+        last = head[-1] if head else previous
+        return head + chain_digests(tokens[cut:n * page_tokens], page_tokens, self.prior(self.switch, last))
+
+
 def page_keys(
     namespace: bytes,
     tokens: Sequence[int] | np.ndarray,
@@ -228,10 +286,14 @@ def page_keys(
     *,
     cache_salt: str | None = None,
     extra_key: str | None = None,
+    shared_salt: str | None = None,
+    shared_tokens: int = 0,
 ) -> list[PageKey]:
-    """Keys of the full pages of ``tokens`` under ``namespace`` (a :attr:`Namespace.digest`)."""
-    seed = storage_seed(extra_key, cache_salt)
-    return chain_keys(namespace, [], chain_digests(tokens, page_tokens, seed))
+    """Keys of the full pages of ``tokens`` under ``namespace`` (a :attr:`Namespace.digest`);
+    ``shared_salt``: the first ``shared_tokens`` are under it (see :class:`ChainSeeds`)."""
+    seeds = ChainSeeds.of(page_tokens, cache_salt=cache_salt, extra_key=extra_key, shared_salt=shared_salt,
+                          shared_tokens=shared_tokens)
+    return chain_keys(namespace, [], seeds.digests(tokens, page_tokens))
 
 
 def chain_keys(namespace: bytes, before: Sequence[PageKey], digests: Sequence[bytes]) -> list[PageKey]:

@@ -15,7 +15,9 @@ from pof_connector.config import ConfigError
 from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
+from pof_connector.pins.pin_book import PinBook
 from pof_connector.placement import Placement
+from pof_connector.tenant_usage import META_KEY, TenantUsage
 
 if TYPE_CHECKING:
     pass
@@ -44,6 +46,11 @@ class Membership:
         self.stats = parts.stats
         self.log_once = parts.log_once
         self.fabric = parts.fabric
+        self._tenants = TenantUsage(self.stats) if self.config.tenants.enabled else None
+        self.pins = PinBook()
+        """The live prefix pins: the tiers ask it on eviction; the heartbeat keeps it in step with the index."""
+        for tier in self.own.all:
+            tier.set_keep(self.pins.keep)
         self._next_index_restart = 0.0
         self._next_revocations = 0.0
         self._closed = threading.Event()
@@ -89,6 +96,8 @@ class Membership:
             self.stats.set_gauge("tier_used_bytes", t.used_slots * t.slot_bytes, tier=t.medium)
             self.stats.set_gauge("tier_capacity_bytes", t.capacity_slots * t.slot_bytes, tier=t.medium)
         meta = self.meta if self.fabric is None else {**self.meta, **self.fabric.lend_meta()}
+        if self._tenants is not None:
+            meta = {**meta, META_KEY: self._tenants.report(self.own.all)}
         return NodeInfo(self.node_id, tiers, meta)
 
     def heartbeat(self) -> None:
@@ -116,6 +125,10 @@ class Membership:
             return
         self.publisher.retry_withdraws(fresh)
         self._drop_revoked()
+        # After a fresh registration (the index lost its data, or this node restarted) the pins this
+        # node knows are written back: a pin outlives an index restart while any node lives.
+        if fresh or self.pins.due():
+            self.guard.call("pins", lambda: self.pins.sync(self.index, write_back=bool(fresh)), default=None)
         if self.publisher.take_republish() or fresh:
             entries = [e for t in self.own.live() for e in self.own.entries(t)]
             self.publisher.publish_all(entries)

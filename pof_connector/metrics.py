@@ -42,6 +42,8 @@ COUNTERS: dict[str, str] = {
     "audit_mismatches": "Audited pages that were not the KV the engine computed (withdrawn), by writer and reason",
     "audit_unread": "Audited pool pages that could not be read any more (nothing compared), by reason",
     "audit_revoked": "Pages of this node another node's audit found wrong, dropped here, by tier",
+    "store_refused_pages": "Pages not stored because no page could be evicted for them (pinned by readers or "
+                           "prefix pins, or kept for tenants within their quotas), by tenant and tier",
     "load_seconds": "Time spent loading pages",
 }
 
@@ -52,7 +54,7 @@ COUNTER_LABELS: dict[str, str] = {
     "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
     "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
     "skipped_hooks": "hook", "audit_mismatches": "reason,writer", "audit_unread": "reason",
-    "audit_revoked": "tier",
+    "audit_revoked": "tier", "store_refused_pages": "tenant,tier",
 }
 """The labels each labelled counter carries (comma-separated, sorted): what an engine's own metrics
 endpoint exports."""

@@ -20,6 +20,7 @@ from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
 from pof_connector.pages import PageError
 from pof_connector.publisher import Event
+from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ class Placement:
         return self._store.submit(fn, *args)
 
     def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None,
-              ready: Callable[[], None] | None = None) -> Future[int]:
-        return self._store.submit(self._store_batch, list(items), hold, ready)
+              ready: Callable[[], None] | None = None, tenant: str = DEFAULT_TENANT) -> Future[int]:
+        return self._store.submit(self._store_batch, list(items), hold, ready, tenant)
 
     def release(self, hold: Hashable, publish: bool) -> Future[int]:
         """Publish (``publish``) or drop the pages stored under ``hold``, after every store queued
@@ -81,10 +82,10 @@ class Placement:
         self._store.submit(lambda: None).result()
 
     def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None,
-                     ready: Callable[[], None] | None = None) -> int:
-        """Write ``items`` into the first live tier; with ``hold``, keep them unpublished and
-        invisible until :meth:`release` (the pages' evictions are published at once all the same).
-        ``ready``: waited for before a segment is read (see :meth:`Pool.store`)."""
+                     ready: Callable[[], None] | None = None, tenant: str = DEFAULT_TENANT) -> int:
+        """Write ``items``, pages of ``tenant``, into the first live tier; with ``hold``, keep them
+        unpublished and invisible until :meth:`release` (the pages' evictions are published at once
+        all the same). ``ready``: waited for before a segment is read (see :meth:`Pool.store`)."""
         if ready is not None:
             ready()
         events: list[Event] = []
@@ -99,12 +100,18 @@ class Placement:
             for key, layers in reversed(items):
                 if self.own.contains(key):
                     continue
-                self._make_room(level, events)
+                self._make_room(level, events, tenant)
                 write = functools.partial(_write_layers, first, key, layers)
                 if hold is not None:
-                    written += self._put_held(first, key, write, hold, events)
+                    got = self._put_held(first, key, write, hold, events, tenant)
+                    written += got
+                    if not got:
+                        self.stats.add("store_refused_pages", tenant=tenant, tier=first.medium)
                     continue
-                if self._put(first, key, write, events) is None:
+                if self._put(first, key, write, events, tenant) is None:
+                    # Every page it may evict is kept: by readers, by pins, or by other tenants'
+                    # quotas (a tenant at its quota with none of its own pages to give).
+                    self.stats.add("store_refused_pages", tenant=tenant, tier=first.medium)
                     continue
                 self.stats.add("stored_pages", tier=first.medium)
                 self.stats.add("stored_bytes", self.spec.page_bytes, tier=first.medium)
@@ -114,10 +121,12 @@ class Placement:
             self.publisher.publish(events)
         return written
 
-    def _put(self, tier: Tier, key: PageKey, write: Callable[[SlotRef], None], events: list[Event]) -> Location | None:
-        """Prepare a slot of ``tier`` for ``key``, ``write`` it, complete the store (a failed write
-        leaves no page) and queue the publication; ``None`` when the tier takes no page now."""
-        got = tier.prepare_store(key)
+    def _put(self, tier: Tier, key: PageKey, write: Callable[[SlotRef], None], events: list[Event],
+             tenant: str = DEFAULT_TENANT) -> Location | None:
+        """Prepare a slot of ``tier`` for ``key`` (a page of ``tenant``), ``write`` it, complete the
+        store (a failed write leaves no page) and queue the publication; ``None`` when the tier
+        takes no page now."""
+        got = tier.prepare_store(key, tenant)
         if got is None:
             return None
         ref, evicted = got
@@ -135,9 +144,9 @@ class Placement:
         return loc
 
     def _put_held(self, tier: Tier, key: PageKey, write: Callable[[SlotRef], None], hold: Hashable,
-                  events: list[Event]) -> int:
+                  events: list[Event], tenant: str = DEFAULT_TENANT) -> int:
         """:meth:`_put` that leaves the written page pending under ``hold``; 1 when it was written."""
-        got = tier.prepare_store(key)
+        got = tier.prepare_store(key, tenant)
         if got is None:
             return 0
         ref, evicted = got
@@ -181,17 +190,20 @@ class Placement:
         with self._held_lock:
             return list(self._held)
 
-    def _make_room(self, level: int, events: list[Event]) -> None:
-        """Free one slot of ``tiers[level]`` by moving its LRU page to the next live tier, or past
-        the last live one spilling it over the fabric (or, without a spill writer, dropping it)."""
+    def _make_room(self, level: int, events: list[Event], tenant: str = DEFAULT_TENANT) -> None:
+        """Free one slot of ``tiers[level]`` for a page of ``tenant`` by moving the page it would
+        evict (see :class:`~pof_connector.tiers.slot_table.SlotTable`) to the next live tier, or
+        past the last live one spilling it over the fabric (or, without a spill writer, dropping
+        it). The moved page stays its own tenant's, and that tenant's quota rules the tier below."""
         tiers = self.own.all
         tier = tiers[level]
-        if tier.free_slots > 0:
+        if not tier.needs_room(tenant):
             return
-        victim = tier.lru_victim()
+        victim = tier.lru_victim(tenant)
         if victim is None:
             return
         key, ref = victim
+        owner = tier.page_tenant(key)
         # A broken tier is stepped over: the next live one takes the page, and with none left the
         # page spills (a lost CXL region must not turn the tier above it into the last stop).
         below = next((i for i in range(level + 1, len(tiers)) if not self.own.is_broken(tiers[i].medium)), None)
@@ -199,8 +211,9 @@ class Placement:
             lower = tiers[below]
             try:
                 tier.read(ref, key, self._staging)
-                self._make_room(below, events)
-                if self._put(lower, key, lambda ref2: lower.write_page(ref2, self._staging), events) is not None:
+                self._make_room(below, events, owner)
+                if self._put(lower, key, lambda ref2: lower.write_page(ref2, self._staging), events,
+                             owner) is not None:
                     self.stats.add("demoted_pages", tier=tier.medium)
             except PageError as e:
                 self.log_once("demote", logging.WARNING, "pof: could not move a page down a tier: %s", e)

@@ -51,6 +51,7 @@ from pof_connector.pages import PageSpec
 from pof_connector.placement import Placement
 from pof_connector.publisher import UNWITHDRAWN_MAX, Publisher
 from pof_connector.reads import Reads
+from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers import Tier, make_tier
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class Pool:
         if role == "worker":
             _log_kernel()
             self.tiers = [make_tier(t, spec, config.runtime_dir) for t in config.tiers]
+            for tier in self.tiers:
+                tier.set_quotas(config.tenants.quotas_for(tier.medium))
         self._fabric: FabricNode | None = None    # None: fabric disabled, or a client (it reads nothing)
         if config.fabric.enabled:
             require_nixl()
@@ -147,7 +150,7 @@ class Pool:
     # ---- store -------------------------------------------------------------------------------
 
     def store(self, items: Sequence[tuple[PageKey, Sequence[Any]]], *, hold: Hashable | None = None,
-              ready: Callable[[], None] | None = None) -> Future[int]:
+              ready: Callable[[], None] | None = None, tenant: str = DEFAULT_TENANT) -> Future[int]:
         """Write pages (key, per-layer segments in canonical layout) in the background.
 
         The segment buffers must stay unchanged until the future completes. The result is the
@@ -156,11 +159,16 @@ class Pool:
         engine stores a step's pages before it knows whether that step computed on valid KV);
         ``None``: published as soon as they are written. ``ready``: called on the store thread
         before any segment is read, returns once they hold their bytes (a device-to-host copy
-        still in flight when the caller returned); ``None``: they already do.
+        still in flight when the caller returned); ``None``: they already do. ``tenant``: whose
+        pages they are (:meth:`tenant_of` a request's salt), for the tiers' quotas.
         """
         if not self.tiers:
             raise RuntimeError("a client pool has no tiers to store into")
-        return self.placement.store(items, hold, ready)
+        return self.placement.store(items, hold, ready, tenant)
+
+    def tenant_of(self, cache_salt: str | None) -> str:
+        """The tenant a request's salt maps to (see :mod:`pof_connector.tenant_config`)."""
+        return self.config.tenants.tenant_of(cache_salt)
 
     def release(self, hold: Hashable, publish: bool) -> Future[int]:
         """Publish or drop the pages stored under ``hold`` (after every store queued so far)."""

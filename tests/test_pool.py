@@ -19,6 +19,7 @@ from pof_connector.index.server import RedisServer
 from pof_connector.keys import PageKey
 from pof_connector.pages import PageSpec
 from pof_connector.pool import Pool
+from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers import SlotRef
 from pof_connector.tiers.base import slot_bytes_for
 
@@ -409,8 +410,8 @@ def test_a_page_pinned_while_it_is_evicted_is_not_reused_under_its_reader(runtim
         choose = tier.lru_victim
         readers = []
 
-        def victim_then_a_reader_pins_it() -> tuple[PageKey, SlotRef] | None:
-            got = choose()
+        def victim_then_a_reader_pins_it(tenant: str = DEFAULT_TENANT) -> tuple[PageKey, SlotRef] | None:
+            got = choose(tenant)
             if got is not None and not readers:      # the reader's open_read lands in the window
                 k, ref = got
                 readers.append((k, pool.open_read([k], [Location("a", tier.medium, ref.slot, ref.generation)])))

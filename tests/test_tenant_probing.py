@@ -15,12 +15,13 @@ from fastapi.testclient import TestClient
 
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
+from pof_connector.keys import PageKey, page_keys
 from pof_connector.locality.api import make_app as locality_app
 from pof_connector.locality.locator import Locator
 from pof_connector.relay.kv_events import BlockStored, encode_batch
 from pof_connector.router.proxy import make_app as router_app
 from pof_connector.router.serve import build
-from tests.locality.test_api import node
+from tests.locality.test_api import NS, node
 from tests.relay.conftest import ctx  # noqa: F401  (fixture)
 from tests.relay.test_relay import Harness, cpu, engine_pages, stored, wait_for
 from tests.router.test_proxy import SEG, StandInEngine, engines, router_config  # noqa: F401  (fixture)
@@ -68,7 +69,8 @@ def answer_headers(client: TestClient, prompt: list[int], **kw: Any) -> dict[str
     r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4, **kw})
     assert r.status_code == 200, r.text
     # x-pof-router-overhead is a timing, like the TTFT the client measures anyway: it differs per request
-    return {k: v for k, v in r.headers.items() if k.startswith("x-pof-") and k != "x-pof-router-overhead"}
+    timings = ("x-pof-router-overhead", "x-pof-router-stages")     # per-stage timings, ditto
+    return {k: v for k, v in r.headers.items() if k.startswith("x-pof-") and k not in timings}
 
 
 def test_router_headers_show_a_tenants_pages_only_with_its_salt(tenant_a: Any, engines: dict[str, StandInEngine],  # noqa: F811
@@ -147,3 +149,74 @@ def test_router_sessions_are_bounded(engines: dict[str, StandInEngine], monkeypa
         router.choose([1, 2], session=f"s{i}")
     assert len(router._sessions) == 3
     assert router.choose([1, 2], session="s9").reason == "sticky"
+
+
+# ---- two salts: an organisation's shared prompt, each user's own turns ---------------------------
+
+ORG_A, ORG_B = "org-a-salt", "org-b-salt"
+ORG_PAGES = 2
+ORG_PROMPT = list(range(3000, 3000 + 16 * ORG_PAGES))
+TURN = list(range(4000, 4000 + 16 * 2))
+
+
+def two_salt_keys(user_salt: str | None, org_salt: str, tokens: list[int] | None = None) -> list[PageKey]:
+    return page_keys(NS, ORG_PROMPT + TURN if tokens is None else tokens, 16, cache_salt=user_salt,
+                     shared_salt=org_salt, shared_tokens=len(ORG_PROMPT))
+
+
+def test_users_of_one_org_share_its_prompt_and_never_each_others_turns() -> None:
+    u1, u2 = two_salt_keys("user-1", ORG_A), two_salt_keys("user-2", ORG_A)
+    assert u1[:ORG_PAGES] == u2[:ORG_PAGES]                                  # the org prompt: shared
+    assert u1[:ORG_PAGES] == page_keys(NS, ORG_PROMPT, 16, cache_salt=ORG_A)  # = the org salt alone
+    assert not set(u1[ORG_PAGES:]) & set(u2[ORG_PAGES:])                     # the turns: never
+    other_org = two_salt_keys("user-1", ORG_B)                               # same user salt, other org
+    assert not set(other_org) & set(u1)
+    for single in (None, "user-1", ORG_A):                                   # no single-salt chain meets a turn
+        assert not set(page_keys(NS, ORG_PROMPT + TURN, 16, cache_salt=single)[ORG_PAGES:]) & set(u1[ORG_PAGES:])
+
+
+def test_a_shared_part_that_ends_inside_a_page_keeps_that_page_private() -> None:
+    k = page_keys(NS, ORG_PROMPT + TURN, 16, cache_salt="u", shared_salt=ORG_A, shared_tokens=len(ORG_PROMPT) + 8)
+    assert k[:ORG_PAGES] == two_salt_keys("u", ORG_A)[:ORG_PAGES]
+    assert k[ORG_PAGES] != two_salt_keys("v", ORG_A)[ORG_PAGES]
+
+
+def test_the_vllm_chain_computes_the_same_two_salt_keys() -> None:
+    from types import SimpleNamespace
+
+    from pof_connector.adapters.vllm_chain import Chain
+
+    request = SimpleNamespace(cache_salt="user-1", lora_request=None, prompt_embeds=None, mm_features=None,
+                              kv_transfer_params={"pof_shared_salt": ORG_A, "pof_shared_tokens": len(ORG_PROMPT)})
+    chain = Chain(NS, request, "default", 16)
+    tokens = ORG_PROMPT + TURN
+    chain.upto(tokens, 1, 16)                                 # grown page by page, across the switch
+    chain.upto(tokens, 3, 16)
+    assert chain.upto(tokens, 4, 16) == two_salt_keys("user-1", ORG_A)
+    request.kv_transfer_params = {"pof_shared_salt": ORG_A, "pof_shared_tokens": "many"}     # malformed: one salt
+    assert Chain(NS, request, "default", 16).upto(tokens, 4, 16) == page_keys(NS, tokens, 16, cache_salt="user-1")
+
+
+@pytest.fixture
+def org_user(redis_server: RedisServer, runtime_dir: str, index: RedisIndex) -> Iterator[Any]:
+    """Pool node "a" holding user-1 of org A's conversation (org prompt + their turn)."""
+    pool = node("a", redis_server.url, runtime_dir)
+    keys = page_keys(pool.namespace, ORG_PROMPT + TURN, 16, cache_salt="user-1", shared_salt=ORG_A,
+                     shared_tokens=len(ORG_PROMPT))
+    pool.store([(k, SEG) for k in keys]).result()
+    wait_for(lambda: Locator(index).locate(ORG_PROMPT, cache_salt=ORG_A).nodes.get("a") is not None,
+             what="the org prompt's pages in the index")
+    yield pool
+    pool.close()
+
+
+def test_the_locality_api_shows_another_org_or_a_saltless_probe_nothing(org_user: Any, index: RedisIndex) -> None:
+    client = TestClient(locality_app(index))
+    org = client.post("/v1/locality", json={"tokens": ORG_PROMPT, "cache_salt": ORG_A}).json()
+    assert org["nodes"][0]["matched_tokens"] == len(ORG_PROMPT)              # org members see the org prompt
+    for probe in [{}, {"cache_salt": ORG_B}, {"cache_salt": "user-1"}]:
+        seen = client.post("/v1/locality", json={"tokens": ORG_PROMPT + TURN, **probe})
+        fresh = client.post("/v1/locality", json={"tokens": NEVER_SEEN, **probe})
+        assert seen.json() == fresh.json() and seen.json()["nodes"] == [], (probe, seen.text)
+        assert {k: v for k, v in seen.headers.items() if k != "date"} == \
+            {k: v for k, v in fresh.headers.items() if k != "date"}

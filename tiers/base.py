@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -42,6 +42,7 @@ from pof_connector.pages import (
     expect_checksums,
     header_template,
 )
+from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers.ordering import require_store_order
 from pof_connector.tiers.slot_table import SlotTable
 
@@ -121,15 +122,40 @@ class Tier(ABC):
     def contains(self, key: PageKey) -> bool:
         return self._books.contains(key)
 
-    def can_allocate(self) -> bool:
-        return self._books.can_allocate()
+    def can_allocate(self, tenant: str = DEFAULT_TENANT) -> bool:
+        return self._books.can_allocate(tenant)
 
-    def prepare_store(self, key: PageKey) -> tuple[SlotRef, PageKey | None] | None:
-        """Reserve and invalidate a slot for ``key``; returns its ref and the evicted key.
+    def needs_room(self, tenant: str = DEFAULT_TENANT) -> bool:
+        """Whether a store for ``tenant`` must evict a page first (no free slot, or it is at its quota)."""
+        return self._books.needs_room(tenant)
 
-        ``None`` means nothing to do: ``key`` is stored or in flight, or no slot can be freed.
+    # ---- tenants -----------------------------------------------------------------------------
+
+    def set_quotas(self, quotas: Mapping[str, int]) -> None:
+        """Tenant -> bytes its pages may take here (whole slots: a quota is rounded down to them)."""
+        self._books.set_quotas({t: q // self.slot_bytes for t, q in quotas.items()})
+
+    def set_keep(self, keep: Callable[[PageKey], int] | None) -> None:
+        """What prefix pins ask of each page on eviction (see :meth:`SlotTable.set_keep`)."""
+        self._books.set_keep(keep)
+
+    def tenant_use(self) -> dict[str, tuple[int, int | None]]:
+        """Tenant -> (bytes used, quota in bytes or ``None``), for tenants with pages or a quota."""
+        use, quotas = self._books.tenant_use(), self._books.quotas()
+        return {t: (use.get(t, 0) * self.slot_bytes, None if t not in quotas else quotas[t] * self.slot_bytes)
+                for t in sorted(set(use) | set(quotas))}
+
+    def page_tenant(self, key: PageKey) -> str:
+        """The tenant of a page stored here."""
+        return self._books.owner(key)
+
+    def prepare_store(self, key: PageKey, tenant: str = DEFAULT_TENANT) -> tuple[SlotRef, PageKey | None] | None:
+        """Reserve and invalidate a slot for ``key``, a page of ``tenant``; returns its ref and the
+        evicted key.
+
+        ``None`` means nothing to do: ``key`` is stored or in flight, or no slot can be freed for it.
         """
-        got = self._books.prepare_store(key)
+        got = self._books.prepare_store(key, tenant)
         if got is None:
             return None
         slot, evicted = got
@@ -205,9 +231,10 @@ class Tier(ABC):
         self._set_live_generation(slot, 0)
         return self._books.take_back(slot)
 
-    def lru_victim(self) -> tuple[PageKey, SlotRef] | None:
-        """The page eviction would drop next (left in place); ``None`` when every page is pinned."""
-        got = self._books.victim()
+    def lru_victim(self, tenant: str = DEFAULT_TENANT) -> tuple[PageKey, SlotRef] | None:
+        """The page a store for ``tenant`` would evict next (left in place); ``None`` when it may
+        evict none."""
+        got = self._books.victim(tenant)
         if got is None:
             return None
         key, slot = got

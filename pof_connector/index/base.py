@@ -244,6 +244,20 @@ class LocalityIndex(ABC):
     def stats(self) -> dict[str, int]:
         """Counts for ``pof index stats``: at least ``locations`` and ``memory_bytes`` (0 when unknown)."""
 
+    # ---- prefix pins (records: :mod:`pof_connector.pins.pin`) --------------------------------
+
+    def put_pin(self, pin_id: str, record: str) -> None:
+        """Record (or replace) a prefix pin."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no pins")
+
+    def pins(self) -> dict[str, str]:
+        """Every pin record, by id (expired ones too: readers check)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no pins")
+
+    def remove_pin(self, pin_id: str) -> bool:
+        """Forget a pin; ``False`` when there was none of that id."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no pins")
+
     def close(self) -> None:
         """Release connections."""
 

@@ -231,6 +231,12 @@ def _stats_url(args: argparse.Namespace) -> tuple[str, IndexAuth | None]:
     return url, auth
 
 
+def index_server(args: argparse.Namespace) -> tuple[str, IndexAuth | None]:
+    """The index server ``args.config`` / ``args.url`` name, answering now (for other commands
+    that talk to it, e.g. ``pof pin``); :class:`CommandError` when none answers."""
+    return _stats_url(args)
+
+
 # ---- the parser -------------------------------------------------------------------------------
 
 

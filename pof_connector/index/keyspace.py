@@ -11,6 +11,8 @@ K_LIVE = PREFIX + "live"
 K_INFO = PREFIX + "info"
 K_SEQ = PREFIX + "seq"
 K_INC_OWNER = PREFIX + "inc-owner"
+K_PINS = PREFIX + "pins"
+"""Prefix pins, one field per pin id (in the registry's hash slot on a cluster)."""
 REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
 
 

@@ -41,6 +41,7 @@ class LocalTable:
     nodes: dict[str, _Node] = field(default_factory=dict)
     incarnations: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pins: dict[str, str] = field(default_factory=dict)
 
     def live(self) -> dict[int, str]:
         now = time.monotonic()
@@ -147,3 +148,15 @@ class LocalIndex(LocalityIndex):
         with self.table.lock:
             return {"locations": sum(len(h) for h in self.table.entries.values()), "memory_bytes": 0,
                     "nodes": len(self.table.live())}
+
+    def put_pin(self, pin_id: str, record: str) -> None:
+        with self.table.lock:
+            self.table.pins[pin_id] = record
+
+    def pins(self) -> dict[str, str]:
+        with self.table.lock:
+            return dict(self.table.pins)
+
+    def remove_pin(self, pin_id: str) -> bool:
+        with self.table.lock:
+            return self.table.pins.pop(pin_id, None) is not None

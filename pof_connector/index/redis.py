@@ -105,6 +105,7 @@ from pof_connector.index.keyspace import (
     records_key,
     segment_key,
 )
+from pof_connector.index.pin_store import RedisPins
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
 from pof_connector.index.resp import FIELD_RESP_BYTES, fields_resp, frame, hmget_head, hmget_resp, page_fields, resp
 from pof_connector.index.scripts import (
@@ -136,7 +137,7 @@ def _node_info(raw: bytes) -> NodeInfo | None:
         return None
 
 
-class RedisIndex(SegmentPath, LocalityIndex):
+class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
     """A :class:`LocalityIndex` client on a Redis-protocol server; thread-safe.
 
     Every call either succeeds or raises :class:`IndexUnavailable` (server down, timeout), which

@@ -182,6 +182,9 @@ class RedisClusterIndex(ClusterSummaries, RedisIndex):
         node: ClusterNode = nodes[0]
         return node
 
+    def _pin_client(self) -> redis.Redis:
+        return self._registry()
+
     def _registry(self) -> redis.Redis:
         """A client of the master serving the registry's slot."""
         client: redis.Redis = self._r.get_redis_connection(self._primary(REGISTRY_SLOT))

@@ -10,6 +10,7 @@ from rich.table import Table
 from pof_connector.cli_support import out_console
 from pof_connector.config import format_size, redact_url
 from pof_connector.index.base import NodeInfo
+from pof_connector.tenant_usage import META_KEY, parse_meta
 
 
 def _lent(node: NodeInfo) -> dict[str, tuple[int, int]]:
@@ -50,6 +51,9 @@ def print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) -> 
                           format_size(t.capacity_bytes - t.free_bytes), format_size(t.free_bytes), shown, t.domain)
     out = out_console()
     out.print(table)
+    tenants = tenant_table(nodes)
+    if tenants is not None:
+        out.print(tenants)
     summary = Table(title="index totals", title_justify="left", show_header=False)
     summary.add_column("what")
     summary.add_column("value", justify="right")
@@ -73,3 +77,19 @@ def print_stats(url: str, nodes: Sequence[NodeInfo], totals: dict[str, int]) -> 
         summary.add_row("audit", f"{pages:,} pages, {mismatches} mismatched, largest error {worst:.3g}")
     out.print(summary)
 
+
+
+def tenant_table(nodes: Sequence[NodeInfo]) -> Table | None:
+    """Each tenant's use and quota per node and tier (by name: no salt is known here); ``None``
+    when no node has tenants configured."""
+    rows = [(n.node_id, parse_meta(n.meta.get(META_KEY))) for n in sorted(nodes, key=lambda n: n.node_id)]
+    if not any(usage for _, usage in rows):
+        return None
+    table = Table(title="tenants", title_justify="left")
+    for name in ("node", "tenant", "tier", "used", "quota"):
+        table.add_column(name, justify="right" if name in ("used", "quota") else "left")
+    for node_id, usage in rows:
+        for tenant in sorted(usage):
+            for medium, (used, quota) in sorted(usage[tenant].items()):
+                table.add_row(node_id, tenant, medium, format_size(used), "-" if quota is None else format_size(quota))
+    return table

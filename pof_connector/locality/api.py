@@ -28,6 +28,8 @@ from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.index_health import IndexHealth
 from pof_connector.locality.locator import Locator, ModelRequired, Tokenizer, UnknownModel, load_tokenizer
+from pof_connector.locality.pin_routes import add_pin_routes
+from pof_connector.pins.pin_desk import PinDesk
 
 log = logging.getLogger("pof.api")
 
@@ -188,6 +190,9 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
         requests.labels("/v1/locality", "200").inc()
         return LocalityAnswer(model=found.model, prompt_tokens=found.prompt_tokens, page_tokens=found.page_tokens,
                               nodes=sorted(answer, key=lambda n: (-n.matched_tokens, -n.usable_tokens, n.node_id)))
+
+    add_pin_routes(app, PinDesk(index, locator), has_token=token is not None, authorized=authorized,
+                   unavailable=unavailable, tokenize=locator.tokenize)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     def metrics() -> PlainTextResponse:

@@ -176,6 +176,15 @@ class Locator:
             out[n.node_id] = loc
         return Locality(model, len(tokens), page, out)
 
+    def spaces(self, model: str | None) -> tuple[str, list[tuple[bytes, int]]]:
+        """The model (see :meth:`pick_model`) and every (namespace, page tokens) its pool nodes
+        store under (one per TP rank and page geometry)."""
+        live = self.nodes(fresh=True)
+        model = _pick_model(live, model)
+        found = {s for n in live if n.meta.get("model") == model and "engine_of" not in n.meta
+                 and (s := _space(n)) is not None}
+        return model, sorted(found)
+
     def pick_model(self, model: str | None, *, nodes: list[NodeInfo] | None = None) -> str:
         """``model`` when a live node stores it; the only model when ``None``. Raises
         :class:`ModelRequired` or :class:`UnknownModel`."""
