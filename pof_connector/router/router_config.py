@@ -48,10 +48,12 @@ class CostConfig(_Frozen):
                                                           "learn_range, and under start * learn_range or a fixed "
                                                           "ceiling (10 s, 0.1 s/token, 1 s), whichever is higher: "
                                                           "a fit fed odd samples cannot collapse to nothing")
-    balance_within_error: bool = Field(True, description="route for load (the least loaded backend with KV room) "
-                                                         "when the lowest estimate beats it by no more than the "
-                                                         "estimates' measured mean error: a locality gain the model "
-                                                         "cannot tell from noise does not pay for a queue")
+    balance_within_error: bool = Field(False, description="route for load (the least loaded backend with KV room) "
+                                                          "when the lowest estimate beats it by no more than the "
+                                                          "estimates' measured mean error. Off by default: under "
+                                                          "load that error grows, and the rule then spread "
+                                                          "long sessions away from their holders (issue 42's "
+                                                          "capacity runs)")
     tier_gbps: dict[str, float] = Field(
         default_factory=lambda: {"cpu_dram": 8.0, "cxl": 6.0, "peer_hbm": 100.0, "remote": 3.0},
         description="load bandwidth per tier, GB/s (pof bench tiers / pof bench fabric measure them)")

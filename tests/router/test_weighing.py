@@ -75,7 +75,7 @@ def test_weighing_matches_the_per_backend_objects() -> None:
         locator = FixedLocator()
         router = Router(RouterConfig.from_mapping({
             "policy": "pof", "backends": [{"name": f"b{i}", "url": f"http://b{i}.invalid"} for i in range(n)],
-            "cost": {"tier_gbps": {"cpu_dram": 8.0, "remote": 3.0}}}), locator)
+            "cost": {"tier_gbps": {"cpu_dram": 8.0, "remote": 3.0}, "balance_within_error": True}}), locator)
         for _ in range(rnd.randint(0, 20)):          # learnt coefficients, not the start values
             est = router.cost.estimate(Candidate("b0", rnd.randint(10, 5000), waiting=rnd.randint(0, 3)))
             router.cost.observe(est, rnd.uniform(0.01, 2.0), rnd.choice([None, 0, 512]))
