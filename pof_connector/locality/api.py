@@ -135,6 +135,12 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
         return HTTPException(503, f"the locality index is unreachable: {e}",
                              headers={"x-pof-reason": f"fallback:{type(e).__name__}"})
 
+    def lookup_error(e: ModelRequired | UnknownModel | IndexUnavailable) -> HTTPException:
+        """The answer to a lookup's failure: the locality query's and the pin routes' alike."""
+        if isinstance(e, IndexUnavailable):
+            return unavailable(e)
+        return HTTPException(404 if isinstance(e, UnknownModel) else 422, str(e))
+
     def authorized(request: Request) -> None:
         if token is None:
             return
@@ -173,12 +179,8 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
                 raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens', or start it "
                                          f"with --tokenizer {model}=DIR")
             found = locator.locate(tokens, model, query.cache_salt, nodes=live)
-        except ModelRequired as e:
-            raise HTTPException(422, str(e)) from None
-        except UnknownModel as e:
-            raise HTTPException(404, str(e)) from None
-        except IndexUnavailable as e:
-            raise unavailable(e) from None
+        except (ModelRequired, UnknownModel, IndexUnavailable) as e:
+            raise lookup_error(e) from None
         health.ok()
         answer = [NodeLocality(node_id=n.node_id, matched_tokens=max(n.held_tokens, n.engine_tokens),
                                tiers={**n.held, **({"engine": n.engine_tokens} if n.engine_tokens else {})},
@@ -192,7 +194,7 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
                               nodes=sorted(answer, key=lambda n: (-n.matched_tokens, -n.usable_tokens, n.node_id)))
 
     add_pin_routes(app, PinDesk(index, locator), has_token=token is not None, authorized=authorized,
-                   unavailable=unavailable, tokenize=locator.tokenize)
+                   lookup_error=lookup_error, tokenize=locator.tokenize)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     def metrics() -> PlainTextResponse:

@@ -39,7 +39,7 @@ class PinRequest(BaseModel):
 
 
 def add_pin_routes(app: FastAPI, desk: PinDesk, *, has_token: bool, authorized: Callable[..., None],
-                   unavailable: Callable[[IndexUnavailable], HTTPException],
+                   lookup_error: Callable[[ModelRequired | UnknownModel | IndexUnavailable], HTTPException],
                    tokenize: Callable[[str, str], list[int] | None]) -> None:
     def pins_allowed() -> None:
         if not has_token:
@@ -61,12 +61,8 @@ def add_pin_routes(app: FastAPI, desk: PinDesk, *, has_token: bool, authorized: 
                            replicas=req.replicas, label=req.label)
         except PinError as e:
             raise HTTPException(422, str(e)) from None
-        except ModelRequired as e:
-            raise HTTPException(422, str(e)) from None
-        except UnknownModel as e:
-            raise HTTPException(404, str(e)) from None
-        except IndexUnavailable as e:
-            raise unavailable(e) from None
+        except (ModelRequired, UnknownModel, IndexUnavailable) as e:
+            raise lookup_error(e) from None
         return pin.summary(desk.now())
 
     @app.get("/v1/pins", dependencies=guards)
@@ -74,7 +70,7 @@ def add_pin_routes(app: FastAPI, desk: PinDesk, *, has_token: bool, authorized: 
         try:
             pins = desk.list()
         except IndexUnavailable as e:
-            raise unavailable(e) from None
+            raise lookup_error(e) from None
         now = desk.now()
         return [p.summary(now) for p in pins]
 
@@ -83,7 +79,7 @@ def add_pin_routes(app: FastAPI, desk: PinDesk, *, has_token: bool, authorized: 
         try:
             gone = desk.remove(pin_id)
         except IndexUnavailable as e:
-            raise unavailable(e) from None
+            raise lookup_error(e) from None
         if not gone:
             raise HTTPException(404, f"no pin {pin_id!r}")
         return {"removed": pin_id}
