@@ -16,8 +16,8 @@ The core (this package) imports no engine. Its modules:
 * :mod:`.cli` — the ``pof`` command, assembled from each group's registration (:mod:`.cli_support`,
   :mod:`.memd_cli`, ``index.cli``, ``bench.cli``, ``relay.cli``, ``router.serve``); :mod:`.console`;
 * packages: ``index`` (where pages live), ``locality`` (where a prompt's prefix lives, for
-  routers), ``router``, ``relay``, ``fabric`` (remote reads over NIXL), ``bench``, and — through
-  symlinks to the repository's top level — ``tiers`` (media) and ``adapters`` (vLLM, SGLang, LMCache).
+  routers), ``router``, ``relay``, ``fabric`` (remote reads over NIXL), ``bench``, ``tiers`` (media)
+  and ``adapters`` (vLLM, SGLang, LMCache).
 """
 
 __version__ = "0.1.0"
