@@ -11,7 +11,7 @@ chunk that fails any check is a miss.
 
 Keys (:func:`chunk_key`): the namespace is a digest of everything that makes a chunk's bytes
 differ for the same hash (model, world size, worker rank, dtype, chunk geometry — the page's
-:class:`~pof_connector.pages.PageSpec`, layers included — the operator's ``namespace`` and the
+:class:`~pof_connector.pages.layout.PageSpec`, layers included — the operator's ``namespace`` and the
 cache's tags, e.g. a tenant), the digest is a sha256 of the chunk hash. The
 chunk hash is the engine cache's: a pof page key of vLLM or SGLang (a chain over token ids) can
 never equal it, so these pages live beside native ones and are never mistaken for them.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pof_connector.keys import Namespace, PageKey
-from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pages.keys import Namespace, PageKey
+from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
 

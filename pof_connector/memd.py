@@ -17,7 +17,7 @@ import logging
 import threading
 
 from pof_connector.config import ConfigError, PofConfig, format_size
-from pof_connector.pages import PageSpec, header_bytes_for
+from pof_connector.pages.layout import PageSpec, header_bytes_for
 from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.tiers import Tier
 
 

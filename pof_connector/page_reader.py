@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from pof_connector import page_sum
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
 from pof_connector.metrics import PoolStats
-from pof_connector.pages import PageError, PageHeader, PageSpec, as_array
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageHeader, PageSpec, as_array
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:

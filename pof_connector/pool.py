@@ -34,12 +34,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from pof_connector import page_sum
 from pof_connector.config import PofConfig
 from pof_connector.fabric import require_nixl
 from pof_connector.index import LocalityIndex, Location, NodeInfo, open_index
 from pof_connector.index.guarded import INDEX_BATCH, IndexGuard, LogOnce
-from pof_connector.keys import PageKey, page_keys
 from pof_connector.load_handle import LoadHandle
 from pof_connector.lookup import NODES_MISS_REFRESH_S, Lookup, SourceFinder
 from pof_connector.membership import Membership
@@ -47,7 +45,9 @@ from pof_connector.metrics import PoolStats
 from pof_connector.node_parts import NodeParts
 from pof_connector.own_tiers import OwnTiers
 from pof_connector.page_reader import PageReader
-from pof_connector.pages import PageSpec
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.placement import Placement
 from pof_connector.publisher import UNWITHDRAWN_MAX, Publisher
 from pof_connector.reads import Reads

@@ -7,7 +7,7 @@ import threading
 
 from pof_connector.index import LocalityIndex, Location
 from pof_connector.index.guarded import IndexGuard
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 UNWITHDRAWN_MAX = 1 << 16
 """Withdrawals kept for sending again while the index does not take them (see :meth:`Publisher.publish`)."""

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from pof_connector.fabric import PeerMeta
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
 from pof_connector.load_handle import LoadHandle, copy_layers, finished
 from pof_connector.lookup import SourceFinder
 from pof_connector.metrics import PoolStats
 from pof_connector.node_parts import NodeParts
 from pof_connector.page_reader import PageReader
-from pof_connector.pages import PageError, PageSpec, as_array
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageSpec, as_array
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:

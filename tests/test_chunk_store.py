@@ -12,7 +12,7 @@ import pytest
 
 from pof_connector.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_digest, chunk_key
 from pof_connector.config import PofConfig
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.pool import Pool
 
 GEO = ChunkGeometry(kv=2, layers=3, tokens=16, hidden_bytes=64)

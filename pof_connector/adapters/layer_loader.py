@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pof_connector import page_sum
+from pof_connector.pages import page_sum
 
 
 class LayerLoader:
@@ -114,7 +114,7 @@ def copy_threads(device: Any) -> int:
     """How many threads copy a layer's pages when the forward's thread waits for the copy: on a
     CPU engine, as many as torch computes with (their cores idle while the forward waits, and one
     core does not fill the memory bandwidth): the caller and the native kernel's own helpers
-    (:func:`pof_connector.page_sum.kt_copy_pages`), which never hold the caller up when the OS
+    (:func:`pof_connector.pages.page_sum.kt_copy_pages`), which never hold the caller up when the OS
     gives their core to another process; else one."""
     if device.type != "cpu" or page_sum.NATIVE is None:
         return 1

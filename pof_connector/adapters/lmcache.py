@@ -43,7 +43,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from pof_connector.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_key
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.pool import Pool, Role
 
 log = logging.getLogger("pof_connector.lmcache")

@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from pof_connector.adapters.sglang_layout import HostPages
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.keys import PageKey, keys_from_hex
+from pof_connector.pages.keys import PageKey, keys_from_hex
 from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
 

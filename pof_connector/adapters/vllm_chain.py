@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pof_connector.keys import ChainSeeds, PageKey, chain_keys
+from pof_connector.pages.keys import ChainSeeds, PageKey, chain_keys
 
 
 class Chain:
@@ -20,7 +20,7 @@ class Chain:
 
     Two salts: ``kv_transfer_params`` ``{"pof_shared_salt": ORG_SALT, "pof_shared_tokens": K}``
     puts the first ``K`` tokens under the organisation's salt and the rest under the request's
-    ``cache_salt`` (the rule: :mod:`pof_connector.keys`).
+    ``cache_salt`` (the rule: :mod:`pof_connector.pages.keys`).
     """
 
     def __init__(self, namespace: bytes, request: Any, tenant: str, page_tokens: int) -> None:

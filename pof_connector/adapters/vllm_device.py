@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pof_connector import page_sum
 from pof_connector.adapters.vllm_layout import BlockLayout
 from pof_connector.page_reader import PageReader
+from pof_connector.pages import page_sum
 from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)

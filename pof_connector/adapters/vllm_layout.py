@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pof_connector import page_sum
 from pof_connector.adapters.vllm_views import LayoutError, identify
+from pof_connector.pages import page_sum
 
 LAYOUTS = ("cpu_kt", "cpu_vnni", "cpu_probed", "cpu_opaque", "kv_split", "mla")
 
@@ -161,7 +161,7 @@ class BlockLayout:
 
     def can_copy_checked(self, kv: torch.Tensor) -> bool:
         """Whether :meth:`copy_checked` handles this layout and cache: ``cpu_kt``, or ``cpu_vnni``
-        in 16-bit items, on a CPU tensor, with the native kernel of :mod:`pof_connector.page_sum`
+        in 16-bit items, on a CPU tensor, with the native kernel of :mod:`pof_connector.pages.page_sum`
         built."""
         fits = (self.name == "cpu_kt" and self.dtype.itemsize in (1, 2, 4)) or (
             self.name == "cpu_vnni" and self.dtype.itemsize == 2 and self.block_size % 16 == 0

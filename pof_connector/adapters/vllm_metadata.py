@@ -14,7 +14,7 @@ except ImportError:     # the worker in a harness where vLLM cannot be installed
         """Stands in for vLLM's base class."""
 
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.tenant_config import DEFAULT_TENANT
 
 

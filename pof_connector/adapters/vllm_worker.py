@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from pof_connector import page_sum
 from pof_connector.adapters.layer_loader import LayerLoader, copy_threads, core_to_spare
 from pof_connector.adapters.vllm_audits import Countdown, WorkerAudits
 from pof_connector.adapters.vllm_device import HostPins, Lane, PlannedPage, StepLoads, StepSaves, pinned_buffer
@@ -44,9 +43,10 @@ from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, 
 from pof_connector.audit.auditor import Auditor
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
 from pof_connector.page_reader import PageReader
-from pof_connector.pages import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
 from pof_connector.tenant_config import DEFAULT_TENANT

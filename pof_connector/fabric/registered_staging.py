@@ -17,7 +17,7 @@ import numpy as np
 
 from pof_connector.fabric.agent import NixlAgent
 from pof_connector.fabric.spans import span_descs
-from pof_connector.pages import PageError, PageHeader, PageSpec
+from pof_connector.pages.layout import PageError, PageHeader, PageSpec
 from pof_connector.tiers import SlotRef
 
 SLOT_ALIGN = 64

@@ -23,7 +23,7 @@ The connections to the nodes read from are :class:`~pof_connector.fabric.peers.P
 with the spill writer); a node that fails a read is backed off there.
 
 Nothing here raises for a remote failure: a page that cannot be fetched or validated comes back
-as a :class:`~pof_connector.pages.PageError` (``remote_error``, ``timeout``, ``peer_down``,
+as a :class:`~pof_connector.pages.layout.PageError` (``remote_error``, ``timeout``, ``peer_down``,
 ``no_staging``, or a validation reason) and the engine recomputes it.
 """
 
@@ -44,8 +44,8 @@ from pof_connector.fabric.registered_staging import StagedPage, StagingArea
 from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.fabric.spans import LAYER_REQUESTS, layer_parts, part_spans, span_base
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageHeader, PageSpec, verify_segment
 from pof_connector.tiers import SlotRef
 
 log = logging.getLogger(__name__)

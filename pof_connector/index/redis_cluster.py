@@ -78,7 +78,7 @@ from pof_connector.index.redis import (
     fields_resp,
     hmget_head,
 )
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 log = logging.getLogger("pof_connector.index")
 WAIT_MS = 100

@@ -17,7 +17,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from pof_connector.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
+from pof_connector.pages.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
 
 SOFT, HARD = "soft", "hard"
 MAX_PIN_PAGES = 1 << 16

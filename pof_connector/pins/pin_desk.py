@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 
 from pof_connector.index import LocalityIndex
-from pof_connector.keys import PageKey, page_keys
 from pof_connector.locality.locator import Locator
+from pof_connector.pages.keys import PageKey, page_keys
 from pof_connector.pins.pin import (
     MAX_PIN_PAGES,
     Pin,

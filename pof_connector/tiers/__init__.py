@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from pof_connector.config import TierConfig
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers.base import SlotRef, Tier
 from pof_connector.tiers.cpu_dram import CpuDramTier
 from pof_connector.tiers.cxl import CxlTier

@@ -30,9 +30,9 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from pof_connector import page_sum
-from pof_connector.keys import PageKey
-from pof_connector.pages import (
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import (
     GENERATION_AT,
     PageError,
     PageHeader,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pof_connector.config import ConfigError, format_size
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers.base import Tier, slot_bytes_for
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ import uuid
 import numpy as np
 
 from pof_connector.config import ConfigError, TierConfig, format_size
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers.base import Tier, slot_bytes_for
 
 log = logging.getLogger(__name__)

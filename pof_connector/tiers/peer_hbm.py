@@ -20,7 +20,7 @@ seqlock protocol of :mod:`pof_connector.tiers.base`:
 * writer: zero the slot's live generation and synchronize, copy the segments, copy the header
   except its generation, synchronize, copy the generation last, synchronize;
 * reader: copy, then check key, generation and the segment checksums of the bytes the caller got,
-  then re-read the live generation. The checksums (:mod:`pof_connector.page_sum`) are computed on
+  then re-read the live generation. The checksums (:mod:`pof_connector.pages.page_sum`) are computed on
   the device where the bytes landed (the Triton kernel, or torch ops): a whole-page read into GPU
   memory brings only the header back to the host, and a write from GPU segments sums them on the
   GPU. A page's checksums are taken under the seed in its header, which a GPU read learns only
@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from pof_connector import page_sum
 from pof_connector.config import ConfigError, TierConfig
-from pof_connector.keys import PageKey
-from pof_connector.pages import (
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import (
     GENERATION_AT,
     PageError,
     PageHeader,

@@ -15,8 +15,8 @@ from pof_connector.audit.auditor import Auditor
 from pof_connector.cli import main
 from pof_connector.config import PofConfig
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace, PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 from tests.audit.test_tolerance import DIM, HEADS, TOKENS, as_floats, kv, to_bytes
 

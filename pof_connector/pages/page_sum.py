@@ -46,7 +46,7 @@ truly random bits; and the checksum guards against faults, torn, stale and mixed
 against a forger who knows the seed (the seed is in the page header, in plain sight).
 
 Why this shape: NH is adds and 32x32->64-bit multiplies that fit in the CPU copy loop itself (the
-native kernel ``pof_connector._pagesum``: one pass over memory, AVX2 ``vpmuludq``), and the same
+native kernel ``pof_connector.pages._pagesum``: one pass over memory, AVX2 ``vpmuludq``), and the same
 definition vectorises on a GPU over the bytes where they landed (:func:`torch_checksums`, a
 Triton kernel there); the polynomial step is one multiply-add per 1 KiB block element, and it
 makes the result depend on each block's position.
@@ -76,11 +76,11 @@ _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pof_connector.page_sum")     # its name before the move to pages/: filters keep working
 
 _native: ModuleType | None
 try:
-    from pof_connector import _pagesum as _native
+    from pof_connector.pages import _pagesum as _native
 except ImportError:       # built without a C compiler, or a source checkout without build_ext
     _native = None
 NATIVE: str | None = None if _native is None else _native.KERNEL
@@ -94,9 +94,9 @@ def kernel_line() -> tuple[int, str]:
     without ``build_ext`` shadows an installed build) and how to build the kernel."""
     if NATIVE is not None:
         return logging.INFO, f"pof: pages are copied and checked by the native kernel ({NATIVE})"
-    where = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    where = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return logging.WARNING, (
-        "pof: the native copy kernel (pof_connector._pagesum) is not built, so pages are copied and checked "
+        "pof: the native copy kernel (pof_connector.pages._pagesum) is not built, so pages are copied and checked "
         f"in numpy (the same checks, several times slower); pof_connector was imported from {where}: "
         "`pip install .` (or `pip install -e .` in a checkout) builds it where a C compiler is installed")
 
@@ -277,7 +277,7 @@ def store_page(region: np.ndarray, offset: int, template: bytes, namespace: byte
     (one segment per layer) copied and summed under ``seed``, then the header (``template``'s fixed
     fields, the key, ``generation``, ``seed``, the segment checksums and the header checksum) with
     its generation field zero, the generation word last (the tier's write protocol). ``template``:
-    a header of the page's spec (:func:`pof_connector.pages.header_template`). ``False``: no native
+    a header of the page's spec (:func:`pof_connector.pages.layout.header_template`). ``False``: no native
     kernel here, nothing was written (the caller takes its Python path). Raises
     ``TypeError``/``BufferError`` before writing anything when a segment has no buffer interface
     (a torch tensor)."""
@@ -318,7 +318,7 @@ def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[
     returned: :func:`settle` before the segments may change. Native kernel only (callers check
     :data:`NATIVE`)."""
     if _native is None:
-        raise RuntimeError("kt_copy_pages needs the native kernel (pof_connector._pagesum)")
+        raise RuntimeError("kt_copy_pages needs the native kernel (pof_connector.pages._pagesum)")
     result: list[int] = _native.kt_copy_pages(cache, pages, block_tokens, heads, head_dim, itemsize, vnni, threads)
     return result
 
@@ -455,7 +455,7 @@ def torch_checksums(segments: Any, seed: int | Sequence[int]) -> Any:
     sequence of one seed per index of the first dimension (pages of different writers in one
     ``[pages, layers, segment_bytes]`` batch). Only the last dimension must be contiguous:
     ``pages[:, header_bytes:].view(P, layers, seg)``-style views of whole pages are summed in
-    place. On a GPU, the Triton kernel (:mod:`pof_connector.page_sum_triton`) where it runs."""
+    place. On a GPU, the Triton kernel (:mod:`pof_connector.pages.page_sum_triton`) where it runs."""
     if segments.device.type == "cuda":
         got = _triton_checksums(segments, seed)
         if got is not None:
@@ -469,13 +469,13 @@ or its first launch failed)."""
 
 
 def _triton_checksums(segments: Any, seed: int | Sequence[int]) -> Any | None:
-    """:func:`torch_checksums` by one Triton kernel (:mod:`pof_connector.page_sum_triton`: reads
+    """:func:`torch_checksums` by one Triton kernel (:mod:`pof_connector.pages.page_sum_triton`: reads
     each byte once, where the torch ops read it several times); ``None``: use the torch ops."""
     global _triton_state
     if _triton_state == "off":
         return None
     try:
-        from pof_connector import page_sum_triton
+        from pof_connector.pages import page_sum_triton
     except ImportError:
         _triton_state = "off"
         log.info("pof: no Triton here; pages on a GPU are checked by torch ops")

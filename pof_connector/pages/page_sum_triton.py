@@ -1,6 +1,6 @@
 """Format v3's segment checksum as one Triton kernel, for pages already on a GPU.
 
-:func:`pof_connector.page_sum.torch_checksums` in plain torch ops materialises the words as int64
+:func:`pof_connector.pages.page_sum.torch_checksums` in plain torch ops materialises the words as int64
 and reads them several times (NH's two key offsets, the element and weight tensors): on a GPU that
 would verify pages at a fraction of the speed the same GPU copies them at. This kernel reads each
 word once from memory (a tile of 1 KiB NH blocks, split into the even and odd words in registers)
@@ -11,10 +11,10 @@ sequential Horner chain: the blocks of a segment are independent), each product 
 programs (a single page's 32 segments would otherwise leave most of the GPU idle), and each
 program adds its two partial sums into the segment's with ``atomic_add``: both stay below
 ``2**54`` for any segment (``E <= 2**22`` terms below ``2**32`` each), so int64 atomics never
-wrap, and a last elementwise pass (:func:`pof_connector.page_sum.combine_halves`) folds them into
+wrap, and a last elementwise pass (:func:`pof_connector.pages.page_sum.combine_halves`) folds them into
 the checksum.
 
-Same values as the definition in :mod:`pof_connector.page_sum` (NH's int64 products and sums wrap,
+Same values as the definition in :mod:`pof_connector.pages.page_sum` (NH's int64 products and sums wrap,
 which is the mod 2**64 the definition asks for). Used only for CUDA tensors whose segments are
 whole 32-bit words at 4-byte-aligned addresses; :func:`checksums` returns ``None`` for anything
 else and the caller takes the torch path. ``TRITON_INTERPRET=1`` runs it on CPU tensors (the CI
@@ -29,7 +29,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from pof_connector import page_sum
+from pof_connector.pages import page_sum
 
 _BLOCKS = 4        # NH blocks one program loads per step: a [4, 256]-word tile
 _CHUNK = 32        # NH blocks per program: a 256 KiB segment is summed by 8 programs at once
@@ -89,7 +89,7 @@ def _segment_sums(words, keys, weights, rows, sums, n_segments, inner, stride_ou
 def checksums(segments: Any, seed: int | Sequence[int]) -> Any | None:
     """The checksums of a ``[..., seg]`` uint8 tensor's rows as int64 ``[...]`` under ``seed`` (one
     seed, or one per index of the first dimension; see
-    :func:`pof_connector.page_sum.torch_checksums`); ``None`` when the layout does not suit the
+    :func:`pof_connector.pages.page_sum.torch_checksums`); ``None`` when the layout does not suit the
     kernel (segment not whole words, a misaligned view, leading dims that do not fold into two)."""
     import torch
 

@@ -12,7 +12,7 @@ pages ``0..i-1``; the SGLang adapter takes the engine's hex keys as given and th
 computes the same chain from token ids.
 
 The namespace (16 bytes) is a digest of what makes KV bytes differ for the same tokens: model,
-KV dtype, layout, the page geometry (a :class:`~pof_connector.pages.PageSpec`: kind, layers,
+KV dtype, layout, the page geometry (a :class:`~pof_connector.pages.layout.PageSpec`: kind, layers,
 segment bytes, page tokens), tensor- and pipeline-parallel rank and size, and the operator's
 namespace string. It is stored beside the chain digest in every key, so two models, two TP ranks
 or two PP stages never collide. Every field a page header is checked against on a load is in the
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pof_connector.pages import PageSpec  # pages imports this module: no import at run time
+    from pof_connector.pages.layout import PageSpec  # pages imports this module: no import at run time
 
 NAMESPACE_BYTES = 16
 DIGEST_BYTES = 32
@@ -155,7 +155,7 @@ class Namespace:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
-        from pof_connector.pages import PageSpec
+        from pof_connector.pages.layout import PageSpec
 
         if not isinstance(self.spec, PageSpec):
             raise TypeError(f"Namespace needs the page geometry (a PageSpec), got {self.spec!r}")

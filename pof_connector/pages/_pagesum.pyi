@@ -1,4 +1,4 @@
-# The native kernel of pof_connector.page_sum (built from _pagesum.c when a C compiler is there).
+# The native kernel of pof_connector.pages.page_sum (built from _pagesum.c when a C compiler is there).
 from collections.abc import Sequence
 from typing import Any
 

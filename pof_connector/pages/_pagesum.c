@@ -1,4 +1,4 @@
-/* Fused copy + per-layer checksum of page segments (page format v3), see pof_connector/page_sum.py
+/* Fused copy + per-layer checksum of page segments (page format v3), see pof_connector/pages/page_sum.py
  * for the definition and its bound.
  *
  * In short, with keys K[0..257] and a point r (mod p = 2^61 - 1) derived from a 64-bit seed by
@@ -485,7 +485,7 @@ done:
  *
  * At 64 KiB pages the Python around a fused copy (building and parsing the header, slicing views,
  * comparing tuples) costs as much as the copy itself, so a tier's store and load of a whole page
- * are one call each. Header layout: see pof_connector/pages.py. The header checksum (xxh3-64 of
+ * are one call each. Header layout: see pof_connector/pages/layout.py. The header checksum (xxh3-64 of
  * bytes [0, 80) + [88, header_bytes), the checksum seed included) is computed by the xxhash
  * package the Python side already uses, called from here, so both sides agree by construction. */
 

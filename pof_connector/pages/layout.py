@@ -14,7 +14,7 @@ Byte layout (little-endian)::
     header_bytes + l * segment_bytes: segment of layer l
 
 Version **3** (the only one written and read) checksums each segment with
-:mod:`pof_connector.page_sum` under the page's checksum seed (NH over 1 KiB blocks and a
+:mod:`pof_connector.pages.page_sum` under the page's checksum seed (NH over 1 KiB blocks and a
 polynomial mod 2**61 - 1: a stated collision bound for any two different segments, computed
 inside the CPU copy and by a GPU where the bytes land); the header checksum covers the seed and
 the header's padding too, so every byte of a page is checked. The seed is the writing tier's
@@ -44,8 +44,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from pof_connector import page_sum
-from pof_connector.keys import PageKey
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
 
 MAGIC = b"POFP"
 VERSION = 3
@@ -83,7 +83,7 @@ def header_bytes_for(num_layers: int) -> int:
 
 
 def checksum(data: Any, seed: int) -> int:
-    """The segment checksum under ``seed`` (:mod:`pof_connector.page_sum`) of a buffer (bytes,
+    """The segment checksum under ``seed`` (:mod:`pof_connector.pages.page_sum`) of a buffer (bytes,
     memoryview, contiguous numpy array)."""
     return page_sum.checksum(as_array(data), seed)
 
@@ -134,7 +134,7 @@ class PageHeader(NamedTuple):
     page_tokens: int
     segment_checksums: tuple[int, ...]
     sum_seed: int
-    """The seed the segment checksums were taken under (:mod:`pof_connector.page_sum`)."""
+    """The seed the segment checksums were taken under (:mod:`pof_connector.pages.page_sum`)."""
 
     @classmethod
     def parse(cls, buf: Any, expected: PageKey | None = None) -> PageHeader:
@@ -204,7 +204,7 @@ def encode_header(spec: PageSpec, key: PageKey, generation: int, segment_checksu
 
 def header_template(spec: PageSpec) -> bytes:
     """A format-v3 header of ``spec``'s geometry with a zero key, generation, seed and checksums:
-    the fixed fields the native whole-page store and load (:func:`pof_connector.page_sum.store_page`)
+    the fixed fields the native whole-page store and load (:func:`pof_connector.pages.page_sum.store_page`)
     fill in and compare against."""
     return encode_header(spec, _ZERO_KEY, 0, [0] * spec.num_layers, 0)
 
