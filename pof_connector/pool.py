@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from pof_connector.config import PofConfig
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.fabric import require_nixl
 from pof_connector.index import LocalityIndex, Location, NodeInfo, open_index
 from pof_connector.index.guarded import INDEX_BATCH, IndexGuard, LogOnce
@@ -51,7 +52,6 @@ from pof_connector.pages.layout import PageSpec
 from pof_connector.placement import Placement
 from pof_connector.publisher import UNWITHDRAWN_MAX, Publisher
 from pof_connector.reads import Reads
-from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers import Tier, make_tier
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class Pool:
         return self.placement.store(items, hold, ready, tenant)
 
     def tenant_of(self, cache_salt: str | None) -> str:
-        """The tenant a request's salt maps to (see :mod:`pof_connector.tenant_config`)."""
+        """The tenant a request's salt maps to (see :mod:`pof_connector.config.tenant_config`)."""
         return self.config.tenants.tenant_of(cache_salt)
 
     def release(self, hold: Hashable, publish: bool) -> Future[int]:

@@ -12,6 +12,7 @@ import pytest
 
 from pof_connector import pool as pool_module
 from pof_connector.config import PofConfig
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
@@ -19,7 +20,6 @@ from pof_connector.pages import page_sum
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
-from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers import SlotRef
 from pof_connector.tiers.base import slot_bytes_for
 

@@ -42,6 +42,7 @@ from pof_connector.adapters.vllm_layout import BlockLayout, infer_layout, view_l
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, Verdict
 from pof_connector.audit.auditor import Auditor
 from pof_connector.config import PofConfig
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import Location
 from pof_connector.page_reader import PageReader
 from pof_connector.pages import page_sum
@@ -49,7 +50,6 @@ from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Pool
 from pof_connector.staging import StagingPool
-from pof_connector.tenant_config import DEFAULT_TENANT
 
 log = logging.getLogger("pof_connector.vllm")
 HELD_STEPS_MAX = 16

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pof_connector.config_error import ConfigError
+from pof_connector.config.config_error import ConfigError
 
 DEFAULT_BOUNDS: dict[str, float] = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
 """Largest normalised error (see :func:`pof_connector.audit.tolerance.normalised_error`) a

@@ -22,7 +22,7 @@ import redis
 
 from pof_connector.bench import BenchError, Progress, quiet
 from pof_connector.config import redact_url
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index import segments
 from pof_connector.index.base import MEDIA, IndexUnavailable, Location, NodeInfo, PrefixMatch
 from pof_connector.index.client import redis_client

@@ -75,7 +75,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pof_connector.config import redact_url
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index.base import (
     MEDIA,
     IndexTimeout,

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.pages import page_sum
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import (
@@ -42,7 +43,6 @@ from pof_connector.pages.layout import (
     expect_checksums,
     header_template,
 )
-from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers.ordering import require_store_order
 from pof_connector.tiers.slot_table import SlotTable
 

@@ -7,8 +7,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.pages.keys import PageKey
-from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers.tenant_books import TenantBooks
 
 KEEP_NONE, KEEP_SOFT, KEEP_HARD = 0, 1, 2

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.pages.keys import PageKey
-from pof_connector.tenant_config import DEFAULT_TENANT
 
 
 class TenantBooks:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pof_connector.cluster_url import ClusterUrl
 from pof_connector.config import ConfigError, PofConfig
+from pof_connector.config.cluster_url import ClusterUrl
 from pof_connector.index import Location, NodeInfo, open_index, redis_index
 from pof_connector.index.base import MEDIA, PrefixMatch
 from pof_connector.index.cluster_servers import ClusterServers

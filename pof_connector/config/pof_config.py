@@ -21,11 +21,11 @@ from typing import Any
 import yaml
 
 from pof_connector.audit.audit_config import AuditConfig, parse_audit
-from pof_connector.cluster_url import ClusterUrl, is_cluster_url
-from pof_connector.config_error import ConfigError as ConfigError
-from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
-from pof_connector.pd_config import PDConfig, parse_pd
-from pof_connector.tenant_config import TenantsConfig, parse_tenants
+from pof_connector.config.cluster_url import ClusterUrl, is_cluster_url
+from pof_connector.config.config_error import ConfigError
+from pof_connector.config.credentials import INDEX_AUTH_KEYS, IndexAuth
+from pof_connector.config.pd_config import PDConfig, parse_pd
+from pof_connector.config.tenant_config import TenantsConfig, parse_tenants
 
 KNOWN_MEDIA = ("cpu_dram", "cxl", "peer_hbm")
 """Tier media this build can use, in the order of the default preference."""
@@ -281,10 +281,10 @@ class PofConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     """Sampled shadow recompute of pool hits (see :mod:`pof_connector.audit`)."""
     pd: PDConfig = field(default_factory=PDConfig)
-    """Prefill/decode disaggregation through the pool (see :mod:`pof_connector.pd_config`)."""
+    """Prefill/decode disaggregation through the pool (see :mod:`pof_connector.config.pd_config`)."""
     index_auth: IndexAuth = field(default_factory=IndexAuth)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
-    """Tenants (mapped from their salt) and their byte quotas per tier (see :mod:`pof_connector.tenant_config`)."""
+    """Tenants (mapped from their salt) and their byte quotas per tier (:mod:`pof_connector.config.tenant_config`)."""
 
     def tier(self, medium: str) -> TierConfig | None:
         """The options of ``medium``; ``None`` when this node has no such tier."""

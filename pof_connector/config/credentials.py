@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pof_connector.config_error import ConfigError
+from pof_connector.config.config_error import ConfigError
 
 INDEX_AUTH_KEYS = ("index_username", "index_password_env", "index_password_file", "index_tls_ca_file",
                    "index_tls_cert_file", "index_tls_key_file")

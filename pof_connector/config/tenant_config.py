@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pof_connector.config_error import ConfigError
+from pof_connector.config.config_error import ConfigError
 
 DEFAULT_TENANT = "default"
 """The tenant of pages stored without a salt, or with one no named tenant maps."""

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pof_connector.config_error import ConfigError
+from pof_connector.config.config_error import ConfigError
 
 PD_KEYS = ("wait_s", "poll_s", "decode_saves")
 
