@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pof_connector import pool as pool_module
 from pof_connector.config import PofConfig
 from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
@@ -20,6 +19,7 @@ from pof_connector.pages import page_sum
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
+from pof_connector.pool import pool as pool_module
 from pof_connector.tiers import SlotRef
 from pof_connector.tiers.base import slot_bytes_for
 

@@ -16,7 +16,7 @@ configuration (README, "Configuration"); ``<name>`` is whatever the user listed 
 ``storage_plugins``. LMCache's launcher only logs a plugin that fails to construct, so a bad pof
 key shows up as an error line naming the key, and the plugin is absent.
 
-Translation only: chunks go to :class:`~pof_connector.chunk_store.ChunkStore` (keys, page
+Translation only: chunks go to :class:`~pof_connector.pool.chunk_store.ChunkStore` (keys, page
 layout, validated loads live there). Loads return memory objects from LMCache's own allocator
 (its ``LocalCPUBackend``). Nothing raises into LMCache: a pool failure is a miss (``None`` /
 ``False`` / 0), counted in ``pof_adapter_errors_total`` and logged once.
@@ -41,10 +41,10 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from pof_connector.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_key
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.pages.keys import PageKey
 from pof_connector.pool import Pool, Role
+from pof_connector.pool.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_key
 
 log = logging.getLogger("pof_connector.lmcache")
 

@@ -43,7 +43,7 @@ from pof_connector.adapters.sglang_layout import HostPages
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.pages.keys import PageKey, keys_from_hex
 from pof_connector.pool import Pool
-from pof_connector.staging import StagingPool
+from pof_connector.pool.staging import StagingPool
 
 log = logging.getLogger("pof_connector.sglang")
 

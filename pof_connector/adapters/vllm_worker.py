@@ -44,12 +44,12 @@ from pof_connector.audit.auditor import Auditor
 from pof_connector.config import PofConfig
 from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import Location
-from pof_connector.page_reader import PageReader
 from pof_connector.pages import page_sum
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
 from pof_connector.pool import Pool
-from pof_connector.staging import StagingPool
+from pof_connector.pool.page_reader import PageReader
+from pof_connector.pool.staging import StagingPool
 
 log = logging.getLogger("pof_connector.vllm")
 HELD_STEPS_MAX = 16

@@ -16,7 +16,7 @@ touching any byte, tiers/base.py).
 The seqlock argument covers the whole page only once that last check passed, so the last part's
 layers are released only after it. A page whose later part or generation check fails may have
 had earlier layers released already: it fails as a whole, like a local page whose later layer
-fails :meth:`~pof_connector.page_reader.PageReader.check` — the caller reports it and the engine
+fails :meth:`~pof_connector.pool.page_reader.PageReader.check` — the caller reports it and the engine
 recomputes it (vLLM: ``get_block_ids_with_load_errors``); the bytes it copied are not used.
 
 The connections to the nodes read from are :class:`~pof_connector.fabric.peers.Peers`' (shared

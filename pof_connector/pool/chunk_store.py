@@ -6,7 +6,7 @@ MLA latent) keyed by LMCache's own chunk hash. :class:`ChunkStore` stores it as 
 ``[tokens, hidden]``: pof's canonical MHA segment — so the page carries pof's header, per-layer
 checksums and generation, lives in pof's tiers and is published in pof's locality index like any
 other page. Loading copies each layer straight from tier memory (or the fabric's staging) into the
-caller's array and checks it (:class:`~pof_connector.page_reader.PageReader`): one copy, and a
+caller's array and checks it (:class:`~pof_connector.pool.page_reader.PageReader`): one copy, and a
 chunk that fails any check is a miss.
 
 Keys (:func:`chunk_key`): the namespace is a digest of everything that makes a chunk's bytes
@@ -33,10 +33,10 @@ import numpy as np
 
 from pof_connector.pages.keys import Namespace, PageKey
 from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
-from pof_connector.pool import Pool
-from pof_connector.staging import StagingPool
+from pof_connector.pool.pool import Pool
+from pof_connector.pool.staging import StagingPool
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pof_connector.chunk_store")     # its name before the move to pool/: filters keep working
 
 _DIGEST_TAG = b"pof-lmcache-chunk-v1"
 

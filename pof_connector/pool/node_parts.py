@@ -9,10 +9,10 @@ from pof_connector.config import PofConfig
 from pof_connector.index import LocalityIndex, Location
 from pof_connector.index.guarded import IndexGuard, LogOnce
 from pof_connector.metrics import PoolStats
-from pof_connector.own_tiers import OwnTiers
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageSpec
-from pof_connector.publisher import Publisher
+from pof_connector.pool.own_tiers import OwnTiers
+from pof_connector.pool.publisher import Publisher
 
 if TYPE_CHECKING:
     from pof_connector.fabric.node import FabricNode

@@ -18,9 +18,9 @@ import threading
 
 from pof_connector.config import ConfigError, PofConfig, format_size
 from pof_connector.pages.layout import PageSpec, header_bytes_for
-from pof_connector.pool import Pool
+from pof_connector.pool.pool import Pool
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pof_connector.memd")     # its name before the move to pool/: filters keep working
 
 ROLE_KEY = "pof.role"
 """Node meta: ``"memory"`` for a memory node (``pof stats`` shows it)."""

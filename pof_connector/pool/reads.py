@@ -1,4 +1,4 @@
-"""Reading pages for an engine: the :class:`~pof_connector.page_reader.PageSource` the page reader
+"""Reading pages for an engine: the :class:`~pof_connector.pool.page_reader.PageSource` the page reader
 reads through (which tier and slot a source is, what only the fabric reaches, what to forget when
 a page of ours is corrupt), and the two ways in: a zero-copy :class:`PageReader` on the caller's
 thread, a :class:`LoadHandle` filled on the I/O threads."""
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from pof_connector.fabric import PeerMeta
 from pof_connector.index import Location
-from pof_connector.load_handle import LoadHandle, copy_layers, finished
-from pof_connector.lookup import SourceFinder
 from pof_connector.metrics import PoolStats
-from pof_connector.node_parts import NodeParts
-from pof_connector.page_reader import PageReader
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageError, PageSpec, as_array
+from pof_connector.pool.load_handle import LoadHandle, copy_layers, finished
+from pof_connector.pool.lookup import SourceFinder
+from pof_connector.pool.node_parts import NodeParts
+from pof_connector.pool.page_reader import PageReader
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:

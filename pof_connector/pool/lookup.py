@@ -14,8 +14,8 @@ from pof_connector.fabric import PeerMeta
 from pof_connector.fabric.meta import has_fabric_meta
 from pof_connector.index import MEDIA, Location, NodeInfo
 from pof_connector.index.reach import Reach, Run, gather_runs, reach
-from pof_connector.node_parts import NodeParts
 from pof_connector.pages.keys import PageKey
+from pof_connector.pool.node_parts import NodeParts
 
 if TYPE_CHECKING:
     pass

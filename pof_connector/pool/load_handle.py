@@ -7,8 +7,8 @@ import threading
 
 import numpy as np
 
-from pof_connector.page_reader import PageReader
 from pof_connector.pages.layout import PageSpec
+from pof_connector.pool.page_reader import PageReader
 
 
 class LoadHandle:

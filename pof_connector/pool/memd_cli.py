@@ -11,12 +11,12 @@ from pof_connector.config import PofConfig
 
 
 def cmd_memd(args: argparse.Namespace) -> int:
-    """Run a :class:`~pof_connector.memd.MemoryNode` until SIGTERM or Ctrl-C."""
+    """Run a :class:`~pof_connector.pool.memd.MemoryNode` until SIGTERM or Ctrl-C."""
     import logging
     import signal
 
     from pof_connector.fabric import FabricError
-    from pof_connector.memd import MemoryNode
+    from pof_connector.pool.memd import MemoryNode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     config = PofConfig.from_file(args.config)

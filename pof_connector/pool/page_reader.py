@@ -44,7 +44,7 @@ from pof_connector.tiers import SlotRef, Tier
 if TYPE_CHECKING:
     from pof_connector.fabric.remote_reader import RemoteLoad
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pof_connector.page_reader")     # its name before the move to pool/: filters keep working
 
 
 class SlotSource(Protocol):
@@ -81,7 +81,7 @@ class SlotSource(Protocol):
 
 
 class PageSource(Protocol):
-    """What a :class:`PageReader` reads through (the pool's :class:`~pof_connector.reads.Reads`)."""
+    """What a :class:`PageReader` reads through (the pool's :class:`~pof_connector.pool.reads.Reads`)."""
 
     @property
     def spec(self) -> PageSpec: ...

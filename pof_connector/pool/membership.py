@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from pof_connector.audit.revocations import revoked_for
 from pof_connector.config import ConfigError
 from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
-from pof_connector.lookup import SourceFinder
-from pof_connector.node_parts import NodeParts
 from pof_connector.pins.pin_book import PinBook
-from pof_connector.placement import Placement
+from pof_connector.pool.lookup import SourceFinder
+from pof_connector.pool.node_parts import NodeParts
+from pof_connector.pool.placement import Placement
 from pof_connector.tenant_usage import META_KEY, TenantUsage
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@
   (its own tiers, a CXL region it shares with other nodes, other nodes' tiers over the fabric
   when ``fabric.enabled``), asking the locality index;
 * :meth:`Pool.open_read` — a zero-copy, layer-by-layer read of those pages on the caller's
-  thread (:class:`~pof_connector.page_reader.PageReader`); :meth:`Pool.load` copies them into
+  thread (:class:`~pof_connector.pool.page_reader.PageReader`); :meth:`Pool.load` copies them into
   caller buffers on the I/O threads instead, the :class:`LoadHandle` letting the engine wait for
   one layer at a time; both validate each page;
 * :meth:`Pool.store` — write pages into the first tier (moving evicted pages down the tier
@@ -18,9 +18,9 @@ Nothing here raises into an engine for a pool failure: an unreachable index answ
 a page that fails validation is reported in :attr:`LoadHandle.failed`, and every such event is
 counted in :attr:`Pool.stats` and logged once.
 
-The pool is a front: each concern lives in a part of its own — :mod:`~pof_connector.lookup`
-(what this node can read), :mod:`~pof_connector.reads` (reading it), :mod:`~pof_connector.placement`
-(storing, demoting, spilling), :mod:`~pof_connector.publisher` and :mod:`~pof_connector.membership`
+The pool is a front: each concern lives in a part of its own — :mod:`~pof_connector.pool.lookup`
+(what this node can read), :mod:`~pof_connector.pool.reads` (reading it), :mod:`~pof_connector.pool.placement`
+(storing, demoting, spilling), :mod:`~pof_connector.pool.publisher` and :mod:`~pof_connector.pool.membership`
 (what the index is told, heartbeats), :mod:`~pof_connector.index.guarded` (index calls that
 never raise).
 """
@@ -39,19 +39,19 @@ from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.fabric import require_nixl
 from pof_connector.index import LocalityIndex, Location, NodeInfo, open_index
 from pof_connector.index.guarded import INDEX_BATCH, IndexGuard, LogOnce
-from pof_connector.load_handle import LoadHandle
-from pof_connector.lookup import NODES_MISS_REFRESH_S, Lookup, SourceFinder
-from pof_connector.membership import Membership
 from pof_connector.metrics import PoolStats
-from pof_connector.node_parts import NodeParts
-from pof_connector.own_tiers import OwnTiers
-from pof_connector.page_reader import PageReader
 from pof_connector.pages import page_sum
 from pof_connector.pages.keys import PageKey, page_keys
 from pof_connector.pages.layout import PageSpec
-from pof_connector.placement import Placement
-from pof_connector.publisher import UNWITHDRAWN_MAX, Publisher
-from pof_connector.reads import Reads
+from pof_connector.pool.load_handle import LoadHandle
+from pof_connector.pool.lookup import NODES_MISS_REFRESH_S, Lookup, SourceFinder
+from pof_connector.pool.membership import Membership
+from pof_connector.pool.node_parts import NodeParts
+from pof_connector.pool.own_tiers import OwnTiers
+from pof_connector.pool.page_reader import PageReader
+from pof_connector.pool.placement import Placement
+from pof_connector.pool.publisher import UNWITHDRAWN_MAX, Publisher
+from pof_connector.pool.reads import Reads
 from pof_connector.tiers import Tier, make_tier
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ __all__ = ["INDEX_BATCH", "NODES_MISS_REFRESH_S", "UNWITHDRAWN_MAX", "LoadHandle
 
 Role = Literal["worker", "client"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pof_connector.pool")     # the pool's one logger: filters set on it keep working
 _kernel_logged = False
 
 
@@ -143,7 +143,7 @@ class Pool:
         return self._reads.load(keys, sources, into)
 
     def open_read(self, keys: Sequence[PageKey], sources: Sequence[Location]) -> PageReader:
-        """Start a zero-copy read on the caller's thread (see :mod:`pof_connector.page_reader`);
+        """Start a zero-copy read on the caller's thread (see :mod:`pof_connector.pool.page_reader`);
         only for sources this node maps. Close the reader when done."""
         return self._reads.open_read(keys, sources)
 

@@ -16,11 +16,11 @@ import numpy as np
 
 from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import Location
-from pof_connector.lookup import SourceFinder
-from pof_connector.node_parts import NodeParts
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageError
-from pof_connector.publisher import Event
+from pof_connector.pool.lookup import SourceFinder
+from pof_connector.pool.node_parts import NodeParts
+from pof_connector.pool.publisher import Event
 from pof_connector.tiers import SlotRef, Tier
 
 if TYPE_CHECKING:
