@@ -17,7 +17,7 @@ from pof_connector.pins.pin_book import PinBook
 from pof_connector.pool.lookup import SourceFinder
 from pof_connector.pool.node_parts import NodeParts
 from pof_connector.pool.placement import Placement
-from pof_connector.tenant_usage import META_KEY, TenantUsage
+from pof_connector.tiers.tenant_usage import META_KEY, TenantUsage
 
 if TYPE_CHECKING:
     pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from pof_connector.metrics import PoolStats
-from pof_connector.tiers import Tier
+from pof_connector.tiers.base import Tier
 
 META_KEY = "tenants"
 """The node meta field carrying ``{tenant: {medium: [used bytes, quota bytes or null]}}`` (names only:
