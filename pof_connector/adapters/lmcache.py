@@ -42,9 +42,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.pages.keys import PageKey
-from pof_connector.pool import Pool, Role
-from pof_connector.pool.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_key
+from pof_connector.pages import PageKey
+from pof_connector.pool import ChunkGeometry, ChunkOwner, ChunkStore, Pool, Role, chunk_key
 
 log = logging.getLogger("pof_connector.lmcache")
 

@@ -41,9 +41,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from pof_connector.adapters.sglang_layout import HostPages
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.pages.keys import PageKey, keys_from_hex
-from pof_connector.pool import Pool
-from pof_connector.pool.staging import StagingPool
+from pof_connector.pages import PageKey, keys_from_hex
+from pof_connector.pool import Pool, StagingPool
 
 log = logging.getLogger("pof_connector.sglang")
 

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from pof_connector.pages.keys import Namespace
-from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pages import KIND_MHA, KIND_MLA, Namespace, PageSpec
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

@@ -18,7 +18,7 @@ import numpy as np
 from pof_connector.adapters.vllm_metadata import SaveJob
 from pof_connector.audit.auditor import Auditor
 from pof_connector.index import Location
-from pof_connector.pages.keys import PageKey
+from pof_connector.pages import PageKey
 from pof_connector.pool import Pool
 
 

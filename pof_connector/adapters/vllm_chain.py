@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pof_connector.pages.keys import ChainSeeds, PageKey, chain_keys
+from pof_connector.pages import ChainSeeds, PageKey, chain_keys
 
 
 class Chain:

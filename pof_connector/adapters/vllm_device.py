@@ -43,8 +43,7 @@ import torch
 
 from pof_connector.adapters.vllm_layout import BlockLayout
 from pof_connector.pages import page_sum
-from pof_connector.pool import Pool
-from pof_connector.pool.page_reader import PageReader
+from pof_connector.pool import PageReader, Pool
 
 log = logging.getLogger(__name__)
 

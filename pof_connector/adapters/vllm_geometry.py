@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.pages.keys import Namespace
-from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageSpec
+from pof_connector.pages import KIND_MHA, KIND_MLA, Namespace, PageSpec
 
 
 @dataclass(frozen=True)

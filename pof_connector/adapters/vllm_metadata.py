@@ -13,9 +13,9 @@ except ImportError:     # the worker in a harness where vLLM cannot be installed
     class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
         """Stands in for vLLM's base class."""
 
-from pof_connector.config.tenant_config import DEFAULT_TENANT
+from pof_connector.config import DEFAULT_TENANT
 from pof_connector.index import Location
-from pof_connector.pages.keys import PageKey
+from pof_connector.pages import PageKey
 
 
 @dataclass

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pof_connector.config.pd_config import PDConfig
+from pof_connector.config import PDConfig
 
 log = logging.getLogger("pof_connector.vllm")
 

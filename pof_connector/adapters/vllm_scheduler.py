@@ -23,7 +23,7 @@ from pof_connector.adapters.vllm_pd import PDBooks, is_prefill
 from pof_connector.audit.sampler import Sampler
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
-from pof_connector.pages.keys import PageKey
+from pof_connector.pages import PageKey
 from pof_connector.pool import Lookup, Pool
 
 log = logging.getLogger("pof_connector.vllm")
