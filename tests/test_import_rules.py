@@ -34,6 +34,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "pages": frozenset(),
     "config": frozenset({"audit"}),           # only audit.audit_config: see test_config_imports_only_the_audit_key
     "metrics": frozenset(),
+    "body_limits": frozenset(),
     "runtime_dir": frozenset({"config"}),
     "tiers": frozenset({"config", "pages", "metrics", "runtime_dir"}),
     "fabric": frozenset({"config", "pages", "metrics", "runtime_dir", "tiers", "index"}),
@@ -45,6 +46,10 @@ NEVER_IMPORT: dict[str, frozenset[str]] = {
     "index": frozenset({"pool", "fabric", "adapters", "router", "relay"}),
     "fabric": frozenset({"pool", "adapters"}),
     "pool": frozenset({"adapters", "router", "relay", "locality", "bench", "sim"}),
+    "pins": frozenset({"pool", "adapters"}),
+    "locality": frozenset({"pool", "adapters"}),
+    "relay": frozenset({"pool", "adapters"}),
+    "sim": frozenset({"pool", "tiers", "fabric", "adapters"}),
 }
 
 

@@ -10,5 +10,7 @@ page of the same key, layer by layer, within a stated numeric tolerance
 
 Holds: :mod:`.audit_config` (the ``audit`` config key), :mod:`.tolerance` (the error measure and
 its bounds), :mod:`.auditor` (comparisons on a thread of their own, their counters and actions).
-May import the core (pool, pages, index); engine adapters import this package, never the reverse.
+May import the core (pool, pages, index, config) and ``cli_support``; engine adapters import
+:mod:`.auditor` and :mod:`.sampler`, never the reverse. :mod:`.audit_config` imports only
+``config.config_error``: :mod:`pof_connector.config` reads the ``audit`` key through it.
 """

@@ -18,6 +18,9 @@
 * :mod:`.node` — this node's agent, registered tiers, connections, reader and spill, built by the pool.
 
 NIXL is optional: nothing here imports it until a :class:`FabricNode` is created.
+
+May import: ``config``, ``pages``, ``tiers``, ``index`` (and ``metrics``, ``runtime_dir``). Never the
+pool (:mod:`pof_connector.pool` builds a :class:`FabricNode`, not the reverse) nor an adapter.
 """
 
 from __future__ import annotations

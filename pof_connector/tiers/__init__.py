@@ -4,7 +4,12 @@
 * :mod:`.slot_table` — the books of which key sits in which slot;
 * :mod:`.cpu_dram` — process-private DRAM; :mod:`.cxl` — one shared region, a partition per writer;
 * :mod:`.peer_hbm` and :mod:`.peer_region` — a GPU of this host mapped by CUDA IPC;
-* :mod:`.ordering` — the store-order guarantee the seqlock needs (x86 TSO).
+* :mod:`.ordering` — the store-order guarantee the seqlock needs (x86 TSO);
+* :mod:`.tenant_books` — which tenant each page belongs to, and quotas in slots;
+  :mod:`.tenant_usage` — what each tenant holds of this node's tiers (gauges, heartbeat meta).
+
+May import: ``config``, ``pages``, ``metrics`` and ``runtime_dir``. Never the pool, the index or the
+fabric: they are built on the tiers.
 """
 
 from __future__ import annotations
