@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from pof_connector.config import ConfigError, TierConfig
+from pof_connector.config import TierConfig
 from pof_connector.pages import page_sum
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import (
@@ -55,33 +55,7 @@ from pof_connector.pages.layout import (
     expect_checksums,
 )
 from pof_connector.tiers.base import SlotRef, Tier, slot_bytes_for
-from pof_connector.tiers.peer_region import PeerRegion
-
-
-def import_torch() -> Any:
-    """torch, or a :class:`ConfigError` naming the key that needs it."""
-    try:
-        import torch
-    except ImportError as e:
-        raise ConfigError(f"tiers.peer_hbm: needs PyTorch, which is not importable here ({e}); install torch in "
-                          f"this environment (vLLM and SGLang ship it); allowed: remove tiers.peer_hbm") from None
-    return torch
-
-
-def resolve_device(torch: Any, name: str) -> Any:
-    """The torch device of ``tiers.peer_hbm.device``; a :class:`ConfigError` when it does not exist."""
-    device = torch.device(name)
-    if device.type == "cpu":
-        return device
-    if not torch.cuda.is_available():
-        raise ConfigError(f"tiers.peer_hbm.device: {name!r} but CUDA is not available in this process; "
-                          f"allowed: 'cpu'")
-    count = torch.cuda.device_count()
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if not 0 <= index < count:
-        raise ConfigError(f"tiers.peer_hbm.device: {name!r} but this process sees {count} GPU(s); "
-                          f"allowed: cuda:0..cuda:{count - 1} or 'cpu'")
-    return torch.device("cuda", index)
+from pof_connector.tiers.peer_region import PeerRegion, import_torch, resolve_device
 
 
 class PeerHbmTier(Tier):

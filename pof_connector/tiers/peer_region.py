@@ -22,6 +22,9 @@ owner; later processes attach. How a process attaches depends on the device:
 
 An attached process checks the owner's lock every heartbeat (:meth:`PeerRegion.alive`): once the
 owner is gone the tier is dropped and engines recompute its pages (like a lost CXL region).
+
+Where the region lives is checked here too: :func:`resolve_device` (``tiers.peer_hbm.device``), and
+torch is imported only when a region is wanted (:func:`import_torch`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,32 @@ log = logging.getLogger(__name__)
 _OWNED: dict[str, Any] = {}
 """Region uuid → device tensor, for regions this process owns: CUDA refuses to open an IPC handle
 in the process that exported it, so a second tier of the owner process reuses the tensor."""
+
+
+def import_torch() -> Any:
+    """torch, or a :class:`ConfigError` naming the key that needs it."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError(f"tiers.peer_hbm: needs PyTorch, which is not importable here ({e}); install torch in "
+                          f"this environment (vLLM and SGLang ship it); allowed: remove tiers.peer_hbm") from None
+    return torch
+
+
+def resolve_device(torch: Any, name: str) -> Any:
+    """The torch device of ``tiers.peer_hbm.device``; a :class:`ConfigError` when it does not exist."""
+    device = torch.device(name)
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(f"tiers.peer_hbm.device: {name!r} but CUDA is not available in this process; "
+                          f"allowed: 'cpu'")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < count:
+        raise ConfigError(f"tiers.peer_hbm.device: {name!r} but this process sees {count} GPU(s); "
+                          f"allowed: cuda:0..cuda:{count - 1} or 'cpu'")
+    return torch.device("cuda", index)
 
 
 def _b64(v: bytes | None) -> str | None:
