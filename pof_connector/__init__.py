@@ -4,7 +4,7 @@ The core imports no engine. Its packages, from the bottom up (each ``__init__`` 
 holds and what it may import; docs/layout.md has the whole tree, tests/test_import_rules.py
 checks the rules):
 
-* ``config`` — one validated config, credentials, the ``pd`` and ``tenants`` keys;
+* ``config`` — one validated config, credentials, the ``pd``, ``tenants`` and ``audit`` keys;
 * ``pages`` — page keys, the page layout, its checksums (numpy, the native kernel, torch, Triton);
 * ``tiers`` — the media a node stores pages in (CPU DRAM, CXL, peer HBM);
 * ``index`` — where pages live, cluster-wide (the locality index);

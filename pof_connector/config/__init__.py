@@ -6,10 +6,11 @@
 * :mod:`.credentials` — secrets read from an environment variable or a file, never from a config;
 * :mod:`.cluster_url` — ``redis+cluster://`` index URLs;
 * :mod:`.pd_config` — the ``pd`` key (prefill/decode disaggregation);
-* :mod:`.tenant_config` — the ``tenants`` key (who a page belongs to, and quotas).
+* :mod:`.tenant_config` — the ``tenants`` key (who a page belongs to, and quotas);
+* :mod:`.audit_config` — the ``audit`` key (sample rate, tolerance bounds; the audit itself is
+  :mod:`pof_connector.audit`).
 
-May import: nothing else of ``pof_connector`` except :mod:`pof_connector.audit.audit_config` (the
-``audit`` key, kept beside the audit it configures). Every other package may import this one.
+May import: nothing else of ``pof_connector``. Every other package may import this one.
 
 This module re-exports the names other packages use: ``from pof_connector.config import
 PofConfig, ConfigError`` is the public face.

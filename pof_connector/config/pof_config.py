@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from pof_connector.audit.audit_config import AuditConfig, parse_audit
+from pof_connector.config.audit_config import AuditConfig, parse_audit
 from pof_connector.config.cluster_url import ClusterUrl, is_cluster_url
 from pof_connector.config.config_error import ConfigError
 from pof_connector.config.credentials import INDEX_AUTH_KEYS, IndexAuth
