@@ -1,0 +1,35 @@
+"""MkDocs hooks: the configuration and CLI references are generated from the code at build time.
+
+Registered in mkdocs.yml (``hooks:``). The pages are virtual: nothing generated is committed, so
+the site can never hold a stale copy. A key the code accepts but the reference does not list
+stops the build (see :func:`reference.config_key_problems`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+
+HERE = Path(__file__).resolve().parent
+
+GENERATED = ("reference/configuration.md", "reference/cli.md")
+
+
+def on_files(files: Files, config: Any) -> Files:
+    os.environ["COLUMNS"] = "100"  # argparse wraps usage lines to the terminal: the same width everywhere
+    for path in (str(HERE.parents[1]), str(HERE)):  # this checkout's pof_connector, whatever is installed
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import reference
+
+    page, problems = reference.config_reference()
+    if problems:
+        raise PluginError("the configuration reference does not match the code:\n  " + "\n  ".join(problems))
+    files.append(File.generated(config, GENERATED[0], content=page))
+    files.append(File.generated(config, GENERATED[1], content=reference.cli_reference()))
+    return files
