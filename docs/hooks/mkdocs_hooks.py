@@ -19,13 +19,15 @@ from mkdocs.structure.files import File, Files
 HERE = Path(__file__).resolve().parent
 
 GENERATED = ("reference/configuration.md", "reference/cli.md")
+WIDE = "---\nhide:\n  - toc\n---\n"
+"""Front matter of the wide pages (the picture, the reference tables): no table-of-contents column."""
 
 
 def home_page() -> str:
     """The site's home is the README, its links into docs/ made relative to the site: one text,
     read on GitHub and on the site, and the strict build checks the README's links too."""
     text = (HERE.parents[1] / "README.md").read_text(encoding="utf-8")
-    return text.replace("](docs/", "](")
+    return WIDE + text.replace("](docs/", "](")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -39,6 +41,6 @@ def on_files(files: Files, config: Any) -> Files:
     if problems:
         raise PluginError("the configuration reference does not match the code:\n  " + "\n  ".join(problems))
     files.append(File.generated(config, "index.md", content=home_page()))
-    files.append(File.generated(config, GENERATED[0], content=page))
+    files.append(File.generated(config, GENERATED[0], content=WIDE + page))
     files.append(File.generated(config, GENERATED[1], content=reference.cli_reference()))
     return files

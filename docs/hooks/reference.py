@@ -374,6 +374,21 @@ def config_key_problems(pool: list[Row], router: list[Row]) -> list[str]:
 
 # ---------------------------------------------------------------- pages
 
+def _sections(rows: list[Row], nested: set[str]) -> str:
+    """One table per section: the plain keys first, then each nested mapping under its own heading."""
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        head = r.key.split(".", 1)[0].split("[", 1)[0]
+        if head in nested:
+            title = f"`{head}`"
+        elif head.startswith("index_") and head not in ("index_url", "index_timeout_s"):
+            title = "Index credentials"
+        else:
+            title = "Top-level keys"
+        groups.setdefault(title, []).append(r)
+    return "\n\n".join(f"### {title}\n\n{_table(group)}" for title, group in groups.items())
+
+
 def _table(rows: list[Row]) -> str:
     out = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for r in rows:
@@ -404,14 +419,14 @@ def config_reference() -> tuple[str, list[str]]:
         "`--hicache-storage-backend-extra-config`, LMCache's `storage_plugin.pof.*` keys, or the YAML file",
         "of `pof … --config FILE`. An unknown key or a bad value stops start-up with a message naming the key.",
         "",
-        _table(pool),
+        _sections(pool, {"tiers", "tenants", *src.POOL_SECTIONS}),
         "",
         "## Router (`pof router --config FILE`)",
         "",
         "`RouterConfig`, from the YAML file given to `pof router --config`; unknown keys are refused. "
         "`examples/router/pof-router.yaml` has every key with its default.",
         "",
-        _table(router),
+        _sections(router, {"backends", "prefill", "decode", "cost", "capacity", "health"}),
         "",
     ])
     return page, problems
