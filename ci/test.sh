@@ -122,7 +122,8 @@ if wanted docs; then
         docs_stage() {   # the site, strictly (a broken link, anchor or page fails), then the docs checks
             local site rc
             site="$(mktemp -d)"
-            NO_MKDOCS_2_WARNING=1 "$(dirname "$DPY")/mkdocs" build --strict --clean -q -f mkdocs.yml -d "$site"
+            # Not -q: a quiet build does not count warnings, and --strict then passes a broken link.
+            NO_MKDOCS_2_WARNING=1 "$(dirname "$DPY")/mkdocs" build --strict --clean -f mkdocs.yml -d "$site"
             rc=$?
             rm -rf "$site"
             [[ $rc == 0 ]] || { echo "docs: mkdocs build --strict failed (exit $rc)"; return "$rc"; }
