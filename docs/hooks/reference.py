@@ -19,6 +19,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import re
 import textwrap
 import typing
@@ -76,7 +77,7 @@ def _attribute_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     out: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                 and isinstance(after.value.value, str)):
@@ -120,7 +121,7 @@ def _allowed_from(build: Callable[[Any], Any], key: str) -> str:
         if head:
             msg = ("required: " if head.group(1) else "") + msg[head.end():]
         return _one_line(_GOT.sub("", msg))
-    except Exception as e:  # noqa: BLE001 — shown, not hidden: a validator that crashes is worth seeing
+    except Exception as e:  # shown, not hidden: a validator that crashes is worth seeing
         return _one_line(f"(validator raised {type(e).__name__})")
     return "any"
 
@@ -283,10 +284,7 @@ def _pydantic_rows(model: Any, prefix: str) -> Iterator[Row]:
         key = f"{prefix}{name}"
         ann = info.annotation
         inner = typing.get_args(ann)[0] if typing.get_origin(ann) is list and typing.get_args(ann) else None
-        if info.default_factory is not None:
-            default_value = info.default_factory()
-        else:
-            default_value = info.default
+        default_value = info.default_factory() if info.default_factory is not None else info.default
         if isinstance(default_value, BaseModel):
             default = "(below)"
         elif default_value is ... or info.is_required():
