@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 
 from pof_connector.config import PofConfig
 from pof_connector.index import LocalIndex, LocalTable
-from pof_connector.keys import PageKey
+from pof_connector.keys import PageKey, page_keys
 from pof_connector.locality.api import make_app
 from pof_connector.locality.locator import Locator
 from pof_connector.pages import PageSpec
 from pof_connector.pins import HARD, SOFT, Pin, PinBook, PinError
-from pof_connector.pins.copies import rank
+from pof_connector.pins.copies import placed, rank
 from pof_connector.pins.pin_desk import PinDesk
 from pof_connector.pool import Pool
 from pof_connector.tiers.base import slot_bytes_for
@@ -272,3 +272,9 @@ def test_a_copy_that_cannot_be_read_stores_nothing(runtime_dir: str, shm_path: s
     finally:
         a.close()
         b.close()
+
+
+def test_a_pins_keys_get_their_chain_places_back(namespace: bytes) -> None:
+    keys = page_keys(namespace, list(range(16 * 40)), 16, cache_salt="org")          # 40 pages: 3 segments
+    bare = [PageKey(k.namespace, k.digest) for k in keys]
+    assert [k.place for k in placed(bare)] == [k.place for k in keys]

@@ -34,7 +34,7 @@ import numpy as np
 
 from pof_connector.fabric.meta import has_fabric_meta
 from pof_connector.index import Location, NodeInfo
-from pof_connector.keys import PageKey
+from pof_connector.keys import SEGMENT_PAGES, ChainPlace, PageKey
 from pof_connector.load_handle import LoadHandle
 from pof_connector.lookup import SourceFinder
 from pof_connector.node_parts import NodeParts
@@ -99,7 +99,7 @@ class PinCopies:
             return self._check(pin)
 
     def _check(self, pin: Pin) -> int:
-        keys = [k for k in pin.keys if k.namespace == self.namespace]
+        keys = placed([k for k in pin.keys if k.namespace == self.namespace])
         if not keys or all(self.parts.own.contains(k) for k in keys):
             return 0
         matches = self.parts.guard.call("lookup", self.parts.index.longest_prefix, keys, default=None)
@@ -143,6 +143,18 @@ class PinCopies:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def placed(keys: list[PageKey]) -> list[PageKey]:
+    """A pin's keys of one namespace, the chain of its prefix from the first page, with their
+    places in it (a pin record keeps digests only; the index finds a page by its chain segment)."""
+    out: list[PageKey] = []
+    head = b""
+    for i, k in enumerate(keys):
+        if i % SEGMENT_PAGES == 0:
+            head = k.digest
+        out.append(PageKey(k.namespace, k.digest, ChainPlace(i, head)))
+    return out
 
 
 def _can_read(reader: NodeInfo, holder: NodeInfo) -> bool:
