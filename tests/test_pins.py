@@ -152,7 +152,8 @@ def test_pin_requests_are_checked(pool: Pool, table: LocalTable) -> None:
 
 
 def test_the_api_pins_only_with_a_token(pool: Pool, table: LocalTable) -> None:
-    body = {"model": "m", "tokens": list(range(32)), "ttl_s": 60, "kind": "hard", "cache_salt": "s3cret"}
+    body = {"model": "m", "tokens": list(range(32)), "ttl_s": 60, "kind": "hard", "cache_salt": "s3cret",
+            "replicas": 2, "tenant": "acme"}
     open_api = TestClient(make_app(LocalIndex(None, table)))
     assert open_api.post("/v1/pins", json=body).status_code == 403
     api = TestClient(make_app(LocalIndex(None, table), token="t0k"))
@@ -162,6 +163,7 @@ def test_the_api_pins_only_with_a_token(pool: Pool, table: LocalTable) -> None:
     assert r.status_code == 201, r.text
     made = r.json()
     assert made["kind"] == "hard" and made["pages"] == 2 and "s3cret" not in r.text
+    assert (made["replicas"], made["tenant"]) == (2, "acme")
     listed = api.get("/v1/pins", headers=auth).json()
     assert [p["id"] for p in listed] == [made["id"]]
     assert "s3cret" not in json.dumps(table.pins)
@@ -169,6 +171,8 @@ def test_the_api_pins_only_with_a_token(pool: Pool, table: LocalTable) -> None:
     assert api.delete(f"/v1/pins/{made['id']}", headers=auth).status_code == 404
     bad = api.post("/v1/pins", json={**body, "kind": "forever"}, headers=auth)
     assert bad.status_code == 422 and "kind" in bad.text
+    bad = api.post("/v1/pins", json={**body, "tenant": "a salt, not a name"}, headers=auth)
+    assert bad.status_code == 422 and "tenant" in bad.text
 
 
 # ---- replicas: copies of a pinned prefix on other nodes ----------------------------------------

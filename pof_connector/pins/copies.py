@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -84,8 +85,9 @@ class PinCopies:
 
     def _check_all(self) -> None:
         self._queued.clear()
+        now = time.time()
         for pin in self.pins.pins():
-            if pin.replicas <= 1:
+            if pin.replicas <= 1 or not pin.live(now):
                 continue
             try:
                 self.check(pin)
