@@ -146,3 +146,48 @@ def test_a_quiet_tenant_within_its_quota_keeps_its_hit_rate_through_a_flood(serv
     if path:
         Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
+
+
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+
+
+def test_two_salts_share_an_orgs_prompt_and_keep_each_users_turns_private(servers: dict[str, VllmServer]) -> None:
+    """The two-salt request shape on a real server: the user's salt as ``cache_salt``, the org's
+    in ``kv_transfer_params``. user-2 of org A loads the org prompt's pages that user-1's request
+    stored, never user-1's turn; a user of org B loads nothing. The engine's own prefix cache keeps
+    a stricter boundary (vLLM puts ``cache_salt`` in its first block hash: users share nothing in it)."""
+    s = servers["open"]
+    org = prompt(2 * BLOCK, seed=4410)
+    turn = prompt(2 * BLOCK + 1, seed=4411)          # user-1's turn: two whole pages, and a token
+
+    def ask(user: str, org_salt: str) -> tuple[int, int]:
+        """(pool hit tokens, engine prefix-cache hit tokens) of org + turn for ``user``."""
+        m0 = s.metrics([HITS, LOCAL_HITS])
+        out = s.post("/v1/completions", {"model": "m", "prompt": org + turn, "max_tokens": 4, "temperature": 0,
+                                         "return_token_ids": True, "ignore_eos": True, "cache_salt": user,
+                                         "kv_transfer_params": {"pof_shared_salt": org_salt,
+                                                                "pof_shared_tokens": len(org)}})
+        answers.append(list(out["choices"][0]["token_ids"]))
+        m1 = s.metrics([HITS, LOCAL_HITS])
+        return int(m1[HITS] - m0[HITS]), int(m1[LOCAL_HITS] - m0[LOCAL_HITS])
+
+    answers: list[list[int]] = []
+    settle(s)
+    assert ask("user-1", "org-a") == (0, 0)          # computed; its pages stored
+    time.sleep(1.5)
+    got = {"user-2 of org A (no reset)": ask("user-2", "org-a")}
+    settle(s)
+    got["user-1 of org A"] = ask("user-1", "org-a")
+    settle(s)
+    got["user-3 of org B"] = ask("user-3", "org-b")
+    assert got == {"user-2 of org A (no reset)": (2 * BLOCK, 0),    # the org prompt from the pool, not the turn
+                   "user-1 of org A": (4 * BLOCK, 0),              # its own prompt and turn
+                   "user-3 of org B": (0, 0)}, got
+    assert all(a == answers[0] for a in answers)     # pool hits or not, the same greedy answer
+    path = os.environ.get("POF_ISSUE44_JSON")
+    if path:
+        out = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+        out["two_salts"] = {"prompt": "org prompt 256 tokens + user-1's turn 257 tokens",
+                            "pool_and_engine_hit_tokens": {k: {"pool": v[0], "engine_prefix_cache": v[1]}
+                                                           for k, v in got.items()}}
+        Path(path).write_text(json.dumps(out, indent=1) + "\n")
