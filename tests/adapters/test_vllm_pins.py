@@ -6,7 +6,7 @@
 - a flood through both servers evicts everything unpinned; the pinned prefix stays a full pool hit;
 - its first holder is killed (SIGKILL): a new server finds the whole prefix in the survivor's copy,
   and copies it again (two holders once more);
-- the index server is killed: the servers start it again, publish their pages and write the pin
+- the index server is stopped: the servers start it again, publish their pages and write the pin
   back; the prefix is still a full pool hit;
 - a second pin with a short TTL keeps its prefix through the first flood, is gone from the index
   after its TTL, and the next flood evicts its pages;
@@ -163,7 +163,7 @@ def test_a_pinned_prefix_survives_floods_a_dead_holder_and_an_index_restart(mode
         st.figures["holder_killed"] = {"b": st.hit("b", ask), "c": st.hit("c", ask)}
         assert st.figures["holder_killed"] == {"b": full, "c": full}
 
-        # The index server dies: the servers start it again and write the pin back.
+        # The index server stops (its data gone): the servers start it again and write the pin back.
         assert stop_embedded(st.rt)
         wait_for(lambda: embedded_alive(st.rt), 30, "a server restarts the embedded index")
         wait_for(lambda: [p["id"] for p in st.pof("pin", "list")["pins"]].count(pin["id"]) == 1, 30,
