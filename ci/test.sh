@@ -7,8 +7,10 @@
 #   bash ci/test.sh                 every stage: ruff, mypy, core (pytest with the NIXL fabric tests),
 #                                   vllm, torch (the peer_hbm tier on CPU tensors, in the vLLM venv's
 #                                   torch), sglang, lmcache (pof as an LMCache storage plugin, in
-#                                   its own venv: ci/lmcache_venv.sh)
-#   POF_SKIP_ENGINES=1 ...          ruff, mypy and core only (no multi-GB engine venvs)
+#                                   its own venv: ci/lmcache_venv.sh), docs (the site built with
+#                                   `mkdocs build --strict`, and tests/docs: every `pof` command and
+#                                   config key the docs show exists; its own venv: ci/docs_venv.sh)
+#   POF_SKIP_ENGINES=1 ...          ruff, mypy, core and docs only (no multi-GB engine venvs)
 #   POF_STAGES="core vllm" ...      only these stages (space- or comma-separated names from above)
 #   bash ci/test.sh ARGS...         ARGS go to every pytest stage (e.g. -x, -k NAME)
 set -uo pipefail
@@ -16,11 +18,11 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
 cd "$ROOT"
 
-ALL_STAGES=(ruff mypy core vllm torch sglang lmcache)
+ALL_STAGES=(ruff mypy core vllm torch sglang lmcache docs)
 if [[ -n "${POF_STAGES:-}" ]]; then
     read -r -a STAGES <<< "${POF_STAGES//,/ }"
 elif [[ "${POF_SKIP_ENGINES:-0}" == "1" ]]; then
-    STAGES=(ruff mypy core)
+    STAGES=(ruff mypy core docs)
 else
     STAGES=("${ALL_STAGES[@]}")
 fi
@@ -80,7 +82,7 @@ if wanted ruff || wanted mypy || wanted core; then
         BIN="$(dirname "$PY")"
         run_stage ruff "$BIN/ruff" check pof_connector tests ci examples
         run_stage mypy "$BIN/mypy"
-        POF_REQUIRE_NIXL=1 run_stage core "$PY" -m pytest -m "not vllm and not sglang and not torch and not lmcache" "$@"
+        POF_REQUIRE_NIXL=1 run_stage core "$PY" -m pytest -m "not vllm and not sglang and not torch and not lmcache and not docs" "$@"
     else
         not_run "core venv build failed" ruff mypy core
     fi
@@ -112,6 +114,24 @@ if wanted lmcache; then
         run_stage lmcache "$LPY" -m pytest -m lmcache "$@"
     else
         not_run "LMCache venv build failed" lmcache
+    fi
+fi
+
+if wanted docs; then
+    if DPY="$(venv ci/docs_venv.sh)"; then
+        docs_stage() {   # the site, strictly (a broken link, anchor or page fails), then the docs checks
+            local site rc
+            site="$(mktemp -d)"
+            # Not -q: a quiet build does not count warnings, and --strict then passes a broken link.
+            NO_MKDOCS_2_WARNING=1 "$(dirname "$DPY")/mkdocs" build --strict --clean -f mkdocs.yml -d "$site"
+            rc=$?
+            rm -rf "$site"
+            [[ $rc == 0 ]] || { echo "docs: mkdocs build --strict failed (exit $rc)"; return "$rc"; }
+            "$DPY" -m pytest -m docs tests/docs "$@"
+        }
+        run_stage docs docs_stage "$@"
+    else
+        not_run "docs venv build failed" docs
     fi
 fi
 

@@ -44,6 +44,8 @@ COUNTERS: dict[str, str] = {
     "audit_revoked": "Pages of this node another node's audit found wrong, dropped here, by tier",
     "store_refused_pages": "Pages not stored because no page could be evicted for them (pinned by readers or "
                            "prefix pins, or kept for tenants within their quotas), by tenant and tier",
+    "pin_copied_pages": "Pages of pinned prefixes this node copied from a holder (a pin's replicas)",
+    "pin_copy_failures": "Pages of pinned prefixes this node was asked to copy and could not, by reason",
     "load_seconds": "Time spent loading pages",
 }
 
@@ -54,7 +56,7 @@ COUNTER_LABELS: dict[str, str] = {
     "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
     "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
     "skipped_hooks": "hook", "audit_mismatches": "reason,writer", "audit_unread": "reason",
-    "audit_revoked": "tier", "store_refused_pages": "tenant,tier",
+    "audit_revoked": "tier", "store_refused_pages": "tenant,tier", "pin_copy_failures": "reason",
 }
 """The labels each labelled counter carries (comma-separated, sorted): what an engine's own metrics
 endpoint exports."""

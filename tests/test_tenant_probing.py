@@ -220,3 +220,65 @@ def test_the_locality_api_shows_another_org_or_a_saltless_probe_nothing(org_user
         assert seen.json() == fresh.json() and seen.json()["nodes"] == [], (probe, seen.text)
         assert {k: v for k, v in seen.headers.items() if k != "date"} == \
             {k: v for k, v in fresh.headers.items() if k != "date"}
+
+
+OTHER_TURN = list(range(5000, 5000 + 16 * 2))         # a turn nobody sent
+
+
+def two_salts(user: str, org: str) -> dict[str, Any]:
+    """The two-salt request shape: the user's salt as ``cache_salt``, the org's in ``kv_transfer_params``."""
+    return {"cache_salt": user, "kv_transfer_params": {"pof_shared_salt": org, "pof_shared_tokens": len(ORG_PROMPT)}}
+
+
+def locality_query(user: str, org: str) -> dict[str, Any]:
+    """The same for the locality API (its own fields: it takes no request body of an engine)."""
+    return {"cache_salt": user, "shared_salt": org, "shared_tokens": len(ORG_PROMPT)}
+
+
+def test_the_locality_api_answers_two_salt_queries_by_the_same_boundary(org_user: Any, index: RedisIndex) -> None:
+    client = TestClient(locality_app(index))
+
+    def ask(tokens: list[int], **q: Any) -> Any:
+        r = client.post("/v1/locality", json={"tokens": tokens, **q})
+        assert r.status_code == 200, r.text
+        return r
+
+    own = ask(ORG_PROMPT + TURN, **locality_query("user-1", ORG_A)).json()
+    assert own["nodes"][0]["matched_tokens"] == len(ORG_PROMPT + TURN)     # user-1: the org prompt and its turn
+    peer = ask(ORG_PROMPT + TURN, **locality_query("user-2", ORG_A))
+    assert peer.json()["nodes"][0]["matched_tokens"] == len(ORG_PROMPT)   # user-2: the org prompt only
+    unsent = ask(ORG_PROMPT + OTHER_TURN, **locality_query("user-2", ORG_A))
+    # user-1's turn tells user-2 nothing: the answer is the one for a turn nobody sent
+    assert peer.json() == unsent.json()
+    assert {k: v for k, v in peer.headers.items() if k != "date"} == \
+        {k: v for k, v in unsent.headers.items() if k != "date"}
+    for probe in [locality_query("user-1", ORG_B), locality_query("user-3", ORG_B)]:   # another org: nothing
+        seen, fresh = ask(ORG_PROMPT + TURN, **probe), ask(NEVER_SEEN, **probe)
+        assert seen.json() == fresh.json() and seen.json()["nodes"] == [], (probe, seen.text)
+
+
+def test_router_headers_keep_the_two_salt_boundary(org_user: Any, engines: dict[str, StandInEngine],  # noqa: F811
+                                                    redis_server: RedisServer) -> None:
+    router, idx = build(router_config(engines, index_url=redis_server.url, cost={"learn": False}))
+    try:
+        with TestClient(router_app(router)) as client:
+            time.sleep(0.3)
+            own = answer_headers(client, ORG_PROMPT + TURN, **two_salts("user-1", ORG_A))
+            assert own["x-pof-backend"] == "a" and own["x-pof-route-reason"] == "prefix-holder"
+
+            def both(prompt: list[int], **kw: Any) -> dict[str, dict[str, str]]:
+                """Answers by backend (idle backends take turns on ties: ask until both answered)."""
+                return {h["x-pof-backend"]: h for h in (answer_headers(client, prompt, **kw) for _ in range(4))}
+
+            # user-2 of the same org: the org prompt counts (its pages are on a), user-1's turn does not
+            peer = both(ORG_PROMPT + TURN, **two_salts("user-2", ORG_A))
+            assert peer == both(ORG_PROMPT + OTHER_TURN, **two_salts("user-2", ORG_A))
+            assert float(peer["a"]["x-pof-estimated-ttft"]) > float(own["x-pof-estimated-ttft"])
+            # another org: the same answers as for a prompt nobody sent
+            for user in ("user-1", "user-3"):
+                seen = both(ORG_PROMPT + TURN, **two_salts(user, ORG_B))
+                assert seen == both(NEVER_SEEN, **two_salts(user, ORG_B)) and set(seen) == {"a", "b"}, seen
+                assert float(seen["a"]["x-pof-estimated-ttft"]) > float(peer["a"]["x-pof-estimated-ttft"])
+    finally:
+        assert idx is not None
+        idx.close()

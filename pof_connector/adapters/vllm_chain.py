@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pof_connector.pages import ChainSeeds, PageKey, chain_keys
+from pof_connector.pages import ChainSeeds, PageKey, chain_keys, shared_salt_of
 
 
 class Chain:
@@ -64,10 +64,4 @@ def shared_part(request: Any) -> tuple[str | None, int]:
     """The organisation's salt and how many leading tokens it covers, from the request's
     ``kv_transfer_params`` (``(None, 0)``: one salt). Malformed values are ignored: the request
     then keeps to its own salt, which shares nothing it should not."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return None, 0
-    salt, tokens = params.get("pof_shared_salt"), params.get("pof_shared_tokens")
-    if not isinstance(salt, str) or not salt or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        return None, 0
-    return salt, tokens
+    return shared_salt_of(getattr(request, "kv_transfer_params", None))

@@ -26,6 +26,7 @@ from pof_connector.index.base import (
     IndexUnavailable,
     LocalityIndex,
     Location,
+    Matches,
     NodeIdTaken,
     NodeInfo,
     PrefixMatch,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from pof_connector.index.redis import RedisIndex
 
 __all__ = ["LOOKUP_ROUNDS", "MEDIA", "IndexTimeout", "IndexUnavailable", "LocalIndex", "LocalTable", "LocalityIndex",
-           "Location", "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "redis_index",
+           "Location", "Matches", "NodeIdTaken", "NodeInfo", "PrefixMatch", "TierUsage", "open_index", "redis_index",
            "resolve_url"]
 
 

@@ -92,6 +92,18 @@ key asked for, so a chain whose pages are held by several nodes in a row is aske
 where the runs so far stop): a chain is found across up to this many holders in a row."""
 
 
+class Matches(dict[str, "PrefixMatch"]):
+    """A lookup's answer, node -> its run, and what the index saw beyond the runs: ``held``, the
+    leading query pages that some holder (live or not, a run's head or not) has, so page ``held``
+    is held by none: a lookup starting there finds nothing. ``None``: the index did not say."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, runs: dict[str, PrefixMatch] | None = None, held: int | None = None) -> None:
+        super().__init__(runs or {})
+        self.held = held
+
+
 Resolver = Callable[[int, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 """Reads a holder's slot records: given how many leading pages, their media codes, and the slots and
 generations known so far (generation -1: not known), returns all their slots and generations (a
@@ -229,7 +241,9 @@ class LocalityIndex(ABC):
     def longest_prefix(self, keys: Sequence[PageKey]) -> dict[str, PrefixMatch]:
         """For each live node holding ``keys[0]``, the run of leading keys it holds.
 
-        Keys share one namespace. Nodes with no leading page are absent.
+        Keys share one namespace. Nodes with no leading page are absent. An index that knows
+        where nothing is held any more may answer :class:`Matches` (saving :func:`~.reach.gather_runs`
+        a round that could find nothing).
         """
 
     @abstractmethod

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from pof_connector.index.base import LOOKUP_ROUNDS, MEDIA, Location, PrefixMatch
+from pof_connector.index.base import LOOKUP_ROUNDS, MEDIA, Location, Matches, PrefixMatch
 from pof_connector.pages.keys import PageKey
 
 Run = tuple[int, PrefixMatch]
@@ -161,7 +161,9 @@ def gather_runs(keys: list[PageKey], ask: Callable[[list[PageKey]], Mapping[str,
     The index counts each node's pages from the first key it is asked for, so a chain whose head
     stayed on one node and whose tail lives on another (spilled, or evicted there and kept here)
     ends every run where the head's holder stops: it is asked again from ``covered(runs so far)``
-    (one more round trip, only for a partial hit), until that covers every key or moves no further."""
+    (one more round trip, only for a partial hit), until that covers every key or moves no further,
+    or the answer says that no one holds the page where the next round would start
+    (:attr:`~.base.Matches.held`: most partial hits, a known prefix and a new turn, end there)."""
     runs: list[Run] = []
     start = 0
     for _ in range(rounds):
@@ -172,7 +174,8 @@ def gather_runs(keys: list[PageKey], ask: Callable[[list[PageKey]], Mapping[str,
             break             # nothing further: the runs so far are the answer
         runs += [(start, m) for m in more.values()]
         nxt = covered(runs)
-        if nxt <= start:
+        held = more.held if isinstance(more, Matches) else None
+        if nxt <= start or (held is not None and start + held <= nxt):
             break
         start = nxt
     return runs

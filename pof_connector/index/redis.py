@@ -169,8 +169,12 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
         self._owner = uuid.uuid4().hex        # tells our registrations from another process's
         self._inc_names: dict[int, str] = {}
         self._flag_seen: dict[bytes, float] = {}
-        self._live_cache: tuple[list[Any], np.ndarray, np.ndarray] | None = None
         """Namespace -> when a lookup last saw its placeless flag (monotonic seconds)."""
+        self._live_cache: tuple[list[Any], np.ndarray, np.ndarray] | None = None
+        """The last ``ZRANGE live`` reply, parsed: (reply, incarnations sorted, their expiries in ms)."""
+        self._live_now: tuple[list[Any], int, int, np.ndarray] | None = None
+        """(reply, from, until, live incarnations): :meth:`_live`'s answer for a server time in
+        [from, until), where until is the first expiry among them."""
         self._lock = threading.Lock()
 
     def _connect(self, url: str, auth: IndexAuth | None, timeout_s: float) -> Any:
@@ -298,6 +302,11 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
         repeats (it changes with heartbeats, about once a second per node, while lookups come by the
         thousand): parsing 64 members and scores cost a lookup as much as decoding its runs."""
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        answer = self._live_now
+        # Between two heartbeats the reply repeats and no member expires: the same answer (the
+        # filtering below cost a lookup ~10 us, a tenth of one at 4 holders).
+        if answer is not None and answer[1] <= now_ms < answer[2] and answer[0] == live:
+            return answer[3]
         cached = self._live_cache
         if cached is None or cached[0] != live:
             pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
@@ -306,8 +315,12 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
             order = np.argsort(incs, kind="stable")
             cached = self._live_cache = (live, incs[order], expiry[order])
         _, incs, expiry = cached
-        mine = incs[(expiry > now_ms) & (incs > 0) & (incs < 1 << 32)]
-        return np.unique(mine).astype("<u4") if len(mine) and (np.diff(mine) == 0).any() else mine.astype("<u4")
+        keep = (expiry > now_ms) & (incs > 0) & (incs < 1 << 32)
+        mine = incs[keep]
+        out = np.unique(mine).astype("<u4") if len(mine) and (np.diff(mine) == 0).any() else mine.astype("<u4")
+        until = int(expiry[keep].min()) if len(mine) else now_ms + 1
+        self._live_now = (live, now_ms, until, out)
+        return out
 
     def _matches(self, found: LeadingRuns,
                  resolver: Callable[[int], Resolver] | None = None) -> dict[str, PrefixMatch]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from pof_connector.index.base import MEDIA, Location, PrefixMatch, Resolver
+from pof_connector.index.base import MEDIA, Location, Matches, PrefixMatch, Resolver
 from pof_connector.index.keyspace import FLAG_MEMORY_S, LIVE_QUERY, flat_key, loc_key, records_key, segment_key
 from pof_connector.index.record_runs import FIELD_BYTES, LeadingRuns, leading_runs
 from pof_connector.index.resp import frame, hmget_head, hmget_resp, page_fields, resp
@@ -132,7 +132,7 @@ class SegmentPath:
         if answer.unknown:
             self._refused(answer.unknown, "unknown_medium")
         if not answer.heads:
-            return {}
+            return Matches(held=answer.held)
         names = self._inc_names
         nodes = [names.get(i) for i in answer.heads]
         if None in nodes:                          # incarnations not seen before: their names, once
@@ -140,9 +140,9 @@ class SegmentPath:
             nodes = [known.get(i) for i in answer.heads]
         source = _Records(self, ns, answer)
         # Lean: one match per holder, so this is the lookup's per-holder cost in Python.
-        return {node: PrefixMatch(node, None, None, None, None, source, h, pages)
-                for h, (node, pages) in enumerate(zip(nodes, answer.media.pages.tolist(), strict=True))
-                if node is not None}
+        return Matches({node: PrefixMatch(node, None, None, None, None, source, h, pages)
+                        for h, (node, pages) in enumerate(zip(nodes, answer.media.pages.tolist(), strict=True))
+                        if node is not None}, answer.held)
 
 
 def _read_records(index: SegmentPath, ns: bytes, query: SegmentQuery, layers: np.ndarray, inc: int, media: np.ndarray,

@@ -50,6 +50,9 @@ class LocalityQuery(BaseModel):
     tokens: list[int] | None = Field(None, max_length=MAX_TOKENS, description="prompt token ids")
     text: str | None = Field(None, max_length=8 * MAX_TOKENS, description="prompt text (needs a tokenizer)")
     cache_salt: str | None = Field(None, max_length=256)
+    shared_salt: str | None = Field(None, max_length=256, description="two salts: the organisation's salt, for "
+                                                                      "the first shared_tokens tokens")
+    shared_tokens: int = Field(0, ge=0, description="two salts: the tokens of the shared prefix")
 
     @model_validator(mode="after")
     def one_prompt(self) -> LocalityQuery:
@@ -178,7 +181,8 @@ def make_app(index: LocalityIndex, *, token: str | None = None,
             if tokens is None:
                 raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens', or start it "
                                          f"with --tokenizer {model}=DIR")
-            found = locator.locate(tokens, model, query.cache_salt, nodes=live)
+            found = locator.locate(tokens, model, query.cache_salt, nodes=live, shared_salt=query.shared_salt,
+                                   shared_tokens=query.shared_tokens)
         except (ModelRequired, UnknownModel, IndexUnavailable) as e:
             raise lookup_error(e) from None
         health.ok()

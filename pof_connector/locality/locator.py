@@ -33,6 +33,7 @@ from pof_connector.index.base import MEDIA
 from pof_connector.index.reach import ENGINE, Run, gather_runs, reach_media
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.page_key_cache import PageKeyCache
+from pof_connector.pages.keys import page_keys
 
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = ENGINE
@@ -131,9 +132,12 @@ class Locator:
         return tok(text) if tok is not None else None
 
     def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None, *,
-               nodes: list[NodeInfo] | None = None) -> Locality:
+               nodes: list[NodeInfo] | None = None, shared_salt: str | None = None,
+               shared_tokens: int = 0) -> Locality:
         """Per node of ``model``, what it holds, has in its engine and can load of ``tokens``;
-        ``nodes``: a node list already fetched (``None``: :meth:`nodes`).
+        ``nodes``: a node list already fetched (``None``: :meth:`nodes`); ``shared_salt``: the
+        first ``shared_tokens`` are keyed under it, the rest under ``cache_salt`` (two salts: an
+        organisation's prompt, a user's turns; see :class:`~pof_connector.pages.keys.ChainSeeds`).
 
         Raises :class:`ModelRequired`, :class:`UnknownModel` or ``IndexUnavailable``."""
         live = self.nodes() if nodes is None else nodes
@@ -146,7 +150,11 @@ class Locator:
             space = _space(n)
             assert space is not None
             if space not in runs:
-                keys = self._page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
+                if shared_salt is not None and shared_tokens > 0:
+                    keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt, shared_salt=shared_salt,
+                                     shared_tokens=shared_tokens)
+                else:
+                    keys = self._page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
                 # Asked once per namespace for every node: later rounds start where the longest run stops.
                 runs[space] = gather_runs(keys, self.index.longest_prefix,
                                           lambda rs: max((at + m.pages for at, m in rs), default=0))

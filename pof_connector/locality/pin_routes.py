@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field, model_validator
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import IndexUnavailable
 from pof_connector.locality.locator import ModelRequired, UnknownModel
 from pof_connector.pins.pin import MAX_TTL_S, PinError
@@ -26,8 +27,9 @@ class PinRequest(BaseModel):
     cache_salt: str | None = Field(None, max_length=256, description="the salt its requests carry")
     ttl_s: float = Field(gt=0, le=MAX_TTL_S, description="how long the pin lives")
     kind: str = Field("soft", description="'soft': evicted last; 'hard': not evicted while the pin lives")
-    replicas: int = Field(1, ge=1, le=64, description="nodes that should hold it (recorded; copies are not made yet)")
-    label: str = Field("", max_length=64, description="a name to list it by (e.g. the tenant's)")
+    replicas: int = Field(1, ge=1, le=64, description="nodes that should hold it whole (copied until that many do)")
+    label: str = Field("", max_length=64, description="a name to list it by")
+    tenant: str = Field(DEFAULT_TENANT, max_length=64, description="whose quota its copies count against (a name)")
 
     @model_validator(mode="after")
     def one_prefix(self) -> PinRequest:
@@ -58,7 +60,7 @@ def add_pin_routes(app: FastAPI, desk: PinDesk, *, has_token: bool, authorized: 
                 if tokens is None:
                     raise HTTPException(422, f"no tokenizer for {model!r} on this server: send 'tokens'")
             pin = desk.pin(tokens, model=req.model, cache_salt=req.cache_salt, ttl_s=req.ttl_s, kind=req.kind,
-                           replicas=req.replicas, label=req.label)
+                           replicas=req.replicas, label=req.label, tenant=req.tenant)
         except PinError as e:
             raise HTTPException(422, str(e)) from None
         except (ModelRequired, UnknownModel, IndexUnavailable) as e:

@@ -27,6 +27,7 @@ from pof_connector.pages.keys import (
     chain_keys,
     keys_from_hex,
     page_keys,
+    shared_salt_of,
     storage_seed,
 )
 from pof_connector.pages.layout import (
@@ -50,4 +51,5 @@ from pof_connector.pages.layout import (
 __all__ = ["DIGEST_BYTES", "GENERATION_AT", "KIND_MHA", "KIND_MLA", "NAMESPACE_BYTES", "SEGMENT_PAGES", "VERSION",
            "ChainPlace", "ChainSeeds", "Namespace", "PageError", "PageHeader", "PageKey", "PageSpec", "as_array",
            "chain_digests", "chain_keys", "encode_header", "expect_checksums", "header_bytes_for", "header_template",
-           "keys_from_hex", "pack_page", "page_keys", "page_sum", "storage_seed", "verify_page", "verify_segment"]
+           "keys_from_hex", "pack_page", "page_keys", "page_sum", "shared_salt_of", "storage_seed", "verify_page",
+           "verify_segment"]

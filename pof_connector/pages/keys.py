@@ -279,6 +279,23 @@ class ChainSeeds:
         return head + chain_digests(tokens[cut:n * page_tokens], page_tokens, self.prior(self.switch, last))
 
 
+SHARED_SALT_PARAM, SHARED_TOKENS_PARAM = "pof_shared_salt", "pof_shared_tokens"
+"""The two-salt fields of a request's ``kv_transfer_params`` (vLLM's per-request connector
+parameters), read alike by the vLLM adapter, the locality API and ``pof router``."""
+
+
+def shared_salt_of(params: object) -> tuple[str | None, int]:
+    """The organisation's salt and how many leading tokens it covers, from a request's
+    ``kv_transfer_params`` (``(None, 0)``: one salt). Malformed values are ignored: the request
+    then keeps to its own salt, which shares nothing it should not."""
+    if not isinstance(params, dict):
+        return None, 0
+    salt, tokens = params.get(SHARED_SALT_PARAM), params.get(SHARED_TOKENS_PARAM)
+    if not isinstance(salt, str) or not salt or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        return None, 0
+    return salt, tokens
+
+
 def page_keys(
     namespace: bytes,
     tokens: Sequence[int] | np.ndarray,

@@ -1,6 +1,6 @@
 """``pof pin``: pin a prompt prefix in the pool for a while, list pins, remove one.
 
-    pof pin add --tokens 1,2,3,... --ttl 3600 [--hard] [--model M] [--salt-env NAME] [--replicas N]
+    pof pin add --tokens 1,2,3,... --ttl 3600 [--hard] [--model M] [--salt-env NAME] [--replicas N] [--tenant T]
     pof pin add --text "You are..." --tokenizer DIR --ttl 600
     pof pin list [--json]
     pof pin rm ID
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.cli_support import CommandError, out_console, print_json, usage
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import redis_index
 from pof_connector.index.cli import index_server
 from pof_connector.locality.locator import Locator, ModelRequired, UnknownModel, load_tokenizer
@@ -55,7 +56,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     desk = _desk(args)
     try:
         pin = desk.pin(_tokens(args), model=args.model, cache_salt=_salt(args), ttl_s=args.ttl,
-                       kind=HARD if args.hard else SOFT, replicas=args.replicas, label=args.label)
+                       kind=HARD if args.hard else SOFT, replicas=args.replicas, label=args.label,
+                       tenant=args.tenant)
     except (PinError, ModelRequired, UnknownModel) as e:
         raise CommandError(str(e)) from None
     finally:
@@ -93,11 +95,11 @@ def _show(rows: list[dict[str, Any]], as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title="pins", title_justify="left")
-    for name in ("id", "kind", "pages", "tokens", "model", "replicas", "label", "expires_in_s"):
+    columns = ("id", "kind", "pages", "tokens", "model", "replicas", "label", "tenant", "expires_in_s")
+    for name in columns:
         table.add_column(name)
     for r in rows:
-        table.add_row(*(str(r[c]) for c in ("id", "kind", "pages", "tokens", "model", "replicas", "label",
-                                             "expires_in_s")))
+        table.add_row(*(str(r[c]) for c in columns))
     out_console().print(table)
 
 
@@ -125,8 +127,10 @@ def add_parser(sub: Any) -> None:
     add.add_argument("--ttl", type=float, required=True, metavar="SECONDS", help="how long the pin lives")
     add.add_argument("--hard", action="store_true", help="never evict its pages while it lives (default: soft, "
                                                          "evicted after every other page)")
-    add.add_argument("--replicas", type=int, default=1, help="nodes that should hold it (recorded; only "
-                                                             "existing copies are kept today)")
+    add.add_argument("--replicas", type=int, default=1, help="nodes that should hold it whole (others copy it "
+                                                             "from a holder until that many do)")
+    add.add_argument("--tenant", default=DEFAULT_TENANT, help="whose quota its copies count against (the "
+                                                               "tenant's name in the pool config)")
     add.add_argument("--label", default="", help="a name to list it by, e.g. the tenant's")
     _where(add)
     add.set_defaults(handler=cmd_add)

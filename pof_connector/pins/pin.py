@@ -17,6 +17,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.pages.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
 
 SOFT, HARD = "soft", "hard"
@@ -25,6 +26,7 @@ MAX_TTL_S = 30 * 86400.0
 _ID_RE = re.compile(r"[0-9a-f]{16}")
 _KEY_RE = re.compile(f"[0-9a-f]{{{2 * NAMESPACE_BYTES}}}:[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 _LABEL_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
+_TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class PinError(ValueError):
@@ -34,8 +36,10 @@ class PinError(ValueError):
 @dataclass(frozen=True)
 class Pin:
     """``keys``: the pinned pages; ``tokens``: how many prompt tokens they cover (per namespace);
-    ``replicas``: how many nodes should hold the prefix (recorded; only the copies that exist
-    are kept today, none are made); ``label``: the caller's name for it (e.g. a tenant's)."""
+    ``replicas``: how many nodes should hold the prefix whole (nodes copy it until that many do:
+    :mod:`pof_connector.pool.pin_copies`); ``label``: the caller's name for it; ``tenant``: whose quota
+    the copies count against (a tenant's name, never its salt; a name a node does not know counts
+    as the default tenant there)."""
 
     pin_id: str
     keys: tuple[PageKey, ...]
@@ -45,6 +49,7 @@ class Pin:
     model: str = ""
     replicas: int = 1
     label: str = ""
+    tenant: str = DEFAULT_TENANT
 
     @staticmethod
     def new_id() -> str:
@@ -56,12 +61,13 @@ class Pin:
     def to_json(self) -> str:
         return json.dumps({"id": self.pin_id, "keys": [k.hex() for k in self.keys], "kind": self.kind,
                            "expires_at": self.expires_at, "tokens": self.tokens, "model": self.model,
-                           "replicas": self.replicas, "label": self.label}, separators=(",", ":"))
+                           "replicas": self.replicas, "label": self.label, "tenant": self.tenant},
+                          separators=(",", ":"))
 
     def summary(self, now: float) -> dict[str, object]:
         """What listings show (keys counted, not spelled out)."""
         return {"id": self.pin_id, "kind": self.kind, "pages": len(self.keys), "tokens": self.tokens,
-                "model": self.model, "replicas": self.replicas, "label": self.label,
+                "model": self.model, "replicas": self.replicas, "label": self.label, "tenant": self.tenant,
                 "expires_in_s": max(0.0, round(self.expires_at - now, 1))}
 
     @classmethod
@@ -84,6 +90,9 @@ class Pin:
             raise PinError("pin record: model must be a string of up to 256 characters")
         if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
             raise PinError("pin record: label must be up to 64 characters of [A-Za-z0-9_.:-]")
+        tenant = d.get("tenant", DEFAULT_TENANT)
+        if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+            raise PinError("pin record: tenant must be a tenant's name (1-64 characters of [A-Za-z0-9_.-])")
         expires, tokens, replicas = d.get("expires_at"), d.get("tokens", 0), d.get("replicas", 1)
         if isinstance(expires, bool) or not isinstance(expires, (int, float)):
             raise PinError("pin record: expires_at must be a number")
@@ -91,7 +100,7 @@ class Pin:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PinError(f"pin record: {name} must be a non-negative integer")
         return cls(pin_id, tuple(PageKey.from_hex(k) for k in keys), check_kind(d.get("kind")), float(expires),
-                   tokens, model, replicas, label)
+                   tokens, model, replicas, label, tenant)
 
 
 def check_kind(kind: object) -> str:
@@ -117,3 +126,10 @@ def check_label(label: object) -> str:
     if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
         raise PinError("label: expected up to 64 characters of [A-Za-z0-9_.:-]")
     return label
+
+
+def check_tenant(tenant: object) -> str:
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        raise PinError("tenant: expected a tenant's name as the pool config names it (1-64 characters of "
+                       "[A-Za-z0-9_.-]), never its salt")
+    return tenant

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import LocalityIndex
 from pof_connector.locality.locator import Locator
 from pof_connector.pages.keys import PageKey, page_keys
@@ -16,6 +17,7 @@ from pof_connector.pins.pin import (
     check_kind,
     check_label,
     check_replicas,
+    check_tenant,
     check_ttl,
 )
 
@@ -29,11 +31,12 @@ class PinDesk:
         self._clock = clock
 
     def pin(self, tokens: list[int], *, model: str | None, cache_salt: str | None, ttl_s: float, kind: str,
-            replicas: int = 1, label: str = "") -> Pin:
+            replicas: int = 1, label: str = "", tenant: str = DEFAULT_TENANT) -> Pin:
         """Pin the full pages of ``tokens`` (under ``cache_salt``) in every namespace the model's
         live pool nodes use. Raises :class:`PinError`, and the locator's ``ModelRequired`` /
         ``UnknownModel`` / ``IndexUnavailable``."""
         kind, ttl_s, replicas, label = check_kind(kind), check_ttl(ttl_s), check_replicas(replicas), check_label(label)
+        tenant = check_tenant(tenant)
         model, spaces = self.locator.spaces(model)
         keys: list[PageKey] = []
         covered = 0
@@ -46,7 +49,7 @@ class PinDesk:
                            f"{min(p for _, p in spaces) if spaces else '?'} tokens): nothing to pin")
         if len(keys) > MAX_PIN_PAGES:
             raise PinError(f"tokens: the prefix is {len(keys)} pages over all ranks; allowed: {MAX_PIN_PAGES}")
-        pin = Pin(Pin.new_id(), tuple(keys), kind, self._clock() + ttl_s, covered, model, replicas, label)
+        pin = Pin(Pin.new_id(), tuple(keys), kind, self._clock() + ttl_s, covered, model, replicas, label, tenant)
         self.index.put_pin(pin.pin_id, pin.to_json())
         return pin
 

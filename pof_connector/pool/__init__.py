@@ -8,6 +8,8 @@
   :mod:`.membership` (heartbeat, re-publish, lost tiers);
 * :mod:`.staging` — reusable host buffers the adapters copy pages through;
 * :mod:`.chunk_store` — an engine cache's whole chunks (LMCache's) kept as pof pages;
+* :mod:`.pin_copies` — copies of a pinned prefix on ``replicas`` nodes, read through the pool's own
+  read path and run by its membership;
 * :mod:`.memd` and :mod:`.memd_cli` — a memory-only node that lends its tiers (``pof memd``).
 
 May import: ``config``, ``pages``, ``metrics``, ``runtime_dir``, ``tiers``, ``index``, ``fabric``,

@@ -16,11 +16,12 @@ from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.pins.pin_book import PinBook
 from pof_connector.pool.lookup import SourceFinder
 from pof_connector.pool.node_parts import NodeParts
+from pof_connector.pool.pin_copies import PinCopies
 from pof_connector.pool.placement import Placement
 from pof_connector.tiers.tenant_usage import META_KEY, TenantUsage
 
 if TYPE_CHECKING:
-    pass
+    from pof_connector.pool.reads import Reads
 
 log = logging.getLogger("pof_connector.pool")     # the pool's one logger: filters set on it keep working
 REVOCATIONS_EVERY_S = 2.0
@@ -32,7 +33,8 @@ EMBEDDED_RESTART_S = 5.0
 class Membership:
     """Heartbeats of a worker node (``meta``: the node meta it reports, the fabric's lending state added)."""
 
-    def __init__(self, parts: NodeParts, meta: dict[str, str], finder: SourceFinder, placement: Placement) -> None:
+    def __init__(self, parts: NodeParts, meta: dict[str, str], finder: SourceFinder, placement: Placement,
+                 reads: Reads | None = None, namespace: bytes = b"") -> None:
         self.config = parts.config
         self.parts = parts
         self.node_id = parts.own.node_id
@@ -51,6 +53,10 @@ class Membership:
         """The live prefix pins: the tiers ask it on eviction; the heartbeat keeps it in step with the index."""
         for tier in self.own.all:
             tier.set_keep(self.pins.keep)
+        self.copies: PinCopies | None = None
+        """Makes this node one of a pin's ``replicas`` when it is asked to (a node with tiers)."""
+        if reads is not None and self.own.all:
+            self.copies = PinCopies(parts, finder, self.pins, namespace, reads.load, placement.store_packed)
         self._next_index_restart = 0.0
         self._next_revocations = 0.0
         self._closed = threading.Event()
@@ -70,6 +76,8 @@ class Membership:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.copies is not None:
+            self.copies.close()
 
     def _drop_revoked(self) -> None:
         """Drop the pages of ours another node's audit found wrong (see :mod:`pof_connector.audit.revocations`)."""
@@ -129,6 +137,8 @@ class Membership:
         # node knows are written back: a pin outlives an index restart while any node lives.
         if fresh or self.pins.due():
             self.guard.call("pins", lambda: self.pins.sync(self.index, write_back=bool(fresh)), default=None)
+            if self.copies is not None:
+                self.copies.check_soon()
         if self.publisher.take_republish() or fresh:
             entries = [e for t in self.own.live() for e in self.own.entries(t)]
             self.publisher.publish_all(entries)

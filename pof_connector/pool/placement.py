@@ -59,6 +59,11 @@ class Placement:
               ready: Callable[[], None] | None = None, tenant: str = DEFAULT_TENANT) -> Future[int]:
         return self._store.submit(self._store_batch, list(items), hold, ready, tenant)
 
+    def store_packed(self, items: list[tuple[PageKey, np.ndarray]], tenant: str = DEFAULT_TENANT) -> Future[int]:
+        """Store whole pages already packed and checked (copies of another node's pages, read
+        through the pool's read path), re-stamped with this node's slot generations."""
+        return self._store.submit(self._store_batch, items, None, None, tenant, True)
+
     def release(self, hold: Hashable, publish: bool) -> Future[int]:
         """Publish (``publish``) or drop the pages stored under ``hold``, after every store queued
         so far; the result is how many pages were published."""
@@ -81,11 +86,14 @@ class Placement:
         """Wait until every store submitted so far is written and published."""
         self._store.submit(lambda: None).result()
 
-    def _store_batch(self, items: list[tuple[PageKey, Sequence[Any]]], hold: Hashable | None = None,
-                     ready: Callable[[], None] | None = None, tenant: str = DEFAULT_TENANT) -> int:
+    def _store_batch(self, items: list[tuple[PageKey, Any]], hold: Hashable | None = None,
+                     ready: Callable[[], None] | None = None, tenant: str = DEFAULT_TENANT,
+                     packed: bool = False) -> int:
         """Write ``items``, pages of ``tenant``, into the first live tier; with ``hold``, keep them
         unpublished and invisible until :meth:`release` (the pages' evictions are published at once
-        all the same). ``ready``: waited for before a segment is read (see :meth:`Pool.store`)."""
+        all the same). ``ready``: waited for before a segment is read (see :meth:`Pool.store`).
+        ``packed``: each item's second part is a whole checked page (:meth:`store_packed`), not
+        per-layer segments."""
         if ready is not None:
             ready()
         events: list[Event] = []
@@ -101,7 +109,8 @@ class Placement:
                 if self.own.contains(key):
                     continue
                 self._make_room(level, events, tenant)
-                write = functools.partial(_write_layers, first, key, layers)
+                write = (functools.partial(first.write_page, page=layers) if packed
+                         else functools.partial(_write_layers, first, key, layers))
                 if hold is not None:
                     got = self._put_held(first, key, write, hold, events, tenant)
                     written += got

@@ -109,7 +109,7 @@ class Pool:
         self._reads = Reads(parts, self.finder)
         self.placement = Placement(parts, self.finder)
         """Stores, demotions and spills (on the one store thread)."""
-        self._membership = Membership(parts, self.meta, self.finder, self.placement)
+        self._membership = Membership(parts, self.meta, self.finder, self.placement, self._reads, namespace)
         self._closed = False
         if self._fabric is not None:
             self._fabric.start(self.finder.peer_meta)

@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.locator import Tokenizer
+from pof_connector.pages.keys import shared_salt_of
 from pof_connector.router.backend import Ticket
 from pof_connector.router.forward import Answer, BackendError, Forwarder, Sent
 from pof_connector.router.inline_gate import InlineGate
@@ -180,6 +181,10 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
         if salt is not None and not _unicode(salt):
             return _error(400, "'cache_salt' is not valid Unicode (it holds a lone UTF-16 surrogate)")
+        shared_salt, shared_tokens = shared_salt_of(body.get("kv_transfer_params") if body is not None else None)
+        if shared_salt is not None and not _unicode(shared_salt):
+            return _error(400, "'kv_transfer_params.pof_shared_salt' is not valid Unicode")
+        shared = (shared_salt, shared_tokens) if shared_salt is not None and shared_tokens > 0 else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
         target = path + (f"?{request.url.query}" if request.url.query else "")
         pd_header: dict[str, str] = {}
@@ -192,7 +197,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         while True:
             try:
                 decision = await gate.run(functools.partial(router.choose, tokens, cache_salt=salt, session=session,
-                                                            exclude=frozenset(tried), max_tokens=max_tokens))
+                                                            exclude=frozenset(tried), max_tokens=max_tokens,
+                                                            shared=shared))
             except NoBackend as e:
                 return _error(503, str(e))
             b = decision.backend

@@ -42,8 +42,8 @@ class Locates(Protocol):
     """Where a prompt's prefix lives: :class:`~pof_connector.locality.locator.Locator` on the index,
     or the simulator's view of its simulated nodes (``pof sim``), which drives this same router."""
 
-    def locate(self, tokens: list[int], model: str | None = None,
-               cache_salt: str | None = None) -> Locality: ...
+    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None, *,
+               shared_salt: str | None = None, shared_tokens: int = 0) -> Locality: ...
 
 
 class NoBackend(RuntimeError):
@@ -112,9 +112,11 @@ class Router:
 
     def choose(self, tokens: list[int] | None, *, cache_salt: str | None = None,
                session: str | None = None, exclude: frozenset[str] = frozenset(),
-               max_tokens: int | None = None) -> Decision:
+               max_tokens: int | None = None, shared: tuple[str, int] | None = None) -> Decision:
         """The backend for a prompt of ``tokens`` (``None``: unknown tokens) that generates up to
-        ``max_tokens`` (``None``: the request did not say). Raises :class:`NoBackend`."""
+        ``max_tokens`` (``None``: the request did not say). ``shared``: two salts, (the
+        organisation's salt, the tokens it covers) from the request's ``kv_transfer_params``; the
+        rest is under ``cache_salt``. Raises :class:`NoBackend`."""
         live = [b for b in self.healthy() if b.name not in exclude] if exclude else self.healthy()
         if not live:
             raise NoBackend("no healthy backend: " + ", ".join(f"{b.name} ({b.url})" for b in self.backends))
@@ -136,7 +138,7 @@ class Router:
                 else "fallback:no_index"
             decision = self._least_loaded_decision(live, why, n_tokens, need if policy == "pof" else None)
         else:
-            decision = self._by_cost(tokens, cache_salt, live, need)
+            decision = self._by_cost(tokens, cache_salt, live, need, shared)
         if moved and decision.route:
             decision = replace(decision, route="sticky-saturated:" + decision.route.split(":")[-1])
         if session is not None:
@@ -153,11 +155,15 @@ class Router:
             pressure = NodePressure(fallback)        # the relay's reading, published in the index
         return self.kv.assess(pressure, need, s_per_token=self.cost.s_per_token, overhead_s=self.cost.overhead_s)
 
-    def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend], need: int) -> Decision:
+    def _by_cost(self, tokens: list[int], cache_salt: str | None, live: list[Backend], need: int,
+                 shared: tuple[str, int] | None = None) -> Decision:
         assert self.locator is not None
         asked = time.perf_counter()
         try:
-            found: Locality | None = self.locator.locate(tokens, self.config.model, cache_salt)
+            found: Locality | None = (
+                self.locator.locate(tokens, self.config.model, cache_salt) if shared is None else
+                self.locator.locate(tokens, self.config.model, cache_salt, shared_salt=shared[0],
+                                    shared_tokens=shared[1]))
         except (IndexUnavailable, ModelRequired, UnknownModel) as e:
             lookup_s = time.perf_counter() - asked
             self.index_health.lost(type(e).__name__, str(e), "routing to the least loaded backend until it is back")

@@ -36,7 +36,8 @@ class SimLocator:
         self._info = [NodeInfo(n.name, meta={"page_bytes": str(profile.kv_bytes_per_token * page), "model": MODEL})
                       for n in nodes]
 
-    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None) -> Locality:
+    def locate(self, tokens: list[int], model: str | None = None, cache_salt: str | None = None, *,
+               shared_salt: str | None = None, shared_tokens: int = 0) -> Locality:
         if not isinstance(tokens, PromptRef):
             raise TypeError("the simulator's locator answers for simulated prompts (PromptRef) only")
         job = tokens.job

@@ -8,8 +8,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pof_connector.index import LocalIndex, LocalityIndex, LocalTable, Location, NodeIdTaken, NodeInfo, TierUsage
+from pof_connector.index import (
+    LocalIndex,
+    LocalityIndex,
+    LocalTable,
+    Location,
+    NodeIdTaken,
+    NodeInfo,
+    PrefixMatch,
+    TierUsage,
+)
 from pof_connector.index.cluster_servers import ClusterServers
+from pof_connector.index.reach import Run, gather_runs
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.redis_cluster import RedisClusterIndex
 from pof_connector.index.server import RedisServer
@@ -182,3 +192,34 @@ def test_two_live_processes_with_one_node_id_do_not_bump_each_other(make: Factor
     assert [n.node_id for n in reader.nodes()] == ["a"]
     second.leave()
     assert first.heartbeat(NodeInfo("a"), 10) is True           # the node id is free again
+
+
+def test_a_partial_hit_costs_one_round_and_a_spilled_tail_is_still_found(make: Factory, namespace: bytes) -> None:
+    """gather_runs asks again from where the runs stop only when some holder has that page: a known
+    prefix followed by a new turn (the common partial hit) is one query on an index that says where
+    holding ends (Redis, cluster); a tail spilled to another node is still found in a second round."""
+    a, b, reader = make("a"), make("b"), make(None)
+    assert a.heartbeat(NodeInfo("a"), 10) and b.heartbeat(NodeInfo("b"), 10)
+    ks = keys(namespace, 40)
+    a.publish([(k, loc("a", i)) for i, k in enumerate(ks[:6])])
+    asked: list[int] = []
+
+    def ask(q: list[PageKey]) -> dict[str, PrefixMatch]:
+        asked.append(len(ks) - len(q))
+        return reader.longest_prefix(q)
+
+    def covered(rs: list[Run]) -> int:
+        return max(at + m.pages for at, m in rs)
+
+    runs = gather_runs(ks, ask, covered)
+    assert [(at, m.node, m.pages) for at, m in runs] == [(0, "a", 6)]
+    assert asked == ([0, 6] if isinstance(reader, LocalIndex) else [0])
+    b.publish([(k, loc("b", i)) for i, k in enumerate(ks[6:], start=6)])      # the tail, on another node
+    asked.clear()
+    runs = gather_runs(ks, ask, covered)
+    assert [(at, m.node, m.pages) for at, m in runs] == [(0, "a", 6), (6, "b", 34)] and asked == [0, 6]
+    b.withdraw([(k, loc("b", i)) for i, k in enumerate(ks[20:], start=20)])   # a gap: runs stop at 20
+    asked.clear()
+    runs = gather_runs(ks, ask, covered)
+    assert [(at, m.node, m.pages) for at, m in runs] == [(0, "a", 6), (6, "b", 14)]
+    assert asked == ([0, 6, 20] if isinstance(reader, LocalIndex) else [0, 6])
