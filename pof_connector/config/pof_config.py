@@ -284,7 +284,8 @@ class PofConfig:
     """Prefill/decode disaggregation through the pool (see :mod:`pof_connector.config.pd_config`)."""
     index_auth: IndexAuth = field(default_factory=IndexAuth)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
-    """Tenants (mapped from their salt) and their byte quotas per tier (:mod:`pof_connector.config.tenant_config`)."""
+    """Tenants (mapped from their salt) and their byte quotas per tier
+    (see :mod:`pof_connector.config.tenant_config`)."""
 
     def tier(self, medium: str) -> TierConfig | None:
         """The options of ``medium``; ``None`` when this node has no such tier."""
