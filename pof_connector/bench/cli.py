@@ -302,10 +302,11 @@ def cmd_bench_pd(args: argparse.Namespace) -> int:
                                                      "goodput_rps", "failed")))
     out = out_console()
     out.print(table)
-    if "itl_p99_ratio_pd_vs_colocated" in result:
-        out.print(f"ITL p99 pd_pool / colocated [bold]{result['itl_p99_ratio_pd_vs_colocated']}[/bold], goodput "
-                  f"pd_pool / colocated {result['goodput_ratio_pd_vs_colocated']} (goal: <= 0.5 at >= 1: "
-                  f"{'met' if result['goal_met'] else 'not met'})")
+    for name in ("pd_pool", "pd_split", "nixl"):
+        r = result.get(f"{name}_vs_colocated")
+        if r:
+            out.print(f"{name} / colocated: ITL p99 [bold]{r['itl_p99_ratio']}[/bold], goodput {r['goodput_ratio']} "
+                      f"(goal: <= 0.5 at >= 1: {'met' if r['goal_met'] else 'not met'})")
     return 0
 
 
@@ -479,14 +480,16 @@ def add_parser(sub: Any) -> None:
     pd.add_argument("--model", metavar="DIR|PRESET", help="model (default: the local 'bench' preset)")
     pd.add_argument("--seconds", type=float, help="seconds of arrivals per set-up (default 150)")
     pd.add_argument("--chat-rate", type=float, help="chat requests per second (default 0.4)")
-    pd.add_argument("--chat-prompt", type=int, help="chat prompt tokens (default 256)")
+    pd.add_argument("--chat-prompt", type=int, help="chat prompt tokens (default 257)")
     pd.add_argument("--chat-tokens", type=int, help="chat answer tokens (default 96)")
     pd.add_argument("--long-rate", type=float, help="long-prompt requests per second (default 0.12)")
-    pd.add_argument("--long-prompt", type=int, help="long prompt tokens (default 2048)")
+    pd.add_argument("--long-prompt", type=int, help="long prompt tokens (default 2049)")
     pd.add_argument("--long-tokens", type=int, help="long request answer tokens (default 8)")
     pd.add_argument("--ttft-slo-s", type=float, help="goodput's TTFT bound (default 10)")
     pd.add_argument("--tpot-slo-s", type=float, help="goodput's bound on mean time per output token (default 0.25)")
     pd.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 16384)")
+    pd.add_argument("--split-below", type=int, help="pd_split: prompts under this many tokens are computed on the "
+                                                    "decode server (default 512)")
     pd.add_argument("--seed", type=int, default=43, help="workload seed (default 43)")
     pd.set_defaults(handler=cmd_bench_pd)
     chaos = bsub.add_parser("chaos", help="traffic with random faults; every answer checked against a reference",

@@ -25,6 +25,9 @@ def test_the_mix_is_seeded_open_loop_and_every_prompt_is_unique() -> None:
     assert {len(r.prompt) for r in chat} == {16} and {len(r.prompt) for r in long} == {64}
     assert {r.max_tokens for r in chat} == {mix.chat_tokens} and {r.max_tokens for r in long} == {mix.long_tokens}
     assert len({tuple(r.prompt) for r in a}) == len(a)                # no prefix cache helps any set-up
+    other = pd.make_requests(mix, seed=1, vocab=1000, content="colocated")
+    assert [(r.at, r.kind, len(r.prompt)) for r in other] == [(r.at, r.kind, len(r.prompt)) for r in a]
+    assert not {tuple(r.prompt) for r in other} & {tuple(r.prompt) for r in a}   # nor the pool, after another
 
 
 def test_figures_itl_over_chunks_goodput_by_both_slos_and_failures_counted() -> None:
@@ -60,5 +63,5 @@ def test_the_nixl_shim_gives_vllm_the_module_names_it_imports(tmp_path: Path) ->
 
 
 def test_unknown_setups_are_refused_before_anything_starts() -> None:
-    with pytest.raises(pd.BenchError, match="allowed: pd_pool, colocated, nixl"):
+    with pytest.raises(pd.BenchError, match="allowed: pd_pool, pd_split, colocated, nixl"):
         pd.run(mix=pd.Mix(), setups=["disagg"], seed=1, progress=print)
