@@ -54,7 +54,7 @@ PROMPTS: dict[str, tuple[int, int]] = {
     **{f"stock_2p2d_{i}": ((2 + i % 3) * BLOCK + 1, 440 + i) for i in range(6)},
     "pof_1p1d": (3 * BLOCK + 1, 434),
     **{f"pof_2p2d_{i}": ((2 + i % 3) * BLOCK + 1, 450 + i) for i in range(6)},
-    "pof_2p2d_stream": (3 * BLOCK + 1, 459),
+    "pof_2p2d_stream": (3 * BLOCK + 1, 459), "pof_short": (BLOCK + 1, 466), "pof_not_short": (2 * BLOCK + 1, 467),
     "corrupt": (3 * BLOCK + 1, 460), "taken_over": (3 * BLOCK + 1, 461), "never_came": (3 * BLOCK + 1, 462),
     "index_down": (3 * BLOCK + 1, 463), "killed_after": (3 * BLOCK + 1, 464), "killed_during": (3 * BLOCK + 1, 465),
 }
@@ -227,8 +227,9 @@ def test_stock_vllm_router_pd_mode(fleet: Fleet, workdir: Path, shape: str) -> N
         router.stop()
 
 
-def pof_router(workdir: Path, prefill: list[VllmServer], decode: list[VllmServer], name: str) -> RouterProcess:
-    config = {"policy": "least_loaded",
+def pof_router(workdir: Path, prefill: list[VllmServer], decode: list[VllmServer], name: str,
+               **extra: Any) -> RouterProcess:
+    config = {"policy": "least_loaded", **extra,
               "prefill": [{"name": f"p{i + 1}", "url": s.url} for i, s in enumerate(prefill)],
               "decode": [{"name": f"d{i + 1}", "url": s.url} for i, s in enumerate(decode)]}
     return RouterProcess.pof(workdir, config, name=name).start(timeout_s=120)
@@ -263,6 +264,24 @@ def test_pof_router_pd_mode(fleet: Fleet, workdir: Path, shape: str) -> None:
             assert got == fleet.ref(k), router.tail()
             assert h["x-pof-prefill"].startswith("p"), h
             assert_decoded_from_pool(moved(counts(fleet.decode), before), p, where=int(h["x-pof-backend"][1]) - 1)
+    finally:
+        router.stop()
+
+
+def test_pof_router_computes_prompts_under_pd_min_prefill_tokens_on_the_decode_server(fleet: Fleet,
+                                                                                     workdir: Path) -> None:
+    router = pof_router(workdir, fleet.prefill[:1], fleet.decode[:1], "pof-router-split",
+                        pd_min_prefill_tokens=2 * BLOCK)
+    try:
+        before = counts(fleet.decode)
+        got, h = routed(router, P("pof_short"))
+        assert got == fleet.ref("pof_short") and h["x-pof-prefill"] == "none:short-prompt", h
+        d = moved(counts(fleet.decode), before)[0]
+        assert d["computed"] == len(P("pof_short")) and d["loaded"] == 0, d        # co-located on d1
+        before = counts(fleet.decode)
+        got, h = routed(router, P("pof_not_short"))
+        assert got == fleet.ref("pof_not_short") and h["x-pof-prefill"] == "p1", h
+        assert_decoded_from_pool(moved(counts(fleet.decode), before), P("pof_not_short"), where=0)
     finally:
         router.stop()
 
