@@ -1,4 +1,4 @@
-"""``pof bench tiers | index | fabric | hbm | vllm | router | router-overhead | lmcache | ...``: run a
+"""``pof bench tiers | index | fabric | hbm | vllm | router | pd | router-overhead | lmcache | ...``: run a
 benchmark, print its table or JSON."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; impor
 from pof_connector.bench.audit import add_audit_parser
 from pof_connector.bench.capacity_cli import add_capacity_parser
 from pof_connector.bench.chaos_cli import add_chaos_parser
+from pof_connector.bench.pd_cli import add_pd_parser
 from pof_connector.bench.router_overhead_cli import add_router_overhead_parser
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
 from pof_connector.config import ConfigError, PofConfig, format_size, redact_url
@@ -409,6 +410,7 @@ def add_parser(sub: Any) -> None:
     router.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 12288 / 6144)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     router.set_defaults(handler=cmd_bench_router)
+    add_pd_parser(bsub)
     add_chaos_parser(bsub)
     add_capacity_parser(bsub)
     add_audit_parser(bsub)

@@ -189,10 +189,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         target = path + (f"?{request.url.query}" if request.url.query else "")
         pd_header: dict[str, str] = {}
         if prefill is not None and body is not None and route_by_prompt:
-            handoff, pd_header["x-pof-prefill"] = await prefill_half(prefill, forwarder[0], target, body, tokens,
-                                                                    headers, salt)
-            raw = decode_body(body, handoff)
-            clock.skip()
+            if tokens is not None and len(tokens) < cfg.pd_min_prefill_tokens:
+                pd_header["x-pof-prefill"] = "none:short-prompt"      # computed on the decode server
+            else:
+                handoff, pd_header["x-pof-prefill"] = await prefill_half(prefill, forwarder[0], target, body,
+                                                                        tokens, headers, salt)
+                raw = decode_body(body, handoff)
+                clock.skip()
         tried: set[str] = set()
         while True:
             try:

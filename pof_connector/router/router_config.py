@@ -130,6 +130,11 @@ class RouterConfig(_Frozen):
                                                                            "on one of them, its pages handed to "
                                                                            "a decode server through the pool")
     decode: list[BackendConfig] = Field(default_factory=list, description="P/D mode: the decode servers")
+    pd_min_prefill_tokens: int = Field(0, ge=0, description="P/D mode: a prompt of fewer tokens skips the prefill "
+                                                            "servers and is computed on its decode server (its "
+                                                            "prefill costs less than a hand-off); 0: every prompt "
+                                                            "is prefilled remotely. A text prompt the router does "
+                                                            "not tokenize always is")
     cost: CostConfig = CostConfig()
     capacity: CapacityConfig = CapacityConfig()
     health: HealthConfig = HealthConfig()

@@ -87,9 +87,9 @@ def engines() -> Iterator[dict[str, PdEngine]]:
             e.stop()
 
 
-def client_for(engines: dict[str, PdEngine], prefill: list[str], decode: list[str]) -> TestClient:
+def client_for(engines: dict[str, PdEngine], prefill: list[str], decode: list[str], **extra: Any) -> TestClient:
     config = RouterConfig.from_mapping({
-        "policy": "round_robin",
+        "policy": "round_robin", **extra,
         "prefill": [{"name": n, "url": engines[n].url} for n in prefill],
         "decode": [{"name": n, "url": engines[n].url} for n in decode]})
     router, index = build(config)
@@ -124,6 +124,16 @@ def test_a_failed_prefill_means_the_decode_server_computes(engines: dict[str, Pd
         r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
         assert r.status_code == 200 and r.headers["x-pof-prefill"] == "none:no-prefill-server"
         assert r.json()["choices"][0]["text"] == "d1:-"
+
+
+def test_prompts_below_pd_min_prefill_tokens_are_computed_on_the_decode_server(engines: dict[str, PdEngine]) -> None:
+    with client_for(engines, ["p1"], ["d1"], pd_min_prefill_tokens=4) as client:
+        sent = len(engines["p1"].bodies)
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-pof-prefill"] == "none:short-prompt"
+        assert len(engines["p1"].bodies) == sent and "kv_transfer_params" not in engines["d1"].bodies[-1]
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 4})
+        assert r.headers["x-pof-prefill"] == "p1" and r.json()["choices"][0]["text"] == "d1:p1"
 
 
 def test_a_failed_decode_server_is_replaced_and_the_handoff_still_holds(engines: dict[str, PdEngine]) -> None:
