@@ -145,8 +145,8 @@ command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=index,name
 
 # The native page kernel (fused copy + checksum), in place: `pip install .` builds it elsewhere; without a
 # compiler pof falls back to numpy and the host rows say so (bench: "native_kernel").
-if ! "$PY" -c 'import pof_connector._pagesum' >/dev/null 2>&1; then
-    say "building pof_connector._pagesum in place (setup.py build_ext --inplace, limit 120 s)"
+if ! "$PY" -c 'import pof_connector.pages._pagesum' >/dev/null 2>&1; then
+    say "building pof_connector.pages._pagesum in place (setup.py build_ext --inplace, limit 120 s)"
     timeout 120 "$PY" setup.py -q build_ext --inplace >"$ART/build_ext.log" 2>&1 || say "no native kernel: $(tail -1 "$ART/build_ext.log")"
 fi
 

@@ -80,7 +80,7 @@ venv() {       # venv SCRIPT: the venv's python (last line of the script's outpu
 if wanted ruff || wanted mypy || wanted core; then
     if PY="$(venv ci/core_venv.sh)"; then
         BIN="$(dirname "$PY")"
-        run_stage ruff "$BIN/ruff" check pof_connector tiers adapters tests ci examples
+        run_stage ruff "$BIN/ruff" check pof_connector tests ci examples
         run_stage mypy "$BIN/mypy"
         POF_REQUIRE_NIXL=1 run_stage core "$PY" -m pytest -m "not vllm and not sglang and not torch and not lmcache and not docs" "$@"
     else

@@ -1,23 +1,23 @@
 """pof-connector: PagedAttention over Fabrics — a cluster-wide KV-cache pool for stock vLLM and SGLang.
 
-The core (this package) imports no engine. Its modules:
+The core imports no engine. Its packages, from the bottom up (each ``__init__`` says what it
+holds and what it may import; docs/layout.md has the whole tree, tests/test_import_rules.py
+checks the rules):
 
-* :mod:`.config` — one validated config; :mod:`.keys` — page keys; :mod:`.pages` — page layout;
-* :mod:`.pool` — :class:`~.pool.Pool`, what adapters call; it builds :mod:`.node_parts` (what its parts
-  share) and delegates to :mod:`.own_tiers`
-  (this node's tiers), :mod:`.lookup` (the sources a node can read), :mod:`.reads` (loads and
-  zero-copy reads, with :mod:`.load_handle` and :mod:`.page_reader`), :mod:`.placement` (store,
-  demote, spill), :mod:`.publisher` (publish / withdraw) and :mod:`.membership` (heartbeat,
-  re-publish, lost tiers);
-* :mod:`.staging` — reusable host buffers the adapters copy pages through;
-* :mod:`.chunk_store` — an engine cache's whole chunks (LMCache's) kept as pof pages;
-* :mod:`.metrics` — the pool's counters and their Prometheus export;
-* :mod:`.memd` — a memory-only node that lends its tiers (``pof memd``);
-* :mod:`.cli` — the ``pof`` command, assembled from each group's registration (:mod:`.cli_support`,
-  :mod:`.memd_cli`, ``index.cli``, ``bench.cli``, ``relay.cli``, ``router.serve``); :mod:`.console`;
-* packages: ``index`` (where pages live), ``locality`` (where a prompt's prefix lives, for
-  routers), ``router``, ``relay``, ``fabric`` (remote reads over NIXL), ``bench``, and — through
-  symlinks to the repository's top level — ``tiers`` (media) and ``adapters`` (vLLM, SGLang, LMCache).
+* ``config`` — one validated config, credentials, the ``pd``, ``tenants`` and ``audit`` keys;
+* ``pages`` — page keys, the page layout, its checksums (numpy, the native kernel, torch, Triton);
+* ``tiers`` — the media a node stores pages in (CPU DRAM, CXL, peer HBM);
+* ``index`` — where pages live, cluster-wide (the locality index);
+* ``fabric`` — other nodes' tiers read over NIXL;
+* ``pool`` — :class:`~pof_connector.pool.Pool`, what adapters call, and its parts; ``pof memd``;
+* ``adapters`` — vLLM, SGLang and LMCache; they import only the core's public face;
+* ``audit``, ``pins``, ``locality`` (where a prompt's prefix lives, for routers), ``relay``,
+  ``router``, ``bench``, ``sim``.
+
+Loose modules: :mod:`.metrics` (the pool's counters and their Prometheus export),
+:mod:`.runtime_dir` (the owner-only runtime directory), :mod:`.body_limits` (bounded HTTP request
+bodies), and the ``pof`` command: :mod:`.cli`, assembled from each group's registration, with
+:mod:`.cli_support` and :mod:`.console`.
 """
 
 __version__ = "0.1.0"

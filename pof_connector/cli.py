@@ -21,7 +21,7 @@ stdout alone, so it can be piped; progress and errors go to stderr.
 
 Each command group registers itself next to its code (``add_parser(sub)``):
 :mod:`pof_connector.index.cli`, :mod:`pof_connector.bench.cli`, :mod:`pof_connector.router.serve`,
-:mod:`pof_connector.relay.cli`, :mod:`pof_connector.memd_cli`; their shared plumbing is
+:mod:`pof_connector.relay.cli`, :mod:`pof_connector.pool.memd_cli`; their shared plumbing is
 :mod:`pof_connector.cli_support`. This module only assembles them.
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pof_connector import memd_cli
 from pof_connector.audit import cli as audit_cli
 from pof_connector.bench import BenchError
 from pof_connector.bench import cli as bench_cli
@@ -39,6 +38,7 @@ from pof_connector.config import ConfigError
 from pof_connector.index import cli as index_cli
 from pof_connector.index.base import IndexUnavailable
 from pof_connector.pins import cli as pin_cli
+from pof_connector.pool import memd_cli
 from pof_connector.relay import cli as relay_cli
 from pof_connector.router import serve as router_serve
 from pof_connector.sim import sim_cli

@@ -9,7 +9,7 @@ import pwd
 import stat
 from pathlib import Path
 
-from pof_connector.config_error import ConfigError
+from pof_connector.config.config_error import ConfigError
 
 
 def _user(uid: int) -> str:

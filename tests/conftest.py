@@ -11,8 +11,8 @@ import pytest
 
 from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace
+from pof_connector.pages.layout import PageSpec
 from tests.tls_redis import TlsRedis
 
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from pof_connector.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_digest, chunk_key
 from pof_connector.config import PofConfig
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.pool import Pool
+from pof_connector.pool.chunk_store import ChunkGeometry, ChunkOwner, ChunkStore, chunk_digest, chunk_key
 
 GEO = ChunkGeometry(kv=2, layers=3, tokens=16, hidden_bytes=64)
 OWNER = ChunkOwner("m", 1, 0, "bfloat16")

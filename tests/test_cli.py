@@ -21,7 +21,7 @@ from pof_connector.config import ConfigError, PofConfig, redact_url
 from pof_connector.index.base import IndexUnavailable, NodeInfo, TierUsage
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from pof_connector.keys import Namespace, PageKey, chain_digests, page_keys, storage_seed
-from pof_connector.pages import KIND_MHA, KIND_MLA, PageError, PageHeader, PageSpec, encode_header
+from pof_connector.pages.keys import Namespace, PageKey, chain_digests, page_keys, storage_seed
+from pof_connector.pages.layout import KIND_MHA, KIND_MLA, PageError, PageHeader, PageSpec, encode_header
 
 SPEC = PageSpec(num_layers=4, segment_bytes=4096, page_tokens=16)
 
@@ -55,7 +55,7 @@ def test_chain_equals_sglang(page_size: int, extra_key: str | None, cache_salt: 
 
 def test_same_keys_in_another_process(namespace: bytes) -> None:
     tokens = list(range(1000, 1000 + 16 * 10))
-    code = ("import json,sys; from pof_connector.keys import page_keys; "
+    code = ("import json,sys; from pof_connector.pages.keys import page_keys; "
             f"print(json.dumps([k.hex() for k in page_keys(bytes.fromhex('{namespace.hex()}'), "
             f"{tokens}, 16, cache_salt='s')]))")
     env = {"PYTHONHASHSEED": "12345"}   # a different hash seed must not matter

@@ -31,9 +31,9 @@ def test_tier_gauges_read_the_tiers_as_they_are() -> None:
     the slots a tier holds pages in, read when asked (not at the last heartbeat)."""
     import numpy as np
 
-    from pof_connector.keys import PageKey
     from pof_connector.metrics import GAUGES, tier_gauges
-    from pof_connector.pages import PageSpec
+    from pof_connector.pages.keys import PageKey
+    from pof_connector.pages.layout import PageSpec
     from pof_connector.tiers.cpu_dram import CpuDramTier
 
     spec = PageSpec(num_layers=2, segment_bytes=1024, page_tokens=4)

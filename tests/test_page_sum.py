@@ -23,9 +23,17 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pof_connector import page_sum
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageHeader, PageSpec, encode_header, header_template, pack_page, verify_page
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import (
+    PageError,
+    PageHeader,
+    PageSpec,
+    encode_header,
+    header_template,
+    pack_page,
+    verify_page,
+)
 from pof_connector.tiers import CpuDramTier, SlotRef
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +182,7 @@ def test_native_and_numpy_match_the_reference_at_every_length(length: int) -> No
 GENERIC_CHILD = """
 import json, sys
 import numpy as np
-from pof_connector import page_sum
+from pof_connector.pages import page_sum
 assert page_sum.NATIVE == "generic", page_sum.NATIVE
 rng = np.random.default_rng(0)
 out = []
@@ -359,7 +367,7 @@ def test_kt_copy_from_several_callers_at_once_copies_each_callers_pages() -> Non
 HELPERS_CHILD = """
 import json, os
 import numpy as np
-from pof_connector import page_sum
+from pof_connector.pages import page_sum
 os.sched_setaffinity(0, {0})          # pinned, as a CPU engine pins its forward thread
 seg = np.arange(2 * 16 * 2 * 16 * 4, dtype=np.uint32).view(np.uint8)[: 2 * 16 * 2 * 16 * 4]
 cache = np.zeros((4, 2, 2, 16 * 16 * 4), dtype=np.uint8)
@@ -394,7 +402,7 @@ def test_kt_copy_helpers_run_beside_a_pinned_caller_and_survive_fork() -> None:
 LATE_HELPER_CHILD = """
 import json, os, time
 import numpy as np
-from pof_connector import page_sum
+from pof_connector.pages import page_sum
 native = page_sum._native
 tokens, heads, dim = 32, 4, 32
 rng = np.random.default_rng(0)
@@ -787,7 +795,7 @@ def test_torch_computes_the_same_checksums() -> None:
 
 _TRITON_CHECK = """
 import numpy as np, torch
-from pof_connector import page_sum, page_sum_triton
+from pof_connector.pages import page_sum, page_sum_triton
 rng = np.random.default_rng(9)
 shapes = ((5, 4), (5, 64), (2, 3, 1000), (3, 1024), (3, 1028), (2, 2, 2, 4100), (2, 65_548), (1, 262_144))
 cases = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in shapes]
@@ -832,7 +840,7 @@ def test_a_triton_kernel_that_cannot_build_leaves_the_torch_sums(monkeypatch: py
     torch = pytest.importorskip("torch")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("no Triton in this venv")
-    from pof_connector import page_sum_triton
+    from pof_connector.pages import page_sum_triton
 
     def broken(segments: object, seed: object) -> object:
         raise RuntimeError("PTX .version 9.9 does not support .target sm_99")

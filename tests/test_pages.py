@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pof_connector.keys import PageKey
-from pof_connector.pages import (
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import (
     GENERATION_AT,
     PageError,
     PageHeader,

@@ -12,14 +12,14 @@ from fastapi.testclient import TestClient
 
 from pof_connector.config import PofConfig
 from pof_connector.index import LocalIndex, LocalTable
-from pof_connector.keys import PageKey, page_keys
 from pof_connector.locality.api import make_app
 from pof_connector.locality.locator import Locator
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pins import HARD, SOFT, Pin, PinBook, PinError
-from pof_connector.pins.copies import placed, rank
 from pof_connector.pins.pin_desk import PinDesk
 from pof_connector.pool import Pool
+from pof_connector.pool.pin_copies import placed, rank
 from pof_connector.tiers.base import slot_bytes_for
 from pof_connector.tiers.slot_table import KEEP_HARD, KEEP_NONE, KEEP_SOFT, SlotTable
 

@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pof_connector import page_sum
-from pof_connector import pool as pool_module
 from pof_connector.config import PofConfig
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import LocalIndex, LocalTable, Location, NodeInfo
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
-from pof_connector.tenant_config import DEFAULT_TENANT
+from pof_connector.pool import pool as pool_module
 from pof_connector.tiers import SlotRef
 from pof_connector.tiers.base import slot_bytes_for
 
@@ -353,7 +353,7 @@ def test_zero_copy_reader_checks_what_was_copied(pool: Pool) -> None:
 def test_zero_copy_reader_reads_and_checks_a_whole_layer_at_once(pool: Pool) -> None:
     """``segments`` / ``check_all`` (a layer of every page per call, as the vLLM worker's fused
     copy uses them) give and check what ``segment`` / ``check`` do page by page."""
-    from pof_connector import page_sum
+    from pof_connector.pages import page_sum
     keys = pool.keys_for(np.arange(16 * 4))
     pool.store([(k, content(k)) for k in keys]).result()
     reader = pool.open_read(keys, pool.lookup(keys).sources)
@@ -377,7 +377,7 @@ def test_zero_copy_reader_reads_and_checks_a_whole_layer_at_once(pool: Pool) -> 
 
 
 def test_a_segment_of_a_slot_outside_the_tier_is_refused(pool: Pool) -> None:
-    from pof_connector.pages import PageError
+    from pof_connector.pages.layout import PageError
     tier = pool.tiers[0]
     for slot in (-1, tier.num_slots):
         with pytest.raises(PageError, match="bad_location"):
@@ -571,7 +571,7 @@ def test_a_worker_says_which_kernel_copies_its_pages(runtime_dir: str, namespace
     if native is None:
         assert lines[0].levelno == logging.WARNING
         assert "numpy" in lines[0].getMessage() and "pip install" in lines[0].getMessage()
-        assert os.path.dirname(os.path.dirname(page_sum.__file__)) in lines[0].getMessage()
+        assert os.path.dirname(os.path.dirname(os.path.dirname(page_sum.__file__))) in lines[0].getMessage()
     else:
         assert lines[0].levelno == logging.INFO and "native kernel (avx2)" in lines[0].getMessage()
 

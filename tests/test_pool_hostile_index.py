@@ -19,7 +19,7 @@ from pof_connector.index.redis import RedisIndex, loc_key, records_key, segment_
 from pof_connector.index.segments import tag
 from pof_connector.index.server import RedisServer
 from pof_connector.index.summary import encode_records, encode_summary, parse_records, parse_summary
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.pool import Pool
 from tests.test_pool import SPEC, assert_pages, cfg, content, load_all, wait_for
 

@@ -14,7 +14,7 @@ import pytest
 from pof_connector.cli import build_parser, main
 from pof_connector.config import ConfigError, PofConfig, TierConfig
 from pof_connector.index.embedded import SOCKET, ensure_embedded, stop_embedded
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 from pof_connector.router.router_config import RouterConfig
 from pof_connector.runtime_dir import private_dir

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pof_connector.staging import StagingPool
+from pof_connector.pool.staging import StagingPool
 
 
 def test_buffers_are_reused_and_capped() -> None:

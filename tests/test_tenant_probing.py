@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import PageKey, page_keys
 from pof_connector.locality.api import make_app as locality_app
 from pof_connector.locality.locator import Locator
+from pof_connector.pages.keys import PageKey, page_keys
 from pof_connector.relay.kv_events import BlockStored, encode_batch
 from pof_connector.router.proxy import make_app as router_app
 from pof_connector.router.serve import build

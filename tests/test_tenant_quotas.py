@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from pof_connector.config import ConfigError, PofConfig
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index.stats_view import tenant_table
-from pof_connector.keys import PageKey
 from pof_connector.metrics import register_prometheus
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
-from pof_connector.tenant_config import DEFAULT_TENANT
 from pof_connector.tiers.base import slot_bytes_for
 from pof_connector.tiers.slot_table import SlotTable
 

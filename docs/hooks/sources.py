@@ -7,14 +7,14 @@ from the code. When a module moves, repoint the imports below and nothing else.
 
 from __future__ import annotations
 
-from pof_connector.audit.audit_config import AUDIT_KEYS, AuditConfig
 from pof_connector.cli import build_parser
-from pof_connector.config import _FABRIC_KEYS, _TIER_KEYS, KNOWN_MEDIA, FabricConfig, PofConfig, TierConfig
-from pof_connector.config_error import ConfigError
-from pof_connector.credentials import INDEX_AUTH_KEYS, IndexAuth
-from pof_connector.pd_config import PD_KEYS, PDConfig
+from pof_connector.config.audit_config import AUDIT_KEYS, AuditConfig
+from pof_connector.config.config_error import ConfigError
+from pof_connector.config.credentials import INDEX_AUTH_KEYS, IndexAuth
+from pof_connector.config.pd_config import PD_KEYS, PDConfig
+from pof_connector.config.pof_config import _FABRIC_KEYS, _TIER_KEYS, KNOWN_MEDIA, FabricConfig, PofConfig, TierConfig
+from pof_connector.config.tenant_config import TENANT_KEYS, TENANTS_KEYS, Tenant, TenantsConfig
 from pof_connector.router.router_config import RouterConfig
-from pof_connector.tenant_config import TENANT_KEYS, TENANTS_KEYS, Tenant, TenantsConfig
 
 POOL_SECTIONS = {
     # config key (a nested mapping) -> (its dataclass, the option names its parser accepts)

@@ -20,8 +20,8 @@ from rich.table import Table
 from pof_connector.config import PofConfig
 from pof_connector.console import console
 from pof_connector.index.embedded import stop_embedded
-from pof_connector.keys import Namespace
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 LAYERS = 8

@@ -8,7 +8,10 @@ load). For a sampled pool hit the engine computes the page itself instead of loa
 page of the same key, layer by layer, within a stated numeric tolerance
 (:mod:`pof_connector.audit.tolerance`). A page that differs is withdrawn and its writer named.
 
-Holds: :mod:`.audit_config` (the ``audit`` config key), :mod:`.tolerance` (the error measure and
-its bounds), :mod:`.auditor` (comparisons on a thread of their own, their counters and actions).
-May import the core (pool, pages, index); engine adapters import this package, never the reverse.
+Holds: :mod:`.sampler` (which requests are audited), :mod:`.tolerance` (the error measure and
+its bounds), :mod:`.auditor` (comparisons on a thread of their own, their counters and actions),
+:mod:`.revocations` and :mod:`.cli` (``pof audit``). The ``audit`` config key is
+:mod:`pof_connector.config.audit_config`, with the other keys.
+May import the core (pool, pages, index, config) and ``cli_support``; engine adapters import
+:mod:`.auditor` and :mod:`.sampler`, never the reverse.
 """

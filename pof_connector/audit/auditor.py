@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pof_connector.audit.audit_config import AuditConfig
 from pof_connector.audit.revocations import KEEP, REVOKED_META, encode
 from pof_connector.audit.tolerance import classify, page_errors
+from pof_connector.config.audit_config import AuditConfig
 from pof_connector.index.base import Location
-from pof_connector.keys import PageKey
-from pof_connector.pages import VERSION
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import VERSION
 from pof_connector.pool import Pool
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 
 from pof_connector.index.base import Location, NodeInfo
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 REVOKED_META = "audit.revoked"
 KEEP = 256

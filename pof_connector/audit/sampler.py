@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pof_connector.audit.audit_config import AuditConfig
+from pof_connector.config.audit_config import AuditConfig
 
 
 class Sampler:

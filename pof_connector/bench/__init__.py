@@ -12,6 +12,9 @@ engine per process).
 Helpers: :mod:`.service_process`, :mod:`.vllm_server`, :mod:`.router_process` (processes stopped
 by PID) and :mod:`.make_model` (the local test models). :mod:`.cli` registers them as
 ``pof bench`` commands and prints their tables.
+
+May import: anything of ``pof_connector``, adapters included (the engine benchmarks drive real
+engines through them); nothing of the core imports this package except the CLI and ``sim``.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.adapters.vllm_faults import ENV, FAULTS
-from pof_connector.audit.audit_config import DEFAULT_BOUNDS
 from pof_connector.audit.cli import summaries
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
+from pof_connector.config.audit_config import DEFAULT_BOUNDS
 from pof_connector.index import redis_index
 from pof_connector.index.embedded import embedded_url, stop_embedded
 

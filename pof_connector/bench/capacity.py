@@ -41,35 +41,31 @@ import math
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from pof_connector.bench import BenchError, Progress, nearest_rank
-from pof_connector.bench.capacity_fleet import Fleet, FleetSpec, UsageSampler
+from pof_connector.bench.capacity_fleet import Fleet, FleetSpec
 from pof_connector.bench.capacity_probe import (
     batch_decode_steps,
     host_sharing,
     prompt_sizes,
     router_latency,
     unloaded_ttft,
-    warm_up,
 )
-from pof_connector.bench.capacity_replay import Replay, Trial
 from pof_connector.bench.capacity_report import SLO_MULTIPLE, draw, merge_namings, setup_row
 from pof_connector.bench.capacity_report import report as _report
 from pof_connector.bench.capacity_search import RESOLUTION, SAFETY_CAP, GoodputSearch, bounded_search, ratio_bound
+from pof_connector.bench.capacity_setup_run import BLOCK, SetupRun
 from pof_connector.bench.capacity_setups import (
     SETUPS,
-    SHARED_SETUPS,
     VLLM_ROUTER_SETUPS,
     kv_bytes_per_token,
     tier_share,
 )
-from pof_connector.bench.capacity_stats import PASS_RULES, TRIALS_PER_FACTOR, needed, repeated
+from pof_connector.bench.capacity_stats import PASS_RULES, TRIALS_PER_FACTOR, needed
 from pof_connector.bench.capacity_trace import (
     Mix,
-    TraceRequest,
     check_sessions,
     fragmenting_trace,
     read_trace,
@@ -79,7 +75,6 @@ from pof_connector.bench.make_model import PRESETS
 from pof_connector.bench.needs import MATPLOTLIB, VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.vllm_server import build_model
 
-BLOCK = 128
 TIME_BUDGET_S, QUICK_TIME_BUDGET_S = 900.0, 300.0
 """Seconds of trials each set-up's search gets per trial of a factor (``--time-budget-s``)."""
 STATIC_NAMINGS = 3
@@ -157,136 +152,6 @@ def failure_cause(message: str) -> str:
     the message's first line."""
     named = ERROR_LINE.search(message)
     return (named.group(1) if named else message.split("\n", 1)[0]).strip()[:300]
-
-
-class SetupRun:
-    """The trials of one set-up on its fleet."""
-
-    def __init__(self, fleet: Fleet, trace: list[TraceRequest], vocab: int, slo_s: float, progress: Progress,
-                 trials: list[dict[str, Any]] | None = None, *, trials_per_factor: int = 1,
-                 pass_rule: str = "majority", verdicts: list[dict[str, Any]] | None = None) -> None:
-        """``trials`` / ``verdicts``: the trial rows and factor verdicts of an earlier fleet of this
-        set-up, when its search goes on here; ``trials_per_factor`` / ``pass_rule``: see
-        :mod:`.capacity_stats`."""
-        self.fleet = fleet
-        self.trace = trace
-        self.vocab = vocab
-        self.slo_s = slo_s
-        self.progress = progress
-        self.trials: list[dict[str, Any]] = trials if trials is not None else []
-        self.verdicts: list[dict[str, Any]] = verdicts if verdicts is not None else []
-        self.trials_per_factor = trials_per_factor
-        self.pass_rule = pass_rule
-        self._variant = len(self.trials)
-
-    def warm_up(self) -> None:
-        """:func:`~.capacity_probe.warm_up` through this set-up's front door, then a clean slate."""
-        served = warm_up(self.trace, self.fleet.route(self.trace), self.vocab, BLOCK, self.slo_s,
-                         variant=-10 - len(self.trials))
-        self._quiesce()
-        self.progress(f"  {self.fleet.setup}: warmed up ({served} requests through its front door)")
-
-    def trial(self, factor: float) -> bool:
-        self._variant += 1
-        self._quiesce()
-        replay = Replay(self.trace, self.fleet.route(self.trace), vocab=self.vocab, variant=self._variant, block=BLOCK,
-                        slo_s=self.slo_s, timeout_s=max(60.0, 20 * self.slo_s))
-        before = self.fleet.counters()
-        with UsageSampler(self.fleet) as sampler:
-            trial = replay.run(factor)
-        self._quiesce()
-        after = self.fleet.counters()
-        row = trial.figures(self.slo_s)
-        row.update(sampler.figures())
-        row.update(self._work(trial, before, after, row["mean_ttft_s"]))
-        row["backends"] = _shares(trial)
-        row["repeat"] = sum(1 for t in self.trials if t["factor"] == row["factor"])      # 0: its factor's first
-        self.trials.append(row)
-        verdict = "meets" if row["passed"] else "misses"
-        errors = ", ".join(f"{n} {why}" for why, n in row["errors"].items() if not why.startswith("not sent"))
-        self.progress(f"  {self.fleet.setup} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
-                      f"{row['p90_ttft_s']} s, {row['late']} late, {row['failed']} failed"
-                      f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
-                      f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} "
-                      f"(floor {row['spread_floor_mean']}), mean TTFT parts {_parts_text(row['ttft_parts_s'])}"
-                      f"{_router_text(row)}, tier: {row['tier_evicted_pages']} evicted, peak "
-                      f"{row['tier_peak_used_bytes']} B -> {verdict} the SLO")
-        return bool(row["passed"])
-
-    def _verdict(self, factor: float, results: list[bool], passed: bool) -> None:
-        self.verdicts.append({"factor": round(factor, 4), "trials": results, "passed": passed})
-        if self.trials_per_factor > 1:
-            self.progress(f"  {self.fleet.setup} x{factor:.3g}: {sum(results)} of {len(results)} trials met the SLO "
-                          f"-> {'passes' if passed else 'fails'} ({self.pass_rule} of {self.trials_per_factor})")
-
-    def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float],
-              mean_ttft_s: float | None) -> dict[str, Any]:
-        """What the engines did in ``trial`` (their counters ``before`` and ``after`` it);
-        ``mean_ttft_s``: the trial's mean TTFT as the client saw it (``None``: no first token)."""
-        d = {k: after[k] - before[k] for k in after}
-        computed = d["vllm:iteration_tokens_total_sum"]
-        sent = [o for o in trial.outcomes if not o.error.startswith("not sent")]
-        minimum = sum(o.first_touch_tokens + o.max_tokens - 1 for o in sent)
-        external = int(d["vllm:external_prefix_cache_hits_total"])
-        return {"preemptions": d["vllm:num_preemptions_total"], "tokens_computed": int(computed),
-                "tokens_first_touch": minimum, "tokens_recomputed": int(max(0.0, computed - minimum)),
-                "engine_hit_tokens": int(d["vllm:prefix_cache_hits_total"]),
-                # loads from a tier: the shared pool's (pool_hit_tokens) or a private one's
-                "tier_hit_tokens": external,
-                "pool_hit_tokens": external if self.fleet.setup in SHARED_SETUPS else 0,
-                "tier_evicted_pages": int(d.get("vllm:pof_evicted_pages_total", 0.0)),
-                "tier_evicted_pages_by_server": {k.split(":")[0]: int(v) for k, v in d.items()
-                                                 if k.endswith(":evicted_pages")},
-                "pool_loaded_pages": int(d["vllm:pof_loaded_pages_total"]),
-                "ttft_parts_s": ttft_parts(d, mean_ttft_s),
-                "engine_first_tokens": {k.split(":")[0]: int(v) for k, v in d.items() if k.endswith(":first_tokens")}}
-
-    def _quiesce(self, timeout_s: float = 120.0) -> None:
-        """Until no request runs or waits (streams closed by a give-up are aborted a moment later),
-        then drop the engines' prefix caches."""
-        deadline = time.monotonic() + timeout_s
-        while not self.fleet.idle():
-            if time.monotonic() > deadline:
-                raise BenchError(f"{self.fleet.setup}: the servers still had requests {timeout_s:g} s after a trial")
-            time.sleep(0.5)
-        self.fleet.reset_caches()
-
-    def search(self, search: GoodputSearch, budget_s: float | None) -> GoodputSearch:
-        """``search`` carried on with this fleet for ``budget_s`` seconds (``None``: until it ends),
-        each factor decided by its trials (:func:`~.capacity_stats.repeated`)."""
-        return search.run(repeated(self.trial, self.trials_per_factor, self.pass_rule, self._verdict), budget_s)
-
-
-def _router_text(row: dict[str, Any]) -> str:
-    """The pof router's own mean time before sending on, part of ``outside`` ('' without one)."""
-    spent = row.get("router_decision_mean_s")
-    return "" if spent is None else f" (of it pof router before sending {spent})"
-
-
-def _parts_text(parts: dict[str, float | None]) -> str:
-    return " / ".join(f"{k} {v}" for k, v in parts.items() if k != "engine")
-
-
-def ttft_parts(d: dict[str, float], client_mean_s: float | None) -> dict[str, float | None]:
-    """Where a trial's mean TTFT went, from the engines' own histograms (``d``: their increase over
-    the trial): ``queue`` (waiting for the scheduler: KV memory or a batch slot), ``prefill`` (first
-    scheduled to first token: compute, or a load from the pool), ``engine`` (vLLM's TTFT, from
-    arrival at its API server), and ``outside`` = the client's mean TTFT - ``engine``: HTTP, the
-    router, the tokenizer. Means over requests that got a first token; ``None``: none did."""
-    def mean(name: str) -> float | None:
-        n = d.get(f"vllm:{name}_seconds_count", 0.0)
-        return round(d[f"vllm:{name}_seconds_sum"] / n, 4) if n > 0 else None
-    engine = mean("time_to_first_token")
-    return {"queue": mean("request_queue_time"), "prefill": mean("request_prefill_time"), "engine": engine,
-            "outside": round(client_mean_s - engine, 4) if client_mean_s is not None and engine is not None else None}
-
-
-def _shares(trial: Trial) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for o in trial.outcomes:
-        if o.backend:
-            out[o.backend] = out.get(o.backend, 0) + 1
-    return out
 
 
 def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model: str | None, setups: list[str],

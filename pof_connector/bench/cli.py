@@ -4,7 +4,6 @@ benchmark, print its table or JSON."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -12,19 +11,18 @@ from typing import Any
 
 from rich.table import Table
 
-from pof_connector.bench import chaos as bench_chaos  # starts vLLM servers, memd, a router; imports no vLLM
 from pof_connector.bench import fabric as bench_fabric  # imports NIXL only when run
 from pof_connector.bench import hbm as bench_hbm  # imports torch only when run
 from pof_connector.bench import index as bench_index
 from pof_connector.bench import index_cluster as bench_index_cluster
 from pof_connector.bench import lmcache as bench_lmcache  # starts LMCache engines in its venv; imports no LMCache
-from pof_connector.bench import pd as bench_pd  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import router as bench_router  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench import tiers as bench_tiers
 from pof_connector.bench import vllm as bench_vllm  # starts vLLM servers; imports no vLLM itself
 from pof_connector.bench.audit import add_audit_parser
 from pof_connector.bench.capacity_cli import add_capacity_parser
-from pof_connector.bench.chaos_faults import KINDS as CHAOS_KINDS
+from pof_connector.bench.chaos_cli import add_chaos_parser
+from pof_connector.bench.pd_cli import add_pd_parser
 from pof_connector.bench.router_overhead_cli import add_router_overhead_parser
 from pof_connector.cli_support import out_console, print_json, progress, size_arg, usage
 from pof_connector.config import ConfigError, PofConfig, format_size, redact_url
@@ -282,61 +280,6 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_pd(args: argparse.Namespace) -> int:
-    names = [f.name for f in dataclasses.fields(bench_pd.Mix)]
-    mix = bench_pd.Mix(**{k: getattr(args, k) for k in names if getattr(args, k, None) is not None})
-    result = bench_pd.run(mix=mix, setups=args.setups, seed=args.seed, progress=progress)
-    if args.json:
-        print_json(result)
-        return 0
-    table = Table(title=f"P/D on a prefill-heavy mix ({result['requests']['chat']} chat, "
-                        f"{result['requests']['long']} long requests), model {Path(result['model']).name}",
-                  title_justify="left")
-    for col in ("set-up", "TTFT p50 s", "TTFT p90 s", "ITL p50 s", "ITL p99 s", "goodput req/s", "failed"):
-        table.add_column(col, justify="left" if col == "set-up" else "right")
-    for name, row in result["setups"].items():
-        if "skipped" in row:
-            table.add_row(name, "", "", "", "", "", f"skipped: {row['skipped'][:80]}")
-            continue
-        table.add_row(name, *(str(row[k]) for k in ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p99_s",
-                                                     "goodput_rps", "failed")))
-    out = out_console()
-    out.print(table)
-    for name in ("pd_pool", "pd_split", "nixl"):
-        r = result.get(f"{name}_vs_colocated")
-        if r:
-            out.print(f"{name} / colocated: ITL p99 [bold]{r['itl_p99_ratio']}[/bold], goodput {r['goodput_ratio']} "
-                      f"(goal: <= 0.5 at >= 1: {'met' if r['goal_met'] else 'not met'})")
-    return 0
-
-
-def cmd_bench_chaos(args: argparse.Namespace) -> int:
-    minutes, rounds = (3.0, 1) if args.quick else (args.minutes, args.rounds)
-    result = bench_chaos.run(minutes=minutes, seed=args.seed, rounds=rounds, model=args.model,
-                             max_requests=args.max_requests, progress=progress, kinds=tuple(args.faults))
-    if args.json:
-        print_json(result)
-    else:
-        table = Table(title=f"chaos: {minutes:g} minutes, seed {args.seed}", title_justify="left")
-        for name in ("fault", "at s", "lasted s", "hit before", "during", "after", "full hits again s", "detail"):
-            table.add_column(name, justify="left" if name in ("fault", "detail") else "right")
-        for row in result["fault_log"]:
-            if "skipped" in row:
-                table.add_row(row["kind"], f"{row['at_s']:.0f}", "", "", "", "", "", f"skipped: {row['skipped']}")
-                continue
-            table.add_row(row["kind"], f"{row['at_s']:.0f}", f"{row['lasted_s']:.0f}", f"{row['hit_rate_before']:.3f}",
-                          f"{row['hit_rate_during']:.3f}", f"{row['hit_rate_after']:.3f}",
-                          str(row["recover_full_hits_s"]), row["detail"])
-        out = out_console()
-        out.print(table)
-        req = result["requests"]
-        out.print(f"requests sent {req['sent']}, answered {req['answered']}, failed {req['failed']}; "
-                  f"[bold]wrong answers {result['wrong_answers']}[/bold], audit mismatches "
-                  f"{result['audit_mismatches']} of {result['audited_pages']} audited pages, unplanned crashes "
-                  f"{result['unplanned_crashes']}; hit rate {result['hit_rate']:.3f}")
-    return 1 if result["wrong_answers"] or result["unplanned_crashes"] else 0
-
-
 def add_parser(sub: Any) -> None:
     """Register ``pof bench`` and its benchmarks."""
     bench = sub.add_parser("bench", help="benchmark the tiers and the index on this host",
@@ -467,49 +410,8 @@ def add_parser(sub: Any) -> None:
     router.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 12288 / 6144)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     router.set_defaults(handler=cmd_bench_router)
-    pd = bsub.add_parser("pd", help="P/D through the pool vs the same servers co-located vs vLLM's NixlConnector P/D",
-                         description="A prefill-heavy mix (long prompts arriving while chat answers stream) on two "
-                                     "vLLM servers: 1P1D through the pool (pof router's P/D mode), the same two "
-                                     "servers co-located behind pof router, and vLLM's own P/D (NixlConnector with "
-                                     "a host buffer, behind vllm-router --vllm-pd-disaggregation) where NIXL is "
-                                     "installed. TTFT p50/p90, inter-token latency p50/p99, goodput. Needs vLLM "
-                                     "and vllm-router.")
-    pd.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    pd.add_argument("--setups", type=lambda v: [w.strip() for w in v.split(",") if w.strip()],
-                    default=list(bench_pd.SETUPS), help=f"some of {','.join(bench_pd.SETUPS)} (default all)")
-    pd.add_argument("--model", metavar="DIR|PRESET", help="model (default: the local 'bench' preset)")
-    pd.add_argument("--seconds", type=float, help="seconds of arrivals per set-up (default 150)")
-    pd.add_argument("--chat-rate", type=float, help="chat requests per second (default 0.4)")
-    pd.add_argument("--chat-prompt", type=int, help="chat prompt tokens (default 257)")
-    pd.add_argument("--chat-tokens", type=int, help="chat answer tokens (default 96)")
-    pd.add_argument("--long-rate", type=float, help="long-prompt requests per second (default 0.12)")
-    pd.add_argument("--long-prompt", type=int, help="long prompt tokens (default 2049)")
-    pd.add_argument("--long-tokens", type=int, help="long request answer tokens (default 8)")
-    pd.add_argument("--ttft-slo-s", type=float, help="goodput's TTFT bound (default 10)")
-    pd.add_argument("--tpot-slo-s", type=float, help="goodput's bound on mean time per output token (default 0.25)")
-    pd.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 16384)")
-    pd.add_argument("--split-below", type=int, help="pd_split: prompts under this many tokens are computed on the "
-                                                    "decode server (default 512)")
-    pd.add_argument("--seed", type=int, default=43, help="workload seed (default 43)")
-    pd.set_defaults(handler=cmd_bench_pd)
-    chaos = bsub.add_parser("chaos", help="traffic with random faults; every answer checked against a reference",
-                            description="Two pooled vLLM servers (shared CXL region + fabric), a pof memd node, a "
-                                        "Redis-protocol index and pof router, with faults from a seeded schedule "
-                                        "(memd killed, index restarted, flipped bytes, tier file removed, peer "
-                                        "stopped, link cut, eviction storm, vLLM killed); each answer is "
-                                        "compared with a server without the connector. Exits 1 on any wrong "
-                                        "answer or unplanned crash. Needs vLLM and NIXL.")
-    chaos.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    chaos.add_argument("--minutes", type=float, default=20.0, help="minutes of traffic (default 20)")
-    chaos.add_argument("--rounds", type=int, default=3, help="times each fault kind is injected (default 3)")
-    chaos.add_argument("--seed", type=int, default=1, help="seed of the traffic and the fault schedule (default 1)")
-    chaos.add_argument("--quick", action="store_true", help="3 minutes, each fault once (what CI runs)")
-    chaos.add_argument("--faults", type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
-                       default=list(CHAOS_KINDS), metavar="KIND,...",
-                       help=f"fault kinds to inject (default all: {', '.join(CHAOS_KINDS)})")
-    chaos.add_argument("--max-requests", type=int, default=1_000_000, help="stop the traffic after this many")
-    chaos.add_argument("--model", metavar="DIR", help="model directory (default: build the local 'tiny' model)")
-    chaos.set_defaults(handler=cmd_bench_chaos)
+    add_pd_parser(bsub)
+    add_chaos_parser(bsub)
     add_capacity_parser(bsub)
     add_audit_parser(bsub)
     add_router_overhead_parser(bsub)

@@ -53,8 +53,8 @@ from pof_connector.fabric import PeerMeta, nixl_installed
 from pof_connector.fabric.nixl_api import INSTALL_HINT, load_nixl
 from pof_connector.index import Location
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 OWNER_START_S = 120.0

@@ -17,8 +17,8 @@ import sys
 import numpy as np
 
 from pof_connector.config import PofConfig
-from pof_connector.keys import Namespace, PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 PAGE_TOKENS = 16

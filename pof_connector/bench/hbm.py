@@ -26,7 +26,7 @@ row                         pof                                             raw 
 ``peer_vs_host_tier`` compares the two ways an engine gets a page onto its GPU: from a peer GPU's
 HBM or from this host's DRAM tier.
 Throughputs are medians over repeats, in GB/s (10^9 bytes per second). ``raw_gbps.checksum_host``
-is the page format's segment checksum alone on the host (v3, :mod:`pof_connector.page_sum`);
+is the page format's segment checksum alone on the host (v3, :mod:`pof_connector.pages.page_sum`);
 ``raw_gbps.checksum_device`` is the same checksum computed by torch on the engine's device over
 pages already there: what verifying a page where the DMA put it costs.
 """
@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from pof_connector import page_sum
 from pof_connector.bench import BenchError
 from pof_connector.config import TierConfig
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageHeader, PageSpec
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageHeader, PageSpec
 from pof_connector.tiers import SlotRef, Tier, make_tier
 
 

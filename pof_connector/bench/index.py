@@ -22,15 +22,15 @@ import redis
 
 from pof_connector.bench import BenchError, Progress, quiet
 from pof_connector.config import redact_url
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index import segments
 from pof_connector.index.base import MEDIA, IndexUnavailable, Location, NodeInfo, PrefixMatch
 from pof_connector.index.client import redis_client
 from pof_connector.index.redis import RedisIndex, flat_key, loc_key, records_key, segment_key
 from pof_connector.index.segments import SegmentQuery
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace, PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 
 PAGE_TOKENS = 64
 SPEC = PageSpec(num_layers=32, segment_bytes=PAGE_TOKENS * 2 * 8 * 128 * 2, page_tokens=PAGE_TOKENS)

@@ -31,7 +31,7 @@ from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.redis import RedisIndex, loc_key
 from pof_connector.index.redis_cluster import BUCKETS, bucket_key
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import DIGEST_BYTES, PageKey
+from pof_connector.pages.keys import DIGEST_BYTES, PageKey
 
 NOTE = ("single and cluster are started by the bench from the same binary on this host, all on loopback TCP; "
         "lookups alternate "

@@ -13,7 +13,7 @@ from pof_connector.config import FabricConfig
 from pof_connector.fabric import PeerMeta
 from pof_connector.fabric.agent import new_nixl_agent, ucx_init_params
 from pof_connector.fabric.remote_reader import POLL_S
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 
 
 class RawNixlReader:

@@ -35,9 +35,9 @@ from pof_connector.bench.vllm_server import build_model
 from pof_connector.config import PofConfig
 from pof_connector.index import redis_index
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace
 from pof_connector.locality.locator import Tokenizer, load_tokenizer
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 Progress = Callable[[str], None]

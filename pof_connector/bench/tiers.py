@@ -23,8 +23,8 @@ import numpy.typing as npt
 
 from pof_connector.bench import BenchError, Progress, geomean, quiet
 from pof_connector.config import TierConfig, format_size
-from pof_connector.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers import CpuDramTier, CxlTier, Tier
 
 Buffer = npt.NDArray[np.uint8]

@@ -45,12 +45,12 @@ def run(*, device: str = "cuda", pages: tuple[int, ...] = (32, 128, 512), layers
         repeat: int = 3, layer_us: float = 100.0, tier: str = "cpu_dram") -> dict[str, Any]:
     import torch
 
-    from pof_connector import page_sum
     from pof_connector.adapters.vllm_geometry import VllmGeometry
     from pof_connector.adapters.vllm_views import engine_views
     from pof_connector.adapters.vllm_worker import PoFWorker
     from pof_connector.config import PofConfig
-    from pof_connector.pages import PageSpec
+    from pof_connector.pages import page_sum
+    from pof_connector.pages.layout import PageSpec
 
     dev = torch.device(device)
     dt = getattr(torch, dtype)

@@ -8,7 +8,7 @@
 * :mod:`.meta` — what a node publishes in the locality index so peers can connect lazily;
 * :mod:`.spans` — how a page is read in layer parts, and the descriptor layout of both ends;
 * :mod:`.registered_staging` — pof-owned, NIXL-registered memory remote pages land in (and
-  spilled pages leave from); not :mod:`pof_connector.staging`, the adapters' host buffers;
+  spilled pages leave from); not :mod:`pof_connector.pool.staging`, the adapters' host buffers;
 * :mod:`.remote_node` — one connected remote node, its descriptor lists prepared once;
 * :mod:`.peers` — the reference-counted connections to remote nodes, with back-off;
 * :mod:`.remote_reader` — batched, deadline-bound, validated remote page reads (``RemoteLoad``);
@@ -18,6 +18,9 @@
 * :mod:`.node` — this node's agent, registered tiers, connections, reader and spill, built by the pool.
 
 NIXL is optional: nothing here imports it until a :class:`FabricNode` is created.
+
+May import: ``config``, ``pages``, ``tiers``, ``index`` (and ``metrics``, ``runtime_dir``). Never the
+pool (:mod:`pof_connector.pool` builds a :class:`FabricNode`, not the reverse) nor an adapter.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ UCX_ENGINE_CONFIG = ("TCP_USER_TIMEOUT=5s", "TCP_KEEPIDLE=1s", "TCP_KEEPINTVL=1s
 
 
 class FabricError(RuntimeError):
-    """A fabric operation failed. ``reason`` is the :class:`~pof_connector.pages.PageError` reason
+    """A fabric operation failed. ``reason`` is the :class:`~pof_connector.pages.layout.PageError` reason
     the affected pages get; ``disconnected`` means the peer's connection is dead for good."""
 
     def __init__(self, reason: str, detail: str, *, disconnected: bool = False) -> None:

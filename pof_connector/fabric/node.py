@@ -18,7 +18,7 @@ from pof_connector.fabric.remote_reader import RemoteReader
 from pof_connector.fabric.slot_lender import SlotLender
 from pof_connector.fabric.spans import layer_parts, part_spans
 from pof_connector.fabric.spill_writer import LEND_KEY, SpillWriter
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers import Tier
 
 log = logging.getLogger(__name__)

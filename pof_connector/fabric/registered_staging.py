@@ -1,5 +1,5 @@
 """pof-owned local memory, registered with the NIXL agent, that remote pages land in before they
-are validated (and spilled pages leave from); not :mod:`pof_connector.staging`, the adapters'
+are validated (and spilled pages leave from); not :mod:`pof_connector.pool.staging`, the adapters'
 reusable host buffers.
 
 Remote READs never target an engine's buffers: a cancelled READ (deadline passed) can still write
@@ -17,7 +17,7 @@ import numpy as np
 
 from pof_connector.fabric.agent import NixlAgent
 from pof_connector.fabric.spans import span_descs
-from pof_connector.pages import PageError, PageHeader, PageSpec
+from pof_connector.pages.layout import PageError, PageHeader, PageSpec
 from pof_connector.tiers import SlotRef
 
 SLOT_ALIGN = 64
@@ -114,7 +114,7 @@ class StagingArea:
 
 class StagedPage:
     """Validated remote pages in staging, read through the same calls as a tier
-    (:class:`pof_connector.page_reader.SlotSource`); ``ref.slot`` is the staging slot."""
+    (:class:`pof_connector.pool.page_reader.SlotSource`); ``ref.slot`` is the staging slot."""
 
     in_place = True
 

@@ -12,7 +12,7 @@ import numpy as np
 from pof_connector.fabric.agent import FabricError, NixlAgent
 from pof_connector.fabric.meta import PeerMeta
 from pof_connector.fabric.spans import span_descs
-from pof_connector.pages import GENERATION_AT
+from pof_connector.pages.layout import GENERATION_AT
 
 
 class RemoteNode:

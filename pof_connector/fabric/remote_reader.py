@@ -16,14 +16,14 @@ touching any byte, tiers/base.py).
 The seqlock argument covers the whole page only once that last check passed, so the last part's
 layers are released only after it. A page whose later part or generation check fails may have
 had earlier layers released already: it fails as a whole, like a local page whose later layer
-fails :meth:`~pof_connector.page_reader.PageReader.check` — the caller reports it and the engine
+fails :meth:`~pof_connector.pool.page_reader.PageReader.check` — the caller reports it and the engine
 recomputes it (vLLM: ``get_block_ids_with_load_errors``); the bytes it copied are not used.
 
 The connections to the nodes read from are :class:`~pof_connector.fabric.peers.Peers`' (shared
 with the spill writer); a node that fails a read is backed off there.
 
 Nothing here raises for a remote failure: a page that cannot be fetched or validated comes back
-as a :class:`~pof_connector.pages.PageError` (``remote_error``, ``timeout``, ``peer_down``,
+as a :class:`~pof_connector.pages.layout.PageError` (``remote_error``, ``timeout``, ``peer_down``,
 ``no_staging``, or a validation reason) and the engine recomputes it.
 """
 
@@ -44,8 +44,8 @@ from pof_connector.fabric.registered_staging import StagedPage, StagingArea
 from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.fabric.spans import LAYER_REQUESTS, layer_parts, part_spans, span_base
 from pof_connector.index import Location
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageHeader, PageSpec, verify_segment
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageHeader, PageSpec, verify_segment
 from pof_connector.tiers import SlotRef
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pof_connector.fabric.notifier import Message
 from pof_connector.index import Location
 from pof_connector.index.guarded import LogOnce
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.tiers import Tier
 
 log = logging.getLogger(__name__)

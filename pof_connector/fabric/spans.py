@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 
 LAYER_REQUESTS = 2
 """READ requests per (peer, medium) group of a load: headers and layer 0, then the other layers.

@@ -36,8 +36,8 @@ from pof_connector.fabric.peers import Peers
 from pof_connector.fabric.registered_staging import StagingArea
 from pof_connector.fabric.remote_node import RemoteNode
 from pof_connector.index import Location, NodeInfo
-from pof_connector.keys import PageKey
-from pof_connector.pages import GENERATION_AT, PageError, PageHeader, PageSpec, encode_header
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import GENERATION_AT, PageError, PageHeader, PageSpec, encode_header
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pof_connector.cluster_url import is_cluster_url
 from pof_connector.config import PofConfig
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.cluster_url import is_cluster_url
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index.base import (
     LOOKUP_ROUNDS,
     MEDIA,

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 MEDIA = ("cpu_dram", "cxl", "gpu_hbm", "peer_hbm", "disk", "engine")
 """Media codes stored in the index (position = code). Only append: codes are persistent.

@@ -13,7 +13,7 @@ from typing import Any
 
 from pof_connector.cli_support import CommandError, err_console, out_console, print_json, usage
 from pof_connector.config import PofConfig, redact_url
-from pof_connector.credentials import IndexAuth, read_secret
+from pof_connector.config.credentials import IndexAuth, read_secret
 from pof_connector.index import redis_index
 from pof_connector.index.embedded import PIDFILE, embedded_alive, embedded_url, restarts, stop_embedded, supervise
 from pof_connector.index.server import ping

@@ -6,7 +6,7 @@ from typing import Any
 
 import redis
 
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.credentials import IndexAuth
 
 
 def redis_client(url: str, auth: IndexAuth | None = None, *, timeout_s: float | None, **kw: Any) -> redis.Redis:

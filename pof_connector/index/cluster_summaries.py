@@ -36,7 +36,7 @@ from pof_connector.index.redis import (
 )
 from pof_connector.index.segments import MAX_TAGS, SegmentPlan, SegmentQuery
 from pof_connector.index.summary import locations, parse_summary
-from pof_connector.keys import DIGEST_BYTES, SEGMENT_PAGES, PageKey
+from pof_connector.pages.keys import DIGEST_BYTES, SEGMENT_PAGES, PageKey
 
 BUCKETS = 32
 """Hashes per namespace: how many slots, and so shards, one namespace spans at most. Each is one

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pof_connector.index.base import IndexTimeout, IndexUnavailable, Location
-from pof_connector.keys import PageKey
 from pof_connector.metrics import PoolStats
+from pof_connector.pages.keys import PageKey
 
 log = logging.getLogger("pof_connector.pool")
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from pof_connector.index.base import (
     check_one_namespace,
     node_id_taken,
 )
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 
 @dataclass

@@ -20,7 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 from pof_connector.index.base import LOOKUP_ROUNDS, MEDIA, Location, Matches, PrefixMatch
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 Run = tuple[int, PrefixMatch]
 """A holder's run of pages of a query, and the page of the query it starts at."""

@@ -22,7 +22,7 @@ the Lua scripts may touch several)::
     pof:{pof}:info                 HASH   incarnation -> NodeInfo as JSON (capacity, free bytes per tier)
     pof:{pof}:seq                  STRING incarnation counter
 
-A page whose key knows its place in the chain (:class:`~pof_connector.keys.ChainPlace`: every key
+A page whose key knows its place in the chain (:class:`~pof_connector.pages.keys.ChainPlace`: every key
 computed from tokens) is recorded in its segment; one without (a digest an engine handed over) in
 its own per-page field, and the namespace is flagged. An offset of a segment holds the pages of
 at most :data:`~.segments.MAX_TAGS` chains: where more chains part inside one segment, the pages
@@ -75,7 +75,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pof_connector.config import redact_url
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index.base import (
     MEDIA,
     IndexTimeout,
@@ -120,7 +120,7 @@ from pof_connector.index.scripts import (
 from pof_connector.index.segment_path import SegmentPath
 from pof_connector.index.segments import SegmentPlan
 from pof_connector.index.summary import locations, parse_summary
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 T = TypeVar("T")
 __all__ = ["FIELD_RESP_BYTES", "FLAG_MEMORY_S", "K_INC_NODE", "K_INC_OWNER", "K_INFO", "K_LIVE", "K_NODE_INC", "K_SEQ",

@@ -53,8 +53,8 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
-from pof_connector.cluster_url import ClusterUrl
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.cluster_url import ClusterUrl
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index.base import (
     MEDIA,
     IndexTimeout,
@@ -78,7 +78,7 @@ from pof_connector.index.redis import (
     fields_resp,
     hmget_head,
 )
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 
 log = logging.getLogger("pof_connector.index")
 WAIT_MS = 100

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pof_connector.index.record_runs import FIELD_BYTES
-from pof_connector.keys import DIGEST_BYTES, PageKey
+from pof_connector.pages.keys import DIGEST_BYTES, PageKey
 
 
 def resp(*args: bytes) -> bytes:

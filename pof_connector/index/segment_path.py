@@ -17,7 +17,7 @@ from pof_connector.index.record_runs import FIELD_BYTES, LeadingRuns, leading_ru
 from pof_connector.index.resp import frame, hmget_head, hmget_resp, page_fields, resp
 from pof_connector.index.segments import MAX_TAGS, SegmentAnswer, SegmentPlan, SegmentQuery, segment_items
 from pof_connector.index.summary import record_slots
-from pof_connector.keys import SEGMENT_PAGES, PageKey
+from pof_connector.pages.keys import SEGMENT_PAGES, PageKey
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""The locality index's segments: the pages of up to :data:`~pof_connector.keys.SEGMENT_PAGES`
+"""The locality index's segments: the pages of up to :data:`~pof_connector.pages.keys.SEGMENT_PAGES`
 consecutive pages of a chain under one field, found from the segment's head page, so a lookup
 reads one field per segment instead of one per page (the reasons: ``docs/index-segments.md``; the
 summary and record layouts: :mod:`.summary`).
@@ -25,7 +25,7 @@ import numpy as np
 
 from pof_connector.index import record_runs, summary
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD
-from pof_connector.keys import SEGMENT_PAGES, PageKey
+from pof_connector.pages.keys import SEGMENT_PAGES, PageKey
 
 TAG_BYTES = 8
 SEGMENT_RECORD = np.dtype([("offset", "u1"), ("tag", "<u8"), ("inc", "<u4"), ("medium", "u1"), ("slot", "<u4"),

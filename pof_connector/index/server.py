@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from pof_connector.cluster_url import is_cluster_url
-from pof_connector.credentials import IndexAuth
+from pof_connector.config.cluster_url import is_cluster_url
+from pof_connector.config.credentials import IndexAuth
 from pof_connector.index.client import redis_client
 
 

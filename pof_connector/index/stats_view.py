@@ -10,7 +10,7 @@ from rich.table import Table
 from pof_connector.cli_support import out_console
 from pof_connector.config import format_size, redact_url
 from pof_connector.index.base import NodeInfo
-from pof_connector.tenant_usage import META_KEY, parse_meta
+from pof_connector.tiers.tenant_usage import META_KEY, parse_meta
 
 
 def _lent(node: NodeInfo) -> dict[str, tuple[int, int]]:

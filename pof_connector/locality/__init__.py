@@ -8,4 +8,7 @@
   carried in its index node's meta;
 * :mod:`.index_health` — whether the router or the API answers from the index right now (log
   lines, gauge, counter).
+
+May import: ``index``, ``pages``, ``fabric.meta`` (what a node publishes), ``pins`` (the pin routes)
+and ``body_limits``. Never the pool: it reads the index, not a node's tiers.
 """

@@ -31,9 +31,9 @@ from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo
 from pof_connector.index.base import MEDIA
 from pof_connector.index.reach import ENGINE, Run, gather_runs, reach_media
-from pof_connector.keys import page_keys
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.page_key_cache import PageKeyCache
+from pof_connector.pages.keys import page_keys
 
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = ENGINE
@@ -137,7 +137,7 @@ class Locator:
         """Per node of ``model``, what it holds, has in its engine and can load of ``tokens``;
         ``nodes``: a node list already fetched (``None``: :meth:`nodes`); ``shared_salt``: the
         first ``shared_tokens`` are keyed under it, the rest under ``cache_salt`` (two salts: an
-        organisation's prompt, a user's turns; see :class:`~pof_connector.keys.ChainSeeds`).
+        organisation's prompt, a user's turns; see :class:`~pof_connector.pages.keys.ChainSeeds`).
 
         Raises :class:`ModelRequired`, :class:`UnknownModel` or ``IndexUnavailable``."""
         live = self.nodes() if nodes is None else nodes

@@ -3,7 +3,7 @@ hashes per lookup.
 
 The keys of a 2,900-token prompt (180 chained SHA-256 digests and their :class:`PageKey` objects)
 cost a router lookup about 180 us, though most prompts begin with a system prompt seen before. So
-the keys are kept per segment of :data:`~pof_connector.keys.SEGMENT_PAGES` pages, under the
+the keys are kept per segment of :data:`~pof_connector.pages.keys.SEGMENT_PAGES` pages, under the
 segment's own token bytes and the digest the chain enters it with (the seed for segment 0): a
 later prompt that begins with the same tokens walks its segments in the cache and hashes only the
 rest.
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pof_connector.keys import SEGMENT_PAGES, PageKey, _token_bytes, chain_digests, chain_keys, storage_seed
+from pof_connector.pages.keys import SEGMENT_PAGES, PageKey, _token_bytes, chain_digests, chain_keys, storage_seed
 
 MAX_SEGMENTS = 4096
 """Segments kept at most: ~4 KB each (16 keys and 1 KB of tokens at 16-token pages)."""
@@ -32,7 +32,7 @@ _Entry = tuple[bytes, int, bytes | None, int, bytes]
 
 
 class PageKeyCache:
-    """:func:`~pof_connector.keys.page_keys` with the keys of leading segments kept."""
+    """:func:`~pof_connector.pages.keys.page_keys` with the keys of leading segments kept."""
 
     def __init__(self, max_segments: int = MAX_SEGMENTS) -> None:
         self.max_segments = max_segments

@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field, model_validator
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import IndexUnavailable
 from pof_connector.locality.locator import ModelRequired, UnknownModel
 from pof_connector.pins.pin import MAX_TTL_S, PinError
 from pof_connector.pins.pin_desk import PinDesk
-from pof_connector.tenant_config import DEFAULT_TENANT
 
 MAX_PIN_TOKENS = 1 << 20
 

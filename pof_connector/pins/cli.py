@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.cli_support import CommandError, out_console, print_json, usage
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import redis_index
 from pof_connector.index.cli import index_server
 from pof_connector.locality.locator import Locator, ModelRequired, UnknownModel, load_tokenizer
 from pof_connector.pins.pin import HARD, SOFT, PinError
 from pof_connector.pins.pin_desk import PinDesk
-from pof_connector.tenant_config import DEFAULT_TENANT
 
 
 def _desk(args: argparse.Namespace) -> PinDesk:

@@ -17,8 +17,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from pof_connector.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
-from pof_connector.tenant_config import DEFAULT_TENANT
+from pof_connector.config.tenant_config import DEFAULT_TENANT
+from pof_connector.pages.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
 
 SOFT, HARD = "soft", "hard"
 MAX_PIN_PAGES = 1 << 16
@@ -37,7 +37,7 @@ class PinError(ValueError):
 class Pin:
     """``keys``: the pinned pages; ``tokens``: how many prompt tokens they cover (per namespace);
     ``replicas``: how many nodes should hold the prefix whole (nodes copy it until that many do:
-    :mod:`pof_connector.pins.copies`); ``label``: the caller's name for it; ``tenant``: whose quota
+    :mod:`pof_connector.pool.pin_copies`); ``label``: the caller's name for it; ``tenant``: whose quota
     the copies count against (a tenant's name, never its salt; a name a node does not know counts
     as the default tenant there)."""
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from pof_connector.index import LocalityIndex
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.pins.pin import HARD, Pin, PinError
 from pof_connector.tiers.slot_table import KEEP_HARD, KEEP_NONE, KEEP_SOFT
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.index import LocalityIndex
-from pof_connector.keys import PageKey, page_keys
 from pof_connector.locality.locator import Locator
+from pof_connector.pages.keys import PageKey, page_keys
 from pof_connector.pins.pin import (
     MAX_PIN_PAGES,
     Pin,
@@ -19,7 +20,6 @@ from pof_connector.pins.pin import (
     check_tenant,
     check_ttl,
 )
-from pof_connector.tenant_config import DEFAULT_TENANT
 
 
 class PinDesk:

@@ -10,4 +10,7 @@
 * :mod:`.kv_events` — vLLM's KV-event wire format, without importing vLLM;
 * :mod:`.engine_load_poller` — the engine's running / waiting requests, read in the background;
 * :mod:`.cli` — the ``pof relay`` command.
+
+May import: ``config``, ``pages``, ``index``, ``locality`` and ``cli_support``. Never the pool nor an
+adapter: a relay runs beside an engine, not inside it.
 """

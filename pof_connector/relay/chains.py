@@ -1,7 +1,7 @@
 """Engine blocks → pof pages: what a relay learns from KV events.
 
 An engine names a block by its own hash and announces its tokens once (``BlockStored``); pof
-names a page by its chain digest over every token before it (:mod:`pof_connector.keys`). The
+names a page by its chain digest over every token before it (:mod:`pof_connector.pages.keys`). The
 :class:`PageChains` turns the first into the second: per engine block it keeps the pof chain
 state (the digest of the last full page before it, and the tokens of the page it belongs to so
 far), so a child block announced later continues the chain from its parent. The pages it
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pof_connector.keys import SEGMENT_PAGES, ChainPlace
+from pof_connector.pages.keys import SEGMENT_PAGES, ChainPlace
 from pof_connector.relay.kv_events import BlockStored, ExternalBlockHash
 
 BlockId = tuple[Hashable, ExternalBlockHash]

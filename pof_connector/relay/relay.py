@@ -4,7 +4,7 @@ The relay subscribes to its vLLM server's own KV events and does two things with
 
 1. **Engine residency into the index.** Every full pof page the engine's prefix cache holds is
    published under the index node ``<pool node>:engine``, medium ``"engine"`` (keys computed
-   from the events' tokens with :mod:`pof_connector.keys`, chained from the parent block), and
+   from the events' tokens with :mod:`pof_connector.pages.keys`, chained from the parent block), and
    withdrawn on ``BlockRemoved`` / ``AllBlocksCleared``. The node's meta names the pool node
    (``engine_of``) and carries the pool's ``model``, ``namespace`` and ``page_tokens``, plus
    this relay's endpoints; :class:`~pof_connector.locality.locator.Locator` merges it into the
@@ -60,8 +60,8 @@ import msgspec
 from pof_connector.config import ConfigError, PofConfig
 from pof_connector.index import IndexUnavailable, LocalityIndex, Location, NodeIdTaken, NodeInfo, open_index
 from pof_connector.index.guarded import LogOnce, batches
-from pof_connector.keys import PageKey
 from pof_connector.locality.locator import ENGINE_MEDIUM, Locator
+from pof_connector.pages.keys import PageKey
 from pof_connector.relay.announcements import PoolAnnouncer
 from pof_connector.relay.chains import PageChains
 from pof_connector.relay.config import RelayConfig

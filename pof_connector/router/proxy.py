@@ -52,8 +52,8 @@ from prometheus_client import generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pof_connector.body_limits import BodyLimits
-from pof_connector.keys import shared_salt_of
 from pof_connector.locality.locator import Tokenizer
+from pof_connector.pages.keys import shared_salt_of
 from pof_connector.router.backend import Ticket
 from pof_connector.router.forward import Answer, BackendError, Forwarder, Sent
 from pof_connector.router.inline_gate import InlineGate

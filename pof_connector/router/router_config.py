@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pof_connector.config import ConfigError
-from pof_connector.credentials import IndexAuth, read_secret
+from pof_connector.config.credentials import IndexAuth, read_secret
 
 
 class _Frozen(BaseModel):

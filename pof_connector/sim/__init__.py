@@ -9,4 +9,7 @@ what the pool buys for a workload before deploying it (issue 15).
   :mod:`.pof_policy` (the real :class:`~pof_connector.router.router.Router` fed simulated state
   through :mod:`.sim_locator`);
 - :mod:`.profile` (YAML profiles, ``profiles/*.yaml``), :mod:`.workload` and :mod:`.mixes`.
+
+May import: ``config``, ``index``, ``locality``, ``router`` (the real routing policy), ``bench`` (its
+capacity model) and ``cli_support``. Never the pool, a tier or an engine: it simulates them.
 """

@@ -56,8 +56,8 @@ from pof_connector.adapters.vllm_scheduler import PoFScheduler
 from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import PofConfig
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError
 from pof_connector.pool import Pool
 from pof_connector.tiers import peer_hbm
 
@@ -548,7 +548,7 @@ def _never(self: BlockLayout, kv: torch.Tensor) -> bool:
 
 
 def _spec(geo: VllmGeometry) -> Any:
-    from pof_connector.pages import KIND_MHA, PageSpec
+    from pof_connector.pages.layout import KIND_MHA, PageSpec
 
     return PageSpec(geo.num_layers, 2 * P * H * D * 4, P, KIND_MHA)
 
@@ -577,7 +577,7 @@ def run(adv: Adversaries, steps: int, seed: int) -> dict[str, Any]:
         finally:
             BlockLayout.can_copy_checked = _fused      # type: ignore[method-assign]
             world.close()
-        from pof_connector import page_sum
+        from pof_connector.pages import page_sum
 
         native = page_sum._native
         if native is not None and hasattr(native, "crew_stats"):

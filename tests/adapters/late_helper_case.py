@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pof_connector import page_sum
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata
 from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import PofConfig
 from pof_connector.index.server import RedisServer
-from pof_connector.pages import PageSpec
+from pof_connector.pages import page_sum
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 H, N, D, LAYERS, PAGES = 2, 32, 32, 2, 12

@@ -33,7 +33,7 @@ from pof_connector.adapters import sglang as sglang_adapter
 from pof_connector.adapters.sglang import PoFHiCacheStorage
 from pof_connector.index.redis import flat_key, loc_key, segment_key
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace
+from pof_connector.pages.keys import Namespace
 
 pytestmark = pytest.mark.sglang
 

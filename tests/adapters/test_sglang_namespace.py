@@ -14,7 +14,7 @@ import torch
 from pof_connector.adapters.sglang_layout import HostPages
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.config import PofConfig
-from pof_connector.keys import Namespace, keys_from_hex
+from pof_connector.pages.keys import Namespace, keys_from_hex
 from pof_connector.pool import Pool
 
 pytestmark = pytest.mark.vllm      # torch, and vLLM's dtype table for the cross-engine check

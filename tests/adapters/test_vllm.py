@@ -278,7 +278,7 @@ def test_requests_sharing_a_block_whose_load_failed_store_nothing_computed_on_it
     server without the connector, the pages the second computed in that step on top of page 3's
     blocks must never be published (``pof_dropped_pages``), and what the pool holds afterwards
     must be right (a later pool hit of the second prompt answers as the reference does)."""
-    from pof_connector.keys import chain_digests
+    from pof_connector.pages.keys import chain_digests
 
     rt = workdir / "rt-shared"
     region = Path(tempfile.mkdtemp(prefix="pof-vllm-", dir="/dev/shm")) / "cxl.region"

@@ -27,7 +27,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pof_connector import page_sum  # noqa: E402
 from pof_connector.adapters.vllm_device import Lane, StepLoads  # noqa: E402
 from pof_connector.adapters.vllm_geometry import VllmGeometry  # noqa: E402
 from pof_connector.adapters.vllm_layout import LayoutError  # noqa: E402
@@ -35,6 +34,7 @@ from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, 
 from pof_connector.adapters.vllm_views import KV_CACHE_LAYOUTS, engine_views  # noqa: E402
 from pof_connector.adapters.vllm_worker import PoFWorker  # noqa: E402
 from pof_connector.config import PofConfig  # noqa: E402
+from pof_connector.pages import page_sum  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -90,8 +90,8 @@ def test_fused_cpu_copy_matches_the_torch_copy_and_sums_the_segment(layout: str,
     """The one-pass native load (layout conversion + copy + format-v3 checksum) writes the very
     bytes the strided torch copies write, K^T and the amx ISA's VNNI tiles alike, and its checksum
     is the segment's."""
-    from pof_connector import page_sum
     from pof_connector.adapters.vllm_layout import _kt_order, _vnni_order
+    from pof_connector.pages import page_sum
 
     n, d = (N, D) if layout == "cpu_kt" else (16, 32)      # VNNI tiles: 16-token, 16-dimension steps
     order = _kt_order(H, n, d) if layout == "cpu_kt" else _vnni_order(H, n, d)

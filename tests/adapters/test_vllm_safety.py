@@ -28,8 +28,8 @@ from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace
-from pof_connector.pages import KIND_MHA, PageSpec
+from pof_connector.pages.keys import Namespace
+from pof_connector.pages.layout import KIND_MHA, PageSpec
 from tests.adapters.adversary_world import GpuShapedRegion
 
 NO_AUDIT = {"sample_rate": 0}
@@ -471,7 +471,7 @@ def test_no_late_copy_helper_writes_into_blocks_after_their_check(runtime_dir: s
     import subprocess
     import sys
 
-    from pof_connector import page_sum
+    from pof_connector.pages import page_sum
 
     assert page_sum.NATIVE is not None, "the native kernel must be built (pip install -e .)"
     root = Path(__file__).resolve().parents[2]

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from pof_connector import page_sum
 from pof_connector.adapters.vllm import PoFConnector
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, SaveJob
 from pof_connector.adapters.vllm_worker import PoFWorker
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
+from pof_connector.pages import page_sum
 
 pytestmark = pytest.mark.vllm
 

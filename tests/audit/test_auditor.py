@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from pof_connector.audit.audit_config import AuditConfig
 from pof_connector.audit.auditor import Auditor
 from pof_connector.cli import main
 from pof_connector.config import PofConfig
+from pof_connector.config.audit_config import AuditConfig
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace, PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 from tests.audit.test_tolerance import DIM, HEADS, TOKENS, as_floats, kv, to_bytes
 

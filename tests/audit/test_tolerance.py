@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pof_connector.audit.audit_config import DEFAULT_BOUNDS
 from pof_connector.audit.tolerance import WORST, as_floats, classify, normalised_error
+from pof_connector.config.audit_config import DEFAULT_BOUNDS
 
 HEADS, DIM, TOKENS = 4, 32, 16
 

@@ -133,9 +133,10 @@ class FakeFleet:
 
 
 def test_the_goodput_search_is_bounded_and_reports_every_trial() -> None:
-    from pof_connector.bench.capacity import SetupRun, _report
+    from pof_connector.bench.capacity import _report
     from pof_connector.bench.capacity_fleet import FleetSpec
     from pof_connector.bench.capacity_search import GoodputSearch
+    from pof_connector.bench.capacity_setup_run import SetupRun
 
     seen: list[list[int]] = []
     lines: list[str] = []
@@ -173,7 +174,7 @@ def test_a_setup_that_passed_nothing_gives_a_ratio_range_not_infinity() -> None:
 
 
 def test_ttft_parts_split_the_engines_histograms_and_what_lies_outside_them() -> None:
-    from pof_connector.bench.capacity import ttft_parts
+    from pof_connector.bench.capacity_setup_run import ttft_parts
 
     d = {"vllm:time_to_first_token_seconds_sum": 6.0, "vllm:time_to_first_token_seconds_count": 4.0,
          "vllm:request_queue_time_seconds_sum": 4.0, "vllm:request_queue_time_seconds_count": 4.0,

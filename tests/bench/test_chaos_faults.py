@@ -12,7 +12,7 @@ import pytest
 
 from pof_connector.bench.chaos_faults import KINDS, flip_live_slots, live_slots, schedule
 from pof_connector.bench.chaos_traffic import HitBound
-from pof_connector.pages import PageError
+from pof_connector.pages.layout import PageError
 from pof_connector.tiers import CxlTier, SlotRef
 from tests.tiers.test_cxl import SPEC, config, key, write
 

@@ -13,8 +13,8 @@ def test_the_load_bench_runs_both_paths_and_checks_the_blocks(dtype: str, page_b
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from pof_connector import page_sum
     from pof_connector.bench.vllm_load import run
+    from pof_connector.pages import page_sum
 
     result = run(pages=2, repeat=1, dtype=dtype, threads=2)
     assert result["copy_threads"] == (2 if page_sum.NATIVE else 1)     # as many as torch computes with

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from pof_connector.config import PofConfig
-from pof_connector.keys import Namespace, PageKey
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Lookup, Pool
 
 SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)

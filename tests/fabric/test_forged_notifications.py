@@ -24,7 +24,7 @@ from pof_connector.fabric import nixl_installed
 from pof_connector.fabric.agent import NixlAgent
 from pof_connector.fabric.notifier import PREFIX, Notifier
 from pof_connector.fabric.slot_lender import SlotLender
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers import CpuDramTier
 
 pytestmark = [pytest.mark.nixl,

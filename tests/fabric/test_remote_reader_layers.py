@@ -22,8 +22,8 @@ from pof_connector.config import PofConfig
 from pof_connector.fabric import nixl_installed
 from pof_connector.fabric.agent import NixlAgent
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageSpec
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageSpec
 from pof_connector.pool import Pool
 from tests.fabric.harness import NodeProc, node_config, wait_for
 from tests.fabric.node_proc import NAMESPACE, content

@@ -8,8 +8,8 @@ import numpy as np
 
 from pof_connector.fabric.slot_lender import SlotLender
 from pof_connector.index import Location
-from pof_connector.keys import PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers import CpuDramTier
 
 KEY = PageKey(bytes(16), bytes(range(32)))

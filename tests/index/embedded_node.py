@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from pof_connector.config import PofConfig
-from pof_connector.keys import Namespace, PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 SPEC = PageSpec(num_layers=2, segment_bytes=1024, page_tokens=16)

@@ -17,8 +17,8 @@ from pof_connector.index import Location, NodeInfo
 from pof_connector.index.cluster_servers import ClusterServers
 from pof_connector.index.redis import K_LIVE
 from pof_connector.index.redis_cluster import RedisClusterIndex
-from pof_connector.keys import PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 SPEC = PageSpec(num_layers=2, segment_bytes=1024, page_tokens=16)

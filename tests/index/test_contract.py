@@ -23,7 +23,7 @@ from pof_connector.index.reach import Run, gather_runs
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.redis_cluster import RedisClusterIndex
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import PageKey, page_keys
+from pof_connector.pages.keys import PageKey, page_keys
 
 Factory = Callable[[str | None], LocalityIndex]
 

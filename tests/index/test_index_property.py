@@ -17,7 +17,7 @@ from pof_connector.index.redis import RedisIndex, loc_key, records_key, segment_
 from pof_connector.index.segments import MAX_TAGS, tag
 from pof_connector.index.server import RedisServer
 from pof_connector.index.summary import parse_records, parse_summary
-from pof_connector.keys import SEGMENT_PAGES, PageKey, page_keys
+from pof_connector.pages.keys import SEGMENT_PAGES, PageKey, page_keys
 
 NODES = ("a", "b", "c")
 OPS = ["publish"] * 4 + ["withdraw", "evict", "reclaim", "spill", "expire"]

@@ -14,7 +14,7 @@ import pytest
 
 from pof_connector.index import LOOKUP_ROUNDS, MEDIA, Location, PrefixMatch
 from pof_connector.index.reach import Run, gather_runs, reach
-from pof_connector.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
+from pof_connector.pages.keys import DIGEST_BYTES, NAMESPACE_BYTES, PageKey
 
 
 def run(node: str, at: int, *media: str) -> Run:

@@ -28,8 +28,8 @@ from pof_connector.index.embedded import (
 )
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer, ping
-from pof_connector.keys import PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 

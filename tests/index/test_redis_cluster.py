@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pof_connector.cluster_url import ClusterUrl
 from pof_connector.config import ConfigError, PofConfig
+from pof_connector.config.cluster_url import ClusterUrl
 from pof_connector.index import Location, NodeInfo, open_index, redis_index
 from pof_connector.index.base import MEDIA, PrefixMatch
 from pof_connector.index.cluster_servers import ClusterServers
@@ -17,8 +17,8 @@ from pof_connector.index.cluster_summaries import SEGMENT_BUCKET_BYTE, SEGMENT_B
 from pof_connector.index.redis_cluster import BUCKET_BYTE, BUCKETS, RedisClusterIndex
 from pof_connector.index.segments import MAX_TAGS
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace, PageKey, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace, PageKey, page_keys
+from pof_connector.pages.layout import PageSpec
 
 
 def test_cluster_urls_parse_and_bad_ones_name_the_key() -> None:
@@ -127,7 +127,7 @@ def test_a_cluster_that_does_not_answer_costs_misses_not_a_start(runtime_dir: st
     is IndexUnavailable, and a pool on it starts and answers misses."""
     from pof_connector.index import IndexUnavailable
     from pof_connector.index.cluster_servers import _free_ports
-    from pof_connector.pages import PageSpec
+    from pof_connector.pages.layout import PageSpec
     from pof_connector.pool import Pool
 
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in _free_ports(2))

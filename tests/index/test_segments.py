@@ -18,8 +18,8 @@ from pof_connector.index.redis import RedisIndex, flat_key, loc_key, records_key
 from pof_connector.index.segments import MAX_TAGS, SegmentQuery
 from pof_connector.index.server import RedisServer
 from pof_connector.index.summary import encode_summary, parse_summary
-from pof_connector.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, keys_from_hex, page_keys
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import SEGMENT_PAGES, ChainPlace, Namespace, PageKey, chain_keys, keys_from_hex, page_keys
+from pof_connector.pages.layout import PageSpec
 
 
 def _flat(keys: list[PageKey], namespace: bytes) -> list[PageKey]:

@@ -14,9 +14,9 @@ from pof_connector.config import PofConfig
 from pof_connector.index import redis_index
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import Namespace
 from pof_connector.locality.api import make_app
-from pof_connector.pages import PageSpec
+from pof_connector.pages.keys import Namespace
+from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
 
 SPEC = PageSpec(num_layers=2, segment_bytes=512, page_tokens=16)

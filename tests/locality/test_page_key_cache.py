@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from pof_connector.keys import SEGMENT_PAGES, page_keys
 from pof_connector.locality.page_key_cache import PageKeyCache
+from pof_connector.pages.keys import SEGMENT_PAGES, page_keys
 
 NS = bytes(range(16))
 

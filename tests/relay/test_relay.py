@@ -27,10 +27,10 @@ from fastapi.testclient import TestClient
 from pof_connector.config import PofConfig
 from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
-from pof_connector.keys import page_keys
 from pof_connector.locality.api import make_app
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.locator import Locator
+from pof_connector.pages.keys import page_keys
 from pof_connector.pool import Pool
 from pof_connector.relay.chains import PageChains
 from pof_connector.relay.config import RelayConfig

@@ -3,10 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pof_connector import page_sum
 from pof_connector.config import ConfigError
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageSpec
+from pof_connector.pages import page_sum
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageSpec
 from pof_connector.tiers import CpuDramTier
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from pof_connector.config import ConfigError, TierConfig
-from pof_connector.keys import PageKey
-from pof_connector.pages import PageError, PageSpec
+from pof_connector.pages.keys import PageKey
+from pof_connector.pages.layout import PageError, PageSpec
 from pof_connector.tiers import CxlTier, SlotRef
 
 SPEC = PageSpec(num_layers=4, segment_bytes=4096, page_tokens=16)

@@ -8,7 +8,7 @@ import platform
 import pytest
 
 from pof_connector.config import TierConfig
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers import CpuDramTier, make_tier
 from pof_connector.tiers.ordering import UnsupportedPlatform
 

@@ -19,11 +19,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pof_connector import page_sum  # noqa: E402
 from pof_connector.config import PofConfig, TierConfig  # noqa: E402
 from pof_connector.index.server import RedisServer  # noqa: E402
-from pof_connector.keys import PageKey  # noqa: E402
-from pof_connector.pages import PageError, PageHeader, PageSpec  # noqa: E402
+from pof_connector.pages import page_sum  # noqa: E402
+from pof_connector.pages.keys import PageKey  # noqa: E402
+from pof_connector.pages.layout import PageError, PageHeader, PageSpec  # noqa: E402
 from pof_connector.pool import Pool  # noqa: E402
 from pof_connector.tiers import SlotRef, make_tier  # noqa: E402
 from pof_connector.tiers.peer_hbm import PeerHbmTier  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pof_connector.config import ConfigError, PofConfig
-from pof_connector.pages import PageSpec
+from pof_connector.pages.layout import PageSpec
 from pof_connector.tiers import make_tier
 
 

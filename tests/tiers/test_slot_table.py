@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pof_connector.keys import PageKey
+from pof_connector.pages.keys import PageKey
 from pof_connector.tiers.slot_table import SlotTable
 
 
