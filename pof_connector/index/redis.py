@@ -105,6 +105,7 @@ from pof_connector.index.keyspace import (
     records_key,
     segment_key,
 )
+from pof_connector.index.live_set import LiveSet
 from pof_connector.index.pin_store import RedisPins
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
 from pof_connector.index.resp import FIELD_RESP_BYTES, fields_resp, frame, hmget_head, hmget_resp, page_fields, resp
@@ -170,11 +171,7 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
         self._inc_names: dict[int, str] = {}
         self._flag_seen: dict[bytes, float] = {}
         """Namespace -> when a lookup last saw its placeless flag (monotonic seconds)."""
-        self._live_cache: tuple[list[Any], np.ndarray, np.ndarray] | None = None
-        """The last ``ZRANGE live`` reply, parsed: (reply, incarnations sorted, their expiries in ms)."""
-        self._live_now: tuple[list[Any], int, int, np.ndarray] | None = None
-        """(reply, from, until, live incarnations): :meth:`_live`'s answer for a server time in
-        [from, until), where until is the first expiry among them."""
+        self._live_set = LiveSet()
         self._lock = threading.Lock()
 
     def _connect(self, url: str, auth: IndexAuth | None, timeout_s: float) -> Any:
@@ -298,29 +295,8 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
         return alive
 
     def _live(self, now: list[bytes], live: list[Any]) -> np.ndarray:
-        """:meth:`_alive` as a sorted uint32 array. The registry's parse is kept while its reply
-        repeats (it changes with heartbeats, about once a second per node, while lookups come by the
-        thousand): parsing 64 members and scores cost a lookup as much as decoding its runs."""
-        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
-        answer = self._live_now
-        # Between two heartbeats the reply repeats and no member expires: the same answer (the
-        # filtering below cost a lookup ~10 us, a tenth of one at 4 holders).
-        if answer is not None and answer[1] <= now_ms < answer[2] and answer[0] == live:
-            return answer[3]
-        cached = self._live_cache
-        if cached is None or cached[0] != live:
-            pairs = live if live and isinstance(live[0], list) else list(zip(live[::2], live[1::2], strict=True))
-            incs = np.array([int(m) for m, _ in pairs], dtype=np.int64)     # RESP3 or RESP2
-            expiry = np.array([float(sc) for _, sc in pairs], dtype=np.float64)
-            order = np.argsort(incs, kind="stable")
-            cached = self._live_cache = (live, incs[order], expiry[order])
-        _, incs, expiry = cached
-        keep = (expiry > now_ms) & (incs > 0) & (incs < 1 << 32)
-        mine = incs[keep]
-        out = np.unique(mine).astype("<u4") if len(mine) and (np.diff(mine) == 0).any() else mine.astype("<u4")
-        until = int(expiry[keep].min()) if len(mine) else now_ms + 1
-        self._live_now = (live, now_ms, until, out)
-        return out
+        """:meth:`_alive` as a sorted uint32 array (:class:`~.live_set.LiveSet`)."""
+        return self._live_set.of(now, live)
 
     def _matches(self, found: LeadingRuns,
                  resolver: Callable[[int], Resolver] | None = None) -> dict[str, PrefixMatch]:

@@ -419,20 +419,3 @@ def test_many_holders_are_decoded_in_bounded_blocks(redis_server: RedisServer, n
         for c in (*nodes, reader):
             c.close()
 
-
-def test_the_live_set_is_reused_only_until_its_first_expiry(redis_server: RedisServer) -> None:
-    """The registry's reply repeats between heartbeats, so its parse is reused; a member whose
-    lease ends while the reply stays the same must drop out all the same, and an earlier server
-    time (a clock stepped back) must not reuse a later answer."""
-    reader = RedisIndex(redis_server.url, None)
-    try:
-        live = [[b"7", 5_000.0], [b"9", 9_000.0]]          # RESP3: (member, expiry in ms)
-        at = lambda ms: [str(ms // 1000).encode(), str(ms % 1000 * 1000).encode()]   # noqa: E731
-        assert reader._live(at(1_000), live).tolist() == [7, 9]
-        assert reader._live(at(4_999), live).tolist() == [7, 9]
-        assert reader._live(at(5_000), live).tolist() == [9]           # 7's lease ended, reply unchanged
-        assert reader._live(at(4_000), live).tolist() == [7, 9]        # the clock stepped back
-        assert reader._live(at(9_000), live).tolist() == []
-        assert reader._live(at(4_000), [[b"7", 5_000.0]]).tolist() == [7]   # a new reply is parsed anew
-    finally:
-        reader.close()
