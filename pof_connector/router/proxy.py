@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import re
 import secrets
@@ -61,6 +60,15 @@ from pof_connector.router.openai_shapes import document
 from pof_connector.router.pd_proxy import decode_body, prefill_half
 from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.proxy_metrics import ProxyMetrics
+from pof_connector.router.request_body import (
+    BadRequest,
+    generation_limit,
+    is_unicode,
+    json_object,
+    read_body,
+    text_length,
+    token_ids,
+)
 from pof_connector.router.router import Decision, NoBackend, Router
 from pof_connector.router.side_requests import health_loop, load_loop, tokenize
 from pof_connector.router.stage_clock import StageClock
@@ -68,7 +76,6 @@ from pof_connector.router.tokenizer_source import TokenizerSource
 
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
-MAX_TOKEN_ID = 0xFFFFFFFF
 INLINE_TOKENIZE_CHARS = 2048
 """Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
 longer ones on a thread, so one huge prompt does not stall every other request."""
@@ -138,13 +145,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
     async def prompt_tokens(path: str, body: dict[str, Any]) -> tuple[list[int] | None, str]:
         """The prompt's token ids to route on and where they came from ('request', 'local',
         'backend'); ``None``, 'none': route without them (no prompt, a prompt too long to
-        tokenize first, or no tokenizer answered). Raises :class:`_BadRequest`."""
+        tokenize first, or no tokenizer answered). Raises :class:`BadRequest`."""
         if path.endswith("/completions") and "chat" not in path:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
                 prompt = prompt[0]            # a batch: route on its first prompt
             if isinstance(prompt, list):
-                return _token_ids(prompt), "request"
+                return token_ids(prompt), "request"
             if not isinstance(prompt, str) or len(prompt) > cfg.max_tokenize_chars:
                 return None, "none"
             local = tokens_source.tokenizer
@@ -158,7 +165,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
             got = await tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
             return got, "backend" if got is not None else "none"
         messages = body.get("messages")
-        if not isinstance(messages, list) or _text_length(messages) > cfg.max_tokenize_chars:
+        if not isinstance(messages, list) or text_length(messages) > cfg.max_tokenize_chars:
             return None, "none"
         got = await tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
         return got, "backend" if got is not None else "none"
@@ -168,21 +175,21 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         ``route_by_prompt`` (completions and chat) and least-loaded otherwise."""
         clock = StageClock()
         try:
-            raw = await _body(request, cfg.max_body_bytes)
-            body = _json_object(raw) if route_by_prompt else None
+            raw = await read_body(request, cfg.max_body_bytes)
+            body = json_object(raw) if route_by_prompt else None
             clock.lap("parse")
             tokens, source = await prompt_tokens(path, body) if body is not None else (None, "none")
             clock.lap("tokenize")
-        except _BadRequest as e:
+        except BadRequest as e:
             return _error(e.status, str(e))
-        max_tokens = _max_tokens(body)
+        max_tokens = generation_limit(body)
         streamed = body is not None and body.get("stream") is True
         session = request.headers.get(cfg.sticky_header) if cfg.sticky_header else None
         salt = body.get("cache_salt") if body is not None and isinstance(body.get("cache_salt"), str) else None
-        if salt is not None and not _unicode(salt):
+        if salt is not None and not is_unicode(salt):
             return _error(400, "'cache_salt' is not valid Unicode (it holds a lone UTF-16 surrogate)")
         shared_salt, shared_tokens = shared_salt_of(body.get("kv_transfer_params") if body is not None else None)
-        if shared_salt is not None and not _unicode(shared_salt):
+        if shared_salt is not None and not is_unicode(shared_salt):
             return _error(400, "'kv_transfer_params.pof_shared_salt' is not valid Unicode")
         shared = (shared_salt, shared_tokens) if shared_salt is not None and shared_tokens > 0 else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in forward}
@@ -348,85 +355,8 @@ class _RequireKey:
         await self.app(scope, receive, send)
 
 
-class _BadRequest(ValueError):
-    """A request the router refuses; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class _ClientGone(Exception):
     """The client disconnected before the backend's answer began."""
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) past ``limit`` bytes without reading it whole."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _BadRequest(413, f"the request body is {int(declared)} bytes; this router takes at most {limit} "
-                               f"(max_body_bytes)")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise _BadRequest(413, f"the request body is over {limit} bytes (max_body_bytes)")
-        parts.append(part)
-    return b"".join(parts)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise _BadRequest(400, "the request body is JSON nested too deeply") from None
-    except ValueError as e:
-        raise _BadRequest(400, f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise _BadRequest(400, "the request body must be a JSON object")
-    return body
-
-
-def _token_ids(prompt: list[Any]) -> list[int]:
-    """``prompt`` as token ids; a list that is not (ints in 0..2^32-1) is refused, as vLLM does."""
-    # The types and the range checked in C (a per-id Python test cost 0.1 ms on 2,900 ids); bool
-    # is its own type here, so true/false are refused as before.
-    if not set(map(type, prompt)) <= {int} or (prompt and (min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID)):
-        raise _BadRequest(400, f"'prompt' as a list must hold token ids, integers in 0..{MAX_TOKEN_ID}")
-    return prompt
-
-
-def _max_tokens(body: dict[str, Any] | None) -> int | None:
-    """The request's generation limit (``max_tokens``, or chat's ``max_completion_tokens``);
-    ``None`` when it gives none (or not an integer)."""
-    if body is None:
-        return None
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if type(v) is int and v >= 0:
-            return v
-    return None
-
-
-def _unicode(s: str) -> bool:
-    """Whether ``s`` is valid Unicode (JSON can escape lone surrogates, which are not)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _text_length(messages: list[Any]) -> int:
-    """Characters of the chat messages' text content (what a tokenizer would have to read)."""
-    total = 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return total
 
 
 async def _send_unless_gone(sending: Coroutine[Any, Any, Answer], request: Request) -> Answer:
