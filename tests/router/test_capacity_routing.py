@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 from pof_connector.index.server import RedisServer
@@ -19,11 +18,9 @@ from pof_connector.pool import Pool
 from pof_connector.router.kv_admission import KvAdmission, NodePressure
 from pof_connector.router.router import Router
 from pof_connector.router.router_config import CapacityConfig, RouterConfig
-from pof_connector.router.serve import build
-from tests.locality.test_api import node
 from tests.locality.test_engine_load import SGLANG_KV, VLLM_KV
+from tests.router.pool_pair import pool_pair
 
-SEG = [np.zeros(512, np.uint8)] * 2
 PREFIX = list(range(5000, 5000 + 16 * 8))          # 8 pages of 16 tokens, stored by a
 CAPACITY = 64 * 16                                  # tokens of KV each engine holds
 ROOMY = EngineLoad(running=1, waiting=0, kv_usage=0.10, kv_capacity_tokens=CAPACITY, block_tokens=16, preemptions=0)
@@ -32,23 +29,8 @@ FULL = EngineLoad(running=6, waiting=3, kv_usage=0.97, kv_capacity_tokens=CAPACI
 
 @pytest.fixture
 def cluster(redis_server: RedisServer, runtime_dir: str, shm_path: str) -> Iterator[tuple[Router, Pool, Pool]]:
-    cxl = {"path": shm_path, "size": "1MiB", "partitions": 2}
-    a = node("a", redis_server.url, runtime_dir, cxl=cxl)
-    b = node("b", redis_server.url, runtime_dir, cxl=cxl)
-    a.store([(k, SEG) for k in a.keys_for(PREFIX)]).result()
-    cfg = RouterConfig.from_mapping({"index_url": redis_server.url,
-                                     "backends": [{"name": "a", "url": "http://127.0.0.1:1"},
-                                                  {"name": "b", "url": "http://127.0.0.1:2"}]})
-    router, index = build(cfg)
-    deadline = time.monotonic() + 5
-    while router.choose([*PREFIX, 1]).route != "prefix-holder":     # until a's pages are in the index
-        assert time.monotonic() < deadline, "a's pages never reached the index"
-        time.sleep(0.05)
-    yield router, a, b
-    assert index is not None
-    index.close()
-    a.close()
-    b.close()
+    with pool_pair(redis_server.url, runtime_dir, shm_path, PREFIX, timeout_s=5) as got:
+        yield got
 
 
 def backend(router: Router, name: str) -> Any:

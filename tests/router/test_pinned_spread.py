@@ -11,7 +11,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 from pof_connector.index import redis_index
@@ -21,11 +20,8 @@ from pof_connector.pins.pin import HARD
 from pof_connector.pins.pin_desk import PinDesk
 from pof_connector.pool import Pool
 from pof_connector.router.router import Router
-from pof_connector.router.router_config import RouterConfig
-from pof_connector.router.serve import build
-from tests.locality.test_api import node
+from tests.router.pool_pair import pool_pair
 
-SEG = [np.zeros(512, np.uint8)] * 2
 PREFIX = list(range(7000, 7000 + 16 * 8))          # an organisation's system prompt: 8 pages
 
 
@@ -38,23 +34,12 @@ def wait_for(pred: object, timeout: float = 10.0) -> None:
 
 @pytest.fixture
 def fleet(redis_server: RedisServer, runtime_dir: str, shm_path: str) -> Iterator[tuple[Router, Pool, Pool, PinDesk]]:
-    cxl = {"path": shm_path, "size": "1MiB", "partitions": 2}
-    a = node("a", redis_server.url, runtime_dir, cxl=cxl)
-    b = node("b", redis_server.url, runtime_dir, cxl=cxl)
-    a.store([(k, SEG) for k in a.keys_for(PREFIX)]).result()
-    cfg = RouterConfig.from_mapping({"index_url": redis_server.url,
-                                     "backends": [{"name": "a", "url": "http://127.0.0.1:1"},
-                                                  {"name": "b", "url": "http://127.0.0.1:2"}]})
-    router, index = build(cfg)
-    pins = redis_index(redis_server.url, None)
-    desk = PinDesk(pins, Locator(pins, nodes_ttl_s=0.0))
-    wait_for(lambda: router.choose([*PREFIX, 1]).route == "prefix-holder")   # a's pages are in the index
-    yield router, a, b, desk
-    assert index is not None
-    index.close()
-    pins.close()
-    a.close()
-    b.close()
+    with pool_pair(redis_server.url, runtime_dir, shm_path, PREFIX, timeout_s=10.0) as (router, a, b):
+        pins = redis_index(redis_server.url, None)
+        try:
+            yield router, a, b, PinDesk(pins, Locator(pins, nodes_ttl_s=0.0))
+        finally:
+            pins.close()
 
 
 def spread(router: Router, n: int) -> tuple[Counter[str], Counter[str], Counter[str]]:
