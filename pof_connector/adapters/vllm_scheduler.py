@@ -19,7 +19,7 @@ from typing import Any
 from pof_connector.adapters.vllm_chain import Chain
 from pof_connector.adapters.vllm_geometry import VllmGeometry
 from pof_connector.adapters.vllm_metadata import LoadJob, PoFConnectorMetadata, PoFWorkerMeta, SaveJob, Verdict
-from pof_connector.adapters.vllm_pd import PDBooks, is_prefill
+from pof_connector.adapters.vllm_pd import PDBooks, is_decode, is_prefill
 from pof_connector.audit.sampler import Sampler
 from pof_connector.config import PofConfig
 from pof_connector.index import Location
@@ -143,8 +143,10 @@ class PoFScheduler:
             return None
         if found.pages == 0 or (first + found.pages) * P <= num_computed:
             return 0
-        if self.saves and self._audited(request.request_id):
+        if self.saves and not is_decode(request) and self._audited(request.request_id):
             # Audited: the engine computes these pages; the workers compare them with the pool's.
+            # Never a P/D decode: that would prefill the whole prompt on a decode server, the
+            # stall P/D exists to avoid; the same pages are audited where prompts are computed.
             self._audits[request.request_id] = (first, keys[:found.pages], list(found.sources))
             return 0
         self._plans[request.request_id] = _Plan(first, num_computed, keys[:found.pages], found.sources)

@@ -27,7 +27,8 @@ class AuditConfig:
     ``quarantine_after``: after this many mismatched pages from one writer node, this node no
     longer loads that writer's pages until it registers again (0: never). ``tolerance``: per KV
     dtype, the largest normalised error that still counts as a match (defaults:
-    :data:`DEFAULT_BOUNDS`). ``seed``: the sampler's seed (``None``: random)."""
+    :data:`DEFAULT_BOUNDS`). ``seed``: the sampler's seed (``None``: random). A P/D decode request
+    is never audited: it would prefill its whole prompt on the decode server."""
 
     sample_rate: float = 0.01
     quarantine_after: int = 0

@@ -29,9 +29,9 @@ PREFILL_BLOCKS = list(range(1, 8))               # 7 blocks of P // 2 tokens hol
 DECODE_BLOCKS = list(range(9, 16))
 
 
-def node(name: str, url: str, region: str, runtime_dir: str, **pd: Any) -> tuple[PoFScheduler, PoFWorker,
-                                                                                  list[torch.Tensor]]:
-    cfg = PofConfig.from_mapping({"audit": NO_AUDIT, "node_id": name, "index_url": url,
+def node(name: str, url: str, region: str, runtime_dir: str, audit: dict[str, Any] = NO_AUDIT,
+         **pd: Any) -> tuple[PoFScheduler, PoFWorker, list[torch.Tensor]]:
+    cfg = PofConfig.from_mapping({"audit": audit, "node_id": name, "index_url": url,
                                   "runtime_dir": f"{runtime_dir}/{name}", "index_timeout_s": 0.2,
                                   "tiers": {"cxl": {"path": region, "size": "8MiB", "partitions": 2}},
                                   "pd": {"wait_s": 2.0, **pd}})
@@ -92,6 +92,25 @@ def test_prefill_hands_off_its_pool_pages_and_the_decode_loads_exactly_them(pd: 
     assert decode_load(ds, dw, handoff, 3 * P) == set()
     for layer in range(len(pkv)):                # the prompt's 6 full blocks, bit for bit
         assert torch.equal(dkv[layer][9:15], pkv[layer][1:7])
+
+
+def test_a_decode_is_never_audited_though_an_ordinary_hit_on_the_same_pages_is(index: RedisServer, shm_path: str,
+                                                                               runtime_dir: str) -> None:
+    """An audited request computes its prefix: on a decode server, the whole prompt. With every hit
+    audited the decode still loads the prefill's pages; a plain request for the same prompt on the
+    same server is audited (0 tokens matched: the engine computes them and compares)."""
+    ps, pw, _ = node("p", index.url, shm_path, runtime_dir)
+    ds, dw, _ = node("d", index.url, shm_path, runtime_dir, audit={"sample_rate": 1.0})
+    try:
+        handoff = prefill(ps, pw)
+        wait_for(lambda: ds.matched_tokens(request("r", handoff), 0) == 3 * P)
+        assert decode_load(ds, dw, handoff, 3 * P) == set()
+        ds.finished("r")
+        assert ds.matched_tokens(request("plain", None), 0) == 0
+    finally:
+        for s, w in ((ps, pw), (ds, dw)):
+            s.close()
+            w.close()
 
 
 def test_the_decode_waits_for_pages_the_prefill_has_not_published_yet(pd: dict[str, Any]) -> None:

@@ -43,10 +43,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 __all__ = ["model", "workdir"]      # module fixtures shared with test_vllm
 
 MAX_TOKENS = 12
-WAIT_S = 15.0
-"""The decode servers' ``pd.wait_s``: how long a decode request waits for pages its prefill named
-(15 s, not 5: in case the rare decode that computed a whole prompt on a loaded host gave up waiting;
-see the stock router test)."""
+WAIT_S = 5.0
+"""The decode servers' ``pd.wait_s``: how long a decode request waits for pages its prefill named."""
 
 PROMPTS: dict[str, tuple[int, int]] = {
     # name: (tokens, seed). n*BLOCK + 1 tokens: n whole pages for the pool and the last token,
@@ -90,7 +88,10 @@ def fleet(model: Path, workdir: Path) -> Iterator[Fleet]:
 
     def server(name: str) -> VllmServer:
         cfg = {"node_id": name, "index_url": "embedded", "runtime_dir": str(rt), "tiers": tiers,
-               "pd": {"wait_s": WAIT_S}}
+               "pd": {"wait_s": WAIT_S},
+               # Every ordinary pool hit audited: a decode must still load, never compute its prompt.
+               # (At the default 1%, an audited decode once in a while was this module's flake.)
+               "audit": {"sample_rate": 1.0}}
         return VllmServer(model, workdir / f"pd-{name}", kv_transfer=connector_config(cfg), dtype=DTYPE)
 
     fleet = Fleet([server("p1"), server("p2")], [server("d1"), server("d2")], rt, region)
@@ -216,25 +217,14 @@ def test_stock_vllm_router_pd_mode(fleet: Fleet, workdir: Path, shape: str) -> N
     try:
         names = [k for k in PROMPTS if k.startswith(f"stock_{shape}")]
         took_p, took_d = set(), set()
-        missed: list[dict[str, float]] = []
         for name in names:
             p = P(name)
             before, before_p = counts(fleet.decode), counts(fleet.prefill)
             assert tokens(post(router.url, body(p))) == fleet.ref(name), router.tail()
-            deltas = moved(counts(fleet.decode), before)
-            took = [i for i, d in enumerate(deltas) if d["prompt"]]
-            if len(took) == 1 and deltas[took[0]]["loaded"] == 0 and deltas[took[0]]["failures"] == 0:
-                # Seen in 2 of 10 runs on a loaded 2-core host, through vllm-router only: the decode
-                # server computed the whole prompt (a correct answer, no pool load). Not explained
-                # yet (issue 43's closing note); counted, at most one per shape.
-                missed.append(deltas[took[0]])
-                took_d.add(took[0])
-            else:
-                took_d.add(assert_decoded_from_pool(deltas, p))
+            took_d.add(assert_decoded_from_pool(moved(counts(fleet.decode), before), p))
             prefilled = [i for i, d in enumerate(moved(counts(fleet.prefill), before_p)) if d["prompt"]]
             assert len(prefilled) == 1, prefilled
             took_p.add(prefilled[0])
-        assert len(missed) <= 1, missed
         assert took_p == took_d == set(range(n))     # every prefill and every decode server took requests
     finally:
         router.stop()
