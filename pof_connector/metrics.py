@@ -34,6 +34,8 @@ COUNTERS: dict[str, str] = {
                       "publish sent again later; never a server restart), by operation",
     "index_restarts": "Embedded index servers this process started because the previous one's process had died "
                       "(reason server_died)",
+    "registration_lapses": "Times this node's heartbeat reached the index after node_ttl_s: its pages were "
+                           "invisible to lookups until it published them again",
     "tier_errors": "Tiers lost while running (their pages are dropped), by tier",
     "adapter_errors": "Unexpected errors in an engine adapter (the engine recomputed instead), by hook",
     "skipped_hooks": "Steps in which the engine skipped a per-layer hook for some layer (a full CUDA graph "

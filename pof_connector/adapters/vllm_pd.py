@@ -86,7 +86,10 @@ class PDBooks:
         request first asked. Once it passed, the request loads what is there and computes the
         rest (logged once)."""
         if have >= want or req_id in self._gave_up:
-            self._waits.pop(req_id, None)
+            wait = self._waits.pop(req_id, None)
+            if wait is not None and have >= want:
+                log.info("pof: request %s (P/D decode): the %d pages its prefill named are in the index after "
+                         "%.2fs", req_id, want, time.monotonic() - wait.deadline + self.config.wait_s)
             return False
         now = time.monotonic()
         wait = self._waits.get(req_id)

@@ -127,10 +127,13 @@ class PoFScheduler:
         first = num_computed // P
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        first_ask = req_id not in self._local
         self._local[req_id] = num_computed
         named = min(self.pd.named_pages(request, P), limit)
         if named:
             self._decodes.add(req_id)
+        elif first_ask and is_decode(request):
+            log.info("pof: request %s (P/D decode): its prefill named no pool pages: a plain lookup", req_id)
         if limit <= first or not self.loads:
             return 0
         keys = self._chain(request).upto(tokens, limit, P)[first:]
@@ -420,6 +423,8 @@ class PoFScheduler:
         # request), and the decode server then looks up without waiting.
         req_id = request.request_id
         stored = self._saved_pages.get(req_id, 0) if self.saves and req_id not in self._poisoned else 0
+        log.info("pof: request %s (P/D prefill): %d prompt tokens, %d of them in the pool for its decode half",
+                 req_id, len(request.prompt_token_ids or ()), stored * self.geo.page_tokens)
         return self.pd.handoff(request, stored * self.geo.page_tokens)
 
     def has_pending_work(self) -> bool:

@@ -58,6 +58,8 @@ class Membership:
         if reads is not None and self.own.all:
             self.copies = PinCopies(parts, finder, self.pins, namespace, reads.load, placement.store_packed)
         self._next_index_restart = 0.0
+        self._last_beat: float | None = None
+        """When a heartbeat last reached the index (``None``: never yet)."""
         self._next_revocations = 0.0
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +133,15 @@ class Membership:
         if fresh is None:
             self._restart_embedded_index()
             return
+        now = time.monotonic()
+        if fresh and self._last_beat is not None and now - self._last_beat >= self.config.node_ttl_s:
+            # Its pages were invisible to every lookup from the lapse until the re-publish below
+            # (a P/D decode waiting for them may have given up): say how late the heartbeat was.
+            log.warning("pof: this node's registration had lapsed: %.1fs since its last heartbeat reached the "
+                        "index (node_ttl_s %.1f); a busy host or a paused process delays heartbeats",
+                        now - self._last_beat, self.config.node_ttl_s)
+            self.stats.add("registration_lapses")
+        self._last_beat = now
         self.publisher.retry_withdraws(fresh)
         self._drop_revoked()
         # After a fresh registration (the index lost its data, or this node restarted) the pins this

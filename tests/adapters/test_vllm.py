@@ -18,6 +18,7 @@ import pytest
 
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.embedded import stop_embedded
+from tests.adapters.server_workdir import server_workdir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,10 +55,8 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="pof-vllm-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from server_workdir(request, "pof-vllm-")
 
 
 class Reference:

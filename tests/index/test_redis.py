@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -419,3 +420,32 @@ def test_many_holders_are_decoded_in_bounded_blocks(redis_server: RedisServer, n
         for c in (*nodes, reader):
             c.close()
 
+
+
+def test_a_lapsed_registration_is_counted_and_said_and_its_pages_come_back(
+        redis_server: RedisServer, runtime_dir: str, namespace: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """The server takes no writes for longer than ``node_ttl_s`` (CLIENT PAUSE): the node's
+    heartbeats time out, its registration lapses and lookups stop returning its pages. The first
+    heartbeat that gets through says so (a lapse hides pages: a P/D decode waiting for them may
+    give up) and publishes them again."""
+    cfg = PofConfig.from_mapping({"node_id": "a", "index_url": redis_server.url, "heartbeat_s": 0.1,
+                                  "node_ttl_s": 0.5, "index_timeout_s": 0.2, "runtime_dir": runtime_dir,
+                                  "tiers": {"cpu_dram": {"size": "64KiB"}}})
+    pool = Pool(cfg, PageSpec(2, 1024, 16), namespace)
+    reader = RedisIndex(redis_server.url, None)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = page_keys(namespace, list(range(48)), 16)
+        pool.store([(k, [np.zeros(1024, np.uint8)] * 2) for k in keys]).result()
+        wait_until(lambda: "a" in reader.longest_prefix(keys))
+        assert pool.stats.get("registration_lapses") == 0
+        with caplog.at_level(logging.WARNING, logger="pof_connector.pool"):
+            admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+            wait_until(lambda: "a" not in reader.longest_prefix(keys), 5)      # lapsed: its pages are hidden
+            wait_until(lambda: pool.stats.get("registration_lapses") == 1, 10)
+        assert "registration had lapsed" in caplog.text, caplog.text
+        wait_until(lambda: "a" in reader.longest_prefix(keys), 5)
+    finally:
+        admin.close()
+        reader.close()
+        pool.close()
