@@ -138,7 +138,7 @@ class Membership:
             # Its pages were invisible to every lookup from the lapse until the re-publish below
             # (a P/D decode waiting for them may have given up): say how late the heartbeat was.
             log.warning("pof: this node's registration had lapsed: %.1fs since its last heartbeat reached the "
-                        "index (node_ttl_s %.1f); a busy host or a paused process delays heartbeats",
+                        "index (node_ttl_s %.1f): an index outage, a busy host or a paused process",
                         now - self._last_beat, self.config.node_ttl_s)
             self.stats.add("registration_lapses")
         self._last_beat = now
