@@ -44,10 +44,12 @@ class PrefixTokenizer:
         self.tok = tok
         self.block_chars = block_chars
         self.max_tokens = max_tokens
-        self._kept: OrderedDict[str, list[int]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        """Leading text -> its ids, as tuples: the collector stops tracking a tuple of ints the first
+        time it sees one, where it would walk a list of thousands of ids in every collection."""
         self._kept_tokens = 0
         self._lock = threading.Lock()
-        self._looked: tuple[str | None, list[int], int, list[int]] = (None, [], 0, [])
+        self._looked: tuple[str | None, list[int], int, tuple[int, ...]] = (None, [], 0, ())
         """The last text looked at, its cuts and longest kept head (read and written whole: threads
         may tokenize at once, and a head kept is never wrong, only perhaps not the longest)."""
         added = [t for t in tok.get_added_tokens_decoder().values() if t.content]
@@ -68,7 +70,8 @@ class PrefixTokenizer:
         # One list for the answer (special ids, the cached head, the rest): each copy of a
         # 3,000-token list costs a few microseconds, and this was four of them.
         pre = len(self._pre)
-        out = self._pre + head
+        out = self._pre.copy()
+        out += head
         out += enc.ids
         out += self._post
         for c in cuts:
@@ -78,7 +81,7 @@ class PrefixTokenizer:
                 word = enc.char_to_word(c + 1 - at)
                 span = enc.word_to_tokens(word) if word is not None else None
                 if span is not None:
-                    self._keep(text[:c], out[pre:pre + len(head) + span[0]])
+                    self._keep(text[:c], tuple(out[pre:pre + len(head) + span[0]]))
         return out
 
     def uncached_chars(self, text: str) -> int:
@@ -87,7 +90,7 @@ class PrefixTokenizer:
             return len(text)
         return len(text) - self._look(text)[1]
 
-    def _look(self, text: str) -> tuple[list[int], int, list[int]]:
+    def _look(self, text: str) -> tuple[list[int], int, tuple[int, ...]]:
         """``text``'s cuts and its longest kept head (:meth:`_longest_kept`), remembered for a call
         on the same string right after (the router asks :meth:`uncached_chars` first)."""
         cuts = self._cuts(text)
@@ -107,7 +110,7 @@ class PrefixTokenizer:
             out.append(c)
         return out
 
-    def _longest_kept(self, text: str, cuts: list[int]) -> tuple[int, list[int]]:
+    def _longest_kept(self, text: str, cuts: list[int]) -> tuple[int, tuple[int, ...]]:
         """(the last cut whose leading text is kept, its ids); (0, []) when none is."""
         with self._lock:
             for c in reversed(cuts):
@@ -115,9 +118,9 @@ class PrefixTokenizer:
                 if ids is not None:
                     self._kept.move_to_end(text[:c])
                     return c, ids
-        return 0, []
+        return 0, ()
 
-    def _keep(self, prefix: str, ids: list[int]) -> None:
+    def _keep(self, prefix: str, ids: tuple[int, ...]) -> None:
         with self._lock:
             if prefix in self._kept:
                 return
