@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                  redact_url(config.index_url) if config.index_url else "none", names)
         # What start-up built (FastAPI, pydantic, the tokenizer, numpy, ...) lives as long as the
         # process: frozen out of the collector's sight, a full collection walks only what requests
-        # left behind (the bench's first one paused a request for 89 ms; issue 42).
+        # left behind (one took 89 ms in the bench's router; issue 42).
         gc.collect()
         gc.freeze()
         uvicorn.Server(server_config(app, config.host, config.port, timeout_s=config.read_timeout_s)).run()
