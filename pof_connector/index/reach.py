@@ -92,8 +92,17 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
 def reach_media(me: str, runs: list[Run], *, near: Readable, far: Readable) -> tuple[np.ndarray, np.ndarray]:
     """A router's count of :func:`reach` (``slots=False``), without a :class:`Location` per page:
     per leading page node ``me`` can load, its medium code and whether it comes over the fabric."""
-    if all(m.node != me and not near.get(m.node) and not far.get(m.node) for _, m in runs):
+    readable = [(at, m) for at, m in runs if m.node == me or near.get(m.node) or far.get(m.node)]
+    if not readable:
         return np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=bool)
+    if len(readable) == 1 and readable[0][0] == 0 and readable[0][1].node == me:
+        # Its own run alone (a holder, most of the time): its pages as they are, to the first in a
+        # medium it cannot load, which is what the table below concludes (a router counts this per
+        # holder per request; the table cost 10 us of numpy calls)
+        media = readable[0][1].media
+        ok = _table(MEDIA)[media]
+        n = len(media) if ok.all() else int(ok.argmin())
+        return media[:n], np.zeros(n, dtype=bool)
     order, _, run_of, j_of, far_of = _pick(me, runs, near, far, 0, None)
     codes = np.zeros(len(run_of), dtype=np.uint8)
     for r in np.unique(run_of).tolist():

@@ -18,22 +18,21 @@ what it stores, and a node is answered with keys of its own namespace.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pof_connector.fabric.meta import AGENT_KEY, MD_KEY, REGIONS_KEY, PeerMeta
 from pof_connector.index import LocalityIndex, NodeInfo
 from pof_connector.index.base import MEDIA
 from pof_connector.index.reach import ENGINE, Run, gather_runs, reach_media
 from pof_connector.locality.engine_load import EngineLoad
+from pof_connector.locality.node_view import ModelNodes, NodeView, Space
 from pof_connector.locality.page_key_cache import PageKeyCache
-from pof_connector.pages.keys import page_keys
+from pof_connector.pages.keys import PageKey, page_keys
 
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = ENGINE
@@ -116,6 +115,8 @@ class Locator:
         self._lock = threading.Lock()
         self._page_keys = PageKeyCache()
         """Page keys per shared prefix: most prompts begin with a system prompt seen before."""
+        self._view = NodeView([])
+        """The last node list read (:meth:`nodes` keeps one list for ``nodes_ttl_s``)."""
 
     def nodes(self, *, fresh: bool = False) -> list[NodeInfo]:
         """Live nodes, cached for ``nodes_ttl_s``. Raises ``IndexUnavailable``."""
@@ -125,6 +126,13 @@ class Locator:
                 cached = self.index.nodes()
                 self._nodes = (time.monotonic(), cached)
             return cached
+
+    def view(self, nodes: list[NodeInfo]) -> NodeView:
+        """``nodes`` read (the same view while the same list comes back)."""
+        view = self._view
+        if view.nodes is not nodes:
+            view = self._view = NodeView(nodes)
+        return view
 
     def tokenize(self, model: str, text: str) -> list[int] | None:
         """Token ids of ``text``, or ``None`` when no tokenizer for ``model`` was given."""
@@ -140,81 +148,63 @@ class Locator:
         organisation's prompt, a user's turns; see :class:`~pof_connector.pages.keys.ChainSeeds`).
 
         Raises :class:`ModelRequired`, :class:`UnknownModel` or ``IndexUnavailable``."""
-        live = self.nodes() if nodes is None else nodes
-        model = _pick_model(live, model)
-        pools = [n for n in live if n.meta.get("model") == model and "engine_of" not in n.meta
-                 and _space(n) is not None]
-        engines = {n.meta["engine_of"]: n for n in live if "engine_of" in n.meta and _space(n) is not None}
-        runs: dict[tuple[bytes, int], list[Run]] = {}
-        for n in [*pools, *engines.values()]:
-            space = _space(n)
-            assert space is not None
-            if space not in runs:
-                if shared_salt is not None and shared_tokens > 0:
-                    keys = page_keys(space[0], tokens, space[1], cache_salt=cache_salt, shared_salt=shared_salt,
-                                     shared_tokens=shared_tokens)
-                else:
-                    keys = self._page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
-                # Asked once per namespace for every node: later rounds start where the longest run stops.
-                runs[space] = gather_runs(keys, self.index.longest_prefix,
-                                          lambda rs: max((at + m.pages for at, m in rs), default=0))
-        domains = {n.node_id: {m: t.domain for m, t in n.tiers.items()} for n in pools}
-        fabric = {n.node_id: media for n in pools if (media := _fabric_media(n.meta)) is not None}
-        out: dict[str, NodeLocality] = {}
-        page = 0
-        for n in pools:
-            space = _space(n)
-            assert space is not None
-            page = space[1]
-            found = {m.node: m for at, m in runs[space] if at == 0}
-            loc = NodeLocality(n.node_id, page, info=n)
-            own = found.get(n.node_id)
-            if own is not None:
-                loc.held = {m: p * page for m, p in own.per_tier().items()}
-            usable, near = _usable(n.node_id, runs[space], domains, fabric)
-            loc.usable = {m: p * page for m, p in usable.items()}
-            loc.near_tokens = near * page
-            eng = engines.get(n.node_id)
-            if eng is not None:
-                eng_space = _space(eng)
-                assert eng_space is not None
-                em = next((m for at, m in runs[eng_space] if at == 0 and m.node == eng.node_id), None)
-                loc.engine_tokens = em.pages * page if em is not None else 0
-                loc.load = EngineLoad.from_meta(eng.meta)
-            out[n.node_id] = loc
-        return Locality(model, len(tokens), page, out)
+        view = self.view(self.nodes() if nodes is None else nodes)
+        model = _pick_model(view.models, model)
+        of = view.of(model)
+        keys: dict[Space, list[PageKey]] = {}
+        for space in of.spaces:
+            if shared_salt is not None and shared_tokens > 0:
+                keys[space] = page_keys(space[0], tokens, space[1], cache_salt=cache_salt, shared_salt=shared_salt,
+                                        shared_tokens=shared_tokens)
+            else:
+                keys[space] = self._page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
+        # Asked once per namespace for every node: later rounds start where the longest run stops.
+        runs = {space: gather_runs(ks, self.index.longest_prefix, _covered) for space, ks in keys.items()}
+        return Locality(model, len(tokens), of.pools[-1][1][1] if of.pools else 0, _per_node(view, of, runs))
 
     def spaces(self, model: str | None) -> tuple[str, list[tuple[bytes, int]]]:
         """The model (see :meth:`pick_model`) and every (namespace, page tokens) its pool nodes
         store under (one per TP rank and page geometry)."""
-        live = self.nodes(fresh=True)
-        model = _pick_model(live, model)
-        found = {s for n in live if n.meta.get("model") == model and "engine_of" not in n.meta
-                 and (s := _space(n)) is not None}
-        return model, sorted(found)
+        view = self.view(self.nodes(fresh=True))
+        model = _pick_model(view.models, model)
+        return model, sorted({s for _, s in view.of(model).pools})
 
     def pick_model(self, model: str | None, *, nodes: list[NodeInfo] | None = None) -> str:
         """``model`` when a live node stores it; the only model when ``None``. Raises
         :class:`ModelRequired` or :class:`UnknownModel`."""
-        return _pick_model(self.nodes() if nodes is None else nodes, model)
+        return _pick_model(self.view(self.nodes() if nodes is None else nodes).models, model)
 
 
-def _fabric_media(meta: Mapping[str, str]) -> frozenset[str] | None:
-    """The media a node lets peers read over the fabric; ``None`` when it publishes none."""
-    return _decoded_media(meta.get(AGENT_KEY), meta.get(MD_KEY), meta.get(REGIONS_KEY))
+def _covered(runs: list[Run]) -> int:
+    """Where the next lookup round starts: the end of the longest run so far."""
+    return max((at + m.pages for at, m in runs), default=0)
 
 
-@functools.lru_cache(maxsize=1024)
-def _decoded_media(agent: str | None, md: str | None, regions: str | None) -> frozenset[str] | None:
-    # Every locate reads the node list afresh; the metadata only changes when a node restarts,
-    # so it is decoded once per published value, not once per node per request.
-    published = {k: v for k, v in ((AGENT_KEY, agent), (MD_KEY, md), (REGIONS_KEY, regions)) if v is not None}
-    pm = PeerMeta.from_meta(published)
-    return None if pm is None else frozenset(pm.regions)
+def _per_node(view: NodeView, of: ModelNodes, runs: dict[Space, list[Run]]) -> dict[str, NodeLocality]:
+    """Every pool node's locality, from the runs found in each space."""
+    heads = {space: {m.node: m for at, m in rs if at == 0} for space, rs in runs.items()}
+    out: dict[str, NodeLocality] = {}
+    for n, space in of.pools:
+        page = space[1]
+        loc = NodeLocality(n.node_id, page, info=n)
+        own = heads[space].get(n.node_id)
+        if own is not None:
+            loc.held = {m: p * page for m, p in own.per_tier().items()}
+        usable, near = _usable(n.node_id, runs[space], view, of)
+        loc.usable = {m: p * page for m, p in usable.items()}
+        loc.near_tokens = near * page
+        eng = of.engines.get(n.node_id)
+        if eng is not None:
+            eng_node, eng_space, loc.load = eng
+            em = heads[eng_space].get(eng_node.node_id)
+            loc.engine_tokens = em.pages * page if em is not None else 0
+        out[n.node_id] = loc
+    return out
 
 
-def _pick_model(live: list[NodeInfo], model: str | None) -> str:
-    known = sorted({n.meta["model"] for n in live if n.meta.get("model") and "engine_of" not in n.meta})
+def _pick_model(known: list[str], model: str | None) -> str:
+    """``model`` among the ``known`` ones, or the only one; raises :class:`ModelRequired` or
+    :class:`UnknownModel`."""
     if model is None:
         if len(known) != 1:
             raise ModelRequired(f"'model' is required; the index holds: {known or 'no model yet'}")
@@ -224,24 +214,20 @@ def _pick_model(live: list[NodeInfo], model: str | None) -> str:
     return model
 
 
-def _space(n: NodeInfo) -> tuple[bytes, int] | None:
-    ns, page = n.meta.get("namespace"), n.meta.get("page_tokens")
-    if not (ns and page):
-        return None
-    return bytes.fromhex(ns), int(page)
-
-
-def _usable(me: str, runs: list[Run], domains: dict[str, dict[str, str]],
-            fabric: Mapping[str, frozenset[str]]) -> tuple[dict[str, int], int]:
+def _usable(me: str, runs: list[Run], view: NodeView, of: ModelNodes) -> tuple[dict[str, int], int]:
     """Pages per tier that node ``me`` can load (:func:`~pof_connector.index.reach.reach`: its own
     pages, then tiers it shares, then, when both ends publish fabric metadata, other nodes' tiers
     under :data:`REMOTE`), and how many leading ones it loads without the fabric."""
-    mine = domains.get(me, {})
-    holders = {m.node for _, m in runs}
-    near = {h: [m for m, d in mine.items() if domains.get(h, {}).get(m) == d] for h in holders}
-    far = {h: fabric.get(h, frozenset()) for h in holders} if me in fabric else {}
+    far_too = me in of.fabric
+    near = {h: view.near(of, me, h) for h in {m.node for _, m in runs}}
+    far = {h: of.fabric.get(h, frozenset()) for h in near} if far_too else {}
     codes, remote = reach_media(me, runs, near=near, far=far)
+    if not len(codes):
+        return {}, 0
     if not remote.any():
+        first = int(codes[0])
+        if int(codes[-1]) == first and not (codes != first).any():
+            return {MEDIA[first]: len(codes)}, len(codes)      # one tier (most runs)
         per_code = np.bincount(codes, minlength=1)
         # tiers in the order their first page comes, as a page walk would meet them
         firsts = sorted((int(np.argmax(codes == c)), c) for c in np.flatnonzero(per_code).tolist())

@@ -12,6 +12,11 @@ Exact, not an estimate: a page's chain digest is a function of exactly the prior
 tokens, and a segment's keys (their places included: a segment is its own head) of exactly the
 digest before it, its tokens, its position and the namespace, all of which are the cache key.
 The least recently used segments are forgotten past ``max_segments``.
+
+A segment is kept the second time it is computed, not the first: most prompts end in a segment no
+other prompt has (a question after a shared system prompt), and keeping those (16 keys each, per
+request) only churned the cache and the garbage collector, which walked them in every collection
+until they were forgotten (issue 42). The first time leaves a hash of the segment's cache key.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class PageKeyCache:
     def __init__(self, max_segments: int = MAX_SEGMENTS) -> None:
         self.max_segments = max_segments
         self._kept: OrderedDict[_Entry, list[PageKey]] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        """Hashes of segments computed once and not kept (as many as ``max_segments`` at most)."""
         self._lock = threading.Lock()
 
     def __call__(self, namespace: bytes, tokens: Sequence[int] | np.ndarray, page_tokens: int, *,
@@ -69,9 +76,18 @@ class PageKeyCache:
         if new:
             with self._lock:
                 before = keys[-1].digest if keys else seed
+                seen = self._seen
                 for s, got in new:
-                    self._kept[(namespace, page_tokens, before, s, data[s * stride:(s + 1) * stride])] = got
+                    entry = (namespace, page_tokens, before, s, data[s * stride:(s + 1) * stride])
+                    mark = hash(entry)
+                    if mark in seen:
+                        del seen[mark]
+                        self._kept[entry] = got
+                    else:
+                        seen[mark] = None
                     before = got[-1].digest
                 while len(self._kept) > self.max_segments:
                     self._kept.popitem(last=False)
+                while len(seen) > self.max_segments:
+                    seen.popitem(last=False)
         return keys + rest

@@ -44,9 +44,14 @@ class PrefixTokenizer:
         self.tok = tok
         self.block_chars = block_chars
         self.max_tokens = max_tokens
-        self._kept: OrderedDict[str, list[int]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        """Leading text -> its ids, as tuples: the collector stops tracking a tuple of ints the first
+        time it sees one, where it would walk a list of thousands of ids in every collection."""
         self._kept_tokens = 0
         self._lock = threading.Lock()
+        self._looked: tuple[str | None, list[int], int, tuple[int, ...]] = (None, [], 0, ())
+        """The last text looked at, its cuts and longest kept head (read and written whole: threads
+        may tokenize at once, and a head kept is never wrong, only perhaps not the longest)."""
         added = [t for t in tok.get_added_tokens_decoder().values() if t.content]
         self._added = re.compile("|".join(re.escape(t.content) for t in added)) if added else None
         self._reach = max((len(t.content) for t in added), default=0) + 2
@@ -59,10 +64,16 @@ class PrefixTokenizer:
     def __call__(self, text: str) -> list[int]:
         if not self.cached:
             return list(self.tok.encode(text, add_special_tokens=True).ids)
-        cuts = self._cuts(text)
-        at, head = self._longest_kept(text, cuts)
+        looked = self._looked
+        cuts, at, head = looked[1:] if looked[0] is text else self._look(text)
         enc = self.tok.encode(text[at:] if at else text, add_special_tokens=False)
-        core = head + enc.ids if at else list(enc.ids)
+        # One list for the answer (special ids, the cached head, the rest): each copy of a
+        # 3,000-token list costs a few microseconds, and this was four of them.
+        pre = len(self._pre)
+        out = self._pre.copy()
+        out += head
+        out += enc.ids
+        out += self._post
         for c in cuts:
             if c > at:
                 # the ids before cut c: the tokens before the first of the piece that starts at its
@@ -70,14 +81,22 @@ class PrefixTokenizer:
                 word = enc.char_to_word(c + 1 - at)
                 span = enc.word_to_tokens(word) if word is not None else None
                 if span is not None:
-                    self._keep(text[:c], core[:len(head) + span[0]])
-        return self._pre + core + self._post if self._pre or self._post else core
+                    self._keep(text[:c], tuple(out[pre:pre + len(head) + span[0]]))
+        return out
 
     def uncached_chars(self, text: str) -> int:
         """Characters of ``text`` a call would tokenize (the rest is cached)."""
         if not self.cached:
             return len(text)
-        return len(text) - self._longest_kept(text, self._cuts(text))[0]
+        return len(text) - self._look(text)[1]
+
+    def _look(self, text: str) -> tuple[list[int], int, tuple[int, ...]]:
+        """``text``'s cuts and its longest kept head (:meth:`_longest_kept`), remembered for a call
+        on the same string right after (the router asks :meth:`uncached_chars` first)."""
+        cuts = self._cuts(text)
+        at, head = self._longest_kept(text, cuts)
+        self._looked = (text, cuts, at, head)
+        return cuts, at, head
 
     def _cuts(self, text: str) -> list[int]:
         out: list[int] = []
@@ -91,7 +110,7 @@ class PrefixTokenizer:
             out.append(c)
         return out
 
-    def _longest_kept(self, text: str, cuts: list[int]) -> tuple[int, list[int]]:
+    def _longest_kept(self, text: str, cuts: list[int]) -> tuple[int, tuple[int, ...]]:
         """(the last cut whose leading text is kept, its ids); (0, []) when none is."""
         with self._lock:
             for c in reversed(cuts):
@@ -99,9 +118,9 @@ class PrefixTokenizer:
                 if ids is not None:
                     self._kept.move_to_end(text[:c])
                     return c, ids
-        return 0, []
+        return 0, ()
 
-    def _keep(self, prefix: str, ids: list[int]) -> None:
+    def _keep(self, prefix: str, ids: tuple[int, ...]) -> None:
         with self._lock:
             if prefix in self._kept:
                 return

@@ -5,11 +5,14 @@ object, the prompt's token ids, the generation limit, and the checks that refuse
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from fastapi import Request
 
 MAX_TOKEN_ID = 0xFFFFFFFF
+_DECODE = msgspec.json.Decoder().decode
+_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 
 
 class BadRequest(ValueError):
@@ -37,23 +40,35 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest(400, "the request body is JSON nested too deeply") from None
-    except ValueError as e:
-        raise BadRequest(400, f"the request body is not JSON: {e}") from None
+        # msgspec first: a third of json.loads' time on a body of 3,000 token ids (issue 42). What
+        # it decodes, it decodes as json.loads does; what it refuses (NaN, a lone surrogate, UTF-16,
+        # deep nesting, ...) goes to json.loads, whose answer or refusal stands as before.
+        body = _DECODE(raw)
+    except (msgspec.MsgspecError, RecursionError):
+        body = _stdlib_json(raw)
     if not isinstance(body, dict):
         raise BadRequest(400, "the request body must be a JSON object")
     return body
 
 
+def _stdlib_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest(400, "the request body is JSON nested too deeply") from None
+    except ValueError as e:
+        raise BadRequest(400, f"the request body is not JSON: {e}") from None
+
+
 def token_ids(prompt: list[Any]) -> list[int]:
     """``prompt`` as token ids; a list that is not (ints in 0..2^32-1) is refused, as vLLM does."""
-    # The types and the range checked in C (a per-id Python test cost 0.1 ms on 2,900 ids); bool
-    # is its own type here, so true/false are refused as before.
-    if not set(map(type, prompt)) <= {int} or (prompt and (min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID)):
-        raise BadRequest(400, f"'prompt' as a list must hold token ids, integers in 0..{MAX_TOKEN_ID}")
-    return prompt
+    # Types and range in one pass in C (a per-id Python test cost 0.1 ms on 2,900 ids, a type set
+    # and min/max 80 us, this 15); strict: true/false are refused as before, not taken for 1/0.
+    try:
+        ids: list[int] = msgspec.convert(prompt, _TOKEN_IDS, strict=True)
+    except msgspec.ValidationError:
+        raise BadRequest(400, f"'prompt' as a list must hold token ids, integers in 0..{MAX_TOKEN_ID}") from None
+    return ids
 
 
 def generation_limit(body: dict[str, Any] | None) -> int | None:

@@ -6,6 +6,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from pof_connector.router.inline_gate import InlineGate
 
 
@@ -42,3 +44,24 @@ def test_a_raising_choice_raises_through_the_gate() -> None:
         assert str(e) == "no backend"
     else:
         raise AssertionError("not raised")
+
+
+def test_a_choice_the_host_paused_keeps_the_next_inline_unless_very_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pof_connector.router import inline_gate
+
+    switches = iter(range(0, 1000, 1))          # every reading one more: the host preempted each choice
+    monkeypatch.setattr(inline_gate, "_preemptions", lambda: next(switches))
+    gate = InlineGate(max_s=0.002, threaded_after_slow=3, paused_max_s=0.05)
+    loop_thread = threading.get_ident()
+
+    async def main() -> list[bool]:
+        where = []
+        for sleep_s in (0.01, 0.0, 0.06, 0.0):
+            def fn(sleep_s: float = sleep_s) -> int:
+                time.sleep(sleep_s)
+                return threading.get_ident()
+            where.append(await gate.run(fn) == loop_thread)
+        return where
+
+    # 10 ms, paused: inline after it; 60 ms, paused but past paused_max_s: the next on a thread
+    assert asyncio.run(main()) == [True, True, True, False]
