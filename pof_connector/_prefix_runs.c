@@ -497,7 +497,7 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
         int64_t hi = fp <= (int64_t)limit - seg_pages ? (int64_t)seg_pages : (int64_t)limit - fp;
         for (int64_t o = lo; o < hi; o++) {
             Py_ssize_t q = (Py_ssize_t)(fp + o);
-            if (sm->marks >> o & 1) {
+            if (sm->marks >> o & 1 && !marked[q]) {   /* once: segments a caller made overlap */
                 marked[q] = 1;
                 n_marked++;
             }

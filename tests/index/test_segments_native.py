@@ -156,6 +156,21 @@ def test_the_segment_decoders_agree(reply: tuple[SegmentQuery, list[Any], list[i
 
 
 @native_only
+def test_overlapping_segments_mark_each_page_once() -> None:
+    """Segments whose first pages a caller made overlap (the plans never do) name each marked page
+    once, ascending: the marked buffer is as long as its pages, with nothing left unwritten."""
+    nat = segments._native()
+    rng = np.random.default_rng(3)
+    n = 40
+    tags = rng.integers(0, 2**64, size=n, dtype=np.uint64)
+    first = [0, 4, 4, 20]
+    vals = [encode_summary(Summary(0xFFFF, 1, {o: int(tags[fp + o]) for o in range(SEG) if fp + o < n},
+                                   [(1, 0, [0xFFFF])])) for fp in first]
+    *_, marked = nat.summary_runs(vals, np.array(first, np.int64), tags, np.array([1], "<u4"), N_MEDIA, SEG)
+    assert np.frombuffer(marked, np.int64).tolist() == list(range(36))
+
+
+@native_only
 def test_the_record_readers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """A holder's records (groups per medium and layer, some cut short or absent) give the same slots
     natively and in Python, and only for pages whose generation is not known yet."""
