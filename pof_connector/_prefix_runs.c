@@ -330,8 +330,8 @@ static inline unsigned seg_valid(int64_t fp, int seg_pages, Py_ssize_t stop)
  * is at layer l). */
 static inline unsigned held_offsets(const summary *s, const unsigned char *e, const unsigned *qmask)
 {
-    unsigned got = 0;
-    for (unsigned l = 0; l < s->n_layers; l++)
+    unsigned got = rd_u16(e + 5) & qmask[0];      /* a linear chain: one layer */
+    for (unsigned l = 1; l < s->n_layers; l++)
         got |= rd_u16(e + 5 + 2 * l) & qmask[l];
     return got;
 }
@@ -680,6 +680,10 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
             for (Py_ssize_t a = 0; a < n_active; a++) {
                 Py_ssize_t hd = active[a];
                 head_state *st = &hst[hd];
+                if (st->through == s && st->single != 255) {   /* clean, and no second entry */
+                    active[still++] = hd;
+                    continue;
+                }
                 unsigned ext = st->stamp == s ? (unsigned)__builtin_ctz(~(st->uni >> lo)) : 0;
                 if (ext > hi - lo)
                     ext = hi - lo;
