@@ -20,6 +20,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -857,10 +858,98 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(slot_objects_doc,
+"slot_objects(cls, names, values, /) -> list\n\n"
+"New instances of cls made without calling it (neither __new__ nor __init__ runs), their slots set:\n"
+"slot names[j] (a str: a writable __slots__ member of cls) of instance i to values[j][i] where\n"
+"values[j] is a list, else to values[j]. As many instances as the lists have items (all the same;\n"
+"at least one list). A lookup makes one match per holder: from Python each cost more than the\n"
+"decoding of its entries.");
+
+#define MAX_SLOTS 16
+
+static PyObject *py_slot_objects(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyTypeObject *cls;
+    PyObject *names, *values;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &cls, &PyTuple_Type, &names, &PyTuple_Type, &values))
+        return NULL;
+    Py_ssize_t k = PyTuple_GET_SIZE(names), n = -1, off[MAX_SLOTS];
+    if (k != PyTuple_GET_SIZE(values) || k > MAX_SLOTS || cls->tp_itemsize != 0 || cls->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_ValueError, "slot_objects: one value per name (16 at most), of a class of fixed size");
+        return NULL;
+    }
+    /* Each name must be a writable object slot of cls itself or of a base: a member descriptor whose
+     * offset lies inside the instance (anything else, and nothing is written). */
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *name = PyTuple_GET_ITEM(names, j), *v = PyTuple_GET_ITEM(values, j);
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "slot_objects: names must be str");
+            return NULL;
+        }
+        PyObject *descr = PyObject_GetAttr((PyObject *)cls, name);
+        if (descr == NULL)
+            return NULL;
+        int ok = Py_TYPE(descr) == &PyMemberDescr_Type
+                 && PyType_IsSubtype(cls, ((PyDescrObject *)descr)->d_type);
+        PyMemberDef *md = ok ? ((PyMemberDescrObject *)descr)->d_member : NULL;
+        ok = ok && md->type == T_OBJECT_EX && !(md->flags & READONLY)
+             && md->offset >= (Py_ssize_t)sizeof(PyObject)
+             && md->offset + (Py_ssize_t)sizeof(PyObject *) <= cls->tp_basicsize;
+        off[j] = ok ? md->offset : 0;
+        for (Py_ssize_t i = 0; ok && i < j; i++)
+            ok = off[i] != off[j];                  /* a slot named twice would leak its first value */
+        Py_DECREF(descr);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "slot_objects: %R is not a writable slot of %s", name, cls->tp_name);
+            return NULL;
+        }
+        if (PyList_Check(v)) {
+            if (n >= 0 && PyList_GET_SIZE(v) != n) {
+                PyErr_SetString(PyExc_ValueError, "slot_objects: the lists differ in length");
+                return NULL;
+            }
+            n = PyList_GET_SIZE(v);
+        }
+    }
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "slot_objects: no list of values");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* An allocation may run a collection, and a finalizer may change a list: checked each time. */
+        PyObject *o = cls->tp_alloc(cls, 0);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, o);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *v = PyTuple_GET_ITEM(values, j);
+            if (PyList_Check(v)) {
+                if (PyList_GET_SIZE(v) != n) {
+                    PyErr_SetString(PyExc_RuntimeError, "slot_objects: a list changed while in use");
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                v = PyList_GET_ITEM(v, i);
+            }
+            Py_INCREF(v);
+            *(PyObject **)((char *)o + off[j]) = v;
+        }
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"leading_runs", py_leading_runs, METH_VARARGS, leading_runs_doc},
     {"summary_runs", py_summary_runs, METH_VARARGS, summary_runs_doc},
     {"record_slots", py_record_slots, METH_VARARGS, record_slots_doc},
+    {"slot_objects", py_slot_objects, METH_VARARGS, slot_objects_doc},
     {NULL, NULL, 0, NULL},
 };
 

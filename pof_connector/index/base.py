@@ -12,10 +12,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
+from pof_connector.index import record_runs
 from pof_connector.pages.keys import PageKey
 
 MEDIA = ("cpu_dram", "cxl", "gpu_hbm", "peer_hbm", "disk", "engine")
@@ -208,8 +209,18 @@ class PrefixMatch:
                     held: int | None = None) -> Matches:
         """One match per named node, each as ``cls(node, None, source=source, key=i, pages=pages[i])``
         (``i``: the node's position; a ``None`` node is left out), as :class:`Matches` with ``held``.
-        Made without the constructor's argument handling: a lookup makes one per holder, and at 64
-        holders the constructor's calls were a tenth of it."""
+        Made without the constructor's argument handling (natively where built: ``slot_objects``): a
+        lookup makes one per holder, and at 64 holders the constructor's calls were a tenth of it."""
+        nat = record_runs._native          # read at each call: tests switch it off
+        if nodes and nat is not None and hasattr(nat, "slot_objects"):
+            made = nat.slot_objects(cls, _SOURCED, (list(nodes), None, source, list(range(len(nodes))), list(pages),
+                                                    None, None, None, 0))
+            found = Matches(held=held)
+            if None in nodes:
+                found.update({node: m for node, m in zip(nodes, made, strict=True) if node is not None})
+            else:
+                found.update(zip(cast("Sequence[str]", nodes), made, strict=True))
+            return found
         new = object.__new__
         out: dict[str, PrefixMatch] = {}
         for key, (node, n) in enumerate(zip(nodes, pages, strict=True)):
@@ -221,6 +232,10 @@ class PrefixMatch:
             m._known = 0
             out[node] = m
         return Matches(out, held)
+
+
+_SOURCED = ("node", "_media", "_source", "_key", "_pages", "_slots", "_gens", "_resolve", "_known")
+"""The slots :meth:`PrefixMatch.from_source` sets natively, in the order it gives their values."""
 
 
 class LocalityIndex(ABC):

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pof_connector.index import record_runs, segments
+from pof_connector.index.base import Matches, PrefixMatch
 from pof_connector.index.segments import SegmentAnswer, SegmentQuery
 from pof_connector.index.summary import Summary, encode_summary, record_slots
 
@@ -202,3 +203,40 @@ def test_the_record_readers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.undo()
         assert got[0] == got[1]
         assert all(g == 7 for g, k in zip(got[0][1], known.tolist(), strict=True) if k == 7)
+
+
+class _Source:
+    def media_of(self, key: int) -> np.ndarray:
+        return np.full(key + 1, key, np.uint8)
+
+    def resolve(self, key: int, pages: int, media: np.ndarray, slots: np.ndarray,
+                gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(pages, dtype=np.int64), np.full(pages, key, np.int64)
+
+
+@native_only
+def test_matches_from_a_source_natively_and_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PrefixMatch.from_source`` makes the same matches with the native ``slot_objects`` as without."""
+    got = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(record_runs, "_native", None)
+        src = _Source()
+        m = PrefixMatch.from_source(["a", None, "c"], [1, 2, 3], src, held=7)
+        assert isinstance(m, Matches) and m.held == 7
+        got.append({node: (x.node, x.pages, x.media.tolist(), x.resolve(2), x.slots.tolist(), x.generations.tolist())
+                    for node, x in m.items()})
+    assert got[0] == got[1] == {"a": ("a", 1, [0], 1, [0], [0]), "c": ("c", 3, [2, 2, 2], 2, [0, 1, 2], [2, 2, 2])}
+
+
+@native_only
+def test_slot_objects_sets_only_writable_slots() -> None:
+    nat = segments._native()
+    for names in (("nodex",), ("pages",), ("__dict__",), ("node", "node")):
+        with pytest.raises((TypeError, AttributeError)):
+            nat.slot_objects(PrefixMatch, names, tuple([["x"]] * len(names)))
+    for cls, names, values in ((PrefixMatch, ("node", "_key"), (["a"], [1, 2])), (PrefixMatch, ("node",), ("a",)),
+                               (int, ("real",), ([1],))):
+        with pytest.raises(ValueError):
+            nat.slot_objects(cls, names, values)
+    assert nat.slot_objects(PrefixMatch, ("node",), ([],)) == []
