@@ -133,8 +133,7 @@ class SegmentPath:
             self._refused(answer.unknown, "unknown_medium")
         if not answer.heads:
             return Matches(held=answer.held)
-        names = self._inc_names
-        nodes = [names.get(i) for i in answer.heads]
+        nodes = list(map(self._inc_names.get, answer.heads))
         if None in nodes:                          # incarnations not seen before: their names, once
             known = self._names(answer.heads)
             nodes = [known.get(i) for i in answer.heads]
