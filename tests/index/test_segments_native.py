@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pof_connector.index import record_runs, segments
+from pof_connector.index import base, record_runs, segments
 from pof_connector.index.base import Matches, PrefixMatch
 from pof_connector.index.segments import SegmentAnswer, SegmentQuery
 from pof_connector.index.summary import Summary, encode_summary, record_slots
@@ -216,17 +216,20 @@ class _Source:
 
 @native_only
 def test_matches_from_a_source_natively_and_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PrefixMatch.from_source`` makes the same matches with the native ``slot_objects`` as without."""
+    """``PrefixMatch.from_source`` makes the same matches with the native ``slot_objects`` as without
+    (enough of them that the native call is made); a node without a name is left out."""
+    nodes = [None if i == 1 else f"n{i}" for i in range(10)]
+    assert len(nodes) >= base._NATIVE_FROM
     got = []
     for native in (True, False):
         if not native:
             monkeypatch.setattr(record_runs, "_native", None)
-        src = _Source()
-        m = PrefixMatch.from_source(["a", None, "c"], [1, 2, 3], src, held=7)
+        m = PrefixMatch.from_source(nodes, [i + 1 for i in range(10)], _Source(), held=7)
         assert isinstance(m, Matches) and m.held == 7
         got.append({node: (x.node, x.pages, x.media.tolist(), x.resolve(2), x.slots.tolist(), x.generations.tolist())
                     for node, x in m.items()})
-    assert got[0] == got[1] == {"a": ("a", 1, [0], 1, [0], [0]), "c": ("c", 3, [2, 2, 2], 2, [0, 1, 2], [2, 2, 2])}
+    assert got[0] == got[1] == {f"n{i}": (f"n{i}", i + 1, [i] * (i + 1), min(2, i + 1), list(range(i + 1)),
+                                          [i] * (i + 1)) for i in range(10) if i != 1}
 
 
 @native_only
