@@ -15,6 +15,9 @@
  * (a few bit operations each), and per head only while its run lasts, so a query held by 64 nodes
  * costs about what one held by 4 does.
  *
+ * slot_objects makes the lookup's matches (one per holder: PrefixMatch.from_source) without calling
+ * their class: from Python each cost more than decoding its holder's entries.
+ *
  * Every length is checked before a byte is read: the values come from a server that a broken or
  * hostile writer may have filled.
  */
@@ -954,7 +957,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_prefix_runs", "Leading runs of a locality-index lookup's reply.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_prefix_runs", "Leading runs of a locality-index lookup's reply, and its matches.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__prefix_runs(void)
