@@ -15,11 +15,15 @@
  * (a few bit operations each), and per head only while its run lasts, so a query held by 64 nodes
  * costs about what one held by 4 does.
  *
+ * slot_objects makes the lookup's matches (one per holder: PrefixMatch.from_source) without calling
+ * their class: from Python each cost more than decoding its holder's entries.
+ *
  * Every length is checked before a byte is read: the values come from a server that a broken or
  * hostile writer may have filled.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -330,8 +334,8 @@ static inline unsigned seg_valid(int64_t fp, int seg_pages, Py_ssize_t stop)
  * is at layer l). */
 static inline unsigned held_offsets(const summary *s, const unsigned char *e, const unsigned *qmask)
 {
-    unsigned got = 0;
-    for (unsigned l = 0; l < s->n_layers; l++)
+    unsigned got = rd_u16(e + 5) & qmask[0];      /* a linear chain: one layer */
+    for (unsigned l = 1; l < s->n_layers; l++)
         got |= rd_u16(e + 5 + 2 * l) & qmask[l];
     return got;
 }
@@ -408,6 +412,17 @@ static int runs_push(media_runs *r, int64_t start, unsigned char code)
     return 0;
 }
 
+/* A head's state while its run goes on: where it stands, and its entries in the last segment that
+ * had one. */
+typedef struct {
+    Py_ssize_t run_end;           /* the first query page after its run, once it stopped */
+    Py_ssize_t through;           /* the last segment its run covers to the end (-1: none yet) */
+    Py_ssize_t stamp;             /* the last segment with an entry of it (-1: none yet) */
+    unsigned uni;                 /* the offsets its entries there hold */
+    unsigned char single;         /* their one medium (255: several: per offset in segmed) */
+    unsigned char last;           /* the code of its run's last stretch (255: none yet) */
+} head_state;
+
 static PyObject *py_summary_runs(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -423,10 +438,11 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     const unsigned char *fps = first.buf, *tags = tagbuf.buf;
     const uint32_t *live = alive.buf;
     summary *sums = NULL;
-    unsigned char *layer = NULL, *marked = NULL, *single = NULL, *segmed = NULL;
+    unsigned char *layer = NULL, *marked = NULL, *segmed = NULL;
     uint32_t *heads = NULL;
-    Py_ssize_t *run_end = NULL, *stamp = NULL, *active = NULL, n_active = 0;
-    unsigned *uni = NULL;
+    Py_ssize_t *active = NULL, *hint_hd = NULL, n_active = 0;
+    head_state *hst = NULL;
+    uint32_t *hint_inc = NULL;
     media_runs *runs = NULL;
     head_table htab = {NULL, 0, 0};
     unsigned (*qmask)[LAYERS] = NULL;
@@ -485,7 +501,7 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
         int64_t hi = fp <= (int64_t)limit - seg_pages ? (int64_t)seg_pages : (int64_t)limit - fp;
         for (int64_t o = lo; o < hi; o++) {
             Py_ssize_t q = (Py_ssize_t)(fp + o);
-            if (sm->marks >> o & 1) {
+            if (sm->marks >> o & 1 && !marked[q]) {   /* once: segments a caller made overlap */
                 marked[q] = 1;
                 n_marked++;
             }
@@ -556,92 +572,158 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
         /* Per head, its run as media runs (first page, code): segments in order, a head whose run
          * stopped in one is not looked at again, and a head with one entry in a segment (one medium:
          * the usual case) costs a few bit operations there, not one per page: the work follows the
-         * holders' entries, a sixteenth of their pages. */
+         * holders' entries, a sixteenth of their pages. What a head needs per segment sits in one
+         * head_state, and a stretch is pushed only when its code changes (at 64 holders the
+         * per-entry and per-head steps were most of the decoding). */
+        Py_ssize_t most = 0;
+        for (Py_ssize_t s = 0; s < nv; s++)
+            if (sums[s].n_holders > most)
+                most = sums[s].n_holders;
         runs = PyMem_Calloc((size_t)k, sizeof(media_runs));
-        run_end = PyMem_Calloc((size_t)k, sizeof(Py_ssize_t));
-        stamp = PyMem_Malloc((size_t)k * sizeof(Py_ssize_t));
-        uni = PyMem_Malloc((size_t)k * sizeof(unsigned));
-        single = PyMem_Malloc((size_t)k);
+        hst = PyMem_Malloc((size_t)k * sizeof(head_state));
         segmed = PyMem_Malloc((size_t)k * 16);
-        if (runs == NULL || run_end == NULL || stamp == NULL || uni == NULL || single == NULL || segmed == NULL) {
-            failed = 1;
-            goto done;
-        }
         active = PyMem_Malloc((size_t)k * sizeof(Py_ssize_t));
-        if (active == NULL) {
+        hint_inc = PyMem_Malloc(((size_t)most + 1) * sizeof(uint32_t));
+        hint_hd = PyMem_Malloc(((size_t)most + 1) * sizeof(Py_ssize_t));
+        if (runs == NULL || hst == NULL || segmed == NULL || active == NULL || hint_inc == NULL || hint_hd == NULL) {
             failed = 1;
             goto done;
         }
         for (Py_ssize_t hd = 0; hd < k; hd++) {
-            stamp[hd] = -1;
+            hst[hd].run_end = 0;
+            hst[hd].through = -1;
+            hst[hd].stamp = -1;
+            hst[hd].last = 255;
             active[hd] = hd;           /* the heads whose runs reached this segment, ascending */
+        }
+        /* Per entry position, the incarnation last seen there and its head (-1: none): a chain's
+         * segments list their holders in about the same order, so the hash table is asked only
+         * where the order changes. */
+        for (Py_ssize_t h = 0; h < most; h++) {
+            hint_inc[h] = 0;            /* incarnation 0 is never live: the first look misses */
+            hint_hd[h] = -1;
         }
         n_active = k;
         if (head_table_make(&htab, heads, k) < 0) {
             failed = 1;
             goto done;
         }
+        Py_ssize_t last_stop = 0;        /* where the runs still going after the last segment end */
         for (Py_ssize_t s = 0; s < nv; s++) {
             const summary *sm = &sums[s];
             int64_t fp = rd_i64(fps + 8 * s);
             if (fp >= (int64_t)held)
                 break;
+            /* clean: running heads whose first entry here holds the whole segment in the medium
+             * their run ends in; when every running head is, and none has a second entry here,
+             * every run goes on unchanged and the pass over the heads is skipped. */
+            Py_ssize_t clean = 0;
+            int twice = 0;
             Py_ssize_t seg_start = fp < 0 ? 0 : (Py_ssize_t)fp;
             Py_ssize_t seg_stop = fp + seg_pages < (int64_t)held ? (Py_ssize_t)(fp + seg_pages) : held;
             unsigned lo = (unsigned)(seg_start - fp), hi = (unsigned)(seg_stop - fp);
             unsigned valid = ((1u << hi) - 1) & ~((1u << lo) - 1);
+            if (seg_start != last_stop) {       /* a segment that starts inside the last one: the runs end */
+                for (Py_ssize_t a = 0; a < n_active; a++)
+                    hst[active[a]].run_end = seg_start;
+                n_active = 0;
+                break;
+            }
             for (Py_ssize_t h = 0; h < sm->n_holders; h++) {
                 const unsigned char *e = sm->holders + h * sm->width;
                 unsigned char m = e[4];
                 if (m >= n_media)
                     continue;
-                Py_ssize_t hd = head_find(&htab, heads, rd_u32(e));
-                if (hd < 0 || run_end[hd] != seg_start)      /* not a head, or its run stopped before */
+                uint32_t inc = rd_u32(e);
+                Py_ssize_t hd;
+                if (hint_inc[h] == inc && inc != 0) {
+                    hd = hint_hd[h];
+                } else {
+                    hd = head_find(&htab, heads, inc);
+                    hint_inc[h] = inc;
+                    hint_hd[h] = hd;
+                }
+                if (hd < 0)                     /* not a head */
                     continue;
-                unsigned got = held_offsets(sm, e, qmask[s]) & valid;
-                unsigned char *sm16 = segmed + 16 * hd;
-                if (stamp[hd] != s) {
-                    stamp[hd] = s;
-                    uni[hd] = got;
-                    single[hd] = m;
+                head_state *st = &hst[hd];
+                unsigned got;
+                if (st->stamp != s) {
+                    if (st->through != s - 1)   /* its run stopped before */
+                        continue;
+                    got = held_offsets(sm, e, qmask[s]) & valid;
+                    st->stamp = s;
+                    st->uni = got;
+                    st->single = m;
+                    if (got == valid && m == st->last) {
+                        st->through = s;
+                        clean++;
+                    }
                     continue;
                 }
-                if (single[hd] != 255) {        /* a second entry: per offset from here on */
+                twice = 1;                      /* a second entry of a running head */
+                got = held_offsets(sm, e, qmask[s]) & valid;
+                unsigned char *sm16 = segmed + 16 * hd;
+                if (st->single != 255) {        /* a second entry: per offset from here on */
                     memset(sm16, 255, 16);
-                    for (unsigned b = uni[hd]; b; b &= b - 1)
-                        sm16[__builtin_ctz(b)] = single[hd];
-                    single[hd] = 255;
+                    for (unsigned b = st->uni; b; b &= b - 1)
+                        sm16[__builtin_ctz(b)] = st->single;
+                    st->single = 255;
                 }
                 for (unsigned b = got; b; b &= b - 1) {
                     unsigned o = (unsigned)__builtin_ctz(b);
                     if (m < sm16[o])
                         sm16[o] = m;
                 }
-                uni[hd] |= got;
+                st->uni |= got;
+            }
+            if (!twice && clean == n_active) {
+                last_stop = seg_stop;
+                continue;
             }
             Py_ssize_t still = 0;
             for (Py_ssize_t a = 0; a < n_active; a++) {
                 Py_ssize_t hd = active[a];
-                unsigned ext = stamp[hd] == s ? (unsigned)__builtin_ctz(~(uni[hd] >> lo)) : 0;
+                head_state *st = &hst[hd];
+                if (st->through == s && st->single != 255) {   /* clean, and no second entry */
+                    active[still++] = hd;
+                    continue;
+                }
+                unsigned ext = st->stamp == s ? (unsigned)__builtin_ctz(~(st->uni >> lo)) : 0;
                 if (ext > hi - lo)
                     ext = hi - lo;
-                for (unsigned o = lo; o < lo + ext; o++) {
-                    unsigned char m = single[hd] != 255 ? single[hd] : segmed[16 * hd + o];
-                    if (runs_push(&runs[hd], fp + o, m) < 0) {
-                        failed = 1;
-                        goto done;
+                if (ext > 0 && st->single != 255) {       /* one medium for the whole extension */
+                    if (st->single != st->last) {
+                        if (runs_push(&runs[hd], fp + lo, st->single) < 0) {
+                            failed = 1;
+                            goto done;
+                        }
+                        st->last = st->single;
                     }
-                    if (single[hd] != 255)
-                        break;                  /* one medium for the whole extension */
+                } else {
+                    for (unsigned o = lo; o < lo + ext; o++) {
+                        unsigned char m = segmed[16 * hd + o];
+                        if (m != st->last) {
+                            if (runs_push(&runs[hd], fp + o, m) < 0) {
+                                failed = 1;
+                                goto done;
+                            }
+                            st->last = m;
+                        }
+                    }
                 }
-                run_end[hd] = seg_start + ext;
-                if (run_end[hd] == seg_stop)
+                st->run_end = seg_start + ext;
+                if (st->run_end == seg_stop) {
+                    st->through = s;
                     active[still++] = hd;
+                }
             }
             n_active = still;
+            last_stop = seg_stop;
             if (!n_active)
                 break;
         }
+        for (Py_ssize_t a = 0; a < n_active; a++)
+            hst[active[a]].run_end = last_stop;
     }
     /* No value is read past here: making objects may run a collection, and any finalizer the values. */
     out_marked = PyBytes_FromStringAndSize(NULL, n_marked * 8);
@@ -658,7 +740,7 @@ static PyObject *py_summary_runs(PyObject *self, PyObject *args)
     if (pages_b != NULL && offs_b != NULL && starts_b != NULL && codes_b != NULL) {
         int64_t at = 0;
         for (Py_ssize_t hd = 0; hd < k; hd++) {
-            int64_t pg = (int64_t)run_end[hd];
+            int64_t pg = (int64_t)hst[hd].run_end;
             memcpy(PyBytes_AS_STRING(pages_b) + 8 * hd, &pg, 8);
             memcpy(PyBytes_AS_STRING(offs_b) + 8 * hd, &at, 8);
             if (runs[hd].n) {
@@ -698,11 +780,10 @@ done:
     PyMem_Free(layer);
     PyMem_Free(marked);
     PyMem_Free(heads);
-    PyMem_Free(run_end);
-    PyMem_Free(stamp);
+    PyMem_Free(hst);
+    PyMem_Free(hint_inc);
+    PyMem_Free(hint_hd);
     PyMem_Free(active);
-    PyMem_Free(uni);
-    PyMem_Free(single);
     PyMem_Free(segmed);
     for (Py_ssize_t hd = 0; runs != NULL && hd < k; hd++) {
         PyMem_Free(runs[hd].starts);
@@ -780,15 +861,103 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(slot_objects_doc,
+"slot_objects(cls, names, values, /) -> list\n\n"
+"New instances of cls made without calling it (neither __new__ nor __init__ runs), their slots set:\n"
+"slot names[j] (a str: a writable __slots__ member of cls) of instance i to values[j][i] where\n"
+"values[j] is a list, else to values[j]. As many instances as the lists have items (all the same;\n"
+"at least one list). A lookup makes one match per holder: from Python each cost more than the\n"
+"decoding of its entries.");
+
+#define MAX_SLOTS 16
+
+static PyObject *py_slot_objects(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyTypeObject *cls;
+    PyObject *names, *values;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &cls, &PyTuple_Type, &names, &PyTuple_Type, &values))
+        return NULL;
+    Py_ssize_t k = PyTuple_GET_SIZE(names), n = -1, off[MAX_SLOTS];
+    if (k != PyTuple_GET_SIZE(values) || k > MAX_SLOTS || cls->tp_itemsize != 0 || cls->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_ValueError, "slot_objects: one value per name (16 at most), of a class of fixed size");
+        return NULL;
+    }
+    /* Each name must be a writable object slot of cls itself or of a base: a member descriptor whose
+     * offset lies inside the instance (anything else, and nothing is written). */
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *name = PyTuple_GET_ITEM(names, j), *v = PyTuple_GET_ITEM(values, j);
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "slot_objects: names must be str");
+            return NULL;
+        }
+        PyObject *descr = PyObject_GetAttr((PyObject *)cls, name);
+        if (descr == NULL)
+            return NULL;
+        int ok = Py_TYPE(descr) == &PyMemberDescr_Type
+                 && PyType_IsSubtype(cls, ((PyDescrObject *)descr)->d_type);
+        PyMemberDef *md = ok ? ((PyMemberDescrObject *)descr)->d_member : NULL;
+        ok = ok && md->type == T_OBJECT_EX && !(md->flags & READONLY)
+             && md->offset >= (Py_ssize_t)sizeof(PyObject)
+             && md->offset + (Py_ssize_t)sizeof(PyObject *) <= cls->tp_basicsize;
+        off[j] = ok ? md->offset : 0;
+        for (Py_ssize_t i = 0; ok && i < j; i++)
+            ok = off[i] != off[j];                  /* a slot named twice would leak its first value */
+        Py_DECREF(descr);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "slot_objects: %R is not a writable slot of %s", name, cls->tp_name);
+            return NULL;
+        }
+        if (PyList_Check(v)) {
+            if (n >= 0 && PyList_GET_SIZE(v) != n) {
+                PyErr_SetString(PyExc_ValueError, "slot_objects: the lists differ in length");
+                return NULL;
+            }
+            n = PyList_GET_SIZE(v);
+        }
+    }
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "slot_objects: no list of values");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* An allocation may run a collection, and a finalizer may change a list: checked each time. */
+        PyObject *o = cls->tp_alloc(cls, 0);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, o);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *v = PyTuple_GET_ITEM(values, j);
+            if (PyList_Check(v)) {
+                if (PyList_GET_SIZE(v) != n) {
+                    PyErr_SetString(PyExc_RuntimeError, "slot_objects: a list changed while in use");
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                v = PyList_GET_ITEM(v, i);
+            }
+            Py_INCREF(v);
+            *(PyObject **)((char *)o + off[j]) = v;
+        }
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"leading_runs", py_leading_runs, METH_VARARGS, leading_runs_doc},
     {"summary_runs", py_summary_runs, METH_VARARGS, summary_runs_doc},
     {"record_slots", py_record_slots, METH_VARARGS, record_slots_doc},
+    {"slot_objects", py_slot_objects, METH_VARARGS, slot_objects_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_prefix_runs", "Leading runs of a locality-index lookup's reply.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_prefix_runs", "Leading runs of a locality-index lookup's reply, and its matches.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__prefix_runs(void)

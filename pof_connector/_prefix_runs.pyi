@@ -1,6 +1,10 @@
 # The native decoders of pof_connector.index.record_runs and .segments (built from _prefix_runs.c when a C compiler
 # is there).
+from typing import TypeVar
+
 from typing_extensions import Buffer
+
+T = TypeVar("T")
 
 def leading_runs(values: list[bytes | None], alive: bytes, n_media: int, /
                  ) -> tuple[int, int, int, list[int], list[tuple[bytearray, bytearray, bytearray]]]: ...
@@ -17,4 +21,8 @@ def record_slots(values: list[bytes | None], segments: Buffer, base: int, media:
                  slots: Buffer, gens: Buffer, /) -> None:
     """A holder's slots and generations from its records, written into ``slots`` and ``gens`` (int64s)
     for the pages whose generation is negative: see ``summary.record_slots``."""
+    ...
+def slot_objects(cls: type[T], names: tuple[str, ...], values: tuple[object, ...], /) -> list[T]:
+    """New instances of ``cls`` made without calling it, slot ``names[j]`` of instance ``i`` set to
+    ``values[j][i]`` where ``values[j]`` is a list, else to ``values[j]`` (``PrefixMatch.from_source``)."""
     ...

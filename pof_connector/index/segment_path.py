@@ -133,16 +133,12 @@ class SegmentPath:
             self._refused(answer.unknown, "unknown_medium")
         if not answer.heads:
             return Matches(held=answer.held)
-        names = self._inc_names
-        nodes = [names.get(i) for i in answer.heads]
+        nodes = list(map(self._inc_names.get, answer.heads))
         if None in nodes:                          # incarnations not seen before: their names, once
             known = self._names(answer.heads)
             nodes = [known.get(i) for i in answer.heads]
-        source = _Records(self, ns, answer)
         # Lean: one match per holder, so this is the lookup's per-holder cost in Python.
-        return Matches({node: PrefixMatch(node, None, None, None, None, source, h, pages)
-                        for h, (node, pages) in enumerate(zip(nodes, answer.media.pages.tolist(), strict=True))
-                        if node is not None}, answer.held)
+        return PrefixMatch.from_source(nodes, answer.media.pages.tolist(), _Records(self, ns, answer), answer.held)
 
 
 def _read_records(index: SegmentPath, ns: bytes, query: SegmentQuery, layers: np.ndarray, inc: int, media: np.ndarray,

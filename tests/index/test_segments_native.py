@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pof_connector.index import record_runs, segments
+from pof_connector.index import base, record_runs, segments
+from pof_connector.index.base import Matches, PrefixMatch
 from pof_connector.index.segments import SegmentAnswer, SegmentQuery
 from pof_connector.index.summary import Summary, encode_summary, record_slots
 
@@ -156,6 +157,21 @@ def test_the_segment_decoders_agree(reply: tuple[SegmentQuery, list[Any], list[i
 
 
 @native_only
+def test_overlapping_segments_mark_each_page_once() -> None:
+    """Segments whose first pages a caller made overlap (the plans never do) name each marked page
+    once, ascending: the marked buffer is as long as its pages, with nothing left unwritten."""
+    nat = segments._native()
+    rng = np.random.default_rng(3)
+    n = 40
+    tags = rng.integers(0, 2**64, size=n, dtype=np.uint64)
+    first = [0, 4, 4, 20]
+    vals = [encode_summary(Summary(0xFFFF, 1, {o: int(tags[fp + o]) for o in range(SEG) if fp + o < n},
+                                   [(1, 0, [0xFFFF])])) for fp in first]
+    *_, marked = nat.summary_runs(vals, np.array(first, np.int64), tags, np.array([1], "<u4"), N_MEDIA, SEG)
+    assert np.frombuffer(marked, np.int64).tolist() == list(range(36))
+
+
+@native_only
 def test_the_record_readers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """A holder's records (groups per medium and layer, some cut short or absent) give the same slots
     natively and in Python, and only for pages whose generation is not known yet."""
@@ -187,3 +203,43 @@ def test_the_record_readers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.undo()
         assert got[0] == got[1]
         assert all(g == 7 for g, k in zip(got[0][1], known.tolist(), strict=True) if k == 7)
+
+
+class _Source:
+    def media_of(self, key: int) -> np.ndarray:
+        return np.full(key + 1, key, np.uint8)
+
+    def resolve(self, key: int, pages: int, media: np.ndarray, slots: np.ndarray,
+                gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(pages, dtype=np.int64), np.full(pages, key, np.int64)
+
+
+@native_only
+def test_matches_from_a_source_natively_and_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PrefixMatch.from_source`` makes the same matches with the native ``slot_objects`` as without
+    (enough of them that the native call is made); a node without a name is left out."""
+    nodes = [None if i == 1 else f"n{i}" for i in range(10)]
+    assert len(nodes) >= base._NATIVE_FROM
+    got = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(record_runs, "_native", None)
+        m = PrefixMatch.from_source(nodes, [i + 1 for i in range(10)], _Source(), held=7)
+        assert isinstance(m, Matches) and m.held == 7
+        got.append({node: (x.node, x.pages, x.media.tolist(), x.resolve(2), x.slots.tolist(), x.generations.tolist())
+                    for node, x in m.items()})
+    assert got[0] == got[1] == {f"n{i}": (f"n{i}", i + 1, [i] * (i + 1), min(2, i + 1), list(range(i + 1)),
+                                          [i] * (i + 1)) for i in range(10) if i != 1}
+
+
+@native_only
+def test_slot_objects_sets_only_writable_slots() -> None:
+    nat = segments._native()
+    for names in (("nodex",), ("pages",), ("__dict__",), ("node", "node")):
+        with pytest.raises((TypeError, AttributeError)):
+            nat.slot_objects(PrefixMatch, names, tuple([["x"]] * len(names)))
+    for cls, names, values in ((PrefixMatch, ("node", "_key"), (["a"], [1, 2])), (PrefixMatch, ("node",), ("a",)),
+                               (int, ("real",), ([1],))):
+        with pytest.raises(ValueError):
+            nat.slot_objects(cls, names, values)
+    assert nat.slot_objects(PrefixMatch, ("node",), ([],)) == []
