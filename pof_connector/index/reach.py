@@ -64,7 +64,7 @@ def reach(me: str, runs: list[Run], *, near: Readable, far: Readable,
         # what the tables below would conclude, without building them.
         elsewhere: dict[str, int] = {}
         for at, m in runs:
-            if len(m.media):
+            if m.pages:          # not len(m.media): that builds the media of every holder
                 elsewhere[m.node] = max(elsewhere.get(m.node, 0), at + m.pages)
         return Reach(list(own or []), [False] * len(own or []), elsewhere)
     order, elsewhere, run_of, j_of, far_of = _pick(me, runs, near, far, len(own or []), length)
