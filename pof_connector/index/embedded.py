@@ -33,6 +33,7 @@ from typing import IO
 
 import redis
 
+from pof_connector.cpu_affinity import unpin, unpin_process
 from pof_connector.index.server import RedisServer, ping
 from pof_connector.runtime_dir import private_dir
 
@@ -214,6 +215,7 @@ def supervise(runtime_dir: Path, idle_s: float) -> int:
     """Run the server until SIGTERM/SIGINT, until no client was connected for ``idle_s``, until
     the server exits, or until its socket disappears (somebody removed the runtime directory).
     Returns 2 without starting anything when another server process of ``runtime_dir`` lives."""
+    unpin()      # the engine worker that started this supervisor may be bound to its cores
     live = take_live_lock(runtime_dir)
     if live is None:
         print("another embedded index server lives in this runtime directory: not starting", file=sys.stderr)
@@ -232,6 +234,7 @@ def supervise(runtime_dir: Path, idle_s: float) -> int:
     # the lock while it runs, and nobody starts a second one next to it.
     server = RedisServer(runtime_dir).start(pass_fds=(live.fileno(),))
     assert server.proc is not None
+    unpin_process(server.proc.pid)
     write_pids(pidfile, os.getpid(), server.proc.pid)
     watch = redis.Redis.from_url(server.url, socket_timeout=2)
     idle_since = time.monotonic()

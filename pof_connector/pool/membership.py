@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pof_connector.audit.revocations import revoked_for
 from pof_connector.config import ConfigError
+from pof_connector.cpu_affinity import unpin
 from pof_connector.index import NodeIdTaken, NodeInfo, TierUsage
 from pof_connector.pins.pin_book import PinBook
 from pof_connector.pool.lookup import SourceFinder
@@ -199,5 +200,6 @@ class Membership:
             self.log_once("heartbeat", logging.ERROR, "pof: heartbeat failed", exc_info=e)
 
     def _loop(self) -> None:
+        unpin()          # an engine's busy core must not starve the heartbeat (see cpu_affinity)
         while not self._closed.wait(self.config.heartbeat_s):
             self.beat()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from pof_connector.config.tenant_config import DEFAULT_TENANT
+from pof_connector.cpu_affinity import unpin
 from pof_connector.index import Location
 from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageError
@@ -42,7 +43,7 @@ class Placement:
         self.stats = parts.stats
         self.log_once = parts.log_once
         self.fabric = parts.fabric
-        self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store")
+        self._store = ThreadPoolExecutor(1, thread_name_prefix="pof-store", initializer=unpin)
         self._staging = np.empty(parts.spec.page_bytes, dtype=np.uint8)    # store thread only
         self._spill_buf = np.empty(parts.spec.page_bytes, dtype=np.uint8)  # store thread only
         self._maintaining = threading.Event()     # a spill-lease upkeep is queued on the store thread
