@@ -12,9 +12,9 @@ import pytest
 
 
 def server_workdir(request: pytest.FixtureRequest, prefix: str) -> Iterator[Path]:
-    """For a module-scoped fixture: a fresh directory, removed afterwards unless a test of the
-    module failed (or ``POF_KEEP_SERVER_LOGS=1``). Then it is kept and its path printed, so the
-    servers' own logs can tell what happened (a rare failure cannot be rerun at will)."""
+    """For a workdir fixture (module- or function-scoped): a fresh directory, removed afterwards
+    unless a test it served failed (or ``POF_KEEP_SERVER_LOGS=1``). Then it is kept and its path
+    printed, so the servers' own logs can tell what happened (a rare failure cannot be rerun at will)."""
     failed = request.session.testsfailed
     d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     yield d

@@ -33,6 +33,7 @@ import pytest
 from pof_connector.bench.chaos import UNPINNED
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.server import RedisServer
+from tests.adapters.server_workdir import server_workdir
 from tests.adapters.test_vllm import DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -45,10 +46,8 @@ COMMON = ["--block-size", str(BLOCK), "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="pof-capacity-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from server_workdir(request, "pof-capacity-")
 
 
 @pytest.fixture(scope="module")

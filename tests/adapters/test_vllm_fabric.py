@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +24,7 @@ import pytest
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.fabric import nixl_installed
 from pof_connector.index.server import RedisServer
+from tests.adapters.server_workdir import server_workdir
 from tests.adapters.test_vllm import DTYPE, HITS, pool_tokens, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow,
@@ -62,10 +61,8 @@ def model() -> Path:
 
 
 @pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="pof-vfab-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from server_workdir(request, "pof-vfab-")
 
 
 def fabric_server(model: Path, workdir: Path, node: str, index_url: str) -> VllmServer:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,16 +20,15 @@ from pof_connector.bench.vllm_server import VllmServer, build_model, connector_c
 from pof_connector.index.server import RedisServer
 from pof_connector.locality.engine_load import MetricsPage, read_engine_load
 from pof_connector.locality.locator import load_tokenizer
+from tests.adapters.server_workdir import server_workdir
 from tests.adapters.test_vllm import DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="pof-route-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from server_workdir(request, "pof-route-")
 
 
 def workload(seed: int, tenants: int, turns: int, system_tokens: int) -> list[tuple[int, list[int]]]:

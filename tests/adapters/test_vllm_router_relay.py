@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +30,7 @@ from pof_connector.index.redis import RedisIndex
 from pof_connector.index.server import RedisServer
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.relay.kv_events import AllBlocksCleared, BlockStored, decode_batch
+from tests.adapters.server_workdir import server_workdir
 from tests.adapters.test_vllm import DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -101,10 +100,8 @@ def complete(base: str, p: list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="pof-vrr-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from server_workdir(request, "pof-vrr-")
 
 
 def test_stock_router_prefers_the_node_whose_pool_holds_the_prefix(workdir: Path,

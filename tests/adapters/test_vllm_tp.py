@@ -5,8 +5,6 @@ passing, and answer differently)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +13,7 @@ import pytest
 
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.embedded import stop_embedded
+from tests.adapters.server_workdir import server_workdir
 from tests.adapters.test_vllm import HITS, pool_tokens, prompt, wait_for
 
 LOGPROB_TOLERANCE = 0.02
@@ -34,10 +33,8 @@ def logprobs(server: VllmServer, p: list[int]) -> list[tuple[str, float]]:
 
 
 @pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="pof-tp-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from server_workdir(request, "pof-tp-")
 
 
 def test_tp2_ranks_load_their_own_heads_from_one_shared_region(workdir: Path, shm_path: str) -> None:
