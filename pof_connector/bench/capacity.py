@@ -40,6 +40,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -309,7 +310,17 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
     out["host_samples"] = [[n, round(a, 4), round(t, 4)] for n, a, t in host]
+    out["host_sharing_slowdown"] = sharing_slowdown(host)
     return out
+
+
+def sharing_slowdown(host: list[tuple[int, float, float]]) -> float | None:
+    """How many times longer a cold prompt takes when every server computes one at once than on one
+    server alone (median of the host samples; ``None`` without any). Near 1 the servers compute
+    side by side as separate hosts would; well above 1 they share this host's cores, so a set-up
+    that spreads load over them adds no compute here, and one that keeps a server idle gains."""
+    ratios = sorted(t / a for _, a, t in host if a > 0)
+    return round(statistics.median(ratios), 2) if ratios else None
 
 
 __all__ = ["PASS_RULES", "QUICK_TIME_BUDGET_S", "RESOLUTION", "SETUPS", "SLO_MULTIPLE", "STATIC_NAMINGS",

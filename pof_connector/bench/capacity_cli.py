@@ -15,6 +15,10 @@ from pof_connector.bench import capacity as bench_capacity  # starts vLLM server
 from pof_connector.bench.needs import check
 from pof_connector.cli_support import out_console, print_json, progress
 
+SHARED_HOST_SLOWDOWN = 1.5
+"""A host-sharing slowdown (``host_sharing_slowdown``) from which the table warns that the servers
+do not compute side by side."""
+
 
 def _rates(text: str) -> list[float]:
     from pof_connector.bench.cli import _rates as rates
@@ -116,6 +120,17 @@ def print_table(result: dict[str, Any]) -> None:
               f"spread pof / static {result['fragmentation']['pof_vs_static']} (pof's floor / static's spread "
               f"{result['fragmentation']['pof_floor_vs_static']}: no placement of pof's requests goes below it) "
               "(TTFT, preemptions, tokens and spread at the reference load, factor 1)")
+    for name, row in result["setups"].items():
+        at = row.get("at_goodput") or {}
+        if at.get("router_decision_mean_s") is not None:
+            stages = ", ".join(f"{k} {v}" for k, v in (at.get("router_stage_mean_s") or {}).items())
+            out.print(f"{name}: pof router's own time before sending, mean at goodput {at['router_decision_mean_s']} s"
+                      + (f" ({stages})" if stages else ""))
+    slowdown = result.get("host_sharing_slowdown")
+    if slowdown is not None and slowdown >= SHARED_HOST_SLOWDOWN:
+        out.print(f"[yellow]note[/yellow]: a prompt computed on every server at once took {slowdown}x as long as on "
+                  "one alone: the servers share this host's cores, so spreading load over them adds no compute here, "
+                  "and a set-up that keeps a server idle gains from it (separate hosts would not behave so)")
     for rate, row in result.get("audit", {}).items():
         out.print(f"pof with audit.sample_rate {rate}: goodput {row['goodput_rps']} req/s, "
                   f"{row['vs_no_audit']}{_bound(row['vs_no_audit_bound'])} of pof without it")

@@ -58,6 +58,9 @@ class Outcome:
     router_s: float | None = None
     """What ``pof router`` says it spent before sending the request on (``x-pof-router-overhead``:
     reading, tokenizing, choosing); ``None``: no such header (no pof router on the way)."""
+    router_stages: dict[str, float] = field(default_factory=dict)
+    """That time by stage (``x-pof-router-stages``: parse, tokenize, lookup, choose, proxy); empty
+    without a pof router."""
 
 
 def answer_tokens(session: str, turn: int, n: int, vocab: int, variant: int) -> list[int]:
@@ -126,6 +129,7 @@ class Trial:
                 "mean_ttft_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
                 "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1),
                 "router_decision_mean_s": self.router_decision_mean(),
+                "router_stage_mean_s": self.router_stage_means(),
                 "errors": self.errors(), **self.by_kind()}
 
     def router_decision_mean(self) -> float | None:
@@ -133,6 +137,14 @@ class Trial:
         no request went through a pof router."""
         spent = [o.router_s for o in self.outcomes if o.router_s is not None]
         return round(statistics.fmean(spent), 4) if spent else None
+
+    def router_stage_means(self) -> dict[str, float] | None:
+        """Mean seconds per stage of the router's own time (where :meth:`router_decision_mean`
+        went under this trial's load); ``None``: no request went through a pof router."""
+        staged = [o.router_stages for o in self.outcomes if o.router_stages]
+        if not staged:
+            return None
+        return {k: round(statistics.fmean(s.get(k, 0.0) for s in staged), 5) for k in staged[0]}
 
     def by_kind(self) -> dict[str, dict[str, float | int | None]]:
         """p50 / p90 TTFT of the turns of multi-turn sessions (``sessions``) and of one-off requests
@@ -164,6 +176,19 @@ def _seconds(header: str | None) -> float | None:
         return float(header) if header is not None else None
     except ValueError:
         return None
+
+
+def _stages(header: str | None) -> dict[str, float]:
+    """``x-pof-router-stages`` ("parse=0.00012,tokenize=...") as seconds per stage; {} when absent
+    or unreadable."""
+    out: dict[str, float] = {}
+    for part in filter(None, (header or "").split(",")):
+        name, _, value = part.partition("=")
+        seconds = _seconds(value)
+        if seconds is None:
+            return {}
+        out[name.strip()] = seconds
+    return out
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -248,6 +273,7 @@ class Replay:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 o.backend = r.headers.get("x-pof-backend", "") or url
                 o.router_s = _seconds(r.headers.get("x-pof-router-overhead"))
+                o.router_stages = _stages(r.headers.get("x-pof-router-stages"))
                 for raw in r:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":

@@ -122,7 +122,10 @@ class SetupRun:
 def _router_text(row: dict[str, Any]) -> str:
     """The pof router's own mean time before sending on, part of ``outside`` ('' without one)."""
     spent = row.get("router_decision_mean_s")
-    return "" if spent is None else f" (of it pof router before sending {spent})"
+    if spent is None:
+        return ""
+    stages = ", ".join(f"{k} {v}" for k, v in (row.get("router_stage_mean_s") or {}).items())
+    return f" (of it pof router before sending {spent}{': ' + stages if stages else ''})"
 
 
 def _parts_text(parts: dict[str, float | None]) -> str:

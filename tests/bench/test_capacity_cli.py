@@ -114,3 +114,24 @@ def test_the_table_comes_after_the_json_is_saved(monkeypatch: pytest.MonkeyPatch
     finally:
         saved.unlink()
     assert "(at least: a set-up at a bound)" in captured.out and "(>=, safety cap)" in captured.out
+
+
+def test_the_table_warns_when_the_servers_share_the_hosts_cores_and_shows_the_routers_stages(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    shared = result()
+    shared["host_samples"] = [[2068, 0.06, 0.19], [2068, 0.05, 0.17]]
+    shared["host_sharing_slowdown"] = capacity.sharing_slowdown([(n, a, t) for n, a, t in shared["host_samples"]])
+    shared["setups"]["pof"]["at_goodput"] = {"router_decision_mean_s": 0.0031,
+                                             "router_stage_mean_s": {"lookup": 0.0011, "choose": 0.0009}}
+    monkeypatch.setattr(capacity, "run", lambda **kw: shared)
+    assert main(["bench", "capacity", "--setups", "static,pof", "--out", str(tmp_path / "c.json")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert shared["host_sharing_slowdown"] == 3.28          # median of 3.17 and 3.4
+    assert "took 3.28x as long as on one alone" in out
+    assert "pof: pof router's own time before sending, mean at goodput 0.0031 s (lookup 0.0011, choose 0.0009)" in out
+    alone = result()
+    alone["host_sharing_slowdown"] = capacity.sharing_slowdown([(2068, 0.06, 0.07)])
+    monkeypatch.setattr(capacity, "run", lambda **kw: alone)
+    assert main(["bench", "capacity", "--setups", "static,pof", "--out", str(tmp_path / "d.json")]) == 0
+    assert "as long as on one alone" not in capsys.readouterr().out

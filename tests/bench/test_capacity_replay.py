@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from pof_connector.bench.capacity_replay import Replay, answer_tokens
+from pof_connector.bench.capacity_replay import Replay, _stages, answer_tokens
 from pof_connector.bench.capacity_trace import TraceRequest, tokens_for
 from tests.http_server import serve
 
@@ -83,6 +83,20 @@ def test_the_routers_own_time_is_averaged_from_its_header() -> None:
         trial = replay.run(factor=1.0)
     assert [o.router_s for o in trial.outcomes] == [0.004] * 3 and {o.backend for o in trial.outcomes} == {"n1"}
     assert trial.figures(5.0)["router_decision_mean_s"] == 0.004
+
+
+def test_the_routers_stages_are_averaged_from_their_header_and_a_bad_one_is_dropped() -> None:
+    seen: list[list[int]] = []
+    stages = "parse=0.000100,tokenize=0.000020,lookup=0.002000,choose=0.001000,proxy=0.000300"
+    with serve(fake_vllm(seen, 0.0, {"x-pof-router-overhead": "0.003420", "x-pof-router-stages": stages})) as url:
+        replay = Replay(trace(), lambda r, k: (url, {}), vocab=500, variant=1, block=BLOCK, slo_s=5.0, timeout_s=10)
+        trial = replay.run(factor=1.0)
+    assert trial.figures(5.0)["router_stage_mean_s"] == {"parse": 0.0001, "tokenize": 2e-05, "lookup": 0.002,
+                                                         "choose": 0.001, "proxy": 0.0003}
+    trial.outcomes[0].router_stages = {"parse": 0.0004, "tokenize": 0.0, "lookup": 0.002, "choose": 0.001,
+                                       "proxy": 0.0003}
+    assert trial.router_stage_means()["parse"] == 0.0002          # (0.0004 + 0.0001 + 0.0001) / 3
+    assert _stages("parse=0.1,lookup=x") == {} and _stages(None) == {}
 
 
 def test_an_overloaded_trial_gives_up_and_fails() -> None:
