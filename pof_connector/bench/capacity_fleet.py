@@ -15,6 +15,7 @@ import shutil
 import statistics
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,10 +241,14 @@ class UsageSampler:
         self.tier_used: list[list[float]] = []
         """Per sample, each server's tier bytes in use."""
         self.tier_capacity = 0.0
+        self.usage: list[tuple[float, list[float]]] = []
+        """Per sample, seconds since the sampler started and each server's KV usage (0-1)."""
+        self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> UsageSampler:
+        self._t0 = time.monotonic()
         self._thread.start()
         return self
 
@@ -258,6 +263,7 @@ class UsageSampler:
             except OSError:
                 continue
             u = [o[0] for o in occupancy]
+            self.usage.append((time.monotonic() - self._t0, u))
             if all(len(o) > 3 for o in occupancy):       # a fleet that reads its tiers
                 self.tier_used.append([o[2] for o in occupancy])      # type: ignore[misc]
                 self.tier_capacity = max(self.tier_capacity, sum(o[3] for o in occupancy))   # type: ignore[misc]
@@ -278,7 +284,7 @@ class UsageSampler:
     def figures(self) -> dict[str, Any]:
         if not self.spreads:
             return {"spread_mean": None, "spread_p90": None, "spread_floor_mean": None, "spread_floor_p90": None,
-                    "samples": 0, **self.tier_figures()}
+                    "samples": 0, **self.tier_figures(), "kv_usage": self.usage_series()}
 
         def p90(values: list[float]) -> float:
             return round(sorted(values)[int(0.9 * (len(values) - 1))], 4)
@@ -286,4 +292,10 @@ class UsageSampler:
         return {"spread_mean": round(statistics.fmean(self.spreads), 4), "spread_p90": p90(self.spreads),
                 "spread_floor_mean": round(statistics.fmean(self.floors), 4), "spread_floor_p90": p90(self.floors),
                 "max_usage_mean": round(statistics.fmean(self.peaks), 4), "samples": len(self.spreads),
-                **self.tier_figures()}
+                **self.tier_figures(), "kv_usage": self.usage_series()}
+
+    def usage_series(self) -> dict[str, list[Any]]:
+        """Each server's KV usage over the trial (what ``--plot`` draws): ``t_s`` the samples'
+        times, ``by_server`` one list of usages per server, in the fleet's order."""
+        return {"t_s": [round(t, 2) for t, _ in self.usage],
+                "by_server": [[round(u, 3) for u in col] for col in zip(*(u for _, u in self.usage), strict=True)]}

@@ -159,13 +159,22 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
 
 def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path,
          title: str = "pof bench capacity: p90 TTFT vs offered load") -> None:
-    """p90 TTFT against offered load, one line per set-up, the SLO as a dashed line."""
+    """p90 TTFT against offered load, one line per set-up, the SLO as a dashed line; below it, for
+    every set-up whose reference-load trial sampled them, each server's KV usage over that trial
+    (one server full while another idles is what a pool is for)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    usage = {name: u for name, row in results.items()
+             if (u := (row.get("at_reference_load") or {}).get("kv_usage")) and u.get("t_s")}
+    if usage:
+        fig = plt.figure(figsize=(max(7.0, 2.4 * len(usage)), 7.5))
+        grid = fig.add_gridspec(2, len(usage), height_ratios=(3, 2))
+        ax = fig.add_subplot(grid[0, :])
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
     ceiling = 2 * slo_s       # where a trial that failed or gave up (no p90) is marked
     for name, row in results.items():
         pts = [(t["offered_rps"], t["p90_ttft_s"] if t["passed"] or t["p90_ttft_s"] is not None else ceiling)
@@ -182,6 +191,17 @@ def draw(results: dict[str, dict[str, Any]], slo_s: float, path: Path,
     ax.set_yscale("log")
     ax.set_title(title)
     ax.legend()
+    for i, (name, u) in enumerate(usage.items()):
+        panel = fig.add_subplot(grid[1, i])
+        for k, series in enumerate(u["by_server"]):
+            panel.plot(u["t_s"], [100 * x for x in series], label=f"n{k}")
+        panel.set_ylim(0, 100)
+        panel.set_title(f"{name}: KV use at x1", fontsize=9)
+        panel.set_xlabel("s into the trial", fontsize=8)
+        if i == 0:
+            panel.set_ylabel("KV cache used (%)", fontsize=8)
+            panel.legend(fontsize=7)
+        panel.tick_params(labelsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
