@@ -158,6 +158,8 @@ class Mix:
     short_system_tokens: int = 512
     short_turn_tokens: int = 96
     short_max_tokens: int = 16
+    long_tenants: int = 2
+    """Tenants the long sessions take turns in (their system prompt is their tenant's)."""
 
     def scaled(self, factor: float) -> Mix:
         """A shorter mix (``--quick``): fewer, shorter sessions over a shorter span."""
@@ -166,7 +168,7 @@ class Mix:
                    long_turn_tokens=self.long_turn_tokens, long_max_tokens=self.long_max_tokens,
                    long_think_s=self.long_think_s, tenants=self.tenants, short_rate=self.short_rate,
                    short_system_tokens=self.short_system_tokens, short_turn_tokens=self.short_turn_tokens,
-                   short_max_tokens=self.short_max_tokens)
+                   short_max_tokens=self.short_max_tokens, long_tenants=self.long_tenants)
 
 
 LONG_CONTEXT = Mix(span_s=120.0, long_sessions=6, long_turns=5, long_system_tokens=2048, long_turn_tokens=3584,
@@ -184,6 +186,15 @@ LONG_CONTEXT_12 = replace(LONG_CONTEXT, long_sessions=12)
 others on its server unless it moves."""
 
 
+NEIGHBOUR = replace(LONG_CONTEXT, long_sessions=2, long_tenants=1)
+"""``docs/traces/neighbour.jsonl`` (seed 1): the idle neighbour. Two conversations of one tenant
+(one 2K system prompt) start together and grow to about 17K tokens each: together they outgrow
+one server's KV (``--kv-tokens 20480``) and fit in two. A router that follows the shared prefix
+puts both on the server that holds it, which then evicts and recomputes while the other serves
+only the short requests; a pool lets the second conversation's context live, and be loaded,
+anywhere. Run it with ``--model tiny-long --kv-tokens 20480``."""
+
+
 def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:
     """The seeded default: long sessions starting in two uneven bursts (most of them early, so a
     placement fixed by the first turn piles them up), short tenant requests arriving Poisson."""
@@ -193,7 +204,7 @@ def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:
     for s in range(mix.long_sessions):
         burst = 0.0 if s < early else mix.span_s / 2
         at = burst + rnd.uniform(0, mix.span_s / 10)
-        tenant = f"L{s % 2}"
+        tenant = f"L{s % mix.long_tenants}"
         for _ in range(mix.long_turns):
             out.append(TraceRequest(round(at, 3), f"long{s}", tenant, mix.long_system_tokens,
                                     rnd.randint(mix.long_turn_tokens // 2, mix.long_turn_tokens),

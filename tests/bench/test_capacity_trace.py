@@ -11,6 +11,7 @@ import pytest
 from pof_connector.bench.capacity_trace import (
     LONG_CONTEXT,
     LONG_CONTEXT_12,
+    NEIGHBOUR,
     Mix,
     TraceError,
     TraceRequest,
@@ -100,9 +101,23 @@ def test_the_default_trace_fragments_and_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "mix", "conversations"), [("long-context", LONG_CONTEXT, 6),
-                                                             ("long-context-12", LONG_CONTEXT_12, 12)])
+                                                             ("long-context-12", LONG_CONTEXT_12, 12),
+                                                             ("neighbour", NEIGHBOUR, 2)])
 def test_the_shipped_long_context_traces_are_their_mix_and_seed(name: str, mix: Mix, conversations: int) -> None:
     shipped = read_trace(Path(__file__).parents[2] / "docs" / "traces" / f"{name}.jsonl")
     assert shipped == fragmenting_trace(1, mix)
     s = summary(shipped)
     assert s["multi_turn_sessions"] == conversations and 16_000 < s["max_context_tokens"] < 32_768 - 128
+
+
+def test_the_neighbour_traces_conversations_share_a_prefix_and_outgrow_one_server_not_two() -> None:
+    trace = read_trace(Path(__file__).parents[2] / "docs" / "traces" / "neighbour.jsonl")
+    longs = [r for r in trace if r.session.startswith("long")]
+    assert {(r.tenant, r.system_tokens) for r in longs} == {("L0", 2048)}      # one system prompt
+    context: dict[str, int] = {}
+    for r in longs:
+        context[r.session] = context.get(r.session, r.system_tokens) + r.turn_tokens + r.max_tokens
+    kv_per_server = 20_480                # the --kv-tokens the docs run it with
+    assert max(context.values()) < kv_per_server < sum(context.values()) < 2 * kv_per_server
+    firsts = sorted(min(r.at for r in longs if r.session == s) for s in context)
+    assert firsts[-1] - firsts[0] < 15.0          # they start together: the first turns meet one holder
