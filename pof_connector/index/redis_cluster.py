@@ -16,7 +16,7 @@ location is that of one field of a large hash, as on one server (about 90 bytes 
 
 A lookup is one parallel round: the query's fields are grouped by bucket, every bucket's
 ``HMGET`` is pre-encoded (as in :mod:`.redis`) and the ``HMGET`` of all buckets a shard serves are
-sent as one pipelined buffer to that shard's master, together with ``TIME`` and ``ZRANGE live`` to
+sent as one pipelined buffer to that shard's master, together with ``TIME`` and the leases' ``GET`` to
 the registry's master; all buffers are written before any reply is read. Publish and withdraw run
 the scripts of :mod:`.redis` once per bucket, pipelined per shard (a cluster pipeline).
 
@@ -67,6 +67,7 @@ from pof_connector.index.cluster_summaries import BUCKET_BYTE as BUCKET_BYTE
 from pof_connector.index.cluster_summaries import BUCKETS as BUCKETS
 from pof_connector.index.cluster_summaries import REGISTRY_SLOT, ClusterSummaries, flag_key
 from pof_connector.index.cluster_summaries import bucket_key as bucket_key
+from pof_connector.index.live_set import Registry
 from pof_connector.index.record_runs import FIELD_BYTES, leading_runs
 from pof_connector.index.redis import (
     FIELD_RESP_BYTES,
@@ -308,8 +309,8 @@ class RedisClusterIndex(ClusterSummaries, RedisIndex):
         except (redis.RedisError, RedisClusterException):
             return []
 
-    def _lookup_round(self, ns: bytes, digests: np.ndarray) -> tuple[list[bytes], list[Any], list[Any]]:
-        """``TIME``, ``ZRANGE live`` and the query's records in query order, in one parallel round."""
+    def _lookup_round(self, ns: bytes, digests: np.ndarray) -> tuple[list[bytes], Registry, list[Any]]:
+        """``TIME``, the leases and the query's records in query order, in one parallel round."""
         bucket = digests[:, BUCKET_BYTE] % BUCKETS
         order = np.argsort(bucket, kind="stable")
         counts = np.bincount(bucket, minlength=BUCKETS)
