@@ -17,7 +17,7 @@ placeless pages keeps paying the per-page reads, as LMCache's (all placeless) do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,7 +66,7 @@ def flag_key(namespace: bytes) -> str:
 class ClusterSummaries(RedisIndex):
     """The summary path of :class:`~.redis_cluster.RedisClusterIndex` (which gives the slot map)."""
 
-    def _primary(self, slot: int) -> ClusterNode:
+    def _masters_of(self, slots: Iterable[int]) -> dict[int, ClusterNode]:
         raise NotImplementedError
 
     def _exchange(self, plan: dict[str, tuple[ClusterNode, bytes, int]],
@@ -84,11 +84,9 @@ class ClusterSummaries(RedisIndex):
         per master, all in one parallel round; the replies per request, in order. ``meanwhile``:
         run while the masters answer."""
         plan: dict[str, tuple[ClusterNode, list[bytes], list[tuple[int, int]]]] = {}
-        masters: dict[int, ClusterNode] = {}
+        masters = self._masters_of({slot for slot, _, _ in requests})
         for i, (slot, packed, n) in enumerate(requests):
-            node = masters.get(slot)
-            if node is None:
-                node = masters[slot] = self._primary(slot)
+            node = masters[slot]
             _, parts, taken = plan.setdefault(node.name, (node, [], []))
             parts.append(packed)
             taken.append((i, n))
