@@ -38,10 +38,11 @@ SPEC = PageSpec(num_layers=32, segment_bytes=PAGE_TOKENS * 2 * 8 * 128 * 2, page
 WARMUP = 10
 BATCH = 5000
 MEDIUM = "cpu_dram"
-NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, ZRANGE, the GET of "
-        "the namespace's placeless flag and one HMGET of every segment's summary (SEGMENT_PAGES pages each: "
-        "segments_per_lookup; which holder holds which page, no slots) as a single pipelined buffer, and this chain "
-        "has no marked offset and no placeless page, so no second round runs; resolve_p50_ms = the loader's read "
+NOTE = ("round_trips_per_lookup is 1 by construction: RedisIndex.longest_prefix sends TIME, the GET of the "
+        "leases, the GET of the namespace's placeless flag and one HMGET of every segment's summary (SEGMENT_PAGES "
+        "pages each: segments_per_lookup; which holder holds which page, no slots) as a single pipelined buffer, "
+        "and this chain has no marked offset and no placeless page, so no second round runs; resolve_p50_ms = the "
+        "loader's read "
         "of one holder's slot records for all its pages (one HMGET, the holder of the longest run; not part of a "
         "lookup); ratio = lookup p50 / PING p50, measured "
         "interleaved on the same connection pool; server_hmget_ms = the server's own mean time in that HMGET "

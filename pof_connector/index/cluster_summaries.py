@@ -8,7 +8,7 @@ touches one slot::
                                            placeless pages whose digest's byte 16 mod BUCKETS is b (as before)
     pof:{pof}:flat:<namespace hex>   STRING set once a placeless page was published in the namespace
 
-A lookup is one parallel round, as the per-page one: ``TIME`` and ``ZRANGE live`` to the registry's
+A lookup is one parallel round, as the per-page one: ``TIME`` and the leases' ``GET`` to the registry's
 master, the flag's ``GET`` to its master, and per bucket one ``HMGET`` of the query's segments there,
 each master's commands in one buffer, all buffers written before any reply is read. The flag is not
 cleared on a cluster (a withdraw would have to look at every bucket): a namespace that once had
@@ -17,13 +17,14 @@ placeless pages keeps paying the per-page reads, as LMCache's (all placeless) do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from redis.cluster import ClusterNode
 from redis.crc import key_slot
 
+from pof_connector.index.live_set import Registry
 from pof_connector.index.record_runs import FIELD_BYTES
 from pof_connector.index.redis import (
     K_LIVE,
@@ -65,7 +66,7 @@ def flag_key(namespace: bytes) -> str:
 class ClusterSummaries(RedisIndex):
     """The summary path of :class:`~.redis_cluster.RedisClusterIndex` (which gives the slot map)."""
 
-    def _primary(self, slot: int) -> ClusterNode:
+    def _masters_of(self, slots: Iterable[int]) -> dict[int, ClusterNode]:
         raise NotImplementedError
 
     def _exchange(self, plan: dict[str, tuple[ClusterNode, bytes, int]],
@@ -83,11 +84,9 @@ class ClusterSummaries(RedisIndex):
         per master, all in one parallel round; the replies per request, in order. ``meanwhile``:
         run while the masters answer."""
         plan: dict[str, tuple[ClusterNode, list[bytes], list[tuple[int, int]]]] = {}
-        masters: dict[int, ClusterNode] = {}
+        masters = self._masters_of({slot for slot, _, _ in requests})
         for i, (slot, packed, n) in enumerate(requests):
-            node = masters.get(slot)
-            if node is None:
-                node = masters[slot] = self._primary(slot)
+            node = masters[slot]
             _, parts, taken = plan.setdefault(node.name, (node, [], []))
             parts.append(packed)
             taken.append((i, n))
@@ -151,7 +150,7 @@ class ClusterSummaries(RedisIndex):
         self._call(what, send)
 
     def _segment_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, flagged: bool
-                       ) -> tuple[list[bytes], list[Any], Any, list[Any], list[Any] | None, SegmentQuery]:
+                       ) -> tuple[list[bytes], Registry, Any, list[Any], list[Any] | None, SegmentQuery]:
         flag = flag_key(ns).encode()
         requests = [(REGISTRY_SLOT, LIVE_QUERY + resp(b"GET", flag), 3)]
         segs, order = self._by_bucket(ns, "seg", plan.fields, SEGMENT_BUCKET_BYTE)

@@ -11,9 +11,11 @@ K_LIVE = PREFIX + "live"
 K_INFO = PREFIX + "info"
 K_SEQ = PREFIX + "seq"
 K_INC_OWNER = PREFIX + "inc-owner"
+K_LEASES = PREFIX + "leases"
+"""The live ZSET's incarnations and expiries packed in one STRING (``lua/leases.lua``): what a lookup reads."""
 K_PINS = PREFIX + "pins"
 """Prefix pins, one field per pin id (in the registry's hash slot on a cluster)."""
-REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER]
+REGISTRY_KEYS = [K_NODE_INC, K_INC_NODE, K_LIVE, K_INFO, K_SEQ, K_INC_OWNER, K_LEASES]
 
 
 def loc_key(namespace: bytes) -> str:
@@ -40,4 +42,7 @@ FLAG_MEMORY_S = 30.0
 the namespace flagged (placeless pages, e.g. SGLang's without prefix keys): a mixed namespace then
 costs one round trip, not two (the first lookup that finds the flag gone stops it)."""
 
-LIVE_QUERY = resp(b"TIME") + resp(b"ZRANGE", K_LIVE.encode(), b"0", b"-1", b"WITHSCORES")
+LIVE_QUERY = resp(b"TIME") + resp(b"GET", K_LEASES.encode())
+"""A lookup's read of the registry: the server's clock and the leases (:class:`~.live_set.LiveSet`
+parses them). One bulk string, not ``ZRANGE live WITHSCORES``'s member and score per holder: at 64
+holders that reply cost a lookup 8 us (server, parser and compare), at 128 16 us (measured)."""

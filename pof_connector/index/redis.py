@@ -19,6 +19,9 @@ the Lua scripts may touch several)::
     pof:{pof}:node-inc             HASH   node_id -> its current incarnation (decimal)
     pof:{pof}:inc-node             HASH   incarnation -> node_id
     pof:{pof}:live                 ZSET   incarnation, score = expiry in ms of the server's clock
+    pof:{pof}:leases               STRING the same incarnations and expiries, 12 bytes each (u32 | f64),
+                                          written by the scripts that write the ZSET: what a lookup
+                                          reads (one bulk string, not a member and score per holder)
     pof:{pof}:info                 HASH   incarnation -> NodeInfo as JSON (capacity, free bytes per tier)
     pof:{pof}:seq                  STRING incarnation counter
 
@@ -37,8 +40,8 @@ incarnations are ignored by lookups (and dropped by :meth:`RedisIndex.sweep`).
 Digests are cut to 16 bytes (fields) and 8 (tags) in the index only: the page header holds the
 full key, so a collision costs a miss, never wrong KV.
 
-A lookup of placed keys is one round trip of four pipelined commands — ``TIME``, ``ZRANGE live
-WITHSCORES``, ``GET`` of the namespace's flag and one ``HMGET`` of the query's summaries (one field
+A lookup of placed keys is one round trip of four pipelined commands — ``TIME``, ``GET`` of the
+leases, ``GET`` of the namespace's flag and one ``HMGET`` of the query's summaries (one field
 per 16 pages) — sent as a pre-encoded RESP buffer and decoded in C (:mod:`.segments`): it answers
 with each holder's run and media, not slots, so its reply grows by 7 bytes per holder and segment,
 not by a 26-byte record per holder and page. The loader reads the slots of the holder it picked,
@@ -46,7 +49,7 @@ for the pages it loads, when it first asks for them (:meth:`.base.PrefixMatch.re
 ``HMGET`` of that holder's records; a router never does). A second lookup round reads per-page
 fields only where a run may go on in them: a marked offset where a run stops, or a flagged
 namespace. A lookup of keys without places reads every page's field (``TIME``,
-``ZRANGE``, one ``HMGET``; :mod:`.record_runs`). Reading one field per page cost about 0.2 µs a
+the leases, one ``HMGET``; :mod:`.record_runs`). Reading one field per page cost about 0.2 µs a
 field on the server and as much again in the client (one Python object per value), 5-7 ``PING``
 times for 2,000 pages; the segments' measurements are in ``docs/index-segments.md``.
 
@@ -94,6 +97,7 @@ from pof_connector.index.keyspace import (
     K_INC_NODE,
     K_INC_OWNER,
     K_INFO,
+    K_LEASES,
     K_LIVE,
     K_NODE_INC,
     K_SEQ,
@@ -105,7 +109,7 @@ from pof_connector.index.keyspace import (
     records_key,
     segment_key,
 )
-from pof_connector.index.live_set import LiveSet
+from pof_connector.index.live_set import LiveSet, Registry
 from pof_connector.index.pin_store import RedisPins
 from pof_connector.index.record_runs import FIELD_BYTES, RECORD, LeadingRuns, leading_runs
 from pof_connector.index.resp import FIELD_RESP_BYTES, fields_resp, frame, hmget_head, hmget_resp, page_fields, resp
@@ -124,9 +128,9 @@ from pof_connector.index.summary import locations, parse_summary
 from pof_connector.pages.keys import PageKey
 
 T = TypeVar("T")
-__all__ = ["FIELD_RESP_BYTES", "FLAG_MEMORY_S", "K_INC_NODE", "K_INC_OWNER", "K_INFO", "K_LIVE", "K_NODE_INC", "K_SEQ",
-           "LIVE_QUERY", "PREFIX", "REGISTRY_KEYS", "RedisIndex", "fields_resp", "flat_key", "frame", "hmget_head",
-           "hmget_resp", "loc_key", "page_fields", "records_key", "resp", "segment_key"]
+__all__ = ["FIELD_RESP_BYTES", "FLAG_MEMORY_S", "K_INC_NODE", "K_INC_OWNER", "K_INFO", "K_LEASES", "K_LIVE",
+           "K_NODE_INC", "K_SEQ", "LIVE_QUERY", "PREFIX", "REGISTRY_KEYS", "RedisIndex", "fields_resp", "flat_key",
+           "frame", "hmget_head", "hmget_resp", "loc_key", "page_fields", "records_key", "resp", "segment_key"]
 
 
 def _node_info(raw: bytes) -> NodeInfo | None:
@@ -289,12 +293,12 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
         """The query as segment fields; ``None``: read per-page fields (a key without its place)."""
         return SegmentPlan.of(keys) if self.SEGMENTS else None
 
-    def _alive(self, now: list[bytes], live: list[Any]) -> list[int]:
-        """The live incarnations, from the replies to ``TIME`` and ``ZRANGE live WITHSCORES``."""
+    def _alive(self, now: list[bytes], live: Registry) -> list[int]:
+        """The live incarnations, from the replies to ``TIME`` and the ``GET`` of the leases."""
         alive: list[int] = self._live(now, live).tolist()
         return alive
 
-    def _live(self, now: list[bytes], live: list[Any]) -> np.ndarray:
+    def _live(self, now: list[bytes], live: Registry) -> np.ndarray:
         """:meth:`_alive` as a sorted uint32 array (:class:`~.live_set.LiveSet`)."""
         return self._live_set.of(now, live)
 
@@ -374,7 +378,7 @@ class RedisIndex(SegmentPath, RedisPins, LocalityIndex):
         self._require_node()
         with self._lock:
             if self._inc is not None:
-                self._call("leave", self._leave, keys=[K_LIVE, K_INFO, K_INC_OWNER], args=[self._inc])
+                self._call("leave", self._leave, keys=[K_LIVE, K_INFO, K_INC_OWNER, K_LEASES], args=[self._inc])
             self._inc = None
 
     def stats(self) -> dict[str, int]:

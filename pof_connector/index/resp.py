@@ -50,6 +50,8 @@ def hmget_resp(key: bytes, fields: np.ndarray) -> bytes:
 def frame(fields: np.ndarray) -> bytes:
     """Equal-length ``fields`` (rows of uint8) as RESP bulk strings, one after the other."""
     n, width = fields.shape
+    if width == FIELD_BYTES:          # the template's copy: a third of the time of filling in the framing
+        return fields_resp(fields)
     head = b"$%d\r\n" % width
     body = np.empty((n, len(head) + width + 2), dtype=np.uint8)
     body[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)

@@ -3,7 +3,7 @@
 :mod:`.redis` and :mod:`.summary`.
 
 A script that uses another's functions or locals runs after it: the loader joins the files
-(``HEARTBEAT`` = ``now.lua`` + ``heartbeat.lua``; the segment scripts = ``page_fields.lua`` +
+(``HEARTBEAT`` = ``now.lua`` + ``leases.lua`` + ``heartbeat.lua``; the segment scripts = ``page_fields.lua`` +
 ``summary.lua`` + their own), so each file stays one piece a Lua reader can follow.
 """
 
@@ -19,10 +19,11 @@ def _lua(name: str) -> str:
 
 
 NOW = _lua("now")
-HEARTBEAT = NOW + _lua("heartbeat")
+LEASES = _lua("leases")
+HEARTBEAT = NOW + LEASES + _lua("heartbeat")
 PUBLISH = _lua("publish")
 WITHDRAW = _lua("withdraw")
-LEAVE = _lua("leave")
+LEAVE = LEASES + _lua("leave")
 PAGE_FIELDS = _lua("page_fields")
 SUMMARY = PAGE_FIELDS + _lua("summary")
 SEGMENT_PUBLISH = SUMMARY + _lua("segment_publish")

@@ -13,6 +13,7 @@ import numpy as np
 
 from pof_connector.index.base import MEDIA, Location, Matches, PrefixMatch, Resolver
 from pof_connector.index.keyspace import FLAG_MEMORY_S, LIVE_QUERY, flat_key, loc_key, records_key, segment_key
+from pof_connector.index.live_set import Registry
 from pof_connector.index.record_runs import FIELD_BYTES, LeadingRuns, leading_runs
 from pof_connector.index.resp import frame, hmget_head, hmget_resp, page_fields, resp
 from pof_connector.index.segments import MAX_TAGS, SegmentAnswer, SegmentPlan, SegmentQuery, segment_items
@@ -35,7 +36,7 @@ class SegmentPath:
         def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any: ...
         def _send(self, packed: bytes, replies: int) -> list[Any]: ...
         def _send_then(self, packed: bytes, replies: int, meanwhile: Callable[[], T]) -> tuple[list[Any], T]: ...
-        def _live(self, now: list[bytes], live: list[Any]) -> np.ndarray: ...
+        def _live(self, now: list[bytes], live: Registry) -> np.ndarray: ...
         def _names(self, incs: list[int]) -> dict[int, str]: ...
         def _refused(self, n: int, why: str) -> None: ...
         def _matches(self, found: LeadingRuns,
@@ -105,8 +106,8 @@ class SegmentPath:
         return self._matches(found, partial(partial, _Records(self, ns, answer).resolve_inc))
 
     def _segment_round(self, ns: bytes, keys: Sequence[PageKey], plan: SegmentPlan, flagged: bool
-                       ) -> tuple[list[bytes], list[Any], Any, list[Any], list[Any] | None, SegmentQuery]:
-        """Round 1: ``TIME``, ``ZRANGE live``, the placeless flag, the summaries, and with ``flagged``
+                       ) -> tuple[list[bytes], Registry, Any, list[Any], list[Any] | None, SegmentQuery]:
+        """Round 1: ``TIME``, the leases, the placeless flag, the summaries, and with ``flagged``
         every page's per-page field; returns those replies (``None`` for the fields when not read)
         and the query."""
         packed = (LIVE_QUERY + resp(b"GET", flat_key(loc_key(ns)).encode())
