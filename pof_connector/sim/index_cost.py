@@ -5,7 +5,7 @@ scheduler asks what it can load), and a node that loads pages another node holds
 holder's slot records once more. A lookup answers from segment summaries whose size grows with the
 holders of the prompt's prefix (a popular system prompt is held by every node), so its cost is
 taken per holder count from ``pof bench index --json --nodes N`` (2,000 pages, p50, private server
-on a unix socket; docs/bench/issue45-index-2026-12-05-run3.json, medians of 5 rounds), interpolated linearly between the
+on a unix socket; docs/bench/issue45-index-2026-12-05-run4.json, medians of 5 rounds), interpolated linearly between the
 measured counts and extended along the last slope beyond them.
 
 Where it enters: :meth:`~pof_connector.sim.engine_node.EngineNode` adds :func:`request_index_s` to a
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import itertools
 
-LOOKUP_MS = ((4, 0.100), (64, 0.154), (128, 0.226))
-"""(holders of the looked-up prefix, lookup p50 in ms), measured after issue 45's summaries."""
+LOOKUP_MS = ((4, 0.0965), (64, 0.133), (128, 0.205))
+"""(holders of the looked-up prefix, lookup p50 in ms), measured after issue 45's summaries and leases."""
 RESOLVE_MS = 0.2
 """The loader's read of one holder's slot records for 2,000 pages (``resolve_p50_ms``), measured."""
 LOOKUPS_PER_REQUEST = 2
