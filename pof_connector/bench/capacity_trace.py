@@ -186,13 +186,15 @@ LONG_CONTEXT_12 = replace(LONG_CONTEXT, long_sessions=12)
 others on its server unless it moves."""
 
 
-NEIGHBOUR = replace(LONG_CONTEXT, long_sessions=2, long_tenants=1)
+NEIGHBOUR = replace(LONG_CONTEXT, long_sessions=2, long_tenants=1, long_turns=10, long_turn_tokens=1792,
+                    long_think_s=4.0, short_rate=0.1)
 """``docs/traces/neighbour.jsonl`` (seed 1): the idle neighbour. Two conversations of one tenant
-(one 2K system prompt) start together and grow to about 17K tokens each: together they outgrow
-one server's KV (``--kv-tokens 20480``) and fit in two. A router that follows the shared prefix
-puts both on the server that holds it, which then evicts and recomputes while the other serves
-only the short requests; a pool lets the second conversation's context live, and be loaded,
-anywhere. Run it with ``--model tiny-long --kv-tokens 20480``."""
+(one 2K system prompt) start together and grow over ten turns to about 17K tokens each: together
+they outgrow one server's KV (``--kv-tokens 20480``) and fit in two. A router that follows the
+shared prefix puts both on the server that holds it, which then evicts and recomputes (or reloads)
+while the other serves only a few short requests; a pool lets the second conversation's context
+live, and be loaded, anywhere. The conversations' turns are most of the requests (20 of 32), so
+the p90 that decides goodput is theirs. Run it with ``--model tiny-long --kv-tokens 20480``."""
 
 
 def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:

@@ -121,3 +121,4 @@ def test_the_neighbour_traces_conversations_share_a_prefix_and_outgrow_one_serve
     assert max(context.values()) < kv_per_server < sum(context.values()) < 2 * kv_per_server
     firsts = sorted(min(r.at for r in longs if r.session == s) for s in context)
     assert firsts[-1] - firsts[0] < 15.0          # they start together: the first turns meet one holder
+    assert len(longs) > len(trace) / 2              # their turns decide the p90
