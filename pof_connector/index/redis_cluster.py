@@ -67,6 +67,7 @@ from pof_connector.index.cluster_summaries import BUCKET_BYTE as BUCKET_BYTE
 from pof_connector.index.cluster_summaries import BUCKETS as BUCKETS
 from pof_connector.index.cluster_summaries import REGISTRY_SLOT, ClusterSummaries, flag_key
 from pof_connector.index.cluster_summaries import bucket_key as bucket_key
+from pof_connector.index.held_connections import HeldConnections
 from pof_connector.index.live_set import Registry
 from pof_connector.index.record_runs import FIELD_BYTES, leading_runs
 from pof_connector.index.redis import (
@@ -138,7 +139,12 @@ class RedisClusterIndex(ClusterSummaries, RedisIndex):
         self._refresh_lock = threading.Lock()
         self._bucket_cache: dict[bytes, tuple[list[bytes], list[int]]] = {}
         self._kind_cache: dict[tuple[bytes, str], list[bytes]] = {}
+        self._held = HeldConnections()
         super().__init__(url, node_id, timeout_s=timeout_s, auth=auth)
+
+    def close(self) -> None:
+        self._held.close()
+        super().close()
 
     def _connect(self, url: str, auth: IndexAuth | None, timeout_s: float) -> Any:
         parsed = ClusterUrl.parse(url)
@@ -354,20 +360,20 @@ class RedisClusterIndex(ClusterSummaries, RedisIndex):
                   meanwhile: Callable[[], object] | None = None) -> dict[str, list[Any]]:
         """Write each node's buffer, then read its replies (``n`` of them), all nodes at once;
         raises the first error reply after every reply was read. ``meanwhile``: run between the
-        writes and the reads (this client's work overlaps the servers')."""
-        taken: list[tuple[Any, Any]] = []
+        writes and the reads (this client's work overlaps the servers'). Each thread keeps its
+        connections to the masters between calls (:mod:`.held_connections`)."""
         out: dict[str, list[Any]] = {}
         first_error: redis.ResponseError | None = None
         ok = False
         try:
+            conns = []
             for node, packed, _ in plan.values():
-                pool = self._r.get_redis_connection(node).connection_pool
-                conn = pool.get_connection()
-                taken.append((pool, conn))
+                conn = self._held.take(self._r.get_redis_connection(node).connection_pool, self._refreshed)
+                conns.append(conn)
                 conn.send_packed_command([packed], check_health=False)
             if meanwhile is not None:
                 meanwhile()
-            for (name, (_, _, n)), (_, conn) in zip(plan.items(), taken, strict=True):
+            for (name, (_, _, n)), conn in zip(plan.items(), conns, strict=True):
                 got = []
                 for _ in range(n):
                     try:
@@ -378,10 +384,8 @@ class RedisClusterIndex(ClusterSummaries, RedisIndex):
                 out[name] = got
             ok = True
         finally:
-            for pool, conn in taken:
-                if not ok:
-                    conn.disconnect()    # unread replies: never reuse this socket
-                pool.release(conn)
+            if not ok:
+                self._held.drop()       # unread replies or a dead socket: never reuse these
         if first_error is not None:
             raise first_error
         return out
