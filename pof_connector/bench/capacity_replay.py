@@ -35,6 +35,7 @@ from typing import Any
 
 from pof_connector.bench import nearest_rank
 from pof_connector.bench.capacity_trace import TraceRequest, tokens_for
+from pof_connector.router.stage_clock import parse_header
 
 Route = Callable[[TraceRequest, int], tuple[str, dict[str, str]]]
 """Where a request goes: (base URL, extra headers), given the request and its turn number."""
@@ -179,16 +180,11 @@ def _seconds(header: str | None) -> float | None:
 
 
 def _stages(header: str | None) -> dict[str, float]:
-    """``x-pof-router-stages`` ("parse=0.00012,tokenize=...") as seconds per stage; {} when absent
-    or unreadable."""
-    out: dict[str, float] = {}
-    for part in filter(None, (header or "").split(",")):
-        name, _, value = part.partition("=")
-        seconds = _seconds(value)
-        if seconds is None:
-            return {}
-        out[name.strip()] = seconds
-    return out
+    """``x-pof-router-stages`` as seconds per stage; {} when absent or unreadable."""
+    try:
+        return parse_header(header)
+    except ValueError:
+        return {}
 
 
 def _quantile(values: list[float], q: float) -> float | None:

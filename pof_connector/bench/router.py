@@ -54,6 +54,7 @@ from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port, stream_completion
 from pof_connector.index.server import RedisServer
+from pof_connector.router.stage_clock import parse_header
 
 Progress = Callable[[str], None]
 BLOCK = 128
@@ -356,9 +357,8 @@ def routing_summary(headers: list[dict[str, str]], ttfts: list[float]) -> dict[s
                            "overhead_p99_ms": round(1e3 * nearest_rank(own, 0.99), 3)}
     stages: dict[str, list[float]] = {}
     for h in headers:
-        for part in filter(None, h.get("x-pof-router-stages", "").split(",")):
-            name, _, value = part.partition("=")
-            stages.setdefault(name, []).append(float(value))
+        for name, seconds in parse_header(h.get("x-pof-router-stages")).items():
+            stages.setdefault(name, []).append(seconds)
     for v in stages.values():
         v.sort()
     if stages:

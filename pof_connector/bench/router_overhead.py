@@ -39,6 +39,7 @@ from pof_connector.locality.locator import Tokenizer, load_tokenizer
 from pof_connector.pages.keys import Namespace
 from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
+from pof_connector.router.stage_clock import parse_header
 
 Progress = Callable[[str], None]
 MODEL = "bench/tiny"
@@ -60,8 +61,7 @@ class Sample:
         raw = headers.get("x-pof-router-overhead")
         self.overhead = float(raw) if raw is not None else None
         self.route = headers.get("x-pof-route-reason", "")
-        self.stages = {k: float(v) for k, _, v in (p.partition("=") for p in headers.get("x-pof-router-stages",
-                                                                                          "").split(",") if p)}
+        self.stages = parse_header(headers.get("x-pof-router-stages"))
 
 
 def quantiles(values: list[float]) -> dict[str, float]:

@@ -64,3 +64,13 @@ class StageClock:
 
     def header(self) -> str:
         return ",".join(f"{k}={v:.6f}" for k, v in self.seconds.items())
+
+
+def parse_header(text: str | None) -> dict[str, float]:
+    """Seconds per stage from a ``x-pof-router-stages`` value (:meth:`StageClock.header`); {} for
+    ``None`` or an empty one. Raises ``ValueError`` for a stage whose seconds are not a number."""
+    out: dict[str, float] = {}
+    for part in filter(None, (text or "").split(",")):
+        name, _, value = part.partition("=")
+        out[name.strip()] = float(value)
+    return out
