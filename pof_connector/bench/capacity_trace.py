@@ -163,12 +163,8 @@ class Mix:
 
     def scaled(self, factor: float) -> Mix:
         """A shorter mix (``--quick``): fewer, shorter sessions over a shorter span."""
-        return Mix(span_s=self.span_s * factor, long_sessions=max(2, round(self.long_sessions * factor)),
-                   long_turns=max(3, round(self.long_turns * factor)), long_system_tokens=self.long_system_tokens,
-                   long_turn_tokens=self.long_turn_tokens, long_max_tokens=self.long_max_tokens,
-                   long_think_s=self.long_think_s, tenants=self.tenants, short_rate=self.short_rate,
-                   short_system_tokens=self.short_system_tokens, short_turn_tokens=self.short_turn_tokens,
-                   short_max_tokens=self.short_max_tokens, long_tenants=self.long_tenants)
+        return replace(self, span_s=self.span_s * factor, long_sessions=max(2, round(self.long_sessions * factor)),
+                       long_turns=max(3, round(self.long_turns * factor)))
 
 
 LONG_CONTEXT = Mix(span_s=120.0, long_sessions=6, long_turns=5, long_system_tokens=2048, long_turn_tokens=3584,
