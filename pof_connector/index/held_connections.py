@@ -64,8 +64,7 @@ class HeldConnections:
         with self._lock:
             every, self._all = list(self._all.values()), {}
         for pool, conn, _ in every:
-            conn.disconnect()
-            pool.release(conn)
+            _give_back(pool, conn, disconnect=True)
 
     def _held(self, stamp: float) -> dict[int, Any]:
         if os.getpid() != self._pid:          # forked: the parent's sockets are not this process's
@@ -86,15 +85,17 @@ class HeldConnections:
             for k, _, _ in ended:
                 del self._all[k]
         for _, pool, conn in ended:
-            conn.disconnect()
-            pool.release(conn)
+            _give_back(pool, conn, disconnect=True)
 
     def _release(self, conn: Any, *, disconnect: bool) -> None:
         with self._lock:
             entry = self._all.pop(id(conn), None)
-        if entry is None:
-            return
-        pool, _, _ = entry
-        if disconnect:
-            conn.disconnect()
-        pool.release(conn)
+        if entry is not None:
+            _give_back(entry[0], conn, disconnect=disconnect)
+
+
+def _give_back(pool: Any, conn: Any, *, disconnect: bool) -> None:
+    """Return ``conn`` to ``pool`` (``disconnect``: closed first, never to be reused as it is)."""
+    if disconnect:
+        conn.disconnect()
+    pool.release(conn)
