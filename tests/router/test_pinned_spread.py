@@ -61,7 +61,8 @@ def test_a_pin_with_two_replicas_spreads_its_requests_over_both_holders(
         fleet: tuple[Router, Pool, Pool, PinDesk]) -> None:
     router, _, b, desk = fleet
     desk.pin(PREFIX, model=None, cache_salt=None, ttl_s=600, kind=HARD, replicas=2)
-    wait_for(lambda: all(b.contains(k) for k in b.keys_for(PREFIX)))    # b's heartbeat copied it
+    # b's heartbeat copied it; the copy counts its pages after they are stored, so wait for both
+    wait_for(lambda: all(b.contains(k) for k in b.keys_for(PREFIX)) and b.stats.get("pin_copied_pages") == 8)
     assert b.stats.get("pin_copied_pages") == 8
     where, why, _ = spread(router, 8)
     assert where == {"a": 4, "b": 4}
