@@ -102,7 +102,8 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
     prefill group's router (``router``'s backends are then the decode group; see
     :mod:`~pof_connector.router.pd_proxy`)."""
     cfg = router.config
-    metrics = ProxyMetrics(router)
+    gate = InlineGate()
+    metrics = ProxyMetrics(router, gate)
     tokens_source = TokenizerSource(cfg.tokenizer if tokenizer is None else "backend")
     if tokenizer is not None:
         tokens_source.tokenizer, tokens_source.origin = tokenizer, "local"
@@ -111,7 +112,6 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
     expected = f"Bearer {key}".encode() if (key := cfg.api_key()) is not None else None
     backend_key = cfg.backend_api_key()
     backend_headers = {"authorization": f"Bearer {backend_key}"} if backend_key is not None else {}
-    gate = InlineGate()
     forward = _FORWARD_HEADERS if backend_key is None else tuple(h for h in _FORWARD_HEADERS if h != "authorization")
 
     @contextlib.asynccontextmanager

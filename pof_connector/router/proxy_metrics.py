@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pof_connector.router.backend import Backend
+from pof_connector.router.inline_gate import InlineGate
 from pof_connector.router.router import Router
 from pof_connector.router.stage_clock import BUCKETS, STAGES, StageClock
 
 
 class ProxyMetrics:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, gate: InlineGate) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(router.index_health)
+        self.registry.register(_ChoicesRan(gate))
         self.requests = Counter("pof_router_requests", "Requests routed", ["backend", "reason"],
                                 registry=self.registry)
         self.errors = Counter("pof_router_backend_errors", "Requests a backend failed", ["backend"],
@@ -64,6 +68,21 @@ class ProxyMetrics:
         seconds = clock.seconds
         for name, child in self._stages:
             child.observe(seconds[name])
+
+
+class _ChoicesRan(Collector):
+    """``pof_router_choices_total{ran}``: routing choices run on the event loop (``inline``) and on
+    a thread (``thread``, after a slow one: :mod:`~pof_connector.router.inline_gate`)."""
+
+    def __init__(self, gate: InlineGate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("pof_router_choices", "Routing choices by where they ran: inline (the event "
+                                     "loop) or thread (after a slow index answer)", labels=["ran"])
+        for where, n in self.gate.ran.items():
+            family.add_metric([where], n)
+        yield family
 
 
 def _healthy_of(b: Backend) -> Callable[[], float]:

@@ -40,6 +40,8 @@ def test_stages_add_up_to_the_overhead(engines: dict[str, StandInEngine]) -> Non
     for stage in STAGES:
         assert f'pof_router_stage_seconds_count{{stage="{stage}"}} 3.0' in page
     assert "pof_router_overhead_seconds_count 3.0" in page
+    assert 'pof_router_choices_total{ran="inline"} 3.0' in page       # fast choices: on the event loop
+    assert 'pof_router_choices_total{ran="thread"} 0.0' in page
 
 
 def test_prefix_tokenizer_is_exact() -> None:
