@@ -28,7 +28,9 @@ Each command group registers itself next to its code (``add_parser(sub)``):
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from types import FrameType
 
 from pof_connector.audit import cli as audit_cli
 from pof_connector.bench import BenchError
@@ -67,19 +69,35 @@ def _exit_code(code: object) -> int:
     return code if isinstance(code, int) else 2
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that its ``finally`` blocks stop what it started."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pof`` console script; returns the exit code rather than exiting."""
+    """Entry point of the ``pof`` console script; returns the exit code rather than exiting.
+
+    SIGTERM ends a command as Ctrl-C does (exit code 143): a bench stopped with ``kill`` stops
+    the servers it started instead of leaving them running (commands that serve, such as
+    ``pof router`` and ``pof relay``, install their own handler)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:            # --help, or a usage error argparse already printed
         return _exit_code(e.code)
     handler: Handler = args.handler
+    if argv is None:                   # the console script, not a caller's in-process use
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return handler(args)
     except (CommandError, ConfigError, BenchError, IndexUnavailable, FileNotFoundError) as e:
         err_console().print(f"pof: {e}", markup=False, soft_wrap=True)
         return 1
+    except Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
 

@@ -265,3 +265,48 @@ def test_an_index_password_never_appears_in_errors_logs_or_tables(runtime_dir: s
     finally:
         pool.close()
     assert "locality index unavailable" in caplog.text and secret not in caplog.text
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_a_bench_and_the_server_it_started() -> None:
+    """``kill`` of a running bench: its index server goes with it (it was left running before, and
+    so were a capacity bench's vLLM servers), and the exit code says SIGTERM (128 + 15)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pof_connector.cli", "bench", "index", "--json", "--pages", "2000",
+                             "--iterations", "1000000", "--memory-pages", "2000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        children: list[int] = []
+        while not children and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            children = _children(proc.pid)
+        assert children, "the bench started no server"
+        time.sleep(1.0)                          # into its lookups
+        proc.terminate()
+        assert proc.wait(timeout=30) == 143
+        deadline = time.monotonic() + 15
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(c) for c in children), "the bench's server outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
