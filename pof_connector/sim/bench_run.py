@@ -46,6 +46,9 @@ class BenchRun:
     an older run)."""
     host_samples: tuple[tuple[int, float, float], ...] = ()
     """(prompt tokens, cold TTFT on one server alone, on every server at once) (empty: an older run)."""
+    tier_bytes_per_server: int | None = None
+    """Issue 47's equal memory: each server's tier bytes, private for every set-up but ``pof``,
+    whose servers share theirs (``None``: an older run, where only ``pof`` had a tier)."""
 
     @property
     def servers(self) -> int:
@@ -120,7 +123,18 @@ def load_bench(path: Path) -> BenchRun:
                         lambda r: r[0] >= 1 and r[1] >= 0 and r[2] > 0)),
                     tuple((int(n), float(a), float(t)) for n, a, t in _rows(
                         raw, "host_samples", where, "[prompt tokens, TTFT alone s, TTFT together s] triples", 3,
-                        lambda r: r[0] > 0 and r[1] > 0 and r[2] > 0)))
+                        lambda r: r[0] > 0 and r[1] > 0 and r[2] > 0)),
+                    _tier_bytes(raw, where))
+
+
+def _tier_bytes(raw: dict[str, Any], where: str) -> int | None:
+    memory = raw.get("memory")
+    if memory is None:
+        return None
+    value = memory.get("tier_bytes_per_server") if isinstance(memory, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{where}: memory.tier_bytes_per_server: a positive number of bytes is required")
+    return value
 
 
 def _rows(raw: dict[str, Any], key: str, where: str, what: str, width: int,
@@ -136,8 +150,25 @@ def _rows(raw: dict[str, Any], key: str, where: str, what: str, width: int,
     return [[float(v) for v in r] for r in rows]
 
 
-def replay_trial(run: BenchRun, profile: Profile, policy: str, factor: float, *, give_up: bool) -> TrialResult:
-    """One trial of the bench's set-up ``policy`` at ``factor``, simulated: the bench's trace on as
-    many nodes as it had servers, against its SLO."""
-    config = SimConfig(nodes=run.servers, rate_factor=factor, slo_s=run.slo_s, give_up=give_up)
-    return Simulator(profile, policy_factory(policy, profile, run.trace)(), config).run(run.trace)
+BENCH_SETUPS = {"static": "static", "round_robin": "round_robin", "cache_aware": "cache_aware",
+                "kv_aware": "cache_aware", "pof_private": "pof", "pof": "pof"}
+"""The bench's set-ups the simulator replays -> the policy it replays each with. It has no model of
+KV events: vllm-router's ``kv_aware`` replays as ``cache_aware`` (affinity to the node that holds
+the prefix, within balance thresholds), the private tier it credits being modelled as every
+baseline's (issue 47)."""
+
+
+def setup_tiers(run: BenchRun, setup: str) -> str | None:
+    """The tiers ``setup`` had in ``run`` (a :data:`~pof_connector.sim.sim_config.TIERS` name;
+    ``None``: its policy's own, an older run)."""
+    if run.tier_bytes_per_server is None:
+        return None
+    return "shared" if setup == "pof" else "private"
+
+
+def replay_trial(run: BenchRun, profile: Profile, setup: str, factor: float, *, give_up: bool) -> TrialResult:
+    """One trial of the bench's ``setup`` (a :data:`BENCH_SETUPS` name) at ``factor``, simulated:
+    the bench's trace on as many nodes as it had servers, against its SLO, with its tiers."""
+    config = SimConfig(nodes=run.servers, rate_factor=factor, slo_s=run.slo_s, give_up=give_up,
+                       tiers=setup_tiers(run, setup))
+    return Simulator(profile, policy_factory(BENCH_SETUPS[setup], profile, run.trace)(), config).run(run.trace)

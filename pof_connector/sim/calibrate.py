@@ -104,6 +104,10 @@ def base_profile(run: BenchRun, vllm: dict[str, Any] | None, name: str) -> tuple
             local = replace(local, gbps=round(loaded / overhead / 1e9, 3))
             notes.append(f"local_tier.gbps: pof bench vllm loaded {loaded} B in {overhead} s above the engine's "
                          "own prefix-cache TTFT")
+    if run.tier_bytes_per_server is not None:
+        local = replace(local, capacity_gb=run.tier_bytes_per_server / 1e9)
+        notes.append(f"local_tier.capacity_gb: the bench's {run.tier_bytes_per_server} B of tier memory per server "
+                     "(private for every set-up but pof, whose servers share theirs)")
     profile = replace(start, name=name, kv_blocks=int(c["kv_tokens_per_server"]) // block, block_tokens=block,
                       max_running=int(c["max_num_seqs"]), kv_bytes_per_token=bpt, local_tier=local,
                       prefill_s_per_token_ctx=0.0, decode_s_per_ctx_token=0.0)

@@ -4,7 +4,9 @@ each tier moved.
 
 A node's pool stores the pages its engine computes (prompt, and output at the end or at a
 preemption) in its local tier; it loads its own pages back from that tier and other nodes'
-over the remote tier (the fabric, or a shared CXL region).
+over the remote tier (the fabric, or a shared CXL region). A private pool (``shared=False``, the
+per-server CPU tier every baseline of ``pof bench capacity`` has since issue 47) keeps the same
+room per node and loads only its own pages.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pof_connector.sim.profile import Profile, TierProfile
 
 
 class KvPool:
-    def __init__(self, profile: Profile, nodes: int) -> None:
+    def __init__(self, profile: Profile, nodes: int, *, shared: bool = True) -> None:
         self.profile = profile
+        self.shared = shared
         self._stores: list[OrderedDict[str, int]] = [OrderedDict() for _ in range(nodes)]
         self._used = [0] * nodes
         self._where: dict[str, dict[int, int]] = {}
@@ -68,6 +71,8 @@ class KvPool:
         if not holders:
             return 0, None
         own = holders.get(node, 0)
+        if not self.shared:
+            return (own, self.profile.local_tier) if own else (0, None)
         other = max(holders.values())
         if own >= other:
             return own, self.profile.local_tier

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TIERS = ("none", "private", "shared")
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -23,3 +25,11 @@ class SimConfig:
     speed checks, which must simulate every request."""
     late_share: float = 0.1
     """Give up once more than this share of requests got their first token later than the SLO."""
+    tiers: str | None = None
+    """The nodes' tier memory: ``none``, ``private`` (each node loads only what it stored) or
+    ``shared`` (the pool); ``None``: the policy's own (``shared`` for pof, else ``none``)."""
+
+    def __post_init__(self) -> None:
+        if self.tiers not in (None, *TIERS):
+            raise ValueError(f"tiers: {self.tiers!r}; allowed: {', '.join(TIERS)}")
+

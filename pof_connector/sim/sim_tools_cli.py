@@ -13,7 +13,7 @@ from rich.table import Table
 
 from pof_connector.cli_support import out_console, print_json, progress
 from pof_connector.config import ConfigError
-from pof_connector.sim.bench_run import load_bench
+from pof_connector.sim.bench_run import BENCH_SETUPS, load_bench
 from pof_connector.sim.calibrate import fit, profile_yaml
 from pof_connector.sim.mixes import MIXES
 from pof_connector.sim.policies import POLICIES
@@ -85,12 +85,16 @@ def add_parsers(sub: Any) -> None:
     v.set_defaults(handler=validate_cmd)
 
 
-def _setups(text: str) -> tuple[str, ...]:
+def _setups(text: str, allowed: tuple[str, ...] = POLICIES, option: str = "--policies") -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in POLICIES]
+    bad = [n for n in names if n not in allowed]
     if not names or bad:
-        raise ConfigError(f"--fit-setups / --policies: some of {', '.join(POLICIES)}, got {text!r}")
+        raise ConfigError(f"{option}: some of {', '.join(allowed)}, got {text!r}")
     return names
+
+
+def _fit_setups(text: str) -> tuple[str, ...]:
+    return _setups(text, tuple(BENCH_SETUPS), "--fit-setups")
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -151,7 +155,7 @@ def calibrate(args: argparse.Namespace) -> int:
     capacity, vllm = _read_sources(args.sources)
     run = load_bench(capacity)
     name = args.output.stem if args.output else "calibrated"
-    f = fit(run, vllm, fit_setups=_setups(args.fit_setups), name=name)
+    f = fit(run, vllm, fit_setups=_fit_setups(args.fit_setups), name=name)
     text = profile_yaml(f)
     if args.output is not None:
         args.output.write_text(text)
@@ -170,7 +174,7 @@ def validate_cmd(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
         fitted: dict[str, Any] | None = None
     else:
-        f = fit(run, fit_setups=_setups(args.fit_setups), name="calibrated")
+        f = fit(run, fit_setups=_fit_setups(args.fit_setups), name="calibrated")
         profile, fitted = f.profile, f.to_json()
         progress(f"calibrated on {args.bench} (fit error {f.error:.3g})")
     out = validate(run, profile)

@@ -40,7 +40,8 @@ class Simulator(NodeEvents):
         self.policy = policy
         self.config = config
         self.counters = Counters()
-        self.pool = KvPool(profile, config.nodes) if policy.uses_pool else None
+        tiers = config.tiers or ("shared" if policy.uses_pool else "none")
+        self.pool = KvPool(profile, config.nodes, shared=tiers == "shared") if tiers != "none" else None
         self.cached: dict[str, set[int]] = {}
         """Prefix key -> nodes whose engine cache has it (the nodes keep it)."""
         self.nodes = [EngineNode(i, profile, self, self.counters, self.pool, cached=self.cached)

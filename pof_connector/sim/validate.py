@@ -26,8 +26,7 @@ from itertools import combinations
 from typing import Any
 
 from pof_connector.bench.capacity_search import bounded_search
-from pof_connector.sim.bench_run import BenchRun, replay_trial
-from pof_connector.sim.policies import POLICIES
+from pof_connector.sim.bench_run import BENCH_SETUPS, BenchRun, replay_trial
 from pof_connector.sim.profile import Profile
 from pof_connector.sim.trial_result import TrialResult
 
@@ -46,7 +45,7 @@ def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
     intervals: dict[str, tuple[float, float]] = {}
     skipped = []
     for name, measured in run.setups.items():
-        if name not in POLICIES:
+        if name not in BENCH_SETUPS:
             skipped.append(name)
             continue
         # factor -> its simulated trial: the finer search starts with the bench's own trials, and
