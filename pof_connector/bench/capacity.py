@@ -72,6 +72,7 @@ from pof_connector.bench.capacity_trace import (
     read_trace,
     summary,
 )
+from pof_connector.bench.front_door import SCHEDS, can_use_rr
 from pof_connector.bench.make_model import PRESETS
 from pof_connector.bench.needs import MATPLOTLIB, VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.vllm_server import build_model
@@ -159,14 +160,15 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         kv_tokens: int | None, max_trials: int | None, progress: Progress, time_budget_s: float | None = None,
         resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = (),
         tier_bytes: int | None = None, trials_per_factor: int | None = None, pass_rule: str = "majority",
-        static_namings: int | None = None) -> dict[str, Any]:
+        static_namings: int | None = None, router_sched: str = "auto") -> dict[str, Any]:
     """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
     (same trace, same SLO): what the audit costs in goodput. ``time_budget_s``: seconds of trials
     each set-up's search gets (default :data:`TIME_BUDGET_S` per trial of a factor); ``max_trials``:
     a cap on its factors besides (default: none; ``quick``: 2). ``tier_bytes``: tier memory in all
     (default :data:`TIER_KV_MULTIPLE` x the engines' KV); ``trials_per_factor`` / ``pass_rule``:
     :mod:`.capacity_stats` (default 3, ``quick`` 1); ``static_namings``: how many namings
-    ``static`` runs under (default :data:`STATIC_NAMINGS`, ``quick`` 1)."""
+    ``static`` runs under (default :data:`STATIC_NAMINGS`, ``quick`` 1). ``router_sched``: the front
+    door's scheduling class, ``rr``, ``nice`` or ``auto`` (``rr`` where permitted; :mod:`.front_door`)."""
     if servers not in (2, 3):
         raise BenchError(f"--servers must be 2 or 3, got {servers}")
     bad = [s for s in setups if s not in SETUPS]
@@ -179,6 +181,13 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     except ValueError as e:
         raise BenchError(f"--trials-per-factor / --pass-rule: {e}") from e
     check(needs(setups, plot=False), "capacity")
+    if router_sched not in ("auto", *SCHEDS):
+        raise BenchError(f"--router-sched: {router_sched!r}; allowed: auto, {', '.join(SCHEDS)}")
+    permitted = can_use_rr() if router_sched != "nice" else False
+    if router_sched == "rr" and not permitted:
+        raise BenchError("--router-sched rr: this user may not use SCHED_RR (it needs root or CAP_SYS_NICE); "
+                         "run with --router-sched nice")
+    sched = "rr" if permitted else "nice"
     mix = Mix().scaled(0.3) if quick else Mix()
     trace = read_trace(trace_file) if trace_file is not None else fragmenting_trace(seed, mix)
     check_sessions(trace)
@@ -194,7 +203,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     # vLLM keeps one block aside (its null block): a server of max_len // BLOCK blocks refuses to start
     blocks = max(-(-kv // BLOCK), max_len // BLOCK + 1)
     spec = FleetSpec(servers=servers, kv_blocks=blocks, block=BLOCK, max_model_len=max_len, max_num_seqs=8,
-                     router_nice=router_nice)
+                     router_nice=router_nice, router_sched=sched)
     kv_bytes = servers * blocks * BLOCK * kv_bytes_per_token(json.loads((model_path / "config.json").read_text()),
                                                             spec.dtype)
     total = tier_bytes or TIER_KV_MULTIPLE * kv_bytes
@@ -219,7 +228,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
              f"search: {budget:g} s of trials per set-up ({total_budget:g} s in all, the unspent "
              f"part going to set-ups still passing when theirs ran out), {repeats} trial(s) a factor "
              f"({pass_rule} pass), bisecting to {resolution:.0%}"
-             f"{f', at most {limit} factors each' if limit else ''}, factor cap x{SAFETY_CAP:g}")
+             f"{f', at most {limit} factors each' if limit else ''}, factor cap x{SAFETY_CAP:g}; routers, index "
+             f"and relays {'in SCHED_RR' if sched == 'rr' else f'at niceness {router_nice}'}")
     workdir = Path(tempfile.mkdtemp(prefix="pof-bench-capacity-", dir="/tmp"))
     results: dict[str, dict[str, Any]] = {}
     slo_s = unloaded = 0.0
@@ -254,6 +264,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             added = router_latency(fleet, vocab)
             nice = fleet.router.niceness() if fleet.router is not None else None
             index_nice = fleet.index_niceness()
+            front_sched = fleet.front_door_sched()
             setup_run = SetupRun(fleet, trace, vocab, slo_s, progress, rows.setdefault(key, []),
                                  trials_per_factor=repeats, pass_rule=pass_rule,
                                  verdicts=verdicts.setdefault(key, []))
@@ -265,6 +276,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
             fleet.stop()
         row = setup_row(search, rows[key], len(trace) / max(trace[-1].at, 1e-3), verdicts[key])
         row.update({"router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
+                    "front_door_sched": front_sched,
                     "naming": fleet_spec.naming if name == "static" else None})
         progress(f"{key}: goodput {row['goodput_rps']} req/s (x{search.passed:.3g}"
                  + (f", at a bound: {row['bound_reason']}, still passing" if row["at_bound"] else

@@ -11,7 +11,8 @@ from typing import Any
 from rich.table import Table
 
 from pof_connector.bench import BenchError
-from pof_connector.bench import capacity as bench_capacity  # starts vLLM servers and routers; imports no vLLM
+from pof_connector.bench import capacity as bench_capacity
+from pof_connector.bench.front_door import SCHEDS  # starts vLLM servers and routers; imports no vLLM
 from pof_connector.bench.needs import check
 from pof_connector.cli_support import out_console, print_json, progress
 
@@ -50,7 +51,8 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
                                 model=args.model, setups=setups, kv_tokens=args.kv_tokens,
                                 max_trials=args.max_trials, time_budget_s=args.time_budget_s,
                                 resolution=args.resolution, progress=progress,
-                                router_nice=args.router_nice, audit_rates=tuple(args.audit_rates),
+                                router_nice=args.router_nice, router_sched=args.router_sched,
+                                audit_rates=tuple(args.audit_rates),
                                 tier_bytes=args.tier_bytes, trials_per_factor=args.trials_per_factor,
                                 pass_rule=args.pass_rule, static_namings=args.static_namings)
     if args.plot is not None:
@@ -211,4 +213,8 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="niceness of the routers (pof router and vllm-router alike; default "
                         f"{bench_capacity.ROUTER_NICE}: in a deployment a router has a host of its own, here it "
                         "shares the engines' cores; lowering it needs root, else it stays at 0)")
+    p.add_argument("--router-sched", choices=("auto", *SCHEDS), default="auto",
+                   help="rr: the routers, the index server and the relays run in SCHED_RR, every set-up alike, "
+                        "as promptly as on hosts of their own (needs root or CAP_SYS_NICE); nice: --router-nice "
+                        "only; auto (default): rr where permitted, else nice (the JSON says which ran)")
     p.set_defaults(handler=cmd_bench_capacity)

@@ -30,6 +30,7 @@ from pof_connector.bench.capacity_setups import (
 )
 from pof_connector.bench.capacity_trace import TraceRequest
 from pof_connector.bench.chaos import UNPINNED
+from pof_connector.bench.front_door import make_realtime, sched_of
 from pof_connector.bench.router import kv_events_args, start_relay
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.service_process import ServiceProcess, niceness_of
@@ -65,6 +66,9 @@ class FleetSpec:
     """The niceness of the routing tier: the routers (pof router and vllm-router alike) and pof's
     index server (``None``: this process's). Negative: what a deployment runs on hosts of its own
     is served before the engines that share this one's cores."""
+    router_sched: str = "nice"
+    """``rr``: the routers, the index server and the relays run in ``SCHED_RR`` (the front door runs
+    as promptly as on hosts of its own: :mod:`.front_door`); ``nice``: at ``router_nice`` only."""
     tier_bytes: int = 1 << 30
     """Tier memory the engines can read back, in all (every set-up alike: see :mod:`.capacity_setups`)."""
     naming: int = 0
@@ -154,6 +158,20 @@ class Fleet:
             urls = [u for _, u in backends]
             extra = p.router_args(urls) if p.router_args is not None else []
             self.router = RouterProcess.vllm_router(self.workdir, urls, p.policy, extra).start(nice=s.router_nice)
+        if s.router_sched == "rr":
+            for pid in self.front_door_pids():
+                make_realtime(pid)
+
+    def front_door_pids(self) -> list[int]:
+        """The processes requests and their routing pass through: the router, the index server, the relays."""
+        procs = [self.router.proc if self.router is not None else None, *(r.proc for r in self.relays)]
+        pids = [p.pid for p in procs if p is not None]
+        return pids + ([self.redis.pid] if self.redis is not None and self.redis.pid is not None else [])
+
+    def front_door_sched(self) -> str | None:
+        """``rr`` or ``nice``: the router's class (:func:`~.front_door.sched_of`); ``None``: no router."""
+        return sched_of(self.router.proc.pid if self.router is not None and self.router.proc is not None else
+                        self.redis.pid if self.redis is not None else None)
 
     def route(self, trace: list[TraceRequest]) -> Route:
         """Where each request of ``trace`` goes."""

@@ -117,7 +117,8 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
         "cluster": {"servers": spec.servers, "kv_tokens_per_server": spec.kv_blocks * spec.block,
                     "tier_bytes": spec.tier_bytes,
                     "block": spec.block, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,
-                    "dtype": spec.dtype, "model": str(model), "router_nice": spec.router_nice},
+                    "dtype": spec.dtype, "model": str(model), "router_nice": spec.router_nice,
+                    "router_sched": spec.router_sched},
         "note": f"goodput = highest offered load (trace arrival rate x factor: doubled from 1 while it passes, halved "
                 "while it fails, then bisected geometrically until the lowest failure is within search.resolution "
                 "of the highest pass) with p90 TTFT <= SLO and no failed request (0: none of the loads tried passed; "

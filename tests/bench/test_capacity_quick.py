@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from pof_connector.bench.front_door import can_use_rr
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TRIAL_FIELDS = {"factor", "offered_rps", "passed", "gave_up", "requests", "failed", "late", "mean_ttft_s",
@@ -73,6 +75,10 @@ def check_quick_json(out: dict[str, Any], stderr: str) -> None:
     ahead = -10 if os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0)
     assert out["setups"]["pof"]["router_nice"] == ahead and out["setups"]["pof"]["index_nice"] == ahead
     assert out["setups"]["static"]["index_nice"] is None
+    # the front door in SCHED_RR where this user may (--router-sched auto), every set-up with one alike
+    rr = "rr" if can_use_rr() else "nice"
+    assert out["cluster"]["router_sched"] == rr and out["setups"]["pof"]["front_door_sched"] == rr
+    assert out["setups"]["static"]["front_door_sched"] is None
     pof_ref, static_ref = out["setups"]["pof"]["at_reference_load"], out["setups"]["static"]["at_reference_load"]
     for ref in (pof_ref, static_ref):    # the engines' own count of who served what, one entry per server
         assert set(ref["engine_first_tokens"]) == {"n0", "n1"}, ref
