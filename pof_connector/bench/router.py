@@ -8,7 +8,10 @@ one server can serve alone; requests arrive open-loop (Poisson, ``rate`` per sec
 users) or from ``clients`` closed-loop clients; each server's KV cache is limited with
 ``--num-gpu-blocks-override`` so it cannot keep every tenant, and each server computes on its own
 half of the CPU cores (``VLLM_CPU_OMP_THREADS_BIND``), as two hosts would; every router runs at
-niceness :data:`ROUTER_NICE`, as on a host of its own. The set-ups, one after another:
+niceness :data:`ROUTER_NICE`, as on a host of its own, and where the user may, the routers, the
+index server and the relays run in ``SCHED_RR`` (:mod:`.front_door`: niceness alone left the pof
+router's index lookups waiting for a core; the JSON's ``front_door_sched`` says which ran). The
+set-ups, one after another:
 
 - ``round_robin``, ``power_of_two`` and ``cache_aware``: the stock ``vllm-router`` in front of two
   vLLM servers whose connector only stores (``kv_role: kv_producer``, private pools): they run the
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from pof_connector.bench import BenchError, nearest_rank
+from pof_connector.bench.front_door import can_use_rr, make_realtime
 from pof_connector.bench.make_model import PRESETS
 from pof_connector.bench.needs import VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.router_process import RouterProcess
@@ -227,7 +231,7 @@ def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress:
     if unknown or not workloads:
         raise BenchError(f"--workload: {', '.join(unknown) or 'none'}; allowed: {', '.join(WORKLOADS)}")
     check(NEEDS, "router")      # before a model is built or a server started
-    out: dict[str, Any] = {"bench": "router", "workloads": {}}
+    out: dict[str, Any] = {"bench": "router", "workloads": {}, "front_door_sched": "rr" if can_use_rr() else "nice"}
     for name in workloads:
         spec = dataclasses.replace(WORKLOADS[name], **overrides)
         progress(f"workload {name}: model {spec.model}")
@@ -259,6 +263,12 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[s
     tmp = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/tmp"))
     results: dict[str, dict[str, Any]] = {}
     redis = RedisServer(tmp / "redis").start()
+    rr = can_use_rr()
+
+    def front_door(pid: int | None) -> None:
+        if rr and pid is not None:
+            make_realtime(pid)
+    front_door(redis.pid)
     try:
         how = f"Poisson arrivals at {rate:g}/s" if rate > 0 else f"{clients} closed-loop clients"
         progress(f"workload: {requests} requests, {tenants} tenants (hot share {spec.hot_share}), system prompts "
@@ -271,6 +281,7 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[s
             for policy in STOCK:
                 router = RouterProcess.vllm_router(tmp, [s.url for s in baseline], policy, name=f"vllm-router-{policy}")
                 router.start(nice=ROUTER_NICE)
+                front_door(router.proc.pid if router.proc is not None else None)
                 try:
                     results[policy] = _phase(policy, router.url, baseline, work, clients, rate, seed, progress)
                 finally:
@@ -291,9 +302,11 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[s
                 for i, endpoint in enumerate(events):
                     relays.append(start_relay(tmp, f"n{i}", {"runtime_dir": str(tmp / f"rt-pof{i}"), **pool},
                                               endpoint))
+                    front_door(relays[-1].proc.pid if relays[-1].proc is not None else None)
                 config = {"index_url": redis.url, "tokenizer": str(model_dir),
                           "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
                 router = RouterProcess.pof(tmp, config).start(nice=ROUTER_NICE)
+                front_door(router.proc.pid if router.proc is not None else None)
                 try:
                     results["pof"] = _phase("pof", router.url, pooled, work, clients, rate, seed, progress)
                 finally:
