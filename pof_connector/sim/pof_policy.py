@@ -18,6 +18,8 @@ from pof_connector.sim.profile import Profile
 from pof_connector.sim.prompt_ref import PromptRef
 from pof_connector.sim.sim_locator import SimLocator
 
+MIN_OVERHEAD_S = 1e-6
+"""The least fixed cost per request the simulated router starts from (its config refuses 0)."""
 NEVER_STALE_S = 1e12
 """The simulator records readings itself, in simulated time: the router's wall-clock staleness
 check must not drop them."""
@@ -28,7 +30,9 @@ def router_config(profile: Profile, nodes: int, *, learn: bool = True) -> Router
     return RouterConfig.from_mapping({
         "policy": "pof",
         "backends": [{"name": f"n{i}", "url": f"http://n{i}.sim.invalid"} for i in range(nodes)],
-        "cost": {"prefill_s_per_token": profile.prefill_s_per_token, "request_overhead_s": profile.decode_step_s,
+        # the router's prior must be positive; a calibration on noisy decode samples can fit 0
+        "cost": {"prefill_s_per_token": profile.prefill_s_per_token,
+                 "request_overhead_s": max(profile.decode_step_s, MIN_OVERHEAD_S),
                  "decode_s_per_running": profile.decode_s_per_seq, "learn": learn,
                  "tier_gbps": {profile.local_tier.name: profile.local_tier.gbps,
                                profile.remote_tier.name: profile.remote_tier.gbps}},

@@ -68,7 +68,9 @@ def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
         def finer(f: float, at_factor: Callable[[float], TrialResult] = at_factor) -> bool:
             return at_factor(f).passed
         fine = bounded_search(finer, run.max_trials + FINE_TRIALS)
-        low, high = intervals[name] = measured_bracket(measured.get("trials") or [])
+        # a factor's verdict, where it ran several trials (one trial that passed at a factor whose
+        # majority failed is no pass)
+        low, high = intervals[name] = measured_bracket(measured.get("factors") or measured.get("trials") or [])
         sim_rps = factor * run.base_rps
         meas_rps = float(measured["goodput_rps"])
         meas_at = measured.get("at_goodput") or {}
@@ -113,8 +115,9 @@ def validate(run: BenchRun, profile: Profile) -> dict[str, Any]:
 
 
 def measured_bracket(trials: list[dict[str, Any]]) -> tuple[float, float]:
-    """(highest passing factor, lowest failing factor above it) of a bench set-up's trials; (0, the
-    lowest failure) when none passed, (the highest pass, inf) when none above it failed."""
+    """(highest passing factor, lowest failing factor above it) of a bench set-up's trials, or of its
+    factors' verdicts (its ``factors``: one entry per factor, ``passed`` by the bench's pass rule);
+    (0, the lowest failure) when none passed, (the highest pass, inf) when none above it failed."""
     passed = [float(t["factor"]) for t in trials if t.get("passed")]
     low = max(passed, default=0.0)
     high = min((float(t["factor"]) for t in trials if not t.get("passed") and float(t["factor"]) > low),

@@ -87,3 +87,34 @@ def test_validate_replays_every_equal_memory_setup_with_its_tiers(tmp_path: Path
 def test_a_bad_memory_section_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"memory\.tier_bytes_per_server: a positive number of bytes"):
         load_bench(_equal_memory_run(tmp_path, tier_bytes_per_server=-1))
+
+
+def test_a_profile_with_a_zero_step_cost_still_makes_a_pof_router() -> None:
+    """A calibration on noisy decode samples fitted decode_step_s = 0 (issue 47's second mix run):
+    the simulated router's fixed cost is its prior, which its config requires to be positive."""
+    from dataclasses import replace
+
+    from pof_connector.sim.pof_policy import PofPolicy, router_config
+
+    p = replace(load_profile("cpu-bench"), decode_step_s=0.0)
+    assert router_config(p, 2).cost.request_overhead_s > 0
+    PofPolicy(p)
+
+
+def test_the_bracket_of_a_run_of_several_trials_a_factor_is_its_verdicts(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """x16 passed one trial of three (a fail by majority): the measured goodput lies in [14.7, 16),
+    not at 16 or above."""
+    raw = json.loads(BENCH.read_text())
+    trials = [{"factor": 1.0, "passed": True}, {"factor": 16.0, "passed": False}, {"factor": 16.0, "passed": True},
+              {"factor": 16.0, "passed": False}, {"factor": 14.6721, "passed": True}]
+    factors = [{"factor": 1.0, "trials": [True], "passed": True},
+               {"factor": 16.0, "trials": [False, True, False], "passed": False},
+               {"factor": 14.6721, "trials": [True], "passed": True}]
+    raw["setups"]["pof"] = {**raw["setups"]["pof"], "trials": [{**raw["setups"]["pof"]["trials"][0], **t}
+                                                               for t in trials], "factors": factors}
+    path = tmp_path / "several.json"
+    path.write_text(json.dumps(raw))
+    assert main(["sim", "validate", "--bench", str(path), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["setups"]["pof"]
+    assert row["measured_bracket"] == [14.6721, 16.0]
