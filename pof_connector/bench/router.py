@@ -231,11 +231,12 @@ def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress:
     if unknown or not workloads:
         raise BenchError(f"--workload: {', '.join(unknown) or 'none'}; allowed: {', '.join(WORKLOADS)}")
     check(NEEDS, "router")      # before a model is built or a server started
-    out: dict[str, Any] = {"bench": "router", "workloads": {}, "front_door_sched": "rr" if can_use_rr() else "nice"}
+    rr = can_use_rr()           # a probe in a child process: asked once per run
+    out: dict[str, Any] = {"bench": "router", "workloads": {}, "front_door_sched": "rr" if rr else "nice"}
     for name in workloads:
         spec = dataclasses.replace(WORKLOADS[name], **overrides)
         progress(f"workload {name}: model {spec.model}")
-        result = run_workload(spec, seed=seed, progress=progress)
+        result = run_workload(spec, seed=seed, progress=progress, rr=rr)
         out["workloads"][name] = result
         out[f"ratio_vs_best_{name}"] = result["ratio_vs_best"]
     out["note"] = ("ratio_vs_best_W = pof router + pool mean TTFT / the best stock vllm-router policy's (" +
@@ -244,7 +245,8 @@ def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress:
     return out
 
 
-def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[str, Any]:
+def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool = False) -> dict[str, Any]:
+    """``rr``: put the routers, the index server and the relays in ``SCHED_RR`` (:mod:`.front_door`)."""
     from tokenizers import Tokenizer
 
     from pof_connector.locality.locator import load_tokenizer
@@ -263,7 +265,6 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress) -> dict[s
     tmp = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/tmp"))
     results: dict[str, dict[str, Any]] = {}
     redis = RedisServer(tmp / "redis").start()
-    rr = can_use_rr()
 
     def front_door(pid: int | None) -> None:
         if rr and pid is not None:
