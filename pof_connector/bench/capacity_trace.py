@@ -160,6 +160,11 @@ class Mix:
     short_max_tokens: int = 16
     long_tenants: int = 2
     """Tenants the long sessions take turns in (their system prompt is their tenant's)."""
+    long_bursts: bool = True
+    """The long sessions start in two uneven bursts; False: one after another, evenly over the span
+    (jittered), so that a higher arrival factor makes more of them overlap. A conversation's turns
+    wait for each other's answers, so with bursts the load a trace can offer stops growing once
+    its think times are gone; spread out, it grows with the factor until the conversations overlap."""
 
     def scaled(self, factor: float) -> Mix:
         """A shorter mix (``--quick``): fewer, shorter sessions over a shorter span."""
@@ -193,6 +198,23 @@ live, and be loaded, anywhere. The conversations' turns are most of the requests
 the p90 that decides goodput is theirs. Run it with ``--model tiny-long --kv-tokens 20480``."""
 
 
+NEIGHBOURS = replace(LONG_CONTEXT, long_sessions=24, long_tenants=1, long_turns=4, long_turn_tokens=3072,
+                     long_think_s=4.0, short_rate=0.1, long_bursts=False)
+"""``docs/traces/neighbours.jsonl`` (seed 1): the idle neighbour, with its load from the number of
+conversations. Twenty-four conversations of one tenant (one 2K system prompt) start one after
+another over the span and grow over four turns to 6-12K tokens: one fits a server's KV
+(``--kv-tokens 20480``), two of the longest do not, and at x1 about three run at once. Raising the
+arrival factor shortens the gaps between them and their think times, so more of them overlap: a
+router that follows the shared prefix puts them on the server that holds it, which evicts and
+recomputes while its neighbour idles; spread over both, each server's contexts still outgrow it
+at some factor, and then a context that moved (or was evicted) is loaded from the pool or computed
+again. The conversations' turns are 96 of about 110 requests, so the p90 that decides goodput is
+theirs. Run it with ``--model tiny-long --kv-tokens 20480``."""
+SPREAD_SHARE = 0.85
+"""With ``long_bursts`` False, the conversations start within this share of the span (the last
+ones still end inside it at x1)."""
+
+
 def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:
     """The seeded default: long sessions starting in two uneven bursts (most of them early, so a
     placement fixed by the first turn piles them up), short tenant requests arriving Poisson."""
@@ -200,8 +222,11 @@ def fragmenting_trace(seed: int, mix: Mix = Mix()) -> list[TraceRequest]:
     out: list[TraceRequest] = []
     early = math.ceil(mix.long_sessions * 2 / 3)
     for s in range(mix.long_sessions):
-        burst = 0.0 if s < early else mix.span_s / 2
-        at = burst + rnd.uniform(0, mix.span_s / 10)
+        if mix.long_bursts:
+            burst = 0.0 if s < early else mix.span_s / 2
+            at = burst + rnd.uniform(0, mix.span_s / 10)
+        else:
+            at = (s + rnd.random()) * SPREAD_SHARE * mix.span_s / mix.long_sessions
         tenant = f"L{s % mix.long_tenants}"
         for _ in range(mix.long_turns):
             out.append(TraceRequest(round(at, 3), f"long{s}", tenant, mix.long_system_tokens,

@@ -12,6 +12,7 @@ from pof_connector.bench.capacity_trace import (
     LONG_CONTEXT,
     LONG_CONTEXT_12,
     NEIGHBOUR,
+    NEIGHBOURS,
     Mix,
     TraceError,
     TraceRequest,
@@ -122,3 +123,34 @@ def test_the_neighbour_traces_conversations_share_a_prefix_and_outgrow_one_serve
     firsts = sorted(min(r.at for r in longs if r.session == s) for s in context)
     assert firsts[-1] - firsts[0] < 15.0          # they start together: the first turns meet one holder
     assert len(longs) > len(trace) / 2              # their turns decide the p90
+
+
+def test_the_neighbours_trace_draws_its_load_from_how_many_conversations_overlap() -> None:
+    shipped = read_trace(Path(__file__).parents[2] / "docs" / "traces" / "neighbours.jsonl")
+    assert shipped == fragmenting_trace(1, NEIGHBOURS)
+    longs = [r for r in shipped if r.session.startswith("long")]
+    assert {(r.tenant, r.system_tokens) for r in longs} == {("L0", 2048)}      # one system prompt
+    context: dict[str, int] = {}
+    starts: dict[str, float] = {}
+    for r in longs:
+        context[r.session] = context.get(r.session, r.system_tokens) + r.turn_tokens + r.max_tokens
+        starts.setdefault(r.session, r.at)
+    kv_per_server = 20_480
+    longest_two = sorted(context.values())[-2:]
+    assert max(context.values()) < kv_per_server < sum(longest_two)     # one fits a server, two do not
+    assert len(context) == 24 and len(longs) > 0.8 * len(shipped)
+    # spread, not bursts: every sixth of the span sees conversations start, none sees most of them
+    first = sorted(starts.values())
+    sixth = NEIGHBOURS.span_s / 6
+    per_sixth = [sum(k * sixth <= at < (k + 1) * sixth for at in first) for k in range(6)]
+    assert min(per_sixth[:5]) >= 2 and max(per_sixth) <= len(first) / 3
+
+
+def test_bursts_stay_the_default_so_the_shipped_traces_do_not_move() -> None:
+    assert Mix().long_bursts and LONG_CONTEXT.long_bursts and NEIGHBOUR.long_bursts
+    spread = fragmenting_trace(3, Mix(long_bursts=False, long_sessions=12))
+    starts: dict[str, float] = {}
+    for r in spread:
+        starts.setdefault(r.session, r.at)
+    longs = sorted(at for name, at in starts.items() if name.startswith("long"))
+    assert longs[-1] > Mix().span_s / 2 and longs[3] > Mix().span_s / 10     # not two bursts
