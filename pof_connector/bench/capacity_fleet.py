@@ -171,7 +171,7 @@ class Fleet:
     def front_door_sched(self) -> str | None:
         """``rr`` or ``nice``: the router's class, else the index server's (:func:`~.front_door.sched_of`);
         ``None``: the set-up has neither (static, round_robin)."""
-        return sched_of(self.router.proc.pid if self.router is not None and self.router.proc is not None else
+        return sched_of(self.router.pid if self.router is not None and self.router.pid is not None else
                         self.redis.pid if self.redis is not None else None)
 
     def route(self, trace: list[TraceRequest]) -> Route:

@@ -49,12 +49,6 @@ WINDOW_S = 60.0
 """Hit rates are compared over this long before and after each fault."""
 
 
-class MemdProcess(ServiceProcess):
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-
 class Cluster:
     """Every process of the run, started, watched and stopped by PID."""
 
@@ -73,7 +67,7 @@ class Cluster:
         self.host_dev = "lo"
         self.servers: list[VllmServer] = []
         self.reference: VllmServer | None = None
-        self.memd = MemdProcess(workdir / "memd.log")
+        self.memd = ServiceProcess(workdir / "memd.log")
         self.router: RouterProcess | None = None
         self.sessions = Sessions(vocab=_vocab(model), seed=seed)
         self.planned_down: set[str] = set()

@@ -117,7 +117,8 @@ class Faults:
 
     def peer_stop(self, r: FaultRecord) -> None:
         hold = self._hold()
-        pid = self.c.memd.pid()
+        pid = self.c.memd.pid
+        assert pid is not None, "memd is not running"
         with self.c.planned("memd"):
             os.killpg(pid, signal.SIGSTOP)
             try:

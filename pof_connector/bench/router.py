@@ -282,7 +282,7 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool 
             for policy in STOCK:
                 router = RouterProcess.vllm_router(tmp, [s.url for s in baseline], policy, name=f"vllm-router-{policy}")
                 router.start(nice=ROUTER_NICE)
-                front_door(router.proc.pid if router.proc is not None else None)
+                front_door(router.pid)
                 try:
                     results[policy] = _phase(policy, router.url, baseline, work, clients, rate, seed, progress)
                 finally:
@@ -303,11 +303,11 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool 
                 for i, endpoint in enumerate(events):
                     relays.append(start_relay(tmp, f"n{i}", {"runtime_dir": str(tmp / f"rt-pof{i}"), **pool},
                                               endpoint))
-                    front_door(relays[-1].proc.pid if relays[-1].proc is not None else None)
+                    front_door(relays[-1].pid)
                 config = {"index_url": redis.url, "tokenizer": str(model_dir),
                           "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
                 router = RouterProcess.pof(tmp, config).start(nice=ROUTER_NICE)
-                front_door(router.proc.pid if router.proc is not None else None)
+                front_door(router.pid)
                 try:
                     results["pof"] = _phase("pof", router.url, pooled, work, clients, rate, seed, progress)
                 finally:

@@ -62,9 +62,14 @@ class ServiceProcess:
             return "\n".join(lines[start:])
         return "\n".join([*lines[start:first + n], f"[... {skipped} lines ...]", *lines[-n:]])
 
+    @property
+    def pid(self) -> int | None:
+        """The launched process's pid; ``None`` before :meth:`launch` and after :meth:`stop`."""
+        return self.proc.pid if self.proc is not None else None
+
     def niceness(self) -> int | None:
         """The running process's niceness; ``None`` when it is not running."""
-        return niceness_of(self.proc.pid if self.proc is not None else None)
+        return niceness_of(self.pid)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

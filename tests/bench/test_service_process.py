@@ -62,3 +62,15 @@ def test_a_service_runs_at_the_niceness_asked_for_threads_included(tmp_path: Pat
     finally:
         service.stop(grace_s=5)
     assert service.niceness() is None
+
+
+def test_pid_is_the_launched_process_until_it_is_stopped(tmp_path: Path) -> None:
+    service = ServiceProcess(tmp_path / "s.log")
+    assert service.pid is None
+    service.launch([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        pid = service.pid
+        assert pid is not None and os.path.exists(f"/proc/{pid}")
+    finally:
+        service.stop(grace_s=5)
+    assert service.pid is None and not os.path.exists(f"/proc/{pid}")
