@@ -256,7 +256,8 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
 def cmd_bench_router(args: argparse.Namespace) -> int:
     names = ("model", "tenants", "system_tokens", "requests", "rate", "clients", "hot_share", "kv_tokens")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    result = bench_router.run(workloads=args.workload, overrides=overrides, seed=args.seed, progress=progress)
+    result = bench_router.run(workloads=args.workload, overrides=overrides, seed=args.seed, progress=progress,
+                              rounds=args.rounds)
     if args.json:
         print_json(result)
         return 0
@@ -275,7 +276,9 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
                           str(row["hit_vs_first_touch_bound"]), str(row["pool_hit_tokens"]),
                           f"{own['overhead_p50_ms']:.2f} / {own['overhead_p99_ms']:.2f}" if own else "")
         out.print(table)
-        out.print(f"{wname}: pof / best stock ({res['best_stock']}) [bold]{res['ratio_vs_best']:.3f}[/bold]; "
+        spread = (f" (rounds: {', '.join(f'{x:.2f}' for x in res['ratio_vs_best_by_round'])})"
+                  if "ratio_vs_best_by_round" in res else "")
+        out.print(f"{wname}: pof / best stock ({res['best_stock']}) [bold]{res['ratio_vs_best']:.3f}[/bold]{spread}; "
                   f"first-touch bound hit rate {res['first_touch_bound_hit_rate']}")
     return 0
 
@@ -409,6 +412,9 @@ def add_parser(sub: Any) -> None:
     router.add_argument("--hot-share", type=float, help="the hot tenant's share (default 0.7)")
     router.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 12288 / 6144)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
+    router.add_argument("--rounds", type=int, default=1,
+                        help="passes of every router over the same requests, each on fresh servers, the stock "
+                             "routers and pof first by turns; the JSON gives each round's ratio (default 1)")
     router.set_defaults(handler=cmd_bench_router)
     add_pd_parser(bsub)
     add_chaos_parser(bsub)

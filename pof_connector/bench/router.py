@@ -161,8 +161,21 @@ def _counters(servers: list[VllmServer]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class PhaseRun:
+    """One router's pass over the workload: what the client saw, and what the servers counted."""
+
+    ttfts: list[float]
+    answers: list[str]
+    headers: list[dict[str, str]]
+    """Each answer's HTTP headers (`pof router`'s ``x-pof-*`` among them)."""
+    pool_hit_tokens: int
+    engine_hit_tokens: int
+    wall_s: float
+
+
 def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clients: int, rate: float,
-           seed: int, progress: Progress) -> dict[str, Any]:
+           seed: int, progress: Progress) -> PhaseRun:
     for s in servers:
         s.reset_prefix_cache()
     before = _counters(servers)
@@ -171,25 +184,68 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
     ttfts, answers, headers, wall = _drive(url, work, clients, rate, seed)
     after = _counters(servers)
     delta = {k: after[k] - before[k] for k in METRICS}
-    hits = delta["vllm:prefix_cache_hits_total"] + delta["vllm:external_prefix_cache_hits_total"]
-    prompt_tokens = sum(len(t) for t in work.tokens)
-    bound = work.first_touch_bound()
+    run = PhaseRun(ttfts, answers, headers, pool_hit_tokens=int(delta["vllm:external_prefix_cache_hits_total"]),
+                   engine_hit_tokens=int(delta["vllm:prefix_cache_hits_total"]), wall_s=wall)
+    row = summarize([run], work)
+    routing = row.get("routing")
+    progress(f"  {name}: mean TTFT {row['mean_ttft_s']:.3f} s, p90 {row['p90_ttft_s']:.3f} s, hit rate "
+             f"{row['hit_rate']:.3f} ({row['hit_vs_first_touch_bound']} of the bound)"
+             + (f"; router's own time p50 {routing['overhead_p50_ms']} ms, p99 {routing['overhead_p99_ms']} ms"
+                if routing else ""))
+    return run
+
+
+def summarize(runs: list[PhaseRun], work: Workload) -> dict[str, Any]:
+    """One router's row over its rounds: TTFT statistics of every request of every round pooled
+    (each round sends the same requests, so each weighs the same), hits summed, and each round's
+    mean TTFT (``mean_ttft_s_by_round``) so that the spread between rounds is visible."""
+    ttfts = [t for r in runs for t in r.ttfts]
+    prompt_tokens = sum(len(t) for t in work.tokens) * len(runs)
+    bound = work.first_touch_bound() * len(runs)
+    hits = sum(r.pool_hit_tokens + r.engine_hit_tokens for r in runs)
     q = statistics.quantiles(ttfts, n=10)
     row: dict[str, Any] = {
            "mean_ttft_s": round(statistics.fmean(ttfts), 4), "p50_ttft_s": round(statistics.median(ttfts), 4),
            "p90_ttft_s": round(q[-1], 4), "hit_rate": round(hits / prompt_tokens, 4),
            "hit_vs_first_touch_bound": round(hits / bound, 4) if bound else None,
-           "pool_hit_tokens": int(delta["vllm:external_prefix_cache_hits_total"]),
-           "engine_hit_tokens": int(delta["vllm:prefix_cache_hits_total"]), "wall_s": round(wall, 2)}
-    routing = routing_summary(headers, ttfts)
+           "pool_hit_tokens": sum(r.pool_hit_tokens for r in runs),
+           "engine_hit_tokens": sum(r.engine_hit_tokens for r in runs),
+           "wall_s": round(sum(r.wall_s for r in runs), 2)}
+    if len(runs) > 1:
+        row["mean_ttft_s_by_round"] = [round(statistics.fmean(r.ttfts), 4) for r in runs]
+    routing = routing_summary([h for r in runs for h in r.headers], ttfts)
     if routing:
         row["routing"] = routing
-    progress(f"  {name}: mean TTFT {row['mean_ttft_s']:.3f} s, p90 {row['p90_ttft_s']:.3f} s, hit rate "
-             f"{row['hit_rate']:.3f} ({row['hit_vs_first_touch_bound']} of the bound)"
-             + (f"; router's own time p50 {routing['overhead_p50_ms']} ms, p99 {routing['overhead_p99_ms']} ms"
-                if routing else ""))
-    row["answers"] = answers
     return row
+
+
+def rank(rounds: list[dict[str, PhaseRun]], work: Workload) -> dict[str, Any]:
+    """pof against the best stock policy over ``rounds`` (each: a router's name → its pass):
+    ``ratio_vs_best`` from the TTFTs of all rounds pooled, and, with more than one round, the same
+    ratio within each round (``ratio_vs_best_by_round``; its best stock policy may differ), whose
+    spread says how far one round's ratio can be trusted."""
+    results = {name: summarize([r[name] for r in rounds], work) for name in (*STOCK, "pof")}
+    for name in STOCK:
+        if results[name]["pool_hit_tokens"]:
+            raise BenchError(f"{name}: the store-only (kv_producer) servers loaded from their pools")
+    # Greedy answers are compared, not required equal: under concurrent load vLLM batches requests
+    # differently for each router, and batch composition can flip a near-tie token (seen between
+    # round_robin and cache_aware, which load nothing). Exact equality with and without the pool
+    # is what the tests check, one request at a time.
+    for name in (*STOCK[1:], "pof"):
+        results[name]["answers_differing_from_round_robin"] = sum(
+            a != b for r in rounds for a, b in zip(r[name].answers, r["round_robin"].answers, strict=True))
+    best = min(STOCK, key=lambda n: results[n]["mean_ttft_s"])
+    pof_mean = results["pof"]["mean_ttft_s"]
+    out: dict[str, Any] = {"ratio_vs_best": round(pof_mean / results[best]["mean_ttft_s"], 4), "best_stock": best,
+                           **{f"pof_vs_{n}": round(pof_mean / results[n]["mean_ttft_s"], 4) for n in STOCK}}
+    if len(rounds) > 1:
+        by_round = [statistics.fmean(r["pof"].ttfts) / min(statistics.fmean(r[n].ttfts) for n in STOCK)
+                    for r in rounds]
+        out["ratio_vs_best_by_round"] = [round(x, 4) for x in by_round]
+        out["ratio_vs_best_range"] = [round(min(by_round), 4), round(max(by_round), 4)]
+    out["policies"] = results
+    return out
 
 
 ROUTER_NICE = -10
@@ -224,29 +280,38 @@ WORKLOADS = {
 }
 
 
-def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress: Progress) -> dict[str, Any]:
+def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress: Progress,
+        rounds: int = 1) -> dict[str, Any]:
     """Every workload named in ``workloads`` (keys of :data:`WORKLOADS`), with ``overrides`` (fields
-    of :class:`WorkloadSpec`, e.g. from the command line) applied to each."""
+    of :class:`WorkloadSpec`, e.g. from the command line) applied to each, ``rounds`` times."""
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         raise BenchError(f"--workload: {', '.join(unknown) or 'none'}; allowed: {', '.join(WORKLOADS)}")
+    if rounds < 1:
+        raise BenchError(f"--rounds: {rounds}; allowed: 1 or more")
     check(NEEDS, "router")      # before a model is built or a server started
     rr = can_use_rr()           # a probe in a child process: asked once per run
     out: dict[str, Any] = {"bench": "router", "workloads": {}, "front_door_sched": "rr" if rr else "nice"}
     for name in workloads:
         spec = dataclasses.replace(WORKLOADS[name], **overrides)
         progress(f"workload {name}: model {spec.model}")
-        result = run_workload(spec, seed=seed, progress=progress, rr=rr)
+        result = run_workload(spec, seed=seed, progress=progress, rr=rr, rounds=rounds)
         out["workloads"][name] = result
         out[f"ratio_vs_best_{name}"] = result["ratio_vs_best"]
+        if "ratio_vs_best_range" in result:
+            out[f"ratio_vs_best_{name}_range"] = result["ratio_vs_best_range"]
     out["note"] = ("ratio_vs_best_W = pof router + pool mean TTFT / the best stock vllm-router policy's (" +
                    ", ".join(STOCK) + ") on workload W, same servers with a store-only connector (no pool loads); "
                    "hit rate = (engine prefix-cache + connector hits) / prompt tokens")
     return out
 
 
-def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool = False) -> dict[str, Any]:
-    """``rr``: put the routers, the index server and the relays in ``SCHED_RR`` (:mod:`.front_door`)."""
+def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool = False,
+                 rounds: int = 1) -> dict[str, Any]:
+    """``rr``: put the routers, the index server and the relays in ``SCHED_RR`` (:mod:`.front_door`).
+    ``rounds``: passes of every router over the same requests, each on freshly started servers,
+    the stock routers first in even rounds and pof first in odd ones (so a host that slows down
+    during the run does not favour one side)."""
     from tokenizers import Tokenizer
 
     from pof_connector.locality.locator import load_tokenizer
@@ -261,92 +326,117 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool 
                          hot_share=spec.hot_share, seed=seed)
     max_len = max(4096, max(len(t) for t in work.tokens) + 64)
     blocks = spec.kv_tokens // BLOCK
-    common = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max(clients, 2))]
     tmp = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/tmp"))
-    results: dict[str, dict[str, Any]] = {}
-    redis = RedisServer(tmp / "redis").start()
-
-    def front_door(pid: int | None) -> None:
-        if rr and pid is not None:
-            make_realtime(pid)
-    front_door(redis.pid)
-    try:
-        how = f"Poisson arrivals at {rate:g}/s" if rate > 0 else f"{clients} closed-loop clients"
-        progress(f"workload: {requests} requests, {tenants} tenants (hot share {spec.hot_share}), system prompts "
-                 f"~{spec.system_tokens} tokens, {how}; KV {blocks * BLOCK} tokens per server")
-        store_only = {"index_url": "local", "tiers": {"cpu_dram": {"size": "1GiB"}}}
-        baseline = _start_pair(model_dir, tmp, "store-only", store_only, max_len, common, progress,
-                               role="kv_producer")
-        try:
-            _check_tokenizer(baseline[0], work)
-            for policy in STOCK:
-                router = RouterProcess.vllm_router(tmp, [s.url for s in baseline], policy, name=f"vllm-router-{policy}")
-                router.start(nice=ROUTER_NICE)
-                front_door(router.pid)
-                try:
-                    results[policy] = _phase(policy, router.url, baseline, work, clients, rate, seed, progress)
-                finally:
-                    router.stop()
-        finally:
-            for s in baseline:
-                s.stop()
-        region = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/dev/shm")) / "cxl.region"
-        try:
-            pool = {"index_url": redis.url, "tiers": {"cxl": {"path": str(region), "size": "1GiB", "partitions": 2}}}
-            events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-            pooled = _start_pair(model_dir, tmp, "pof", pool, max_len, common, progress, events=events)
-            relays: list[ServiceProcess] = []
-            try:
-                # A relay per engine puts the engine's own prefix cache into the index (from its KV
-                # events): with a shared pool every node can load every prefix, and the router must
-                # still tell a prefix in an engine's cache from one it has to load.
-                for i, endpoint in enumerate(events):
-                    relays.append(start_relay(tmp, f"n{i}", {"runtime_dir": str(tmp / f"rt-pof{i}"), **pool},
-                                              endpoint))
-                    front_door(relays[-1].pid)
-                config = {"index_url": redis.url, "tokenizer": str(model_dir),
-                          "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
-                router = RouterProcess.pof(tmp, config).start(nice=ROUTER_NICE)
-                front_door(router.pid)
-                try:
-                    results["pof"] = _phase("pof", router.url, pooled, work, clients, rate, seed, progress)
-                finally:
-                    router.stop()
-            finally:
-                for r in relays:
-                    r.stop(grace_s=10)
-                for s in pooled:
-                    s.stop()
-        finally:
-            shutil.rmtree(region.parent, ignore_errors=True)
-    finally:
-        redis.stop()
-    for name in STOCK:
-        if results[name]["pool_hit_tokens"]:
-            raise BenchError(f"{name}: the store-only (kv_producer) servers loaded from their pools")
-    # Greedy answers are compared, not required equal: under concurrent load vLLM batches requests
-    # differently for each router, and batch composition can flip a near-tie token (seen between
-    # round_robin and cache_aware, which load nothing). Exact equality with and without the pool
-    # is what the tests check, one request at a time.
-    reference = results["round_robin"].pop("answers")
-    for name in (*STOCK[1:], "pof"):
-        answers = results[name].pop("answers")
-        results[name]["answers_differing_from_round_robin"] = sum(a != b for a, b in zip(answers, reference,
-                                                                                          strict=True))
+    bed = _Bed(model_dir=model_dir, tmp=tmp, max_len=max_len, work=work, clients=clients, rate=rate, seed=seed,
+               common=["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max(clients, 2))],
+               rr=rr, progress=progress)
+    how = f"Poisson arrivals at {rate:g}/s" if rate > 0 else f"{clients} closed-loop clients"
+    progress(f"workload: {requests} requests, {tenants} tenants (hot share {spec.hot_share}), system prompts "
+             f"~{spec.system_tokens} tokens, {how}; KV {blocks * BLOCK} tokens per server")
+    per_round: list[dict[str, PhaseRun]] = []
+    for r in range(rounds):
+        if rounds > 1:
+            progress(f"round {r + 1} of {rounds} ({'pof' if r % 2 else 'the stock routers'} first)")
+        sides = [_stock_phases, _pof_phase]
+        runs: dict[str, PhaseRun] = {}
+        for side in (reversed(sides) if r % 2 else sides):
+            runs.update(side(bed, f"r{r}"))
+        per_round.append(runs)
     shutil.rmtree(tmp, ignore_errors=True)
-    bound = work.first_touch_bound()
     prompt_tokens = sum(len(t) for t in work.tokens)
-    best = min(STOCK, key=lambda n: results[n]["mean_ttft_s"])
-    pof_mean = results["pof"]["mean_ttft_s"]
     return {
-        "ratio_vs_best": round(pof_mean / results[best]["mean_ttft_s"], 4),
-        "best_stock": best,
-        **{f"pof_vs_{n}": round(pof_mean / results[n]["mean_ttft_s"], 4) for n in STOCK},
-        "policies": results,
-        "first_touch_bound_hit_rate": round(bound / prompt_tokens, 4),
+        **rank(per_round, work), "rounds": rounds,
+        "first_touch_bound_hit_rate": round(work.first_touch_bound() / prompt_tokens, 4),
         "workload": {**dataclasses.asdict(spec), "prompt_tokens": prompt_tokens,
                      "kv_tokens_per_server": blocks * BLOCK, "seed": seed, "model": str(model_dir)},
     }
+
+
+@dataclass(frozen=True)
+class _Bed:
+    """What every phase of one workload runs with."""
+
+    model_dir: Path
+    tmp: Path
+    max_len: int
+    work: Workload
+    clients: int
+    rate: float
+    seed: int
+    common: list[str]
+    """vLLM flags of every server (KV size, batch)."""
+    rr: bool
+    progress: Progress
+
+    def front_door(self, pid: int | None) -> None:
+        if self.rr and pid is not None:
+            make_realtime(pid)
+
+    def phase(self, name: str, url: str, servers: list[VllmServer]) -> PhaseRun:
+        return _phase(name, url, servers, self.work, self.clients, self.rate, self.seed, self.progress)
+
+
+def _stock_phases(bed: _Bed, tag: str) -> dict[str, PhaseRun]:
+    """Every stock policy in front of two servers whose connector only stores."""
+    store_only = {"index_url": "local", "tiers": {"cpu_dram": {"size": "1GiB"}}}
+    baseline = _start_pair(bed.model_dir, bed.tmp, f"store-only-{tag}", store_only, bed.max_len, bed.common,
+                           bed.progress, role="kv_producer")
+    runs: dict[str, PhaseRun] = {}
+    try:
+        _check_tokenizer(baseline[0], bed.work)
+        for policy in STOCK:
+            router = RouterProcess.vllm_router(bed.tmp, [s.url for s in baseline], policy,
+                                               name=f"vllm-router-{policy}-{tag}")
+            router.start(nice=ROUTER_NICE)
+            bed.front_door(router.pid)
+            try:
+                runs[policy] = bed.phase(policy, router.url, baseline)
+            finally:
+                router.stop()
+    finally:
+        for s in baseline:
+            s.stop()
+    return runs
+
+
+def _pof_phase(bed: _Bed, tag: str) -> dict[str, PhaseRun]:
+    """`pof router` in front of two servers sharing one pool (a new region and a new index each
+    round: nothing an earlier round stored is found), a relay per server."""
+    region = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/dev/shm")) / "cxl.region"
+    name = f"pof-{tag}"
+    redis = RedisServer(bed.tmp / f"redis-{tag}").start()
+    bed.front_door(redis.pid)
+    try:
+        pool = {"index_url": redis.url,
+                "tiers": {"cxl": {"path": str(region), "size": "1GiB", "partitions": 2}}}
+        events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+        pooled = _start_pair(bed.model_dir, bed.tmp, name, pool, bed.max_len, bed.common, bed.progress,
+                             events=events)
+        relays: list[ServiceProcess] = []
+        try:
+            # A relay per engine puts the engine's own prefix cache into the index (from its KV
+            # events): with a shared pool every node can load every prefix, and the router must
+            # still tell a prefix in an engine's cache from one it has to load.
+            for i, endpoint in enumerate(events):
+                relays.append(start_relay(bed.tmp, f"n{i}", {"runtime_dir": str(bed.tmp / f"rt-{name}{i}"), **pool},
+                                          endpoint))
+                bed.front_door(relays[-1].pid)
+            config = {"index_url": redis.url, "tokenizer": str(bed.model_dir),
+                      "backends": [{"name": f"n{i}", "url": s.url} for i, s in enumerate(pooled)]}
+            router = RouterProcess.pof(bed.tmp, config).start(nice=ROUTER_NICE)
+            bed.front_door(router.pid)
+            try:
+                return {"pof": bed.phase("pof", router.url, pooled)}
+            finally:
+                router.stop()
+        finally:
+            for r in relays:
+                r.stop(grace_s=10)
+            for s in pooled:
+                s.stop()
+    finally:
+        redis.stop()
+        shutil.rmtree(region.parent, ignore_errors=True)
 
 
 def model_path(spec: str) -> Path:

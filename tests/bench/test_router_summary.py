@@ -1,12 +1,14 @@
 """`pof bench router`'s reading of `pof router`'s answer headers (its own time, per stage, and
-its choices); a stock router's answers carry none, and get no routing summary."""
+its choices); a stock router's answers carry none, and get no routing summary. Its ranking over
+rounds (`rank`), from passes whose TTFTs are given here as numbers: the servers that would measure
+them need vLLM, which runs in the vllm-marked tests."""
 
 from __future__ import annotations
 
 import pytest
 
 from pof_connector.bench import BenchError
-from pof_connector.bench.router import routing_summary, run
+from pof_connector.bench.router import STOCK, PhaseRun, Workload, rank, routing_summary, run
 
 
 def test_summary_of_pof_router_headers() -> None:
@@ -30,3 +32,44 @@ def test_a_stock_router_has_no_summary() -> None:
 def test_an_unknown_workload_stops_before_anything_starts() -> None:
     with pytest.raises(BenchError, match="allowed: cheap, dear"):
         run(workloads=["cheap", "huge"], overrides={}, seed=1, progress=print)
+
+
+def test_rounds_are_rejected_below_one_before_anything_starts() -> None:
+    with pytest.raises(BenchError, match="--rounds: 0; allowed: 1 or more"):
+        run(workloads=["cheap"], overrides={}, seed=1, progress=print, rounds=0)
+
+
+def _work() -> Workload:
+    system = list(range(3, 3 + 256))
+    return Workload(prompts=["a", "b"], tokens=[system + [900], system + [901]], tenants=[0, 0])
+
+
+def _pass(ttfts: list[float], pool: int = 0) -> PhaseRun:
+    return PhaseRun(ttfts, ["x"] * len(ttfts), [{}] * len(ttfts), pool_hit_tokens=pool, engine_hit_tokens=128,
+                    wall_s=1.0)
+
+
+def test_rank_pools_the_rounds_and_gives_each_rounds_ratio_against_its_own_best() -> None:
+    # round 1: the host is slow for everyone; round 2: fast. pof wins the first, loses the second.
+    slow = {"round_robin": _pass([0.30, 0.30]), "power_of_two": _pass([0.20, 0.20]),
+            "cache_aware": _pass([0.25, 0.25]), "pof": _pass([0.10, 0.10], pool=128)}
+    fast = {"round_robin": _pass([0.05, 0.05]), "power_of_two": _pass([0.08, 0.08]),
+            "cache_aware": _pass([0.06, 0.06]), "pof": _pass([0.075, 0.075], pool=128)}
+    out = rank([slow, fast], _work())
+    assert out["ratio_vs_best_by_round"] == [0.5, 1.5] and out["ratio_vs_best_range"] == [0.5, 1.5]
+    # pooled: pof 0.0875 against power_of_two's 0.14 (the best of the pooled means)
+    assert out["best_stock"] == "power_of_two" and out["ratio_vs_best"] == round(0.0875 / 0.14, 4)
+    pof = out["policies"]["pof"]
+    assert pof["mean_ttft_s_by_round"] == [0.1, 0.075] and pof["pool_hit_tokens"] == 256
+    assert pof["hit_rate"] == round(2 * (128 + 128) / (2 * 514), 4)
+    assert set(out["policies"]) == {*STOCK, "pof"}
+
+
+def test_one_round_reads_as_before_and_a_stock_router_that_loaded_from_a_pool_is_an_error() -> None:
+    one = {"round_robin": _pass([0.3, 0.1]), "power_of_two": _pass([0.2, 0.2]),
+           "cache_aware": _pass([0.1, 0.1]), "pof": _pass([0.12, 0.1])}
+    out = rank([one], _work())
+    assert out["ratio_vs_best"] == 1.1 and "ratio_vs_best_by_round" not in out
+    assert "mean_ttft_s_by_round" not in out["policies"]["pof"]
+    with pytest.raises(BenchError, match="cache_aware: the store-only"):
+        rank([{**one, "cache_aware": _pass([0.1, 0.1], pool=128)}], _work())
