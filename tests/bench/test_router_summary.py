@@ -41,7 +41,7 @@ def test_rounds_are_rejected_below_one_before_anything_starts() -> None:
 
 def _work() -> Workload:
     system = list(range(3, 3 + 256))
-    return Workload(prompts=["a", "b"], tokens=[system + [900], system + [901]], tenants=[0, 0])
+    return Workload(prompts=["a", "b"], tokens=[[*system, 900], [*system, 901]], tenants=[0, 0])
 
 
 def _pass(ttfts: list[float], pool: int = 0) -> PhaseRun:
