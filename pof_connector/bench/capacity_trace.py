@@ -202,13 +202,13 @@ NEIGHBOURS = replace(LONG_CONTEXT, long_sessions=24, long_tenants=1, long_turns=
                      long_think_s=4.0, short_rate=0.1, long_bursts=False)
 """``docs/traces/neighbours.jsonl`` (seed 1): the idle neighbour, with its load from the number of
 conversations. Twenty-four conversations of one tenant (one 2K system prompt) start one after
-another over the span and grow over four turns to 6-12K tokens: one fits a server's KV
+another over the span and grow over four turns to 10-13K tokens: one fits a server's KV
 (``--kv-tokens 20480``), two of the longest do not, and at x1 about three run at once. Raising the
 arrival factor shortens the gaps between them and their think times, so more of them overlap: a
 router that follows the shared prefix puts them on the server that holds it, which evicts and
 recomputes while its neighbour idles; spread over both, each server's contexts still outgrow it
 at some factor, and then a context that moved (or was evicted) is loaded from the pool or computed
-again. The conversations' turns are 96 of about 110 requests, so the p90 that decides goodput is
+again. The conversations' turns are 96 of the 117 requests, so the p90 that decides goodput is
 theirs. Run it with ``--model tiny-long --kv-tokens 20480``."""
 SPREAD_SHARE = 0.85
 """With ``long_bursts`` False, the conversations start within this share of the span (the last
