@@ -278,8 +278,10 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
         out.print(table)
         spread = (f" (rounds: {', '.join(f'{x:.2f}' for x in res['ratio_vs_best_by_round'])})"
                   if "ratio_vs_best_by_round" in res else "")
-        out.print(f"{wname}: pof / best stock ({res['best_stock']}) [bold]{res['ratio_vs_best']:.3f}[/bold]{spread}; "
-                  f"first-touch bound hit rate {res['first_touch_bound_hit_rate']}")
+        lo, hi = res["ratio_vs_best_ci95"]
+        out.print(f"{wname}: pof / best stock ({res['best_stock']}) [bold]{res['ratio_vs_best']:.3f}[/bold] "
+                  f"(95 % interval over requests {lo:.2f}-{hi:.2f}){spread}; goal <= {res['goal']:g}: "
+                  f"{res['goal_verdict']}; first-touch bound hit rate {res['first_touch_bound_hit_rate']}")
     return 0
 
 

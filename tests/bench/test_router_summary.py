@@ -73,3 +73,15 @@ def test_one_round_reads_as_before_and_a_stock_router_that_loaded_from_a_pool_is
     assert "mean_ttft_s_by_round" not in out["policies"]["pof"]
     with pytest.raises(BenchError, match="cache_aware: the store-only"):
         rank([{**one, "cache_aware": _pass([0.1, 0.1], pool=128)}], _work())
+
+
+def test_rank_gives_a_paired_interval_and_keeps_each_requests_ttft() -> None:
+    # pof is 0.8x power_of_two on every request, whatever the request costs: pairing makes the
+    # interval tight although the TTFTs themselves spread 10x
+    costs = [0.05 * (1 + i % 10) for i in range(40)]
+    r = {"round_robin": _pass([c * 1.2 for c in costs]), "power_of_two": _pass(costs),
+         "cache_aware": _pass([c * 1.1 for c in costs]), "pof": _pass([c * 0.8 for c in costs], pool=128)}
+    out = rank([r, r], _work())
+    lo, hi = out["ratio_vs_best_ci95"]
+    assert lo == hi == 0.8
+    assert out["policies"]["pof"]["ttft_s_by_round"] == [[round(c * 0.8, 4) for c in costs]] * 2
