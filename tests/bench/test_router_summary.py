@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pof_connector.bench import BenchError
-from pof_connector.bench.router import STOCK, PhaseRun, Workload, rank, routing_summary, run
+from pof_connector.bench.router import STOCK, PhaseRun, Workload, rank, round_order, routing_summary, run
 
 
 def test_summary_of_pof_router_headers() -> None:
@@ -85,3 +85,15 @@ def test_rank_gives_a_paired_interval_and_keeps_each_requests_ttft() -> None:
     lo, hi = out["ratio_vs_best_ci95"]
     assert lo == hi == 0.8
     assert out["policies"]["pof"]["ttft_s_by_round"] == [[round(c * 0.8, 4) for c in costs]] * 2
+
+
+def test_each_router_gets_every_place_in_a_round_as_often_over_six_rounds() -> None:
+    orders = [round_order(r) for r in range(6)]
+    assert all(sorted(o) == sorted([*STOCK, "pof"]) for o in orders)
+    assert [o.index("pof") for o in orders] == [3, 0, 3, 0, 3, 0]     # pof last, then first, by turns
+    for name in (*STOCK, "pof"):
+        assert sum(o.index(name) for o in orders) / 6 == 1.5         # the middle of places 0-3
+    # the stock policies stay together (they share one pair of servers)
+    for o in orders:
+        places = sorted(o.index(n) for n in STOCK)
+        assert places[-1] - places[0] == 2
