@@ -40,8 +40,8 @@ def ratio_interval(rounds: Sequence[Mapping[str, Sequence[float]]], stock: Seque
     return round(float(lo), 4), round(float(hi), 4)
 
 
-def goal_verdict(interval: tuple[float, float], goal: float) -> str:
-    """``met`` when the whole interval is at or below ``goal`` (pof / best stock must not exceed
-    it), ``not met`` when the whole interval is above it, else ``undecided``."""
+def goal_verdict(interval: Sequence[float], goal: float) -> str:
+    """``met`` when the whole interval (low, high) is at or below ``goal`` (pof / best stock must
+    not exceed it), ``not met`` when the whole interval is above it, else ``undecided``."""
     lo, hi = interval
     return "met" if hi <= goal else "not met" if lo > goal else "undecided"

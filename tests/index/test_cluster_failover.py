@@ -103,6 +103,13 @@ class Traffic:
     def all_full(self, chains: list[list[PageKey]]) -> bool:
         return all(self.check(keys) == len(keys) for keys in chains)
 
+    def wait_full(self, chains: list[list[PageKey]], since: float, what: str) -> float:
+        """Seconds from ``since`` until every chain is a full hit; fails past :data:`RECOVERY_BOUND_S`."""
+        while not self.all_full(chains):
+            assert time.monotonic() - since < RECOVERY_BOUND_S, what
+            time.sleep(0.02)
+        return time.monotonic() - since
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["registry", "pages"])
@@ -131,10 +138,7 @@ def test_a_killed_master_costs_hits_never_a_wrong_location(cluster: ClusterServe
         cluster.kill(target)
         promoted_after = cluster.wait_healthy(timeout_s=30)
         healthy_at = time.monotonic()
-        while not traffic.all_full(before):
-            assert time.monotonic() - healthy_at < RECOVERY_BOUND_S, "full hits did not return"
-            time.sleep(0.02)
-        recovered_after = time.monotonic() - healthy_at
+        recovered_after = traffic.wait_full(before, healthy_at, "full hits did not return")
         time.sleep(1.0)                                     # traffic on the new topology
         traffic.stop.set()
         for t in threads:
@@ -143,10 +147,8 @@ def test_a_killed_master_costs_hits_never_a_wrong_location(cluster: ClusterServe
         # waits out the guard's back-off (BACKOFF_S) after the holder's last failed call, then the
         # next heartbeat: under a loaded suite that can end after the 1 s above, so it gets the
         # same bound as the chains stored before the kill.
-        while not traffic.all_full(traffic.chains):
-            assert time.monotonic() - healthy_at < RECOVERY_BOUND_S, "chains stored during the outage stayed missing"
-            time.sleep(0.02)
-        republished_after = time.monotonic() - healthy_at
+        republished_after = traffic.wait_full(traffic.chains, healthy_at,
+                                              "chains stored during the outage stayed missing")
         print(f"\nfailover ({victim} master): cluster healthy {promoted_after:.2f} s after SIGKILL, full hits "
               f"{recovered_after:.2f} s after that, on every chain {republished_after:.2f} s after it was healthy "
               f"({time.monotonic() - killed_at:.1f} s run since the kill); "
