@@ -62,6 +62,8 @@ class Outcome:
     router_stages: dict[str, float] = field(default_factory=dict)
     """That time by stage (``x-pof-router-stages``: parse, tokenize, lookup, choose, proxy); empty
     without a pof router."""
+    route: str = ""
+    """Why `pof router` chose the backend (``x-pof-route-reason``); empty without one."""
 
 
 def answer_tokens(session: str, turn: int, n: int, vocab: int, variant: int) -> list[int]:
@@ -131,7 +133,26 @@ class Trial:
                 "p90_ttft_s": round(p90, 4) if math.isfinite(p90) else None, "wall_s": round(self.wall_s, 1),
                 "router_decision_mean_s": self.router_decision_mean(),
                 "router_stage_mean_s": self.router_stage_means(),
-                "errors": self.errors(), **self.by_kind()}
+                "errors": self.errors(), **self.by_kind(), **self.moves()}
+
+    def moves(self) -> dict[str, Any]:
+        """``moved_turns``: later turns of a session sent to another backend than its previous
+        turn (its context then comes from a tier, or is recomputed, and what it allocates there
+        displaces cached context); ``later_turns``: all such turns; ``routes``: requests per
+        ``x-pof-route-reason`` (``{}`` without a pof router)."""
+        last: dict[str, str] = {}
+        later = moved = 0
+        routes: dict[str, int] = {}
+        for o in sorted(self.outcomes, key=lambda o: (o.session, o.turn)):
+            if not o.backend:
+                continue
+            if o.session in last:
+                later += 1
+                moved += last[o.session] != o.backend
+            last[o.session] = o.backend
+            if o.route:
+                routes[o.route] = routes.get(o.route, 0) + 1
+        return {"later_turns": later, "moved_turns": moved, "routes": routes}
 
     def router_decision_mean(self) -> float | None:
         """Mean of the router's own time before sending on (:attr:`Outcome.router_s`); ``None``:
@@ -270,6 +291,7 @@ class Replay:
                 o.backend = r.headers.get("x-pof-backend", "") or url
                 o.router_s = _seconds(r.headers.get("x-pof-router-overhead"))
                 o.router_stages = _stages(r.headers.get("x-pof-router-stages"))
+                o.route = r.headers.get("x-pof-route-reason", "")
                 for raw in r:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":

@@ -71,7 +71,8 @@ class SetupRun:
                       f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
                       f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} "
                       f"(floor {row['spread_floor_mean']}), mean TTFT parts {_parts_text(row['ttft_parts_s'])}"
-                      f"{_router_text(row)}, tier: {row['tier_evicted_pages']} evicted, peak "
+                      f"{_router_text(row)}, {row['moved_turns']} of {row['later_turns']} later turns moved, "
+                      f"tier: {row['tier_evicted_pages']} evicted, peak "
                       f"{row['tier_peak_used_bytes']} B -> {verdict} the SLO")
         return bool(row["passed"])
 

@@ -22,7 +22,8 @@ tokens the request still goes through, to the least loaded backend.
 
 Every routed answer says how it was routed: ``x-pof-backend``, ``x-pof-reason`` (policy),
 ``x-pof-route-reason`` (why this node, :attr:`Decision.route
-<pof_connector.router.router.Decision.route>`), ``x-pof-estimated-ttft``, ``x-pof-kv-need-blocks``
+<pof_connector.router.router.Decision.route>`), ``x-pof-estimated-ttft``, ``x-pof-displacement``
+(:attr:`Decision.displacement_s <pof_connector.router.router.Decision.displacement_s>`), ``x-pof-kv-need-blocks``
 / ``x-pof-kv-free-blocks`` (the chosen node's admission), ``x-pof-saturated`` (backends full for
 this request), ``x-pof-tokens`` (where the prompt's tokens came from) and
 ``x-pof-balance`` (``gain=G,margin=M``: the lowest estimate beat the least loaded backend's by G
@@ -245,6 +246,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
                 out_headers["x-pof-route-reason"] = decision.route
             if decision.estimate is not None:
                 out_headers["x-pof-estimated-ttft"] = f"{decision.estimate.ttft_s:.4f}"
+                out_headers["x-pof-displacement"] = f"{decision.displacement_s:.4f}"
             if decision.balance is not None:
                 out_headers["x-pof-balance"] = "gain={:.4f},margin={:.4f}".format(*decision.balance)
             if decision.admission is not None:

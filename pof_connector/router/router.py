@@ -2,10 +2,11 @@
 
 Policy ``pof``: ask the locality index where the prompt's prefix lives (engine prefix caches and
 pools, see :class:`~pof_connector.locality.locator.Locator`) and pick the healthy backend with the
-lowest estimated time to first token (:class:`~pof_connector.router.cost_model.CostModel`) among
-those with KV room for the request (:class:`~pof_connector.router.kv_admission.KvAdmission`): a
-prefix holder whose KV memory is saturated is passed over for a node with room, whose pool loads
-the prefix; when every node is saturated, the lowest estimate plus admission cost wins.
+lowest estimated time to first token (:class:`~pof_connector.router.cost_model.CostModel`) plus
+what a move there displaces (:attr:`Decision.displacement_s`) among those with KV room for the
+request (:class:`~pof_connector.router.kv_admission.KvAdmission`): a prefix holder whose KV
+memory is saturated is passed over for a node with room, whose pool loads the prefix; when every
+node is saturated, the lowest estimate plus admission cost wins.
 Without tokens, or when the index cannot be reached, fall back to the least loaded backend (with
 room, when the backends' metrics say).
 ``least_loaded`` and ``round_robin`` exist for comparison.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -80,6 +82,11 @@ class Decision:
     """(gain, margin), seconds: how much lower the lowest estimate was than the least loaded
     backend's, and the estimates' measured error it had to beat (route 'load-balanced' when it
     did not); ``None``: not weighed (another policy, or every backend saturated)."""
+    displacement_s: float = 0.0
+    """What choosing this node over the one with the cheapest prefix was priced for the
+    conversations it evicts there (``cost.displacement_weight`` x the difference in the two nodes'
+    prefix costs; header ``x-pof-displacement``). It weighs in the choice, not in ``estimate``,
+    which is the request's own TTFT the model learns from."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -175,6 +182,14 @@ class Router:
         n_tokens = len(tokens)
         cost, kv, stale = self.cost, self.kv, self.config.capacity.stale_after_s
         ttft_s, fit_tokens = cost.ttft_s, kv.fit_tokens
+        # A node is weighed by its TTFT estimate plus ``move``: displacement_weight x its prefix cost
+        # (recompute and pool load). A node without the prefix allocates what the holder has cached
+        # and evicts that much of other conversations' context, which they load or recompute later;
+        # static routing never pays that, and on hosts where a second server adds little compute a
+        # move priced by its own request alone lost to it (issue 47's neighbours run). Adding the
+        # whole prefix cost, not its excess over the cheapest node's, ranks the same.
+        weight = self.config.cost.displacement_weight
+        c_token, c_fetch = cost.s_per_token, cost.fetch_factor
         nodes_get = found.nodes.get
         # Every backend is weighed with plain numbers (a cluster of hundreds of backends, and `pof
         # sim` driving this per simulated request); the chosen one's Estimate and Admission objects
@@ -185,41 +200,46 @@ class Router:
         n_live = len(live)
         start = next(self._rr) % n_live
         order = live[start:] + live[:start] if start else live
-        # id(locality entry) -> (recompute, fetch_s, bytes per token, held, idle): the entries of
-        # nodes holding nothing of the prompt may be one shared object (the simulator's are);
-        # ``idle``: running requests -> the estimate of a node with nothing waiting, the same for
+        # id(locality entry) -> (recompute, fetch_s, bytes per token, held, move, idle): the entries
+        # of nodes holding nothing of the prompt may be one shared object (the simulator's are);
+        # ``idle``: running requests -> the score of a node with nothing waiting, the same for
         # all such nodes of the entry (most nodes, most of the time)
-        terms: dict[int, tuple[int, float, float, int, dict[int, float]]] = {}
+        terms: dict[int, tuple[int, float, float, int, float, dict[int, float]]] = {}
         need_pos = need if need > 0 else 0
-        best: tuple[Backend, NodeLocality | None, float, int] | None = None
+        best: tuple[Backend, NodeLocality | None, float, int, float] | None = None
         best_ttft, best_held = 0.0, 0
         # the least loaded backend with room (the earliest in turn order of equals): the stock
         # load balancer's choice, taken when the lowest estimate beats it by less than the
         # estimates' measured error
-        lightest: tuple[Backend, NodeLocality | None, float, int] | None = None
+        lightest: tuple[Backend, NodeLocality | None, float, int, float] | None = None
         lightest_ttft, lightest_load = 0.0, (0, 0)
         holder: tuple[Backend, int] | None = None
         holder_held = -1
-        saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, EngineLoad | None, int, bool]] = []
+        saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, float, EngineLoad | None, int,
+                              bool]] = []
         now = time.monotonic()
         last: object = False                        # matches no entry: the first backend looks its entry up
         idle: dict[int, float] = {}
-        recompute, fetch_s, bpt, held = 0, 0.0, 0.0, 0
+        recompute, fetch_s, bpt, held, move = 0, 0.0, 0.0, 0, 0.0
+        least_move = math.inf
         for turn, b in enumerate(order):
             node = nodes_get(b.pool_node)
             if node is not last:                   # most often the previous backend's entry
                 last = node
                 t = terms.get(id(node))
                 if t is None:
-                    t = terms[id(node)] = (*self._prefix_terms(node, n_tokens), {})
-                recompute, fetch_s, bpt, held, idle = t
+                    r, f, p, h = self._prefix_terms(node, n_tokens)
+                    t = terms[id(node)] = (r, f, p, h, weight * (c_token * r + c_fetch * f), {})
+                recompute, fetch_s, bpt, held, move, idle = t
+                if move < least_move:
+                    least_move = move
             waiting, waiting_tokens, running = b.waiting, b.waiting_tokens, b.running
             if waiting or waiting_tokens:
-                ttft = ttft_s(recompute, fetch_s, running, waiting, waiting_tokens)
+                ttft = ttft_s(recompute, fetch_s, running, waiting, waiting_tokens) + move
             elif (known := idle.get(running)) is not None:
                 ttft = known
             else:
-                ttft = idle[running] = ttft_s(recompute, fetch_s, running, 0, 0)
+                ttft = idle[running] = ttft_s(recompute, fetch_s, running, 0, 0) + move
             # the node is saturated for this request when its need exceeds the most its KV reading
             # fits (KvAdmission.fit_tokens), which the backend keeps with its reading
             state = b.pressure_state
@@ -232,21 +252,21 @@ class Router:
                 fit = None
             if fit is None or need_pos <= fit:
                 if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
-                    best, best_ttft, best_held = (b, node, bpt, held), ttft, held
+                    best, best_ttft, best_held = (b, node, bpt, held, move), ttft, held
                 if lightest is None or (waiting_tokens, running) < lightest_load:
-                    lightest, lightest_ttft, lightest_load = (b, node, bpt, held), ttft, (waiting_tokens, running)
+                    lightest, lightest_ttft, lightest_load = (b, node, bpt, held, move), ttft, (waiting_tokens, running)
             else:
-                saturated.append((turn, b, node, bpt, held, ttft, state[0], state[1], state[2]))
+                saturated.append((turn, b, node, bpt, held, move, ttft, state[0], state[1], state[2]))
             if held > holder_held:
                 holder, holder_held = (b, turn), held
         assert holder is not None
         roomy = best is not None
         if best is None:                           # all saturated: the least estimate plus admission cost
             s_per_token, overhead_s = cost.s_per_token, cost.overhead_s
-            for _, b, node, bpt, held, ttft, load, pending, preempting in saturated:
+            for _, b, node, bpt, held, move, ttft, load, pending, preempting in saturated:
                 ttft += kv.verdict(load, pending, preempting, need, s_per_token, overhead_s)[4]
                 if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
-                    best, best_ttft, best_held = (b, node, bpt, held), ttft, held
+                    best, best_ttft, best_held = (b, node, bpt, held, move), ttft, held
         assert best is not None
         gain = lightest_ttft - best_ttft if lightest is not None else 0.0
         margin = cost.error_s if self.config.cost.balance_within_error else 0.0
@@ -254,7 +274,7 @@ class Router:
         if balanced:
             assert lightest is not None
             best, best_held = lightest, lightest[3]
-        b, node, bpt, _ = best
+        b, node, bpt, _, move = best
         estimate = cost.estimate(Candidate(
             b.name, n_tokens, node.engine_tokens if node else 0, node.usable if node else {}, bpt,
             b.running, b.waiting, b.waiting_tokens))
@@ -277,7 +297,7 @@ class Router:
         names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated)) if saturated else ()
         return Decision(b, "pof", estimate, n_tokens, route, admission, names,
                         holder_b.name if has_holder else None, estimate.fetch_tokens, lookup_s,
-                        (round(gain, 6), round(margin, 6)) if roomy else None)
+                        (round(gain, 6), round(margin, 6)) if roomy else None, round(move - least_move, 6))
 
     def _prefix_terms(self, node: NodeLocality | None, n_tokens: int) -> tuple[int, float, float, int]:
         """(recompute, fetch_s, bytes per token, held) of a prompt on a node with locality ``node``

@@ -54,6 +54,13 @@ class CostConfig(_Frozen):
                                                           "load that error grows, and the rule then spread "
                                                           "long sessions away from their holders (issue 42's "
                                                           "capacity runs)")
+    displacement_weight: float = Field(1.0, ge=0, description="what a move costs the destination's other "
+                                                              "conversations, as a multiple of what it costs "
+                                                              "the moved request to bring its prefix there: "
+                                                              "the destination allocates the prefix the holder "
+                                                              "already has, and evicts that much cached context "
+                                                              "someone loads or recomputes later. 0: a move "
+                                                              "costs only its own request's time")
     tier_gbps: dict[str, float] = Field(
         default_factory=lambda: {"cpu_dram": 8.0, "cxl": 6.0, "peer_hbm": 100.0, "remote": 3.0},
         description="load bandwidth per tier, GB/s (pof bench tiers / pof bench fabric measure them)")

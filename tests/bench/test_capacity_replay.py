@@ -85,6 +85,22 @@ def test_the_routers_own_time_is_averaged_from_its_header() -> None:
     assert trial.figures(5.0)["router_decision_mean_s"] == 0.004
 
 
+def test_a_turn_sent_to_another_backend_than_its_previous_turn_counts_as_moved() -> None:
+    seen: list[list[int]] = []
+    with serve(fake_vllm(seen, 0.0, {"x-pof-route-reason": "lower-cost"})) as a, serve(fake_vllm(seen, 0.0)) as b:
+        # session s: turn 0 on a, turn 1 on b (moved); the one-off request has no later turn
+        replay = Replay(trace(), lambda r, k: (a if (r.session, k) != ("s", 1) else b, {}), vocab=500, variant=1,
+                        block=BLOCK, slo_s=5.0, timeout_s=10)
+        trial = replay.run(factor=1.0)
+    figures = trial.figures(5.0)
+    assert (figures["later_turns"], figures["moved_turns"]) == (1, 1)
+    assert figures["routes"] == {"lower-cost": 2}           # the two requests a answered
+    with serve(fake_vllm(seen, 0.0)) as one:
+        stayed = Replay(trace(), lambda r, k: (one, {}), vocab=500, variant=2, block=BLOCK, slo_s=5.0,
+                        timeout_s=10).run(factor=1.0).figures(5.0)
+    assert (stayed["later_turns"], stayed["moved_turns"], stayed["routes"]) == (1, 0, {})
+
+
 def test_the_routers_stages_are_averaged_from_their_header_and_a_bad_one_is_dropped() -> None:
     seen: list[list[int]] = []
     stages = "parse=0.000100,tokenize=0.000020,lookup=0.002000,choose=0.001000,proxy=0.000300"

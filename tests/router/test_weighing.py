@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
+
 from pof_connector.index.base import NodeInfo
 from pof_connector.locality.engine_load import EngineLoad
 from pof_connector.locality.locator import Locality, NodeLocality
@@ -30,8 +32,12 @@ class FixedLocator:
         return self.answer
 
 
-def reference(router: Router, found: Locality, n_tokens: int, need: int, offset: int) -> tuple[str, str, str | None]:
-    """(backend, route, holder) as the router chose before it weighed with plain numbers."""
+def reference(router: Router, found: Locality, n_tokens: int, need: int,
+              offset: int) -> tuple[str, str, str | None, float]:
+    """(backend, route, holder, displacement) as the router chose before it weighed with plain
+    numbers: each node's estimate plus its displacement (``displacement_weight`` x its prefix
+    cost, recompute and pool load, less the cheapest node's)."""
+    weight = router.config.cost.displacement_weight
     options = []
     live = router.backends
     for i, b in enumerate(live):
@@ -44,14 +50,17 @@ def reference(router: Router, found: Locality, n_tokens: int, need: int, offset:
             pressure = NodePressure(node.load)
         adm = router.kv.assess(pressure, need, s_per_token=router.cost.s_per_token, overhead_s=router.cost.overhead_s)
         held = max(node.engine_tokens, node.held_tokens) if node else 0
-        options.append((b, est, adm, held, (i - offset) % len(live)))
+        move = weight * (router.cost.s_per_token * est.recompute_tokens + router.cost.fetch_factor * est.fetch_s)
+        options.append((b, est, adm, held, (i - offset) % len(live), move))
     roomy = [o for o in options if not o[2].saturated]
-    best = min(roomy or options, key=lambda o: (o[1].ttft_s + (0.0 if roomy else o[2].cost_s), -o[3], o[4]))
+    best = min(roomy or options,
+               key=lambda o: (o[1].ttft_s + o[5] + (0.0 if roomy else o[2].cost_s), -o[3], o[4]))
     holder = max(options, key=lambda o: (o[3], -o[4]))
     balanced = False
     if roomy:       # the least loaded, unless the lowest estimate beats it by the estimates' error
         lightest = min(roomy, key=lambda o: (o[0].waiting_tokens, o[0].running, o[4]))
-        balanced = lightest is not best and lightest[1].ttft_s - best[1].ttft_s < router.cost.error_s
+        balanced = (lightest is not best
+                    and lightest[1].ttft_s + lightest[5] - best[1].ttft_s - best[5] < router.cost.error_s)
         best = lightest if balanced else best
     if not roomy:
         route = "all-saturated"
@@ -65,7 +74,7 @@ def reference(router: Router, found: Locality, n_tokens: int, need: int, offset:
         route = "holder-saturated:pool" if best[1].fetch_tokens > 0 else "holder-saturated:recompute"
     else:
         route = "lower-cost"
-    return best[0].name, route, holder[0].name if holder[3] > 0 else None
+    return best[0].name, route, holder[0].name if holder[3] > 0 else None, best[5] - min(o[5] for o in options)
 
 
 def test_weighing_matches_the_per_backend_objects() -> None:
@@ -75,7 +84,8 @@ def test_weighing_matches_the_per_backend_objects() -> None:
         locator = FixedLocator()
         router = Router(RouterConfig.from_mapping({
             "policy": "pof", "backends": [{"name": f"b{i}", "url": f"http://b{i}.invalid"} for i in range(n)],
-            "cost": {"tier_gbps": {"cpu_dram": 8.0, "remote": 3.0}, "balance_within_error": True}}), locator)
+            "cost": {"tier_gbps": {"cpu_dram": 8.0, "remote": 3.0}, "balance_within_error": True,
+                     "displacement_weight": rnd.choice([0.0, 1.0, 2.5])}}), locator)
         for _ in range(rnd.randint(0, 20)):          # learnt coefficients, not the start values
             est = router.cost.estimate(Candidate("b0", rnd.randint(10, 5000), waiting=rnd.randint(0, 3)))
             router.cost.observe(est, rnd.uniform(0.01, 2.0), rnd.choice([None, 0, 512]))
@@ -110,7 +120,8 @@ def test_weighing_matches_the_per_backend_objects() -> None:
         want = reference(router, locator.answer, prompt, router.kv.need_tokens(prompt, max_tokens), offset)
         router._rr = itertools.count(offset)
         d = router.choose(list(range(prompt)), max_tokens=max_tokens)
-        assert (d.backend.name, d.route, d.holder) == want, f"trial {trial}"
+        assert (d.backend.name, d.route, d.holder) == want[:3], f"trial {trial}"
+        assert d.displacement_s == pytest.approx(want[3], rel=1e-6, abs=1e-6), f"trial {trial}"
         assert d.estimate is not None and d.admission is not None
         cand_node = nodes.get(d.backend.name)
         assert d.estimate.ttft_s == router.cost.ttft_s(

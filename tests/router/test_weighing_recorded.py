@@ -79,7 +79,9 @@ def replay(state: dict[str, Any]) -> dict[str, Any]:
     found = Locality("m", state["n_tokens"], 16, {name: entries[k] for name, k in state["where"].items()})
     router = Router(RouterConfig.from_mapping({
         "policy": "pof", "backends": [{"name": n, "url": f"http://{n}.invalid"} for n in cfg["backends"]],
-        "cost": cfg["cost"], "capacity": cfg["capacity"]}), FixedLocator(found))
+        # recorded before moves were priced for what they displace: the rule then (weight 0);
+        # test_weighing.py checks the weighing with it on
+        "cost": {"displacement_weight": 0.0, **cfg["cost"]}, "capacity": cfg["capacity"]}), FixedLocator(found))
     router.cost._theta = np.array(state["theta"])
     router.cost._coef = tuple(state["theta"])
     by_name = {b.name: b for b in router.backends}
