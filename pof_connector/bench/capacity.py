@@ -160,9 +160,12 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         kv_tokens: int | None, max_trials: int | None, progress: Progress, time_budget_s: float | None = None,
         resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = (),
         tier_bytes: int | None = None, trials_per_factor: int | None = None, pass_rule: str = "majority",
-        static_namings: int | None = None, router_sched: str = "auto") -> dict[str, Any]:
+        static_namings: int | None = None, router_sched: str = "auto",
+        pof_costs: tuple[tuple[tuple[str, float], ...], ...] = ()) -> dict[str, Any]:
     """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
-    (same trace, same SLO): what the audit costs in goodput. ``time_budget_s``: seconds of trials
+    (same trace, same SLO): what the audit costs in goodput. ``pof_costs``: after those, the pof
+    set-up again with each of these settings of its router's ``cost`` section (an A/B of a
+    routing rule under the same SLO, e.g. ``(("displacement_weight", 0.0),)``). ``time_budget_s``: seconds of trials
     each set-up's search gets (default :data:`TIME_BUDGET_S` per trial of a factor); ``max_trials``:
     a cap on its factors besides (default: none; ``quick``: 2). ``tier_bytes``: tier memory in all
     (default :data:`TIER_KV_MULTIPLE` x the engines' KV); ``trials_per_factor`` / ``pass_rule``:
@@ -217,7 +220,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     # (search key, set-up, spec): static once per naming, "static" being the bare hash of earlier runs
     runs = [(n if n != "static" or k == 0 else f"static@{k}", n, dataclasses.replace(spec, naming=k))
             for n in setups for k in range(namings if n == "static" else 1)]
-    total_budget = budget * (len(runs) + len(audit_rates))
+    total_budget = budget * (len(runs) + len(audit_rates) + len(pof_costs))
     plan: dict[str, Any] = {"time_budget_s_per_setup": budget, "time_budget_s_total": total_budget,
             "max_trials": limit, "resolution": resolution, "safety_cap": SAFETY_CAP, "min_resume_s": MIN_RESUME_S,
             "trials_per_factor": repeats, "pass_rule": pass_rule, "static_namings": namings}
@@ -237,6 +240,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     steps: list[tuple[int, int, float]] = []
     host: list[tuple[int, float, float]] = []
     audits: dict[str, dict[str, Any]] = {}
+    variants: dict[str, dict[str, Any]] = {}
     searches: dict[str, GoodputSearch] = {}
     rows: dict[str, list[dict[str, Any]]] = {}
     verdicts: dict[str, list[dict[str, Any]]] = {}
@@ -290,6 +294,10 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         for rate in audit_rates:       # the pof set-up again, auditing that share of its hits
             progress(f"pof with audit.sample_rate {rate:g}:")
             audits[f"{rate:g}"] = one("pof", dataclasses.replace(spec, audit_rate=rate), f"audit {rate:g}", budget)
+        for cost in pof_costs:         # the pof set-up again, its router's cost model set otherwise
+            label = cost_label(cost)
+            progress(f"pof with cost {label}:")
+            variants[label] = one("pof", dataclasses.replace(spec, router_cost=cost), f"pof cost {label}", budget)
         # what the set-ups that ended early left goes to those still passing, the highest first, so
         # the ones that rank highest are the ones measured to the end
         left = total_budget - sum(s.spent_s for s in searches.values())
@@ -319,11 +327,23 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                                "vs_no_audit_bound": ratio_bound(row["at_bound"], base.get("at_bound", False)),
                                "at_reference_load": row["at_reference_load"]}
                         for rate, row in audits.items()}
+    if variants:
+        base = results.get("pof", {})
+        out["pof_cost_variants"] = {
+            label: {"vs_pof": (round(row["goodput_rps"] / base["goodput_rps"], 4)
+                               if base.get("goodput_rps") else None),
+                    "vs_pof_bound": ratio_bound(row["at_bound"], base.get("at_bound", False)), **row}
+            for label, row in variants.items()}
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
     out["host_samples"] = [[n, round(a, 4), round(t, 4)] for n, a, t in host]
     out["host_sharing_slowdown"] = sharing_slowdown(host)
     return out
+
+
+def cost_label(cost: tuple[tuple[str, float], ...]) -> str:
+    """``displacement_weight=0``: how a ``--pof-cost`` variant is named in the progress and the JSON."""
+    return ",".join(f"{k}={v:g}" for k, v in cost)
 
 
 def sharing_slowdown(host: list[tuple[int, float, float]]) -> float | None:

@@ -35,6 +35,35 @@ def _setups(text: str) -> list[str]:
     return names
 
 
+def _cost(text: str) -> tuple[tuple[str, float], ...]:
+    """``KEY=VALUE[,KEY=VALUE]``: numeric settings of `pof router`'s ``cost`` section, checked
+    against it here (a bad key or value fails before any server starts)."""
+    from pydantic import ValidationError
+
+    from pof_connector.router.router_config import CostConfig
+
+    allowed = [k for k, f in CostConfig.model_fields.items() if f.annotation is float]
+    out: list[tuple[str, float]] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in allowed:
+            raise argparse.ArgumentTypeError(f"{part!r} is not KEY=VALUE with KEY one of "
+                                             f"{', '.join(allowed)}")
+        try:
+            out.append((key, float(value)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}={value!r} is not a number") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"KEY=VALUE with KEY one of {', '.join(allowed)}")
+    try:
+        CostConfig.model_validate(dict(out))
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e.errors()[0]['loc'][0]}: "
+                                         f"{e.errors()[0]['msg']}") from None
+    return tuple(out)
+
+
 def _size(text: str) -> int:
     from pof_connector.config import ConfigError, parse_size
 
@@ -52,7 +81,7 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
                                 max_trials=args.max_trials, time_budget_s=args.time_budget_s,
                                 resolution=args.resolution, progress=progress,
                                 router_nice=args.router_nice, router_sched=args.router_sched,
-                                audit_rates=tuple(args.audit_rates),
+                                audit_rates=tuple(args.audit_rates), pof_costs=tuple(args.pof_cost),
                                 tier_bytes=args.tier_bytes, trials_per_factor=args.trials_per_factor,
                                 pass_rule=args.pass_rule, static_namings=args.static_namings)
     if args.plot is not None:
@@ -133,6 +162,9 @@ def print_table(result: dict[str, Any]) -> None:
         out.print(f"[yellow]note[/yellow]: a prompt computed on every server at once took {slowdown}x as long as on "
                   "one alone: the servers share this host's cores, so spreading load over them adds no compute here, "
                   "and a set-up that keeps a server idle gains from it (separate hosts would not behave so)")
+    for label, row in result.get("pof_cost_variants", {}).items():
+        out.print(f"pof with cost {label}: goodput {row['goodput_rps']} req/s, "
+                  f"{row['vs_pof']}{_bound(row['vs_pof_bound'])} of pof with the defaults")
     for rate, row in result.get("audit", {}).items():
         out.print(f"pof with audit.sample_rate {rate}: goodput {row['goodput_rps']} req/s, "
                   f"{row['vs_no_audit']}{_bound(row['vs_no_audit_bound'])} of pof without it")
@@ -209,6 +241,10 @@ def add_capacity_parser(bsub: Any) -> None:
     p.add_argument("--audit-rates", type=_rates, default=[], metavar="R,R",
                    help="after the set-ups, pof again with each audit.sample_rate (e.g. 0.01,0.1): goodput with the "
                         "audit on, same trace and SLO")
+    p.add_argument("--pof-cost", type=_cost, action="append", default=[], metavar="KEY=VALUE[,...]",
+                   help="after the set-ups, pof again with these settings of its router's cost section (e.g. "
+                        "displacement_weight=0; repeat for more variants): an A/B of a routing rule, same trace and "
+                        "SLO, in pof_cost_variants with vs_pof")
     p.add_argument("--router-nice", type=int, default=bench_capacity.ROUTER_NICE, metavar="N",
                    help="niceness of the routers (pof router and vllm-router alike; default "
                         f"{bench_capacity.ROUTER_NICE}: in a deployment a router has a host of its own, here it "

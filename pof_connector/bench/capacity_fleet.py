@@ -73,6 +73,8 @@ class FleetSpec:
     """Tier memory the engines can read back, in all (every set-up alike: see :mod:`.capacity_setups`)."""
     naming: int = 0
     """``static``'s naming (:func:`~.capacity_setups.static_server`)."""
+    router_cost: tuple[tuple[str, float], ...] = ()
+    """Settings of the pof router's ``cost`` section (``--pof-cost``); empty: its defaults."""
 
     def plan(self, setup: str, workdir: Path, index_url: str | None = None, region: str | None = None,
              port: Any = free_port) -> SetupPlan:
@@ -88,11 +90,15 @@ class FleetSpec:
                 *(kv_events_args(events) if events else [])]
 
 
-def pof_router(workdir: Path, index_url: str, model: Path, backends: list[tuple[str, str]]) -> RouterProcess:
+def pof_router(workdir: Path, index_url: str, model: Path, backends: list[tuple[str, str]],
+               cost: tuple[tuple[str, float], ...] = ()) -> RouterProcess:
     """`pof router` for the pof set-up: the one place its configuration lives. No sticky header:
-    sessions may change node between turns (their context is in the pool)."""
+    sessions may change node between turns (their context is in the pool). ``cost``: settings of
+    its ``cost`` section (empty: the defaults)."""
     config: dict[str, Any] = {"index_url": index_url, "tokenizer": str(model),
                               "backends": [{"name": n, "url": u} for n, u in backends]}
+    if cost:
+        config["cost"] = dict(cost)
     return RouterProcess.pof(workdir, config)
 
 
@@ -152,7 +158,8 @@ class Fleet:
                                            pool_residency=relay.pool_residency))
         if p.router == "pof":
             assert index_url is not None
-            self.router = pof_router(self.workdir, index_url, self.model, backends).start(nice=s.router_nice)
+            self.router = pof_router(self.workdir, index_url, self.model, backends,
+                                     s.router_cost).start(nice=s.router_nice)
         elif p.router == "vllm-router":
             assert p.policy is not None
             urls = [u for _, u in backends]

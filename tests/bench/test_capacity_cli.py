@@ -135,3 +135,39 @@ def test_the_table_warns_when_the_servers_share_the_hosts_cores_and_shows_the_ro
     monkeypatch.setattr(capacity, "run", lambda **kw: alone)
     assert main(["bench", "capacity", "--setups", "static,pof", "--out", str(tmp_path / "d.json")]) == 0
     assert "as long as on one alone" not in capsys.readouterr().out
+
+
+def test_pof_cost_variants_reach_the_run_and_the_pof_routers_config(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    from pof_connector.bench.capacity_fleet import pof_router
+
+    installed(monkeypatch, tmp_path, missing=set())
+    seen: dict[str, Any] = {}
+
+    def run(**kw: Any) -> dict[str, Any]:
+        seen.update(kw)
+        return result()
+    monkeypatch.setattr(capacity, "run", run)
+    assert main(["bench", "capacity", "--setups", "pof", "--out", str(tmp_path / "c.json"),
+                 "--pof-cost", "displacement_weight=0", "--pof-cost", "displacement_weight=2,learn_range=10"]) == 0
+    assert seen["pof_costs"] == ((("displacement_weight", 0.0),),
+                                 (("displacement_weight", 2.0), ("learn_range", 10.0)))
+    router = pof_router(tmp_path, "redis://x", Path("m"), [("n0", "http://n0")], seen["pof_costs"][0])
+    written = (tmp_path / "pof-router.yaml").read_text()
+    assert "cost:\n  displacement_weight: 0.0" in written and router.port > 0
+    pof_router(tmp_path, "redis://x", Path("m"), [("n0", "http://n0")])
+    assert "cost" not in (tmp_path / "pof-router.yaml").read_text()          # the defaults: no section
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("displacement_weight=-1", "displacement_weight: Input should be greater than or equal to 0"),
+    ("tier_gbps=3", "KEY one of prefill_s_per_token, request_overhead_s"),
+    ("displacement_weight", "is not KEY=VALUE"),
+    ("displacement_weight=x", "'x' is not a number")])
+def test_a_bad_pof_cost_stops_at_argument_time_naming_the_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str], value: str,
+                                                               says: str) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    monkeypatch.setattr(capacity, "run", lambda **kw: pytest.fail("the run started"))
+    assert main(["bench", "capacity", "--pof-cost", value]) == 2
+    assert says in capsys.readouterr().err
