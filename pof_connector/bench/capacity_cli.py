@@ -116,7 +116,8 @@ def save_json(result: dict[str, Any], out: Path | None, quiet: bool) -> None:
 def plot(result: dict[str, Any], path: Path) -> None:
     """Draw ``--plot``; a failure is an error after the result, not instead of it."""
     try:
-        bench_capacity.draw(result["setups"], result["slo_s"], path)
+        variants = {f"pof ({label})": row for label, row in result.get("pof_cost_variants", {}).items()}
+        bench_capacity.draw({**result["setups"], **variants}, result["slo_s"], path)
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise BenchError(f"--plot {path}: {type(e).__name__}: {e} (the result above is complete)") from e
 

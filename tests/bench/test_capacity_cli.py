@@ -171,3 +171,15 @@ def test_a_bad_pof_cost_stops_at_argument_time_naming_the_key(monkeypatch: pytes
     monkeypatch.setattr(capacity, "run", lambda **kw: pytest.fail("the run started"))
     assert main(["bench", "capacity", "--pof-cost", value]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_plot_draws_each_pof_cost_variant_beside_the_setups(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    from pof_connector.bench.capacity_cli import plot
+
+    drawn: list[str] = []
+    monkeypatch.setattr(capacity, "draw", lambda rows, slo_s, path: drawn.extend(rows))
+    out = result()
+    out["pof_cost_variants"] = {"displacement_weight=0": {**out["setups"]["pof"], "vs_pof": 0.84}}
+    plot(out, tmp_path / "p.png")
+    assert drawn == ["static", "pof", "pof (displacement_weight=0)"]
