@@ -318,27 +318,29 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     sums = {n: spec.plan(n, workdir, "redis://index", "region", port=lambda: 0).tier_bytes() for n in setups}
     out["memory"] = {"tier_bytes_total": spec.tier_bytes, "tier_bytes_per_server": share,
                      "kv_cache_bytes_total": kv_bytes, "tier_bytes_by_setup": sums}
+    base = results.get("pof", {})
     if audits:
-        base = results.get("pof", {})
         out["audit"] = {rate: {"goodput_rps": row["goodput_rps"], "failed_at_rps": row["failed_at_rps"],
                                "at_bound": row["at_bound"],
-                               "vs_no_audit": (round(row["goodput_rps"] / base["goodput_rps"], 4)
-                                               if base.get("goodput_rps") else None),
-                               "vs_no_audit_bound": ratio_bound(row["at_bound"], base.get("at_bound", False)),
+                               **dict(zip(("vs_no_audit", "vs_no_audit_bound"), against(row, base), strict=True)),
                                "at_reference_load": row["at_reference_load"]}
                         for rate, row in audits.items()}
     if variants:
-        base = results.get("pof", {})
         out["pof_cost_variants"] = {
-            label: {"vs_pof": (round(row["goodput_rps"] / base["goodput_rps"], 4)
-                               if base.get("goodput_rps") else None),
-                    "vs_pof_bound": ratio_bound(row["at_bound"], base.get("at_bound", False)), **row}
+            label: {**dict(zip(("vs_pof", "vs_pof_bound"), against(row, base), strict=True)), **row}
             for label, row in variants.items()}
     out["unloaded_samples"] = [[n, round(t, 4)] for n, t in samples]
     out["decode_samples"] = [[b, n, round(t, 5)] for b, n, t in steps]
     out["host_samples"] = [[n, round(a, 4), round(t, 4)] for n, a, t in host]
     out["host_sharing_slowdown"] = sharing_slowdown(host)
     return out
+
+
+def against(row: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, str | None]:
+    """``row``'s goodput over ``base``'s (``None``: base has none) and what that ratio is
+    (:func:`~.capacity_search.ratio_bound`): a pof re-run (audit, cost variant) against pof."""
+    ratio = round(row["goodput_rps"] / base["goodput_rps"], 4) if base.get("goodput_rps") else None
+    return ratio, ratio_bound(row["at_bound"], base.get("at_bound", False))
 
 
 def cost_label(cost: tuple[tuple[str, float], ...]) -> str:

@@ -59,8 +59,8 @@ def _cost(text: str) -> tuple[tuple[str, float], ...]:
     try:
         CostConfig.model_validate(dict(out))
     except ValidationError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e.errors()[0]['loc'][0]}: "
-                                         f"{e.errors()[0]['msg']}") from None
+        first = e.errors()[0]
+        raise argparse.ArgumentTypeError(f"{text!r}: {first['loc'][0]}: {first['msg']}") from None
     return tuple(out)
 
 

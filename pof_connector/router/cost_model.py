@@ -167,6 +167,12 @@ class CostModel:
         return (c0 * (waiting + 1.0) + c1 * ((waiting_tokens + recompute) * TOKEN_SCALE)
                 + c2 * (running - waiting if running > waiting else 0) + c3 * fetch_s)
 
+    def prefix_s(self, recompute: int, fetch_s: float) -> float:
+        """The part of :meth:`ttft_s` a node's locality decides: its ``recompute`` tokens and its
+        pool load of ``fetch_s`` seconds at the configured bandwidths (:meth:`prefix_terms`)."""
+        c = self._coef
+        return c[1] * (recompute * TOKEN_SCALE) + c[3] * fetch_s
+
     def _dot(self, x: tuple[float, float, float, float]) -> float:
         c = self._coef
         return c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3]

@@ -189,7 +189,6 @@ class Router:
         # move priced by its own request alone lost to it (issue 47's neighbours run). Adding the
         # whole prefix cost, not its excess over the cheapest node's, ranks the same.
         weight = self.config.cost.displacement_weight
-        c_token, c_fetch = cost.s_per_token, cost.fetch_factor
         nodes_get = found.nodes.get
         # Every backend is weighed with plain numbers (a cluster of hundreds of backends, and `pof
         # sim` driving this per simulated request); the chosen one's Estimate and Admission objects
@@ -229,7 +228,7 @@ class Router:
                 t = terms.get(id(node))
                 if t is None:
                     r, f, p, h = self._prefix_terms(node, n_tokens)
-                    t = terms[id(node)] = (r, f, p, h, weight * (c_token * r + c_fetch * f), {})
+                    t = terms[id(node)] = (r, f, p, h, weight * cost.prefix_s(r, f), {})
                 recompute, fetch_s, bpt, held, move, idle = t
                 if move < least_move:
                     least_move = move
