@@ -446,6 +446,29 @@ def test_kt_copy_does_not_wait_for_a_late_helper_and_settle_does() -> None:
     assert out["same"]
 
 
+LATE_WRITE_CHILD = LATE_HELPER_CHILD.replace("late = native.crew_stats()", """late = native.crew_stats()
+for s in segs:               # the sources change once the call returned (a corrupted slot, a rewritten one)
+    s ^= 0xFF""")
+
+
+def test_a_late_helper_never_writes_into_the_cache_after_the_call_returned() -> None:
+    """The blocks a call wrote are checked when it returns and then read by the engine: a helper
+    stalled mid-page (0.5 s on every page it claims) must not write into them afterwards, not even
+    from a source that changed meanwhile (issue 39 finding 2 was a rewrite by another node; the
+    adversary test's variant, the engine's own pinned slot corrupted, slipped past the first fix:
+    the helper copied the corrupted byte after the check). After ``settle`` the cache must hold
+    exactly what one thread copies from the sources as they were."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    env = {**os.environ, "POF_CREW_STALL_US": "500000"}
+    run = subprocess.run([sys.executable, "-c", LATE_WRITE_CHILD], capture_output=True, text=True, timeout=120,
+                         check=True, env=env)
+    out = json.loads(run.stdout)
+    assert out["late"][1] >= 1, out                   # the adversary ran: a helper's page was taken over
+    assert all(right for _, right in out["calls"]), out
+    assert out["same"], "a late helper wrote into blocks after their check"
+
+
 def test_kt_copy_refuses_pages_that_do_not_fit_the_cache() -> None:
     if page_sum.NATIVE is None:
         pytest.skip("the native kernel was not built here")

@@ -57,13 +57,12 @@ class _ActiveLoad:
     started: float = field(default_factory=time.perf_counter)
     targets: list[tuple[list[int], int]] = field(init=False)
     """Per page: the blocks it writes and how many of its leading blocks it skips (the engine's own)."""
-    copy: list[tuple[bool, int] | None] = field(init=False)
-    """Per page, once its first segment was read: whether the copy crew may copy it
-    (:meth:`PageReader.stable`) and its checksum seed; both hold for the whole read."""
+    seeds: list[int | None] = field(init=False)
+    """Per page, once its first segment was read: its checksum seed (it holds for the whole read)."""
 
     def __post_init__(self) -> None:
         self.targets = [(self.job.blocks_to_load(i), self.job.first_block(i)) for i in range(self.readable)]
-        self.copy = [None] * self.readable
+        self.seeds = [None] * self.readable
 
     @property
     def readable(self) -> int:
@@ -256,36 +255,32 @@ class PoFWorker(WorkerSaves):
 
     def _copy_fused(self, layer: int, per_load: list[tuple[_ActiveLoad, list[tuple[int, np.ndarray]]]]) -> None:
         """Convert, copy and checksum in one native pass (the sums are of the bytes as they are
-        stored into the blocks). A page whose source nobody rewrites before the read closes (a
-        slot of ours this read pins) is copied by the native crew, whose late helper may copy it
-        once more, the same bytes, after the check; any other source (another node's slot in a
-        shared region, a lent slot, staging) is copied once, by this thread, before its check:
-        nothing writes into an accepted block afterwards."""
+        stored into the blocks), on this thread and the native crew's helpers. Nothing writes into
+        a block once the call returned: a helper writes a page only if the caller did not take it
+        over (see ``_pagesum.c``), so every source may be copied by the crew, another node's slot
+        in a shared region included."""
         assert self.layout is not None
         lay = self.layout
-        crew: list[tuple[np.ndarray, list[int], int, int]] = []
-        solo: list[tuple[np.ndarray, list[int], int, int]] = []
-        order: list[tuple[_ActiveLoad, int, bool]] = []
+        pages: list[tuple[np.ndarray, list[int], int, int]] = []
+        order: list[tuple[_ActiveLoad, int]] = []
         for active, segs in per_load:
-            copy, targets, reader = active.copy, active.targets, active.reader
+            seeds, targets, reader = active.seeds, active.targets, active.reader
             for i, seg in segs:
-                how = copy[i]
-                if how is None:
-                    how = copy[i] = (reader.stable(i), reader.sum_seed(i))
+                seed = seeds[i]
+                if seed is None:
+                    seed = seeds[i] = reader.sum_seed(i)
                 # targets: the blocks each page writes, after the first page's head blocks (the engine's own)
-                (crew if how[0] else solo).append((seg, *targets[i], how[1]))
-                order.append((active, i, how[0]))
-        cache = lay.cache_bytes(self.kv[layer])
-        sums = {True: iter(lay.copy_checked(cache, crew, self.copy_threads) if crew else ()),
-                False: iter(lay.copy_checked(cache, solo, 1) if solo else ())}
+                pages.append((seg, *targets[i], seed))
+                order.append((active, i))
+        sums = iter(lay.copy_checked(lay.cache_bytes(self.kv[layer]), pages, self.copy_threads) if pages else ())
         checks: list[tuple[int, int]] = []
         current: _ActiveLoad | None = None
-        for active, i, by_crew in order:          # per reader, in the order its pages came
+        for active, i in order:          # per reader, in the order its pages came
             if active is not current:
                 if current is not None:
                     current.reader.check_all(layer, checks)
                 current, checks = active, []
-            checks.append((i, next(sums[by_crew])))
+            checks.append((i, next(sums)))
         if current is not None:
             current.reader.check_all(layer, checks)
 
@@ -300,7 +295,7 @@ class PoFWorker(WorkerSaves):
         strided, self._strided = self._strided, None
         if strided is not None:      # pof's copies done (one wait a step), the landed sums checked
             strided.settle()
-        page_sum.settle()         # no copy helper still writes from a slot before the readers unpin them
+        page_sum.settle()         # no copy helper still reads a slot when the readers unpin it
         # A layer the forward never waited for may have been read before its copy (a full CUDA
         # graph replay skips the hook): every load of the step is recomputed.
         unordered = loader is not None and bool(self._unwaited) and self._skipped("wait_for_layer_load")

@@ -24,6 +24,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -1029,6 +1030,17 @@ static void k_block_vnni(unsigned char *dst, const unsigned char *k, size_t N, s
     k_block_vnni_plain(dst, k, N, H, D);
 }
 
+#ifdef HAVE_AVX2_PATH
+__attribute__((target("avx2"))) static void stream_copy_avx2(unsigned char *dst, const unsigned char *src, size_t n)
+{
+    for (size_t o = 0; o < n; o += 64) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + o)), b = _mm256_loadu_si256((const __m256i *)(src + o + 32));
+        _mm256_stream_si256((__m256i *)(dst + o), a);
+        _mm256_stream_si256((__m256i *)(dst + o + 32), b);
+    }
+}
+#endif
+
 /* One page of kt_copy_pages, without the GIL: src (K then V of every block) into dst[b - skip]
  * for b >= skip; returns src's checksum under `keys`. The caller fences the streamed stores. */
 static uint64_t kt_copy_page(const unsigned char *src, size_t len, unsigned char *const *dst, size_t skip, size_t N,
@@ -1077,7 +1089,8 @@ PyDoc_STRVAR(kt_copy_pages_doc,
              "itemsize 2 and block_tokens and head_dim multiples of 16), and return the checksum under seed of each "
              "whole src, summed as it is copied. "
              "threads > 1: up to threads - 1 helper threads copy pages alongside the caller; a helper that is not "
-             "running when the call starts is not waited for (see crew_run).");
+             "running is not waited for (the caller copies its page), and nothing writes into the cache after "
+             "the call returned (see crew_run).");
 
 typedef struct {
     Py_buffer src;
@@ -1142,15 +1155,21 @@ fail:
  * core for milliseconds at a time, an OpenMP barrier waited for that core's thread (measured in
  * vLLM: a layer's copy of 1 ms stalled for 5-14 ms); here the caller copies the rest itself.
  *
- * A helper that was descheduled mid-page may still write that page's (identical) bytes after the
- * call returned, so a call's pages, buffers and block lists stay alive until its helpers left
- * it ("retired" calls), and settle() waits for that: a caller must settle before the source
- * pages may change (the vLLM worker does before it unpins them). Helpers sleep between calls and
- * run on the cores other than the first caller's own (a CPU engine pins its forward thread). */
+ * The blocks a call wrote are checked when it returns and the engine reads them then, so nothing
+ * may write into them afterwards. A helper therefore converts its page into a buffer of its own
+ * first, and writes the blocks only once it has claimed the write (PAGE_HELPER_WRITING): a page
+ * the caller took over before that is never written by the helper, whatever its source holds by
+ * then (a slot another node rewrote, a corrupted one). A write the helper claimed is waited for:
+ * it is one page's copy from a buffer in its cache, the short end of its work.
+ *
+ * A helper descheduled before its claim may still read a page's source after the call returned,
+ * so a call's pages, buffers and block lists stay alive until its helpers left it ("retired"
+ * calls); settle() waits for that. Helpers sleep between calls and run on the cores other than
+ * the first caller's own (a CPU engine pins its forward thread). */
 
 #define CREW_MAX 64
 
-enum { PAGE_FREE, PAGE_HELPER, PAGE_HELPER_DONE, PAGE_CALLER, PAGE_CALLER_DONE };
+enum { PAGE_FREE, PAGE_HELPER, PAGE_HELPER_WRITING, PAGE_HELPER_DONE, PAGE_CALLER, PAGE_CALLER_DONE };
 
 typedef struct copy_task {
     Py_buffer cache;
@@ -1179,16 +1198,72 @@ static atomic_flag crew_busy = ATOMIC_FLAG_INIT;   /* a caller holds the crew */
 static _Atomic long long crew_helped, crew_stolen;  /* pages copied by helpers / copied again by callers */
 static long crew_stall_us;           /* fault injection (POF_CREW_STALL_US): a helper sleeps this long per page */
 
-static uint64_t copy_item(const copy_task *t, Py_ssize_t i)
+/* Copies page i into `dst` (the job's blocks, or a helper's own buffer laid out as blocks). */
+static uint64_t copy_item_to(const copy_task *t, Py_ssize_t i, unsigned char *const *dst)
 {
     const page_job *job = &t->jobs[i];
     /* keys per thread: a helper derives the page's keys itself (cached while the seed repeats) */
-    uint64_t sum = kt_copy_page(job->src.buf, (size_t)job->src.len, job->dst, job->skip, t->N, t->H, t->D, t->isz,
+    uint64_t sum = kt_copy_page(job->src.buf, (size_t)job->src.len, dst, job->skip, t->N, t->H, t->D, t->isz,
                                 t->vnni, keys_for(job->seed));
 #ifdef HAVE_AVX2_PATH
     _mm_sfence();      /* the streamed lines are visible before the page counts as done */
 #endif
     return sum;
+}
+
+static uint64_t copy_item(const copy_task *t, Py_ssize_t i)
+{
+    return copy_item_to(t, i, t->jobs[i].dst);
+}
+
+/* A helper's own buffer, as blocks (grown as needed; helpers live as long as the process). Its
+ * blocks start 16 bytes past a cache line, so the copy kernels' alignment tests pick cached stores
+ * (the buffer is read back at once, from cache); the write into the engine's blocks streams. */
+#define BOUNCE_SKEW 16
+static __thread unsigned char *bounce;
+static __thread unsigned char **bounce_blocks;
+static __thread size_t bounce_bytes, bounce_count;
+
+static size_t job_blocks(const copy_task *t, Py_ssize_t i)
+{
+    return (size_t)t->jobs[i].src.len / (2 * t->N * t->H * t->D * t->isz) - t->jobs[i].skip;
+}
+
+/* A helper's block into the engine's: streamed where the block is aligned (a cache line is never
+ * read for ownership first), as the kernels write it. */
+static void write_block(unsigned char *dst, const unsigned char *src, size_t n)
+{
+#ifdef HAVE_AVX2_PATH
+    if (((uintptr_t)dst & 31) == 0 && n % 64 == 0 && sum_blocks == sum_blocks_avx2) {
+        stream_copy_avx2(dst, src, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+/* Room in this helper's buffer for page i's blocks; 0 when memory ran out. */
+static int bounce_fit(const copy_task *t, Py_ssize_t i)
+{
+    size_t block = 2 * t->N * t->H * t->D * t->isz, count = job_blocks(t, i);
+    if (count * block + BOUNCE_SKEW > bounce_bytes) {
+        unsigned char *grown = NULL;
+        if (posix_memalign((void **)&grown, 64, count * block + BOUNCE_SKEW) != 0)
+            return 0;
+        free(bounce);
+        bounce = grown;
+        bounce_bytes = count * block + BOUNCE_SKEW;
+    }
+    if (count > bounce_count) {
+        unsigned char **grown = realloc(bounce_blocks, count * sizeof *grown);
+        if (grown == NULL)
+            return 0;
+        bounce_blocks = grown;
+        bounce_count = count;
+    }
+    for (size_t j = 0; j < count; j++)
+        bounce_blocks[j] = bounce + BOUNCE_SKEW + j * block;
+    return 1;
 }
 
 static int take(copy_task *t, Py_ssize_t i, unsigned char from, unsigned char to)
@@ -1208,9 +1283,22 @@ static void help(copy_task *t)
             struct timespec ts = {crew_stall_us / 1000000, (crew_stall_us % 1000000) * 1000};
             nanosleep(&ts, NULL);    /* a helper the OS descheduled mid-page */
         }
-        t->hsums[i] = copy_item(t, i);
-        if (take(t, i, PAGE_HELPER, PAGE_HELPER_DONE))  /* fails when the caller copied it meanwhile */
-            atomic_fetch_add_explicit(&crew_helped, 1, memory_order_relaxed);
+        if (!bounce_fit(t, i)) {      /* no memory for its buffer: the caller copies the page */
+            take(t, i, PAGE_HELPER, PAGE_FREE);
+            continue;
+        }
+        uint64_t sum = copy_item_to(t, i, bounce_blocks);
+        if (!take(t, i, PAGE_HELPER, PAGE_HELPER_WRITING))
+            continue;                /* the caller copied it meanwhile: nothing of this copy lands */
+        size_t block = 2 * t->N * t->H * t->D * t->isz, count = job_blocks(t, i);
+        for (size_t j = 0; j < count; j++)
+            write_block(t->jobs[i].dst[j], bounce_blocks[j], block);
+#ifdef HAVE_AVX2_PATH
+        _mm_sfence();
+#endif
+        t->hsums[i] = sum;
+        atomic_store_explicit(&t->state[i], PAGE_HELPER_DONE, memory_order_release);
+        atomic_fetch_add_explicit(&crew_helped, 1, memory_order_relaxed);
     }
 }
 
@@ -1330,23 +1418,27 @@ static void crew_run(copy_task *t, Py_ssize_t threads)
     Py_ssize_t mine = 0;
     while ((i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n)
         mine += copy_here(t, i, PAGE_FREE);
-    /* Left: pages a helper is copying. Give it a few of this thread's page times, then copy them here. */
+    /* Left: pages a helper is copying. Give it a few of this thread's page times, then copy here the
+     * ones it has not begun to write; a write it began is waited for (nothing writes after we return). */
     double per_page = mine > 0 ? (now_s() - t0) / (double)mine : 0.0;
     double deadline = now_s() + (4 * per_page > 100e-6 ? 4 * per_page : 100e-6);
+    int took_over = 0;
     for (unsigned spins = 0;; spins++) {
         Py_ssize_t pending = 0;
         for (i = 0; i < t->n; i++) {
             unsigned char st = atomic_load_explicit(&t->state[i], memory_order_acquire);
-            pending += st == PAGE_FREE || st == PAGE_HELPER;
+            pending += st == PAGE_FREE || st == PAGE_HELPER || st == PAGE_HELPER_WRITING;
         }
         if (pending == 0)
             break;
-        if ((spins & 63) == 63 && now_s() > deadline) {
+        if (!took_over && (spins & 63) == 63 && now_s() > deadline) {
             for (i = 0; i < t->n; i++)
                 if (copy_here(t, i, PAGE_FREE) || copy_here(t, i, PAGE_HELPER))
                     atomic_fetch_add_explicit(&crew_stolen, 1, memory_order_relaxed);
-            break;
+            took_over = 1;
         }
+        if (took_over && (spins & 1023) == 1023)
+            sched_yield();           /* a helper the OS descheduled mid-write: let it finish */
 #ifdef HAVE_AVX2_PATH
         _mm_pause();
 #endif
@@ -1432,9 +1524,9 @@ static void crew_reap(int wait)
 }
 
 PyDoc_STRVAR(settle_doc,
-             "settle() -> None: return once no helper thread of kt_copy_pages still writes a page of an earlier "
-             "call (a helper the OS descheduled mid-page may, after the call returned, write that page again: the "
-             "same bytes from the same source). Call it before the source pages may change.");
+             "settle() -> None: return once no helper thread of kt_copy_pages still reads a page of an earlier "
+             "call (a helper the OS descheduled mid-page may, after the call returned, still read that page's "
+             "source; it never writes a page the caller took over). Call it before the sources are unmapped.");
 
 static PyObject *py_settle(PyObject *self, PyObject *unused)
 {

@@ -216,8 +216,9 @@ def kt_copy_pages(cache: np.ndarray, pages: Sequence[tuple[np.ndarray, Sequence[
 
 
 def settle() -> None:
-    """Return once no helper thread of :func:`kt_copy_pages` still copies a page of an earlier call
-    (normally at once: only a helper the OS descheduled mid-page is late)."""
+    """Return once no helper thread of :func:`kt_copy_pages` still reads a page of an earlier call
+    (normally at once: only a helper the OS descheduled mid-page is late; it never writes a page
+    the caller took over)."""
     if _native is not None:
         _native.settle()
 

@@ -192,16 +192,6 @@ class PageReader:
                 out.append((i, entry[0].segment_view(entry[1], layer)))
         return out
 
-    def stable(self, page: int) -> bool:
-        """Whether nothing rewrites the bytes :meth:`segment` gives for page ``page`` before
-        :meth:`close`: a slot of this node pinned by this read (its own pool never reuses a pinned
-        slot), read in place. Then a copy may be repeated from them (the native copy crew's late
-        helper writes the same bytes again). Any other source — another node's slot in a shared
-        region, a slot lent to another node, a remote page in staging, a buffer the next layer
-        refills — is copied by one writer, once, before its check."""
-        entry = self._pages[page] if 0 <= page < len(self._pages) else None
-        return entry is not None and entry[3] and entry[0].in_place
-
     def span(self, page: int, first: int, count: int) -> np.ndarray | None:
         """Layers ``first .. first + count - 1`` of page ``page`` as one contiguous view of the
         source's memory (one copy instead of ``count``), when the page is this node's to read in

@@ -466,7 +466,7 @@ def test_no_late_copy_helper_writes_into_blocks_after_their_check(runtime_dir: s
     helper is stalled after claiming a page (``POF_CREW_STALL_US``); the owner rewrites its slots
     once the forward read the blocks. Before the fix the helper woke and copied the new bytes into
     blocks that had passed every check (4 blocks in 3 rounds, 2 pages copied again for late
-    helpers); now such a source is copied once, by the caller, before its check."""
+    helpers); now a helper never writes a page the caller took over."""
     import json
     import subprocess
     import sys
