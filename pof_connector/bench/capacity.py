@@ -56,7 +56,14 @@ from pof_connector.bench.capacity_probe import (
 )
 from pof_connector.bench.capacity_report import SLO_MULTIPLE, draw, merge_namings, setup_row
 from pof_connector.bench.capacity_report import report as _report
-from pof_connector.bench.capacity_search import RESOLUTION, SAFETY_CAP, GoodputSearch, bounded_search, ratio_bound
+from pof_connector.bench.capacity_search import (
+    RESOLUTION,
+    SAFETY_CAP,
+    GoodputSearch,
+    bounded_search,
+    ratio_bound,
+    take_turns,
+)
 from pof_connector.bench.capacity_setup_run import BLOCK, SetupRun
 from pof_connector.bench.capacity_setups import (
     SETUPS,
@@ -161,7 +168,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = (),
         tier_bytes: int | None = None, trials_per_factor: int | None = None, pass_rule: str = "majority",
         static_namings: int | None = None, router_sched: str = "auto",
-        pof_costs: tuple[tuple[tuple[str, float], ...], ...] = ()) -> dict[str, Any]:
+        pof_costs: tuple[tuple[tuple[str, float], ...], ...] = (), interleave: bool = False) -> dict[str, Any]:
     """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
     (same trace, same SLO): what the audit costs in goodput. ``pof_costs``: after those, the pof
     set-up again with each of these settings of its router's ``cost`` section (an A/B of a
@@ -171,7 +178,9 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     (default :data:`TIER_KV_MULTIPLE` x the engines' KV); ``trials_per_factor`` / ``pass_rule``:
     :mod:`.capacity_stats` (default 3, ``quick`` 1); ``static_namings``: how many namings
     ``static`` runs under (default :data:`STATIC_NAMINGS`, ``quick`` 1). ``router_sched``: the front
-    door's scheduling class, ``rr``, ``nice`` or ``auto`` (``rr`` where permitted; :mod:`.front_door`)."""
+    door's scheduling class, ``rr``, ``nice`` or ``auto`` (``rr`` where permitted; :mod:`.front_door`).
+    ``interleave``: every fleet up at once and their searches advanced one factor at a time in
+    turn, the order rotated each round (else one set-up after another, in the order given)."""
     if servers not in (2, 3):
         raise BenchError(f"--servers must be 2 or 3, got {servers}")
     bad = [s for s in setups if s not in SETUPS]
@@ -223,7 +232,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     total_budget = budget * (len(runs) + len(audit_rates) + len(pof_costs))
     plan: dict[str, Any] = {"time_budget_s_per_setup": budget, "time_budget_s_total": total_budget,
             "max_trials": limit, "resolution": resolution, "safety_cap": SAFETY_CAP, "min_resume_s": MIN_RESUME_S,
-            "trials_per_factor": repeats, "pass_rule": pass_rule, "static_namings": namings}
+            "trials_per_factor": repeats, "pass_rule": pass_rule, "static_namings": namings,
+            "side_by_side": interleave}
     progress(f"trace: {info['requests']} requests, {info['sessions']} sessions ({info['multi_turn_sessions']} "
              f"multi-turn, longest context {longest} tokens), {info['tenants']} tenants over {info['span_s']} s; "
              f"{servers} servers with KV for {blocks * BLOCK} tokens each ({kv_bytes / 2**20:.0f} MiB in all), "
@@ -246,11 +256,11 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     verdicts: dict[str, list[dict[str, Any]]] = {}
     starts = itertools.count()       # a fresh work directory per fleet (a set-up may start twice)
 
-    def one(name: str, fleet_spec: FleetSpec, key: str, budget_s: float) -> dict[str, Any]:
-        """Start ``name``'s fleet, carry its goodput search (``searches[key]``) on for ``budget_s``
-        seconds, stop it."""
+    def start(name: str, fleet_spec: FleetSpec, key: str) -> tuple[SetupRun, dict[str, Any]]:
+        """``name``'s fleet started and warmed up, its search (``searches[key]``) ready to go on; the
+        fleet's facts for its row. The first fleet of the run measures the SLO."""
         nonlocal slo_s, unloaded, samples, steps, host
-        search = searches.setdefault(key, GoodputSearch(max_trials=limit, resolution=resolution))
+        searches.setdefault(key, GoodputSearch(max_trials=limit, resolution=resolution))
         progress(f"{key}: starting {servers} vLLM servers ...")
         # a number, not the name: vLLM's and the index's unix sockets live below it (107 bytes at most)
         fleet = start_fleet(name, model_path, workdir / str(next(starts)), fleet_spec, progress)
@@ -265,39 +275,70 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                 unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
                 slo_s = SLO_MULTIPLE * unloaded
                 progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
-            added = router_latency(fleet, vocab)
-            nice = fleet.router.niceness() if fleet.router is not None else None
-            index_nice = fleet.index_niceness()
-            front_sched = fleet.front_door_sched()
+            facts = {"router_added_latency_s": router_latency(fleet, vocab),
+                     "router_nice": fleet.router.niceness() if fleet.router is not None else None,
+                     "index_nice": fleet.index_niceness(), "front_door_sched": fleet.front_door_sched(),
+                     "naming": fleet_spec.naming if name == "static" else None}
             setup_run = SetupRun(fleet, trace, vocab, slo_s, progress, rows.setdefault(key, []),
                                  trials_per_factor=repeats, pass_rule=pass_rule,
                                  verdicts=verdicts.setdefault(key, []))
             setup_run.warm_up()
-            progress(f"{key}: searching for {budget_s:.0f} s" + (f" more, from x{search.passed:.3g} passed"
-                                                                   if search.trials else ""))
-            setup_run.search(search, budget_s)
-        finally:
+        except BaseException:
             fleet.stop()
+            raise
+        return setup_run, facts
+
+    def finish(key: str, facts: dict[str, Any]) -> dict[str, Any]:
+        """The row of ``key``'s search so far (its fleet stopped)."""
+        search = searches[key]
         row = setup_row(search, rows[key], len(trace) / max(trace[-1].at, 1e-3), verdicts[key])
-        row.update({"router_added_latency_s": added, "router_nice": nice, "index_nice": index_nice,
-                    "front_door_sched": front_sched,
-                    "naming": fleet_spec.naming if name == "static" else None})
+        row.update(facts)
         progress(f"{key}: goodput {row['goodput_rps']} req/s (x{search.passed:.3g}"
                  + (f", at a bound: {row['bound_reason']}, still passing" if row["at_bound"] else
                     f", failed at x{search.failed:.3g}" if not math.isinf(search.failed) else "")
                  + f"; {search.stop}, {search.spent_s:.0f} s of trials)")
         return row
 
+    def one(name: str, fleet_spec: FleetSpec, key: str, budget_s: float) -> dict[str, Any]:
+        """Start ``name``'s fleet, carry its goodput search on for ``budget_s`` seconds, stop it."""
+        setup_run, facts = start(name, fleet_spec, key)
+        search = searches[key]
+        try:
+            progress(f"{key}: searching for {budget_s:.0f} s" + (f" more, from x{search.passed:.3g} passed"
+                                                                   if search.trials else ""))
+            setup_run.search(search, budget_s)
+        finally:
+            setup_run.fleet.stop()
+        return finish(key, facts)
+
+    def side_by_side(jobs: list[tuple[str, str, FleetSpec]], budget_s: float) -> dict[str, dict[str, Any]]:
+        """Every job's fleet up at once, their searches advanced one factor at a time in turn, the
+        order rotated each round (AB, BA, AB, ...), each for ``budget_s`` seconds of trials: a host
+        whose speed drifts over the run shifts every set-up alike instead of the last ones."""
+        opened: list[tuple[str, SetupRun, dict[str, Any]]] = []
+        try:
+            for key, name, job_spec in jobs:
+                setup_run, facts = start(name, job_spec, key)
+                opened.append((key, setup_run, facts))
+            progress(f"searching {len(opened)} set-ups side by side, {budget_s:.0f} s of trials each")
+            take_turns({key: (searches[key], setup_run.decide) for key, setup_run, _ in opened}, budget_s)
+        finally:
+            for _, setup_run, _ in opened:
+                setup_run.fleet.stop()
+        return {key: finish(key, facts) for key, _, facts in opened}
+
+    # the pof set-up again, auditing that share of its hits; then with its router's cost model set otherwise
+    extra = [(f"audit {rate:g}", "pof", dataclasses.replace(spec, audit_rate=rate)) for rate in audit_rates]
+    extra += [(f"pof cost {cost_label(cost)}", "pof", dataclasses.replace(spec, router_cost=cost))
+              for cost in pof_costs]
     try:
-        for key, name, run_spec in runs:
-            results[key] = one(name, run_spec, key, budget)
-        for rate in audit_rates:       # the pof set-up again, auditing that share of its hits
-            progress(f"pof with audit.sample_rate {rate:g}:")
-            audits[f"{rate:g}"] = one("pof", dataclasses.replace(spec, audit_rate=rate), f"audit {rate:g}", budget)
-        for cost in pof_costs:         # the pof set-up again, its router's cost model set otherwise
-            label = cost_label(cost)
-            progress(f"pof with cost {label}:")
-            variants[label] = one("pof", dataclasses.replace(spec, router_cost=cost), f"pof cost {label}", budget)
+        if interleave:
+            done = side_by_side([*runs, *extra], budget)
+        else:
+            done = {key: one(name, run_spec, key, budget) for key, name, run_spec in [*runs, *extra]}
+        results.update({key: done[key] for key, _, _ in runs})
+        audits.update({f"{rate:g}": done[f"audit {rate:g}"] for rate in audit_rates})
+        variants.update({cost_label(cost): done[f"pof cost {cost_label(cost)}"] for cost in pof_costs})
         # what the set-ups that ended early left goes to those still passing, the highest first, so
         # the ones that rank highest are the ones measured to the end
         left = total_budget - sum(s.spent_s for s in searches.values())

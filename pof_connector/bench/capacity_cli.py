@@ -83,7 +83,8 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
                                 router_nice=args.router_nice, router_sched=args.router_sched,
                                 audit_rates=tuple(args.audit_rates), pof_costs=tuple(args.pof_cost),
                                 tier_bytes=args.tier_bytes, trials_per_factor=args.trials_per_factor,
-                                pass_rule=args.pass_rule, static_namings=args.static_namings)
+                                pass_rule=args.pass_rule, static_namings=args.static_namings,
+                                interleave=args.side_by_side)
     if args.plot is not None:
         result["plot"] = str(args.plot)
     # the run's result leaves first: a table or a plot that fails after it loses nothing
@@ -246,6 +247,11 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="after the set-ups, pof again with these settings of its router's cost section (e.g. "
                         "displacement_weight=0; repeat for more variants): an A/B of a routing rule, same trace and "
                         "SLO, in pof_cost_variants with vs_pof")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="start every set-up's fleet (and each --pof-cost / --audit-rates run) at once and advance "
+                        "their searches one load factor at a time in turn, the order rotated each round: on a host "
+                        "whose speed drifts over a run, every set-up sees the drift alike (default: one set-up after "
+                        "another, where the last ones measured have met a slower host; needs memory for every fleet)")
     p.add_argument("--router-nice", type=int, default=bench_capacity.ROUTER_NICE, metavar="N",
                    help="niceness of the routers (pof router and vllm-router alike; default "
                         f"{bench_capacity.ROUTER_NICE}: in a deployment a router has a host of its own, here it "

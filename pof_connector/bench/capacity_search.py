@@ -79,6 +79,18 @@ class GoodputSearch:
         else:
             self.failed = min(self.failed, factor)
 
+    def step(self, trial: Callable[[float], bool], clock: Clock = time.monotonic) -> bool:
+        """The next factor's trial (an interleaved bench runs one set-up's step, then another's);
+        False, with :attr:`stop` set, when the search is over."""
+        start = clock()
+        self.stop = None
+        f = self.next_factor()
+        if f is None:
+            return False
+        self.record(f, trial(f))
+        self.spent_s += clock() - start
+        return True
+
     def run(self, trial: Callable[[float], bool], budget_s: float | None, clock: Clock = time.monotonic
             ) -> GoodputSearch:
         """Trials until the search is over or ``budget_s`` seconds (``None``: no limit) have passed
@@ -110,6 +122,30 @@ class GoodputSearch:
                 "at_bound": self.at_bound, "bound_reason": self.stop if self.at_bound else None,
                 "search": {"stop": self.stop, "spent_s": round(self.spent_s, 1),
                            "order": [[round(f, 4), ok] for f, ok in self.trials]}}
+
+
+def take_turns(searches: dict[str, tuple[GoodputSearch, Callable[[float], bool]]], budget_s: float | None,
+               clock: Clock = time.monotonic) -> list[str]:
+    """Carry several searches on side by side (each with its own trial, a fleet of its own): one
+    factor of each in turn, the order rotated by one each round (AB, BA, AB, ... for two), until
+    each is over or has spent ``budget_s`` seconds (``None``: no limit) of trials. On a host whose
+    speed drifts, every search meets the drift alike. Returns the keys in the order their factors
+    ran."""
+    order: list[str] = []
+    active = list(searches)
+    turn = 0
+    while active:
+        k = turn % len(active)
+        for key in active[k:] + active[:k]:
+            search, trial = searches[key]
+            if budget_s is not None and search.spent_s >= budget_s:
+                search.stop = TIME_BUDGET
+            elif search.step(trial, clock):
+                order.append(key)
+                continue
+            active.remove(key)
+        turn += 1
+    return order
 
 
 def bounded_search(trial: Callable[[float], bool], max_trials: int) -> float:

@@ -114,10 +114,13 @@ class SetupRun:
             time.sleep(0.5)
         self.fleet.reset_caches()
 
+    def decide(self, factor: float) -> bool:
+        """Whether ``factor`` passes, by its trials (:func:`~.capacity_stats.repeated`)."""
+        return repeated(self.trial, self.trials_per_factor, self.pass_rule, self._verdict)(factor)
+
     def search(self, search: GoodputSearch, budget_s: float | None) -> GoodputSearch:
-        """``search`` carried on with this fleet for ``budget_s`` seconds (``None``: until it ends),
-        each factor decided by its trials (:func:`~.capacity_stats.repeated`)."""
-        return search.run(repeated(self.trial, self.trials_per_factor, self.pass_rule, self._verdict), budget_s)
+        """``search`` carried on with this fleet for ``budget_s`` seconds (``None``: until it ends)."""
+        return search.run(self.decide, budget_s)
 
 
 def _router_text(row: dict[str, Any]) -> str:

@@ -159,6 +159,19 @@ def test_pof_cost_variants_reach_the_run_and_the_pof_routers_config(monkeypatch:
     assert "cost" not in (tmp_path / "pof-router.yaml").read_text()          # the defaults: no section
 
 
+def test_side_by_side_reaches_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    seen: list[bool] = []
+
+    def run(**kw: Any) -> dict[str, Any]:
+        seen.append(kw["interleave"])
+        return result()
+    monkeypatch.setattr(capacity, "run", run)
+    for flags, want in (([], False), (["--side-by-side"], True)):
+        assert main(["bench", "capacity", "--setups", "pof", "--out", str(tmp_path / "c.json"), *flags]) == 0
+        assert seen[-1] is want
+
+
 @pytest.mark.parametrize(("value", "says"), [
     ("displacement_weight=-1", "displacement_weight: Input should be greater than or equal to 0"),
     ("tier_gbps=3", "KEY one of prefill_s_per_token, request_overhead_s"),
