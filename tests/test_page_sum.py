@@ -427,17 +427,24 @@ print(json.dumps({"calls": calls, "late": late, "settle_s": time.perf_counter() 
 """
 
 
+def late_helper_run(child: str) -> dict[str, Any]:
+    """``child`` run with every helper stalled 0.5 s on each page it claims (a helper the OS
+    descheduled mid-page); its JSON line."""
+    if page_sum.NATIVE is None:
+        pytest.skip("the native kernel was not built here")
+    env = {**os.environ, "POF_CREW_STALL_US": "500000"}
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True,
+                         env=env)
+    out: dict[str, Any] = json.loads(run.stdout)
+    return out
+
+
 def test_kt_copy_does_not_wait_for_a_late_helper_and_settle_does() -> None:
     """A helper stalled mid-page (fault injection: it sleeps 0.5 s on every page it claims, as a
     helper the OS descheduled) holds nobody up: the caller copies that page again itself and
     returns with every page right; the late helper's call stays alive until it left, and
     ``settle`` returns only then."""
-    if page_sum.NATIVE is None:
-        pytest.skip("the native kernel was not built here")
-    env = {**os.environ, "POF_CREW_STALL_US": "500000"}
-    run = subprocess.run([sys.executable, "-c", LATE_HELPER_CHILD], capture_output=True, text=True, timeout=120,
-                         check=True, env=env)
-    out = json.loads(run.stdout)
+    out = late_helper_run(LATE_HELPER_CHILD)
     _, stolen, retired = out["late"]
     assert stolen >= 1 and retired == 1, out          # the caller took the helper's page over
     assert all(right for _, right in out["calls"]), out
@@ -458,12 +465,7 @@ def test_a_late_helper_never_writes_into_the_cache_after_the_call_returned() -> 
     adversary test's variant, the engine's own pinned slot corrupted, slipped past the first fix:
     the helper copied the corrupted byte after the check). After ``settle`` the cache must hold
     exactly what one thread copies from the sources as they were."""
-    if page_sum.NATIVE is None:
-        pytest.skip("the native kernel was not built here")
-    env = {**os.environ, "POF_CREW_STALL_US": "500000"}
-    run = subprocess.run([sys.executable, "-c", LATE_WRITE_CHILD], capture_output=True, text=True, timeout=120,
-                         check=True, env=env)
-    out = json.loads(run.stdout)
+    out = late_helper_run(LATE_WRITE_CHILD)
     assert out["late"][1] >= 1, out                   # the adversary ran: a helper's page was taken over
     assert all(right for _, right in out["calls"]), out
     assert out["same"], "a late helper wrote into blocks after their check"
