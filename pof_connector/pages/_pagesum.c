@@ -1224,9 +1224,16 @@ static __thread unsigned char *bounce;
 static __thread unsigned char **bounce_blocks;
 static __thread size_t bounce_bytes, bounce_count;
 
+/* Bytes of one cache block (K and V). */
+static size_t block_bytes(const copy_task *t)
+{
+    return 2 * t->N * t->H * t->D * t->isz;
+}
+
+/* The blocks page i writes. */
 static size_t job_blocks(const copy_task *t, Py_ssize_t i)
 {
-    return (size_t)t->jobs[i].src.len / (2 * t->N * t->H * t->D * t->isz) - t->jobs[i].skip;
+    return (size_t)t->jobs[i].src.len / block_bytes(t) - t->jobs[i].skip;
 }
 
 /* A helper's block into the engine's: streamed where the block is aligned (a cache line is never
@@ -1245,7 +1252,7 @@ static void write_block(unsigned char *dst, const unsigned char *src, size_t n)
 /* Room in this helper's buffer for page i's blocks; 0 when memory ran out. */
 static int bounce_fit(const copy_task *t, Py_ssize_t i)
 {
-    size_t block = 2 * t->N * t->H * t->D * t->isz, count = job_blocks(t, i);
+    size_t block = block_bytes(t), count = job_blocks(t, i);
     if (count * block + BOUNCE_SKEW > bounce_bytes) {
         unsigned char *grown = NULL;
         if (posix_memalign((void **)&grown, 64, count * block + BOUNCE_SKEW) != 0)
@@ -1290,7 +1297,7 @@ static void help(copy_task *t)
         uint64_t sum = copy_item_to(t, i, bounce_blocks);
         if (!take(t, i, PAGE_HELPER, PAGE_HELPER_WRITING))
             continue;                /* the caller copied it meanwhile: nothing of this copy lands */
-        size_t block = 2 * t->N * t->H * t->D * t->isz, count = job_blocks(t, i);
+        size_t block = block_bytes(t), count = job_blocks(t, i);
         for (size_t j = 0; j < count; j++)
             write_block(t->jobs[i].dst[j], bounce_blocks[j], block);
 #ifdef HAVE_AVX2_PATH
@@ -1422,7 +1429,6 @@ static void crew_run(copy_task *t, Py_ssize_t threads)
      * ones it has not begun to write; a write it began is waited for (nothing writes after we return). */
     double per_page = mine > 0 ? (now_s() - t0) / (double)mine : 0.0;
     double deadline = now_s() + (4 * per_page > 100e-6 ? 4 * per_page : 100e-6);
-    int took_over = 0;
     for (unsigned spins = 0;; spins++) {
         Py_ssize_t pending = 0;
         for (i = 0; i < t->n; i++) {
@@ -1431,14 +1437,13 @@ static void crew_run(copy_task *t, Py_ssize_t threads)
         }
         if (pending == 0)
             break;
-        if (!took_over && (spins & 63) == 63 && now_s() > deadline) {
+        if ((spins & 63) == 63 && now_s() > deadline) {
             for (i = 0; i < t->n; i++)
                 if (copy_here(t, i, PAGE_FREE) || copy_here(t, i, PAGE_HELPER))
                     atomic_fetch_add_explicit(&crew_stolen, 1, memory_order_relaxed);
-            took_over = 1;
+            if ((spins & 1023) == 1023)
+                sched_yield();       /* a helper the OS descheduled mid-write: let it finish */
         }
-        if (took_over && (spins & 1023) == 1023)
-            sched_yield();           /* a helper the OS descheduled mid-write: let it finish */
 #ifdef HAVE_AVX2_PATH
         _mm_pause();
 #endif
