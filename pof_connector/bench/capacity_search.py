@@ -79,13 +79,18 @@ class GoodputSearch:
         else:
             self.failed = min(self.failed, factor)
 
-    def step(self, trial: Callable[[float], bool], clock: Clock = time.monotonic) -> bool:
-        """The next factor's trial (an interleaved bench runs one set-up's step, then another's);
-        False, with :attr:`stop` set, when the search is over."""
+    def step(self, trial: Callable[[float], bool], budget_s: float | None = None,
+             clock: Clock = time.monotonic) -> bool:
+        """The next factor's trial; False, with :attr:`stop` set, when the search is over or its
+        trials have taken ``budget_s`` seconds in all (:attr:`spent_s`; ``None``: no limit). An
+        interleaved bench runs one set-up's step, then another's (:func:`take_turns`)."""
         start = clock()
         self.stop = None
         f = self.next_factor()
         if f is None:
+            return False
+        if budget_s is not None and self.spent_s >= budget_s:
+            self.stop = TIME_BUDGET
             return False
         self.record(f, trial(f))
         self.spent_s += clock() - start
@@ -93,16 +98,11 @@ class GoodputSearch:
 
     def run(self, trial: Callable[[float], bool], budget_s: float | None, clock: Clock = time.monotonic
             ) -> GoodputSearch:
-        """Trials until the search is over or ``budget_s`` seconds (``None``: no limit) have passed
-        since this call; a trial that starts before the budget is spent runs to its end."""
-        start = clock()
-        self.stop = None
-        while (f := self.next_factor()) is not None:
-            if budget_s is not None and clock() - start >= budget_s:
-                self.stop = TIME_BUDGET
-                break
-            self.record(f, trial(f))
-        self.spent_s += clock() - start
+        """Trials until the search is over or ``budget_s`` seconds (``None``: no limit) of them have
+        passed in this call; a trial that starts before the budget is spent runs to its end."""
+        until = None if budget_s is None else self.spent_s + budget_s
+        while self.step(trial, until, clock):
+            pass
         return self
 
     @property
@@ -138,12 +138,10 @@ def take_turns(searches: dict[str, tuple[GoodputSearch, Callable[[float], bool]]
         k = turn % len(active)
         for key in active[k:] + active[:k]:
             search, trial = searches[key]
-            if budget_s is not None and search.spent_s >= budget_s:
-                search.stop = TIME_BUDGET
-            elif search.step(trial, clock):
+            if search.step(trial, budget_s, clock):
                 order.append(key)
-                continue
-            active.remove(key)
+            else:
+                active.remove(key)
         turn += 1
     return order
 
