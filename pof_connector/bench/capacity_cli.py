@@ -153,6 +153,11 @@ def print_table(result: dict[str, Any]) -> None:
               f"spread pof / static {result['fragmentation']['pof_vs_static']} (pof's floor / static's spread "
               f"{result['fragmentation']['pof_floor_vs_static']}: no placement of pof's requests goes below it) "
               "(TTFT, preemptions, tokens and spread at the reference load, factor 1)")
+    best = (result.get("headroom") or {}).get(result.get("best_other") or "")
+    if best:
+        out.print(f"headroom: {result['best_other']} recomputed {best['recomputed_share']:.1%} of its engines' tokens "
+                  f"at x{best['factor']:g}, so saving all of them could lift its goodput about "
+                  f"{best['ceiling']:g}x at most (engines bound by throughput)")
     for name, row in result["setups"].items():
         at = row.get("at_goodput") or {}
         if at.get("router_decision_mean_s") is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from pof_connector.bench.capacity_fleet import FleetSpec
 from pof_connector.bench.capacity_search import GoodputSearch, ratio_bound
-from pof_connector.bench.capacity_stats import interval_of, median_row, spread
+from pof_connector.bench.capacity_stats import interval_of, median_row, recompute_headroom, spread
 
 SLO_MULTIPLE = 4.0
 """The SLO is this many times the unloaded p90 TTFT."""
@@ -104,6 +104,9 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
                       for a, b in [*(("pof", n) for n in others), ("pof", "pof_private"), ("pof_private", "kv_aware"),
                                    ("kv_aware", "cache_aware"), ("cache_aware", "round_robin")]
                       if a in results and b in results and a != b},
+        # how far a pool could lift each other set-up by saving its recomputed tokens
+        "headroom": {n: recompute_headroom(results[n]) for n in others},
+        "ratio_vs_best_ceiling": (recompute_headroom(results[best]) or {}).get("ceiling") if best else None,
         "goals": {"ratio": 2.0, "ratio_vs_best": 1.3, "pof_spread_vs_static": 0.5},
         "fragmentation": {"pof_spread_mean": spread("pof"), "static_spread_mean": spread("static"),
                           "pof_vs_static": ratio(spread("pof"), spread("static")),
@@ -154,7 +157,12 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], info: di
                 "server; several count as divisible), so pof_floor_vs_static above the goal means no placement of "
                 "pof's requests meets it; tokens_recomputed = engine-computed tokens (first prefills + decode, as vLLM "
                 "counts them) beyond every prompt block once in the cluster plus decode steps: a lower bound, since a "
-                "re-prefill after a preemption is in no vLLM counter (see preemptions, pool_loaded_pages)",
+                "re-prefill after a preemption is in no vLLM counter (see preemptions, pool_loaded_pages); "
+                "headroom[S]: S's tokens_recomputed / tokens_computed over its trials at its lowest failing factor "
+                "(its goodput's when it never failed), and ceiling = 1 / (1 - that share): on engines bound by "
+                "their throughput, what saving every recomputed token could add to S's goodput (tokens, not "
+                "seconds: a guide, not a proof); ratio_vs_best_ceiling: best_other's ceiling, so a ratio_vs_best "
+                "goal above it cannot be met by saved work on this host and trace",
     }
 
 

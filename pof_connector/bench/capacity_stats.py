@@ -15,6 +15,13 @@ lowest failing one (none: it never failed, the goodput is only a lower bound). A
 set-ups' goodputs is then an interval, [A passed / B failed, A failed / B passed]; a side that
 never failed opens it: ``>= x`` when A never failed (or B passed nothing), ``<= y`` when B never
 failed.
+
+**Headroom.** On a fleet whose limit is its engines' throughput, a pool raises capacity only by
+the work it saves: the tokens a set-up computed again. A set-up that recomputed a share ``s`` of
+its engines' tokens at the load where it failed would, with all of them saved, need ``1 - s`` of
+the work per request, so no pool lifts its goodput by more than about ``1 / (1 - s)``. Tokens are
+not seconds (a long prompt's tokens cost more than a short one's, a decode step more than a prefill
+token in a batch), so this is a guide to what could be won, not a proof.
 """
 
 from __future__ import annotations
@@ -103,5 +110,23 @@ def median_row(rows: dict[str, dict[str, Any]]) -> str:
     return ordered[(len(ordered) - 1) // 2]
 
 
-__all__ = ["PASS_RULES", "TRIALS_PER_FACTOR", "interval_of", "median_row", "needed", "ratio_interval", "repeated",
-           "spread", "verdict"]
+def recompute_headroom(row: dict[str, Any]) -> dict[str, Any] | None:
+    """What saving every recomputed token could add to a set-up's goodput (see the module's
+    docstring), from its ``row``'s trials at its lowest failing factor, or at its goodput's when it
+    never failed. ``None``: no trial there counted the engines' tokens."""
+    factor = row.get("failed_at_factor") or row.get("goodput_factor")
+    if not factor:
+        return None
+    trials = [t for t in row.get("trials", []) if t["factor"] == round(factor, 4) and t.get("tokens_computed")]
+    computed = sum(t["tokens_computed"] for t in trials)
+    if computed <= 0:
+        return None
+    recomputed = sum(t["tokens_recomputed"] for t in trials)
+    share = min(recomputed / computed, 0.99)
+    return {"factor": round(factor, 4), "trials": len(trials), "tokens_computed": computed,
+            "tokens_recomputed": recomputed, "recomputed_share": round(share, 4),
+            "ceiling": round(1.0 / (1.0 - share), 4)}
+
+
+__all__ = ["PASS_RULES", "TRIALS_PER_FACTOR", "interval_of", "median_row", "needed", "ratio_interval",
+           "recompute_headroom", "repeated", "spread", "verdict"]

@@ -137,6 +137,22 @@ def test_the_table_warns_when_the_servers_share_the_hosts_cores_and_shows_the_ro
     assert "as long as on one alone" not in capsys.readouterr().out
 
 
+def test_the_report_and_table_say_how_far_saved_work_could_lift_the_best_other(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    counted = result()
+    static = counted["setups"]["static"]
+    for t in static["trials"]:          # a fifth of the work at static's failing load was done again
+        t["tokens_computed"], t["tokens_recomputed"] = 5000, (1000 if t["factor"] == static["failed_at_factor"] else 0)
+    again = report(counted["setups"], {}, {"requests": 20, "sessions": 4}, 1.0, 0.25, FleetSpec(2, 10, 16, 256, 4), 1,
+                   None, Path("m"))
+    assert again["headroom"]["static"]["recomputed_share"] == 0.2 and again["ratio_vs_best_ceiling"] == 1.25
+    monkeypatch.setattr(capacity, "run", lambda **kw: again)
+    assert main(["bench", "capacity", "--setups", "static,pof", "--out", str(tmp_path / "h.json")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "static recomputed 20.0% of its engines' tokens" in out and "about 1.25x at most" in out
+
+
 def test_pof_cost_variants_reach_the_run_and_the_pof_routers_config(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     from pof_connector.bench.capacity_fleet import pof_router

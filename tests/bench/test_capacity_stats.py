@@ -11,6 +11,7 @@ from pof_connector.bench.capacity_stats import (
     median_row,
     needed,
     ratio_interval,
+    recompute_headroom,
     repeated,
     spread,
     verdict,
@@ -91,3 +92,26 @@ def test_static_namings_spread_and_the_median_naming() -> None:
     assert spread([r["goodput_rps"] for r in rows.values()]) == {"min": 0.5, "median": 1.0, "max": 2.0}
     assert median_row(rows) == "static" and spread([]) is None
     assert median_row({"a": {"goodput_rps": 1.0}, "b": {"goodput_rps": 2.0}}) == "a"      # the lower middle
+
+
+def _trial(factor: float, computed: int, recomputed: int) -> dict[str, object]:
+    return {"factor": factor, "tokens_computed": computed, "tokens_recomputed": recomputed}
+
+
+def test_headroom_is_the_recomputed_share_where_the_set_up_failed() -> None:
+    row = {"goodput_factor": 2.0, "failed_at_factor": 2.8284,
+           "trials": [_trial(1.0, 1000, 900), _trial(2.0, 1000, 500),
+                      _trial(2.8284, 1000, 200), _trial(2.8284, 3000, 200)]}
+    h = recompute_headroom(row)
+    assert h is not None
+    # only the failing factor's two trials count: 400 of 4,000 tokens were computed again
+    assert (h["factor"], h["trials"], h["recomputed_share"]) == (2.8284, 2, 0.1)
+    assert h["ceiling"] == pytest.approx(1 / 0.9, abs=1e-4)
+
+
+def test_headroom_of_a_set_up_that_never_failed_is_taken_at_its_goodput() -> None:
+    row = {"goodput_factor": 4.0, "failed_at_factor": None,
+           "trials": [_trial(2.0, 1000, 1000), _trial(4.0, 2000, 0)]}
+    h = recompute_headroom(row)
+    assert h is not None and h["ceiling"] == 1.0 and h["factor"] == 4.0
+    assert recompute_headroom({"goodput_factor": 0.0, "failed_at_factor": None, "trials": []}) is None
