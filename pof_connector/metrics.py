@@ -25,6 +25,9 @@ COUNTERS: dict[str, str] = {
     "dropped_pages": "Pages written but never published: some rank failed a load under a block the step that "
                      "computed them read (the engine's scheduler said so), by tier",
     "demoted_pages": "Pages moved to the next tier on eviction, by tier",
+    "given_slots": "Slots of a shared region this process gave to a writer shorter of room (pages in them "
+                   "evicted), by tier",
+    "adopted_slots": "Slots of a shared region other writers gave this process, by tier",
     "spilled_pages": "Pages evicted from the last tier and written into another node's granted slots, by tier",
     "spill_failures": "Evicted pages that could not be spilled (dropped instead), by reason",
     "index_refused": "Index records a lookup refused (cut short, an unknown medium: a corrupt or hostile index "
@@ -54,7 +57,7 @@ COUNTERS: dict[str, str] = {
 COUNTER_LABELS: dict[str, str] = {
     "hit_pages": "tier", "stored_pages": "tier", "stored_bytes": "tier", "loaded_pages": "tier",
     "loaded_bytes": "tier", "load_failures": "reason", "evicted_pages": "tier", "dropped_pages": "tier",
-    "demoted_pages": "tier",
+    "demoted_pages": "tier", "given_slots": "tier", "adopted_slots": "tier",
     "spilled_pages": "tier", "spill_failures": "reason", "index_refused": "reason", "index_errors": "op",
     "index_timeouts": "op", "index_restarts": "reason", "tier_errors": "tier", "adapter_errors": "hook",
     "skipped_hooks": "hook", "audit_mismatches": "reason,writer", "audit_unread": "reason",

@@ -152,6 +152,46 @@ def test_two_nodes_share_a_cxl_region_through_redis(runtime_dir: str, namespace:
             p.close()
 
 
+def test_a_node_short_of_room_gets_the_slots_its_neighbour_left_unused(runtime_dir: str, namespace: bytes,
+                                                                        shm_path: str,
+                                                                        redis_server: RedisServer) -> None:
+    """Two nodes write one region: b's pages go unused while a evicts its own for room. On their
+    heartbeats b gives a the slots of its coldest pages (withdrawing them from the index), so a
+    holds more than its share; every page either node still finds loads byte for byte."""
+    tiers = {"cxl": {"path": shm_path, "size": "2MiB", "partitions": 2}}
+    a = Pool(cfg("a", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    b = Pool(cfg("b", runtime_dir, redis_server.url, **tiers), SPEC, namespace)
+    try:
+        share = a.tiers[0].capacity_slots
+        cold = b.keys_for(np.arange(16 * share) + 1_000_000)
+        b.store([(k, content(k)) for k in cold]).result()
+        hot = a.keys_for(np.arange(16 * 4 * share))
+        a.store([(k, content(k)) for k in hot[:share + 1]]).result()      # one more than its share: a evicts
+        time.sleep(1.2)          # b's pages have gone unused past TRADE_MIN_UNUSED_S
+        wait_for(lambda: a.stats.get("adopted_slots") > 0)
+        for i in range(share + 1, 4 * share, 4):        # a keeps storing, and evicting when full
+            a.store([(k, content(k)) for k in hot[i:i + 4]]).result()
+        wait_for(lambda: b.stats.get("given_slots") == a.stats.get("adopted_slots"))
+        given = int(b.stats.get("given_slots"))
+        assert share < a.tiers[0].capacity_slots == share + given
+        assert b.tiers[0].capacity_slots == share - given >= share // 4
+        wait_for(lambda: a.lookup(cold).pages == b.tiers[0].used_slots)     # withdrawn as evicted
+        bufs, failed, n = load_all(a, cold)
+        assert failed == {} and n == b.tiers[0].used_slots
+        assert_pages(bufs, cold)
+        held = [k for k in hot if a.contains(k)]
+        assert len(held) > share                 # more than a's share: some sit in slots b gave
+        wait_for(lambda: all(b.lookup([k]).pages == 1 for k in held))
+        sources = [b.lookup([k]).sources[0] for k in held]
+        bufs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in held]
+        h = b.load(held, sources, bufs)
+        assert h.wait(10) and h.failed == {}
+        assert_pages(bufs, held)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_page_stored_the_moment_a_node_starts_is_found_at_once(runtime_dir: str, namespace: bytes,
                                                                  shm_path: str, redis_server: RedisServer) -> None:
     """A node registers before its constructor returns. It did so on its heartbeat thread: until

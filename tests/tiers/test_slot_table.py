@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 from pof_connector.pages.keys import PageKey
 from pof_connector.tiers.slot_table import SlotTable
 
@@ -72,3 +74,30 @@ def test_a_pinned_page_that_is_removed_keeps_its_slot_until_the_last_unpin() -> 
     assert t.used == 1
     got = t.prepare_store(key(3))
     assert got == (slot, None)
+
+
+def test_give_takes_free_slots_first_then_cold_pages_and_adopt_takes_slots_in() -> None:
+    t = SlotTable(range(4))
+    for i in range(3):
+        t.prepare_store(key(i))
+        t.complete_store(key(i), ok=True)
+    now = 100.0 + time.monotonic()
+    assert t.coldest_age(now) == float("inf")        # a free slot: nothing need be evicted
+    t.pin(t.lookup(key(0), touch=False))              # type: ignore[arg-type]  # a reader holds page 0
+    slots, dropped = t.give(3, unused_for=50.0, now=now)
+    assert len(slots) == 3 and [k for k, _ in dropped] == [key(1), key(2)]    # never the pinned one
+    assert t.capacity == 1 and t.lookup(key(1)) is None and t.lookup(key(0)) is not None
+    assert t.adopt(slots[:2]) == 2 and t.capacity == 3 and not t.needs_room()
+
+
+def test_pages_used_lately_are_not_given() -> None:
+    t = SlotTable(range(2))
+    for i in range(2):
+        t.prepare_store(key(i))
+        t.complete_store(key(i), ok=True)
+    now = time.monotonic()
+    assert t.give(2, unused_for=10.0, now=now) == ([], [])
+    age = t.coldest_age(now + 20.0)
+    assert age is not None and 19.0 < age < 21.0
+    unused = t.unused_for(key(0), now + 20.0)
+    assert unused is not None and 19.0 < unused < 21.0 and t.unused_for(key(9), now) is None
