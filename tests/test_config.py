@@ -31,9 +31,11 @@ def test_defaults() -> None:
 def test_full_config_round_trips() -> None:
     raw = {"node_id": "a", "index_url": "redis://127.0.0.1:6379/0", "page_tokens": 64, "namespace": "tenant-1",
            "tiers": {"cpu_dram": {"size": "1GiB"},
-                     "cxl": {"path": "/dev/dax0.0", "size": "64GiB", "partition": 3, "numa_node": 2}}}
+                     "cxl": {"path": "/dev/dax0.0", "size": "64GiB", "partition": 3, "numa_node": 2,
+                             "trade": False}}}
     c = PofConfig.from_mapping(raw)
     assert c.tier("cxl") is not None and c.tier("cxl").partition == 3  # type: ignore[union-attr]
+    assert c.tier("cxl").trade is False  # type: ignore[union-attr]
     assert c.tier("cxl").size == 64 << 30  # type: ignore[union-attr]
     assert [t.medium for t in c.tiers] == ["cpu_dram", "cxl"]
     assert PofConfig.from_mapping(c.to_mapping()) == c
@@ -66,6 +68,7 @@ def test_fabric_section() -> None:
     ({"tiers": {"cpu_dram": {"size": "1GiB", "pinned": True}}}, "tiers.cpu_dram", "size"),
     ({"tiers": {"cxl": {"size": "1GiB"}}}, "tiers.cxl.path", "/dev/dax0.0"),
     ({"tiers": {"cxl": {"size": "1GiB", "path": "/x", "partition": 9}}}, "tiers.cxl.partition", "auto"),
+    ({"tiers": {"cxl": {"size": "1GiB", "path": "/x", "trade": "yes"}}}, "tiers.cxl.trade", "true"),
     ({"tiers": {}}, "tiers", "cpu_dram"),
     ({"heartbeat_s": 2, "node_ttl_s": 1}, "node_ttl_s", "heartbeat_s"),
     ({"node_id": "a b"}, "node_id", "A-Za-z0-9"),

@@ -78,6 +78,9 @@ class TierConfig:
     node); ``None`` leaves placement to the kernel.
     ``device``: peer_hbm only, the torch device holding the region (``cuda:1``; ``cpu`` for tests
     and GPU-less hosts); ``None`` for the other media.
+    ``trade``: cxl only, whether this writer trades slots with the region's other writers (a busy
+    one takes the slots of a neighbour's cold pages, :mod:`pof_connector.tiers.cxl`); ``False``
+    keeps it to the slots it owns.
     """
 
     medium: str
@@ -87,12 +90,13 @@ class TierConfig:
     partitions: int = 8
     numa_node: int | None = None
     device: str | None = None
+    trade: bool = True
 
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d{1,3})?")
 _TIER_KEYS: dict[str, tuple[str, ...]] = {
     "cpu_dram": ("size",),
-    "cxl": ("size", "path", "partition", "partitions", "numa_node"),
+    "cxl": ("size", "path", "partition", "partitions", "numa_node", "trade"),
     "peer_hbm": ("size", "device", "partition", "partitions"),
 }
 
@@ -129,7 +133,11 @@ def _tier(medium: str, options: Any) -> TierConfig:
                           f"/dev/shm/pof.cxl, got {path!r}")
     numa = options.get("numa_node")
     numa_node = None if numa is None else _int(numa, f"{key}.numa_node", lo=0, hi=1023)
-    return TierConfig(medium, size, path, part, partitions, numa_node)
+    trade = options.get("trade", True)
+    if not isinstance(trade, bool):
+        raise ConfigError(f"{key}.trade: expected true or false, got {trade!r}; allowed: true (writers trade slots "
+                          "as their use differs), false (this writer keeps to the slots it owns)")
+    return TierConfig(medium, size, path, part, partitions, numa_node, trade=trade)
 
 
 def _int(value: Any, key: str, lo: int, hi: int | None = None, extra: str = "") -> int:
@@ -370,7 +378,7 @@ class PofConfig:
             opts: dict[str, Any] = {"size": t.size}
             if t.medium == "cxl":
                 opts.update(path=t.path, partition="auto" if t.partition is None else t.partition,
-                            partitions=t.partitions, numa_node=t.numa_node)
+                            partitions=t.partitions, numa_node=t.numa_node, trade=t.trade)
             elif t.medium == "peer_hbm":
                 opts.update(device=t.device, partition="auto" if t.partition is None else t.partition,
                             partitions=t.partitions)

@@ -26,7 +26,8 @@ and live generation zeroed (no reader accepts the old page), then the owner tabl
 writer, then the giver's count of slots given grows; the taker sees the count change and adopts
 the slots it now owns (:meth:`CxlTier.adopt_given`). No slot ever has two writers, and a reader
 still following the old page's index entry misses, as after any eviction. A writer keeps at
-least a quarter of its first share. Regions of version 1 (no owner table) keep fixed partitions.
+least a quarter of its first share. A writer with ``tiers.cxl.trade: false`` neither asks nor
+gives, and regions of version 1 (no owner table) keep fixed partitions.
 The records hold counts and durations, no clock readings, so writers on several hosts that share
 one device can compare them too.
 
@@ -145,6 +146,7 @@ class CxlTier(Tier):
         self._owners: np.ndarray | None = None
         self._trades: np.ndarray | None = None
         own: Sequence[int] = range(self.partition * per, (self.partition + 1) * per)
+        self._trading = config.trade
         if version >= 2 and partitions <= TRADE_PARTITIONS:
             self._owners = np.frombuffer(self._mm, dtype=np.uint16, count=num_slots, offset=gens_at + 8 * num_slots)
             self._trades = np.frombuffer(self._mm, dtype=np.uint64, count=partitions * TRADE_FIELDS,
@@ -198,11 +200,13 @@ class CxlTier(Tier):
 
     @property
     def trades(self) -> bool:
-        """Whether this region's writers trade slots (version 2, at most TRADE_PARTITIONS writers)."""
-        return self._trades is not None
+        """Whether this writer trades slots: ``tiers.cxl.trade`` (on by default) in a region of
+        version 2 with at most TRADE_PARTITIONS partitions."""
+        return self._trades is not None and self._trading
 
     def evicted(self, unused_for: float | None) -> None:
-        if self._trades is not None:
+        # A writer that does not trade never asks: slots given to it would lie unused.
+        if self._trades is not None and self._trading:
             record = self._trades[self.partition]
             record[1] = int((unused_for or 0.0) * 1e9)     # the age first: a count read after it is never ahead
             record[0] = int(record[0]) + 1
@@ -212,7 +216,7 @@ class CxlTier(Tier):
         this writer's coldest page has gone unused long enough (see the module's docstring).
         Returns the taker's partition (-1: none), the slots given and where each page dropped for
         them was (the caller withdraws those from the index)."""
-        if self._trades is None or self._owners is None:
+        if self._trades is None or self._owners is None or not self._trading:
             return -1, 0, []
         now = time.monotonic() if now is None else now
         counts = self._trades[:, 0].tolist()
@@ -240,7 +244,7 @@ class CxlTier(Tier):
 
     def adopt_given(self) -> int:
         """Take in the slots other writers gave this one since the last call; returns how many."""
-        if self._trades is None or self._owners is None:
+        if self._trades is None or self._owners is None or not self._trading:
             return 0
         given = tuple(self._trades[:, 2].tolist())
         if given == self._given_seen:

@@ -4,6 +4,7 @@ hands (a file under /dev/shm stands in for /dev/dax; readers run in other proces
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import struct
 import time
@@ -158,3 +159,20 @@ def test_a_region_of_an_unknown_version_is_refused_and_version_1_keeps_fixed_par
         assert np.array_equal(sorted(old._owned), np.arange(old.partition * per, (old.partition + 1) * per))
     finally:
         old.close()
+
+
+def test_a_writer_that_does_not_trade_neither_asks_nor_gives(shm_path: str, runtime_dir: str) -> None:
+    a = CxlTier(SPEC, config(shm_path), runtime_dir)
+    b = CxlTier(SPEC, dataclasses.replace(config(shm_path), trade=False), runtime_dir)
+    try:
+        assert a.trades and not b.trades
+        fill(a, 0)
+        fill(b, 10_000)
+        write(a, a.capacity_slots)               # a evicts and asks
+        write(b, 10_000 + b.capacity_slots)      # b evicts, and does not ask
+        assert b.balance(time.monotonic() + LATER) == (-1, 0, [])
+        assert a.balance(time.monotonic() + LATER)[1] == 0
+        assert a.adopt_given() == 0 and b.adopt_given() == 0
+    finally:
+        a.close()
+        b.close()
