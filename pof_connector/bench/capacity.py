@@ -91,6 +91,8 @@ STATIC_NAMINGS = 3
 TIER_KV_MULTIPLE = 2
 """Default ``--tier-bytes``: this many times the engines' KV memory, in all (each server's tier holds
 twice its engine's KV cache: enough to keep what the engines evict for a while, not the whole trace)."""
+FIXED_SHARES = "fixed shares"
+"""The ``pof_cost_variants`` label of the pof set-up run with ``tiers.cxl.trade: false``."""
 MIN_RESUME_S = 60.0
 """Left-over time below which no set-up is restarted to search further (a start alone takes about that)."""
 ROUTER_NICE = -10
@@ -168,11 +170,14 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         resolution: float = RESOLUTION, router_nice: int = ROUTER_NICE, audit_rates: tuple[float, ...] = (),
         tier_bytes: int | None = None, trials_per_factor: int | None = None, pass_rule: str = "majority",
         static_namings: int | None = None, router_sched: str = "auto",
-        pof_costs: tuple[tuple[tuple[str, float], ...], ...] = (), interleave: bool = False) -> dict[str, Any]:
+        pof_costs: tuple[tuple[tuple[str, float], ...], ...] = (), interleave: bool = False,
+        fixed_shares: bool = False) -> dict[str, Any]:
     """``audit_rates``: after the set-ups, the pof set-up again with each ``audit.sample_rate``
     (same trace, same SLO): what the audit costs in goodput. ``pof_costs``: after those, the pof
     set-up again with each of these settings of its router's ``cost`` section (an A/B of a
-    routing rule under the same SLO, e.g. ``(("displacement_weight", 0.0),)``). ``time_budget_s``: seconds of trials
+    routing rule under the same SLO, e.g. ``(("displacement_weight", 0.0),)``). ``fixed_shares``:
+    then the pof set-up again with its servers keeping their first shares of the region
+    (``tiers.cxl.trade: false``): what trading slots buys. ``time_budget_s``: seconds of trials
     each set-up's search gets (default :data:`TIME_BUDGET_S` per trial of a factor); ``max_trials``:
     a cap on its factors besides (default: none; ``quick``: 2). ``tier_bytes``: tier memory in all
     (default :data:`TIER_KV_MULTIPLE` x the engines' KV); ``trials_per_factor`` / ``pass_rule``:
@@ -229,7 +234,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     # (search key, set-up, spec): static once per naming, "static" being the bare hash of earlier runs
     runs = [(n if n != "static" or k == 0 else f"static@{k}", n, dataclasses.replace(spec, naming=k))
             for n in setups for k in range(namings if n == "static" else 1)]
-    total_budget = budget * (len(runs) + len(audit_rates) + len(pof_costs))
+    total_budget = budget * (len(runs) + len(audit_rates) + len(pof_costs) + int(fixed_shares))
     plan: dict[str, Any] = {"time_budget_s_per_setup": budget, "time_budget_s_total": total_budget,
             "max_trials": limit, "resolution": resolution, "safety_cap": SAFETY_CAP, "min_resume_s": MIN_RESUME_S,
             "trials_per_factor": repeats, "pass_rule": pass_rule, "static_namings": namings,
@@ -331,6 +336,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
     extra = [(f"audit {rate:g}", "pof", dataclasses.replace(spec, audit_rate=rate)) for rate in audit_rates]
     extra += [(f"pof cost {cost_label(cost)}", "pof", dataclasses.replace(spec, router_cost=cost))
               for cost in pof_costs]
+    if fixed_shares:
+        extra.append((FIXED_SHARES, "pof", dataclasses.replace(spec, region_trade=False)))
     try:
         if interleave:
             done = side_by_side([*runs, *extra], budget)
@@ -339,6 +346,8 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
         results.update({key: done[key] for key, _, _ in runs})
         audits.update({f"{rate:g}": done[f"audit {rate:g}"] for rate in audit_rates})
         variants.update({cost_label(cost): done[f"pof cost {cost_label(cost)}"] for cost in pof_costs})
+        if fixed_shares:
+            variants[FIXED_SHARES] = done[FIXED_SHARES]
         # what the set-ups that ended early left goes to those still passing, the highest first, so
         # the ones that rank highest are the ones measured to the end
         left = total_budget - sum(s.spent_s for s in searches.values())
@@ -398,6 +407,6 @@ def sharing_slowdown(host: list[tuple[int, float, float]]) -> float | None:
     return round(statistics.median(ratios), 2) if ratios else None
 
 
-__all__ = ["PASS_RULES", "QUICK_TIME_BUDGET_S", "RESOLUTION", "SETUPS", "SLO_MULTIPLE", "STATIC_NAMINGS",
-           "TIER_KV_MULTIPLE", "TIME_BUDGET_S", "TRIALS_PER_FACTOR", "bounded_search", "draw", "needs", "prompt_sizes",
-           "run"]
+__all__ = ["FIXED_SHARES", "PASS_RULES", "QUICK_TIME_BUDGET_S", "RESOLUTION", "SETUPS", "SLO_MULTIPLE",
+           "STATIC_NAMINGS", "TIER_KV_MULTIPLE", "TIME_BUDGET_S", "TRIALS_PER_FACTOR", "bounded_search", "draw",
+           "needs", "prompt_sizes", "run"]

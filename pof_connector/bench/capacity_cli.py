@@ -84,7 +84,7 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
                                 audit_rates=tuple(args.audit_rates), pof_costs=tuple(args.pof_cost),
                                 tier_bytes=args.tier_bytes, trials_per_factor=args.trials_per_factor,
                                 pass_rule=args.pass_rule, static_namings=args.static_namings,
-                                interleave=args.side_by_side)
+                                interleave=args.side_by_side, fixed_shares=args.pof_fixed_shares)
     if args.plot is not None:
         result["plot"] = str(args.plot)
     # the run's result leaves first: a table or a plot that fails after it loses nothing
@@ -170,7 +170,9 @@ def print_table(result: dict[str, Any]) -> None:
                   "one alone: the servers share this host's cores, so spreading load over them adds no compute here, "
                   "and a set-up that keeps a server idle gains from it (separate hosts would not behave so)")
     for label, row in result.get("pof_cost_variants", {}).items():
-        out.print(f"pof with cost {label}: goodput {row['goodput_rps']} req/s, "
+        what = ("fixed shares of the region (tiers.cxl.trade: false)" if label == bench_capacity.FIXED_SHARES
+                else f"cost {label}")
+        out.print(f"pof with {what}: goodput {row['goodput_rps']} req/s, "
                   f"{row['vs_pof']}{_bound(row['vs_pof_bound'])} of pof with the defaults")
     for rate, row in result.get("audit", {}).items():
         out.print(f"pof with audit.sample_rate {rate}: goodput {row['goodput_rps']} req/s, "
@@ -252,6 +254,10 @@ def add_capacity_parser(bsub: Any) -> None:
                    help="after the set-ups, pof again with these settings of its router's cost section (e.g. "
                         "displacement_weight=0; repeat for more variants): an A/B of a routing rule, same trace and "
                         "SLO, in pof_cost_variants with vs_pof")
+    p.add_argument("--pof-fixed-shares", action="store_true",
+                   help="after the set-ups, pof again with each server keeping its first share of the shared region "
+                        "(tiers.cxl.trade: false): what trading slots buys, same trace and SLO, in pof_cost_variants "
+                        "as 'fixed shares' with vs_pof")
     p.add_argument("--side-by-side", action="store_true",
                    help="start every set-up's fleet (and each --pof-cost / --audit-rates run) at once and advance "
                         "their searches one load factor at a time in turn, the order rotated each round: on a host "

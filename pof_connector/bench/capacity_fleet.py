@@ -75,13 +75,16 @@ class FleetSpec:
     """``static``'s naming (:func:`~.capacity_setups.static_server`)."""
     router_cost: tuple[tuple[str, float], ...] = ()
     """Settings of the pof router's ``cost`` section (``--pof-cost``); empty: its defaults."""
+    region_trade: bool = True
+    """Whether the pof set-up's servers trade the shared region's slots (``--pof-fixed-shares``: not)."""
 
     def plan(self, setup: str, workdir: Path, index_url: str | None = None, region: str | None = None,
              port: Any = free_port) -> SetupPlan:
         """What ``setup`` starts on this spec (nothing is started)."""
         return plan(setup, servers=self.servers, tier_bytes=self.tier_bytes, block=self.block,
                     max_num_seqs=self.max_num_seqs, runtime_dir=lambda name: str(workdir / f"rt-{name}"),
-                    index_url=index_url, region=region, port=port, audit_rate=self.audit_rate)
+                    index_url=index_url, region=region, port=port, audit_rate=self.audit_rate,
+                    trade=self.region_trade)
 
     def server_args(self, events: str | None) -> list[str]:
         """vLLM flags of every server (``events``: where it publishes its KV events)."""

@@ -133,10 +133,12 @@ def static_server(key: str, naming: int, servers: int) -> int:
 
 
 def plan(setup: str, *, servers: int, tier_bytes: int, block: int, max_num_seqs: int, runtime_dir: Callable[[str], str],
-         index_url: str | None, region: str | None, port: Callable[[], int], audit_rate: float = 0.0) -> SetupPlan:
+         index_url: str | None, region: str | None, port: Callable[[], int], audit_rate: float = 0.0,
+         trade: bool = True) -> SetupPlan:
     """What ``setup`` starts. ``runtime_dir(name)``: a server's runtime directory; ``index_url``: the
     shared index server (for :data:`INDEXED_SETUPS`); ``region``: the shared region's file (``pof``);
-    ``port()``: a free TCP port."""
+    ``port()``: a free TCP port; ``trade``: whether the ``pof`` servers trade the region's slots
+    (``tiers.cxl.trade``; ``False``: each keeps its first share)."""
     if setup not in SETUPS:
         raise ValueError(f"unknown set-up {setup!r}; allowed: {', '.join(SETUPS)}")
     share = tier_share(tier_bytes, servers)
@@ -154,7 +156,7 @@ def plan(setup: str, *, servers: int, tier_bytes: int, block: int, max_num_seqs:
                                 "index_url": index_url if indexed else "embedded",
                                 "tiers": {"cpu_dram": {"size": share}}}
         if setup == "pof":
-            pool["tiers"] = {"cxl": {"path": region, "size": share * servers, "partitions": servers}}
+            pool["tiers"] = {"cxl": {"path": region, "size": share * servers, "partitions": servers, "trade": trade}}
             pool["audit"] = {"sample_rate": audit_rate, "seed": 7}
         events = f"tcp://127.0.0.1:{port()}" if indexed else None
         if events is not None:

@@ -188,6 +188,24 @@ def test_side_by_side_reaches_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path:
         assert seen[-1] is want
 
 
+def test_fixed_shares_reach_the_run_and_the_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    installed(monkeypatch, tmp_path, missing=set())
+    seen: list[bool] = []
+
+    def run(**kw: Any) -> dict[str, Any]:
+        seen.append(kw["fixed_shares"])
+        out = result()
+        out["pof_cost_variants"] = {capacity.FIXED_SHARES: {**out["setups"]["pof"], "vs_pof": 0.9,
+                                                              "vs_pof_bound": None}}
+        return out
+    monkeypatch.setattr(capacity, "run", run)
+    assert main(["bench", "capacity", "--setups", "pof", "--pof-fixed-shares", "--out", str(tmp_path / "c.json")]) == 0
+    assert seen == [True]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pof with fixed shares of the region (tiers.cxl.trade: false): goodput" in out and "0.9 of pof" in out
+
+
 @pytest.mark.parametrize(("value", "says"), [
     ("displacement_weight=-1", "displacement_weight: Input should be greater than or equal to 0"),
     ("tier_gbps=3", "KEY one of prefill_s_per_token, request_overhead_s"),

@@ -4,6 +4,7 @@ region for pof, the routers' flags, the relays, static's namings."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,7 @@ from pof_connector.bench.capacity_setups import (
     static_server,
     tier_share,
 )
+from pof_connector.config import PofConfig
 
 
 def planned(setup: str, servers: int = 2, tier_bytes: int = 1 << 30, audit_rate: float = 0.0):  # type: ignore[no-untyped-def]
@@ -87,10 +89,21 @@ def test_pof_shares_one_region_with_a_writer_partition_each() -> None:
     p = planned("pof", servers=3, audit_rate=0.1)
     tiers = [s.pool["tiers"]["cxl"] for s in p.servers]
     assert {(t["path"], t["size"], t["partitions"]) for t in tiers} == {("/dev/shm/r", 3 * tier_share(1 << 30, 3), 3)}
-    assert [t["partition"] for t in tiers] == [0, 1, 2]
+    assert [t["partition"] for t in tiers] == [0, 1, 2] and all(t["trade"] for t in tiers)
     assert all("partition" not in r.pool["tiers"]["cxl"] and "node_id" not in r.pool for r in p.relays)
     assert all(s.pool["audit"] == {"sample_rate": 0.1, "seed": 7} for s in p.servers)
     assert p.router == "pof" and not any(r.pool_residency for r in p.relays)
+
+
+def test_pof_with_fixed_shares_differs_in_trade_only(tmp_path: Path) -> None:
+    spec = FleetSpec(servers=2, kv_blocks=40, block=128, max_model_len=4096, max_num_seqs=8, tier_bytes=1 << 30)
+    traded = spec.plan("pof", tmp_path, "redis://x", "/dev/shm/r", port=lambda: 1)
+    fixed = dataclasses.replace(spec, region_trade=False).plan("pof", tmp_path, "redis://x", "/dev/shm/r",
+                                                               port=lambda: 1)
+    assert [s.pool["tiers"]["cxl"]["trade"] for s in fixed.servers] == [False, False]
+    for a, b in zip(traded.servers, fixed.servers, strict=True):
+        assert {**a.pool["tiers"]["cxl"], "trade": False} == b.pool["tiers"]["cxl"]
+    assert PofConfig.from_mapping(fixed.servers[0].pool).tier("cxl").trade is False  # type: ignore[union-attr]
 
 
 def test_a_plan_needs_what_it_shares() -> None:
