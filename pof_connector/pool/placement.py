@@ -278,13 +278,8 @@ class Placement:
     def balance_soon(self) -> None:
         """Queue a trade of slots with the other writers of a shared region on the store thread
         (see :mod:`pof_connector.tiers.cxl`), unless one is queued or no tier trades."""
-        if self._balancing.is_set() or not any(t.trades for t in self.own.all):
-            return
-        self._balancing.set()
-        try:
-            self._store.submit(self._balance)
-        except RuntimeError:         # the store thread is shut down: closing
-            pass
+        if any(t.trades for t in self.own.all):
+            self._submit_once(self._balancing, self._balance)
 
     def _balance(self) -> None:
         """On the store thread: give slots to a writer shorter of room; the pages dropped for them
@@ -313,11 +308,17 @@ class Placement:
 
     def maintain_spills_soon(self) -> None:
         """Queue a lease upkeep on the store thread (the spill writer's only thread), unless one is queued."""
-        if self.fabric is None or self.fabric.writer is None or self._maintaining.is_set():
+        if self.fabric is not None and self.fabric.writer is not None:
+            self._submit_once(self._maintaining, self._maintain_spill)
+
+    def _submit_once(self, queued: threading.Event, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` on the store thread unless ``queued`` says it is queued already (``fn``
+        clears it first thing)."""
+        if queued.is_set():
             return
-        self._maintaining.set()
+        queued.set()
         try:
-            self._store.submit(self._maintain_spill)
+            self._store.submit(fn)
         except RuntimeError:         # the store thread is shut down: closing
             pass
 
