@@ -286,7 +286,7 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                      "naming": fleet_spec.naming if name == "static" else None}
             setup_run = SetupRun(fleet, trace, vocab, slo_s, progress, rows.setdefault(key, []),
                                  trials_per_factor=repeats, pass_rule=pass_rule,
-                                 verdicts=verdicts.setdefault(key, []))
+                                 verdicts=verdicts.setdefault(key, []), label=key)
             setup_run.warm_up()
         except BaseException:
             fleet.stop()

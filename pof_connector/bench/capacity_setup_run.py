@@ -26,11 +26,14 @@ class SetupRun:
 
     def __init__(self, fleet: Fleet, trace: list[TraceRequest], vocab: int, slo_s: float, progress: Progress,
                  trials: list[dict[str, Any]] | None = None, *, trials_per_factor: int = 1,
-                 pass_rule: str = "majority", verdicts: list[dict[str, Any]] | None = None) -> None:
+                 pass_rule: str = "majority", verdicts: list[dict[str, Any]] | None = None,
+                 label: str | None = None) -> None:
         """``trials`` / ``verdicts``: the trial rows and factor verdicts of an earlier fleet of this
         set-up, when its search goes on here; ``trials_per_factor`` / ``pass_rule``: see
-        :mod:`.capacity_stats`."""
+        :mod:`.capacity_stats`; ``label``: its name on progress lines (a variant's, such as
+        ``fixed shares``; ``None``: the set-up's)."""
         self.fleet = fleet
+        self.label = label or fleet.setup
         self.trace = trace
         self.vocab = vocab
         self.slo_s = slo_s
@@ -46,7 +49,7 @@ class SetupRun:
         served = warm_up(self.trace, self.fleet.route(self.trace), self.vocab, BLOCK, self.slo_s,
                          variant=-10 - len(self.trials))
         self._quiesce()
-        self.progress(f"  {self.fleet.setup}: warmed up ({served} requests through its front door)")
+        self.progress(f"  {self.label}: warmed up ({served} requests through its front door)")
 
     def trial(self, factor: float) -> bool:
         self._variant += 1
@@ -66,7 +69,7 @@ class SetupRun:
         self.trials.append(row)
         verdict = "meets" if row["passed"] else "misses"
         errors = ", ".join(f"{n} {why}" for why, n in row["errors"].items() if not why.startswith("not sent"))
-        self.progress(f"  {self.fleet.setup} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
+        self.progress(f"  {self.label} x{factor:.3g} ({row['offered_rps']:.2f} req/s): p90 TTFT "
                       f"{row['p90_ttft_s']} s, {row['late']} late, {row['failed']} failed"
                       f"{f' ({errors})' if errors else ''}{', gave up' if trial.gave_up else ''}, "
                       f"{row['preemptions']:.0f} preemptions, spread {row['spread_mean']} "
@@ -79,7 +82,7 @@ class SetupRun:
     def _verdict(self, factor: float, results: list[bool], passed: bool) -> None:
         self.verdicts.append({"factor": round(factor, 4), "trials": results, "passed": passed})
         if self.trials_per_factor > 1:
-            self.progress(f"  {self.fleet.setup} x{factor:.3g}: {sum(results)} of {len(results)} trials met the SLO "
+            self.progress(f"  {self.label} x{factor:.3g}: {sum(results)} of {len(results)} trials met the SLO "
                           f"-> {'passes' if passed else 'fails'} ({self.pass_rule} of {self.trials_per_factor})")
 
     def _work(self, trial: Trial, before: dict[str, float], after: dict[str, float],
@@ -110,7 +113,7 @@ class SetupRun:
         deadline = time.monotonic() + timeout_s
         while not self.fleet.idle():
             if time.monotonic() > deadline:
-                raise BenchError(f"{self.fleet.setup}: the servers still had requests {timeout_s:g} s after a trial")
+                raise BenchError(f"{self.label}: the servers still had requests {timeout_s:g} s after a trial")
             time.sleep(0.5)
         self.fleet.reset_caches()
 
