@@ -57,10 +57,12 @@ from pof_connector.bench.capacity_probe import (
 from pof_connector.bench.capacity_report import SLO_MULTIPLE, draw, merge_namings, setup_row
 from pof_connector.bench.capacity_report import report as _report
 from pof_connector.bench.capacity_search import (
+    BURST,
     RESOLUTION,
     SAFETY_CAP,
     GoodputSearch,
     bounded_search,
+    burst_factor,
     ratio_bound,
     take_turns,
 )
@@ -279,7 +281,12 @@ def run(*, servers: int, quick: bool, trace_file: Path | None, seed: int, model:
                         sorted(n for n, _ in samples), 0.9)))
                 unloaded = nearest_rank(sorted(t for _, t in samples), 0.9)
                 slo_s = SLO_MULTIPLE * unloaded
-                progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g})")
+                progress(f"unloaded p90 TTFT {unloaded:.3f} s -> SLO {slo_s:.3f} s (x{SLO_MULTIPLE:g}); past "
+                         f"x{burst_factor(float(info['span_s']), slo_s):.3g} the whole trace arrives within one SLO")
+            # past the burst factor a faster replay loads the fleet no more: a pass there is a bound
+            search = searches[key]
+            search.cap, search.cap_reason = burst_factor(float(info["span_s"]), slo_s), BURST
+            plan["burst_factor"] = round(search.cap, 4)
             facts = {"router_added_latency_s": router_latency(fleet, vocab),
                      "router_nice": fleet.router.niceness() if fleet.router is not None else None,
                      "index_nice": fleet.index_niceness(), "front_door_sched": fleet.front_door_sched(),

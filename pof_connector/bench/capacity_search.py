@@ -28,6 +28,10 @@ RESOLUTION = 0.1
 RESOLVED = "resolved"
 TIME_BUDGET = "time budget"
 CAP = "safety cap"
+BURST = "burst"
+"""Stop reason of a search capped where the whole trace arrives within one SLO (see
+:func:`burst_factor`): the trace can load the fleet no more, so passing there says only that the
+fleet drains all of it in time."""
 MAX_TRIALS = "max trials"
 
 Clock = Callable[[], float]
@@ -37,10 +41,11 @@ class GoodputSearch:
     """One set-up's search: its trials so far and why it stopped."""
 
     def __init__(self, *, max_trials: int | None = None, resolution: float = RESOLUTION,
-                 cap: float = SAFETY_CAP) -> None:
+                 cap: float = SAFETY_CAP, cap_reason: str = CAP) -> None:
         self.max_trials = max_trials
         self.resolution = resolution
         self.cap = cap
+        self.cap_reason = cap_reason
         self.passed = 0.0
         """The highest passing factor (0: none yet)."""
         self.failed = math.inf
@@ -58,7 +63,7 @@ class GoodputSearch:
         if not self.trials:
             return 1.0
         if math.isinf(self.failed):
-            return self._over(CAP) if self.passed * 2 > self.cap else self.passed * 2
+            return self._over(self.cap_reason) if self.passed * 2 > self.cap else self.passed * 2
         if self.passed == 0.0:
             return self._over(CAP) if self.failed / 2 < 1 / self.cap else self.failed / 2
         mid = math.sqrt(self.passed * self.failed)
@@ -124,6 +129,12 @@ class GoodputSearch:
                            "order": [[round(f, 4), ok] for f, ok in self.trials]}}
 
 
+def burst_factor(span_s: float, slo_s: float) -> float:
+    """The factor past which a trace of ``span_s`` seconds arrives within one SLO (at most
+    :data:`SAFETY_CAP`): beyond it a faster replay loads the fleet no more."""
+    return min(SAFETY_CAP, max(1.0, span_s / slo_s))
+
+
 def take_turns(searches: dict[str, tuple[GoodputSearch, Callable[[float], bool]]], budget_s: float | None,
                clock: Clock = time.monotonic) -> list[str]:
     """Carry several searches on side by side (each with its own trial, a fleet of its own): one
@@ -163,5 +174,5 @@ def ratio_bound(numerator_at_bound: bool, denominator_at_bound: bool) -> str | N
     return "upper" if denominator_at_bound else None
 
 
-__all__ = ["CAP", "MAX_TRIALS", "RESOLUTION", "RESOLVED", "SAFETY_CAP", "TIME_BUDGET", "GoodputSearch",
-           "bounded_search", "ratio_bound"]
+__all__ = ["BURST", "CAP", "MAX_TRIALS", "RESOLUTION", "RESOLVED", "SAFETY_CAP", "TIME_BUDGET", "GoodputSearch",
+           "bounded_search", "burst_factor", "ratio_bound"]

@@ -13,12 +13,14 @@ import pytest
 from pof_connector.bench.capacity_fleet import FleetSpec
 from pof_connector.bench.capacity_report import report, setup_row
 from pof_connector.bench.capacity_search import (
+    BURST,
     CAP,
     MAX_TRIALS,
     RESOLVED,
     SAFETY_CAP,
     TIME_BUDGET,
     GoodputSearch,
+    burst_factor,
     ratio_bound,
     take_turns,
 )
@@ -82,6 +84,19 @@ def test_a_setup_that_fails_at_once_is_halved_then_bisected() -> None:
     s = search(m, None, resolution=0.2)
     assert m.seen[:3] == [1, 0.5, 0.25]
     assert s.stop == RESOLVED and 0.25 <= s.passed <= 0.3 < s.failed <= s.passed * 1.2
+
+
+def test_past_the_burst_factor_the_search_stops_at_a_bound() -> None:
+    """A 116 s trace under a 2.96 s SLO arrives within one SLO from x39 on: a set-up that drains
+    the whole trace in time passes there, and a faster replay would only say so again (a run on
+    the long-context trace went on to x790)."""
+    cap = burst_factor(116.2, 2.96)
+    assert 39 < cap < 40 and burst_factor(1.0, 10.0) == 1.0 and burst_factor(1e9, 1.0) == SAFETY_CAP
+    s = GoodputSearch(cap=cap, cap_reason=BURST).run(lambda f: True, budget_s=None)
+    assert s.stop == BURST and s.passed == 32 and s.at_bound and not s.resumable
+    assert s.summary()["bound_reason"] == BURST
+    t = GoodputSearch(cap=cap, cap_reason=BURST).run(lambda f: f < 20, budget_s=None)
+    assert t.stop == RESOLVED and not t.at_bound          # a set-up that fails below it is measured
 
 
 def test_the_safety_cap_is_reported_as_a_bound_and_the_trial_limit_too() -> None:
