@@ -204,11 +204,7 @@ class Tier(ABC):
         was in it and the next writer stamps a newer generation. Returns the slots and where each
         dropped page was (the caller withdraws them from the index)."""
         slots, dropped = self._books.give(n, unused_for, now)
-        before = {slot: int(self._generations[slot]) for slot in slots}
-        for slot in slots:
-            with self._gen_lock:
-                self._generations[slot] = int(self._generations[slot]) + 1
-            self._set_live_generation(slot, 0)
+        before = {slot: self._bump(slot) - 1 for slot in slots}
         return slots, [(key, SlotRef(slot, before[slot])) for key, slot in dropped]
 
     def adopt_slots(self, slots: Sequence[int]) -> int:
@@ -258,14 +254,16 @@ class Tier(ABC):
         """Grant up to ``n`` free slots to a writer on another node: each slot's generation is
         bumped and its live generation zeroed first, so the writer stamps the page with the
         returned generation (header last) and no reader accepts what was there before."""
-        refs = []
-        for slot in self._books.lend(n):
-            with self._gen_lock:
-                generation = int(self._generations[slot]) + 1
-                self._generations[slot] = generation
-            self._set_live_generation(slot, 0)
-            refs.append(SlotRef(slot, generation))
-        return refs
+        return [SlotRef(slot, self._bump(slot)) for slot in self._books.lend(n)]
+
+    def _bump(self, slot: int) -> int:
+        """Bump ``slot``'s generation and zero its live one (no reader accepts what is there);
+        returns the new generation, which the slot's next page is stamped with."""
+        with self._gen_lock:
+            generation = int(self._generations[slot]) + 1
+            self._generations[slot] = generation
+        self._set_live_generation(slot, 0)
+        return generation
 
     def is_lent(self, slot: int) -> bool:
         """Whether ``slot`` is granted to another node's writer now (its page is not in our books)."""
@@ -277,9 +275,7 @@ class Tier(ABC):
         if not self._books.is_lent(slot):
             return False
         # Invalidate before freeing: once free, our own store may take the slot at once.
-        with self._gen_lock:
-            self._generations[slot] = int(self._generations[slot]) + 1
-        self._set_live_generation(slot, 0)
+        self._bump(slot)
         return self._books.take_back(slot)
 
     def lru_victim(self, tenant: str = DEFAULT_TENANT) -> tuple[PageKey, SlotRef] | None:
