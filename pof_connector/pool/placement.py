@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -217,7 +216,6 @@ class Placement:
             return
         key, ref = victim
         owner = tier.page_tenant(key)
-        unused_for = tier.unused_for(key, time.monotonic())
         # A broken tier is stepped over: the next live one takes the page, and with none left the
         # page spills (a lost CXL region must not turn the tier above it into the last stop).
         below = next((i for i in range(level + 1, len(tiers)) if not self.own.is_broken(tiers[i].medium)), None)
@@ -233,11 +231,10 @@ class Placement:
                 self.log_once("demote", logging.WARNING, "pof: could not move a page down a tier: %s", e)
         elif self.fabric is not None and self.fabric.writer is not None:
             self._spill(tier, key, ref, events)
-        removed = tier.remove(key)
+        removed = tier.evict(key)
         if removed is not None:
             events.append((False, key, Location(self.node_id, tier.medium, removed.slot, removed.generation)))
             self.stats.add("evicted_pages", tier=tier.medium)
-            tier.evicted(unused_for)
 
     def _spill(self, tier: Tier, key: PageKey, ref: SlotRef, events: list[Event]) -> None:
         """The last live tier is full: write its LRU page into a slot another node grants (see

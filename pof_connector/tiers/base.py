@@ -24,6 +24,7 @@ process may write; reads may target any slot of the region.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -238,6 +239,15 @@ class Tier(ABC):
         if not pinned:
             self._invalidate_and_free(at)
         return SlotRef(at, generation)
+
+    def evict(self, key: PageKey) -> SlotRef | None:
+        """:meth:`remove` ``key`` to make room for another page, and tell :meth:`evicted` how
+        long it had gone unused (a tier whose writers trade slots asks for more here)."""
+        unused_for = self._books.unused_for(key, time.monotonic())
+        removed = self.remove(key)
+        if removed is not None:
+            self.evicted(unused_for)
+        return removed
 
     def _invalidate_and_free(self, slot: int) -> None:
         # Invalidate before freeing: once free, our own store may take the slot at once, and a

@@ -176,3 +176,19 @@ def test_a_writer_that_does_not_trade_neither_asks_nor_gives(shm_path: str, runt
     finally:
         a.close()
         b.close()
+
+
+def test_a_writer_that_makes_room_by_evicting_a_page_asks_as_one_that_evicts_inside_a_store(
+        shm_path: str, runtime_dir: str) -> None:
+    a, b = two(shm_path, runtime_dir)
+    try:
+        fill(b, 10_000)
+        fill(a, 0)
+        assert b.balance(time.monotonic() + LATER)[1] == 0          # a evicted nothing yet
+        assert a.evict(key(0)) is not None and a.find(key(0)) is None     # the Placement path: room first
+        assert a.evict(key(0)) is None                              # gone already
+        taker, given, _ = b.balance(time.monotonic() + LATER)
+        assert (taker, given) == (a.partition, a.first_share // TRADE_STEPS)
+    finally:
+        a.close()
+        b.close()
