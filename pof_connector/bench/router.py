@@ -65,6 +65,11 @@ Progress = Callable[[str], None]
 BLOCK = 128
 NEEDS: list[Need] = [VLLM, Need("the stock routers", VLLM_ROUTER.package, binary="vllm-router")]
 METRICS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total")
+ENGINE_TIMES = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                "prefill": "vllm:request_prefill_time_seconds"}
+"""The engines' own histograms of a request's time (from its arrival at the API server): what they
+say of a pass against the client's TTFT tells the routers' time apart from the engines'."""
+COUNTED = (*METRICS, *(f"{h}_{part}" for h in ENGINE_TIMES.values() for part in ("sum", "count")))
 
 
 @dataclass(frozen=True)
@@ -154,10 +159,10 @@ def _drive(url: str, work: Workload, clients: int, rate: float,
 
 
 def _counters(servers: list[VllmServer]) -> dict[str, float]:
-    out = dict.fromkeys(METRICS, 0.0)
+    out = dict.fromkeys(COUNTED, 0.0)
     for s in servers:
         m = s.metrics()
-        for k in METRICS:
+        for k in COUNTED:
             out[k] += m.get(k, 0.0)
     return out
 
@@ -173,6 +178,8 @@ class PhaseRun:
     pool_hit_tokens: int
     engine_hit_tokens: int
     wall_s: float
+    engine_s: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
+    """Per :data:`ENGINE_TIMES` key, (seconds summed, requests) over both servers in this pass."""
 
 
 def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clients: int, rate: float,
@@ -184,13 +191,17 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
     progress(f"  {name}: {len(work.prompts)} requests, {how} ...")
     ttfts, answers, headers, wall = _drive(url, work, clients, rate, seed)
     after = _counters(servers)
-    delta = {k: after[k] - before[k] for k in METRICS}
+    delta = {k: after[k] - before[k] for k in COUNTED}
+    engine_s = {key: (delta[f"{h}_sum"], int(delta[f"{h}_count"])) for key, h in ENGINE_TIMES.items()}
     run = PhaseRun(ttfts, answers, headers, pool_hit_tokens=int(delta["vllm:external_prefix_cache_hits_total"]),
-                   engine_hit_tokens=int(delta["vllm:prefix_cache_hits_total"]), wall_s=wall)
+                   engine_hit_tokens=int(delta["vllm:prefix_cache_hits_total"]), wall_s=wall, engine_s=engine_s)
     row = summarize([run], work)
     routing = row.get("routing")
     progress(f"  {name}: mean TTFT {row['mean_ttft_s']:.3f} s, p90 {row['p90_ttft_s']:.3f} s, hit rate "
              f"{row['hit_rate']:.3f} ({row['hit_vs_first_touch_bound']} of the bound)"
+             + (f"; engines' TTFT {row['engine']['ttft_mean_s']:.3f} s (queue {row['engine']['queue_mean_s']:.3f}, "
+                f"prefill {row['engine']['prefill_mean_s']:.3f}), outside them {row['outside_engine_mean_s']:.3f} s"
+                if "engine" in row else "")
              + (f"; router's own time p50 {routing['overhead_p50_ms']} ms, p99 {routing['overhead_p99_ms']} ms"
                 if routing else ""))
     return run
@@ -212,6 +223,10 @@ def summarize(runs: list[PhaseRun], work: Workload) -> dict[str, Any]:
            "pool_hit_tokens": sum(r.pool_hit_tokens for r in runs),
            "engine_hit_tokens": sum(r.engine_hit_tokens for r in runs),
            "wall_s": round(sum(r.wall_s for r in runs), 2)}
+    engine = engine_means(runs)
+    if engine is not None:
+        row["engine"] = engine
+        row["outside_engine_mean_s"] = round(statistics.fmean(ttfts) - engine["ttft_mean_s"], 4)
     if len(runs) > 1:
         row["mean_ttft_s_by_round"] = [round(statistics.fmean(r.ttfts), 4) for r in runs]
     # kept so that a later reading can pair requests across routers (request i of every router
@@ -221,6 +236,20 @@ def summarize(runs: list[PhaseRun], work: Workload) -> dict[str, Any]:
     if routing:
         row["routing"] = routing
     return row
+
+
+def engine_means(runs: list[PhaseRun]) -> dict[str, float] | None:
+    """The engines' mean time per request over ``runs``, per :data:`ENGINE_TIMES` key
+    (``<key>_mean_s``); ``None`` when a pass has no reading or the engines counted another number
+    of first tokens than it sent requests (a mean over other requests than the client's)."""
+    if not runs or any(not r.engine_s or r.engine_s["ttft"][1] != len(r.ttfts) for r in runs):
+        return None
+    out = {}
+    for key in ENGINE_TIMES:
+        total = sum(r.engine_s[key][0] for r in runs)
+        count = sum(r.engine_s[key][1] for r in runs)
+        out[f"{key}_mean_s"] = round(total / count, 4) if count else 0.0
+    return out
 
 
 def rank(rounds: list[dict[str, PhaseRun]], work: Workload) -> dict[str, Any]:
@@ -316,7 +345,9 @@ def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress:
                    "hit rate = (engine prefix-cache + connector hits) / prompt tokens; ratio_vs_best_ci95: paired "
                    "bootstrap over the requests (same indices for every router within a round), not over "
                    "rounds; goal_verdict: met when the whole interval is <= goal, not met when it is above, "
-                   "else undecided")
+                   "else undecided; engine: the servers' own mean time per request from its arrival at their API "
+                   "server (vllm:time_to_first_token_seconds, request_queue_time, request_prefill_time), "
+                   "outside_engine_mean_s: the client's mean TTFT minus the engines' (router, proxy, HTTP)")
     return out
 
 

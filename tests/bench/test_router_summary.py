@@ -5,10 +5,12 @@ them need vLLM, which runs in the vllm-marked tests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pof_connector.bench import BenchError
-from pof_connector.bench.router import STOCK, PhaseRun, Workload, rank, round_order, routing_summary, run
+from pof_connector.bench.router import STOCK, PhaseRun, Workload, engine_means, rank, round_order, routing_summary, run
 
 
 def test_summary_of_pof_router_headers() -> None:
@@ -97,3 +99,17 @@ def test_each_router_gets_every_place_in_a_round_as_often_over_six_rounds() -> N
     for o in orders:
         places = sorted(o.index(n) for n in STOCK)
         assert places[-1] - places[0] == 2
+
+
+def test_the_engines_time_is_told_apart_from_the_time_outside_them() -> None:
+    engine = {"ttft": (0.06, 2), "queue": (0.02, 2), "prefill": (0.03, 2)}
+    runs = [PhaseRun([0.05, 0.07], ["x"] * 2, [{}] * 2, pool_hit_tokens=0, engine_hit_tokens=0, wall_s=1.0,
+                     engine_s=engine)] * 2
+    assert engine_means(runs) == {"ttft_mean_s": 0.03, "queue_mean_s": 0.01, "prefill_mean_s": 0.015}
+    r = {n: runs[0] for n in (*STOCK, "pof")}
+    row = rank([r, r], _work())["policies"]["pof"]
+    assert row["engine"]["ttft_mean_s"] == 0.03 and row["outside_engine_mean_s"] == 0.03
+    # a pass whose engines counted other requests than the client sent (one failed) has no reading
+    short = dataclasses.replace(runs[0], engine_s={**engine, "ttft": (0.03, 1)})
+    assert engine_means([runs[0], short]) is None and engine_means([_pass([0.1])]) is None
+    assert "engine" not in rank([{n: _pass([0.1, 0.1]) for n in (*STOCK, "pof")}], _work())["policies"]["pof"]
