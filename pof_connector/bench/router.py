@@ -182,8 +182,27 @@ class PhaseRun:
     """Per :data:`ENGINE_TIMES` key, (seconds summed, requests) over both servers in this pass."""
 
 
+WARM_UP_REQUESTS = 24
+"""Requests each router serves before its measured pass, from tenants of their own: a fresh pair of
+servers, its router and (for pof) the relays and the pool pay for their first requests what later
+ones do not (a 2026-12-06 pass of pof that ran first on new servers had five requests of 0.9-1.3 s
+among its first ten, and a mean TTFT 2.6x its round's best)."""
+
+
+def warm_up_workload(tokenize: Callable[[str], list[int]], work_seed: int, *, system_tokens: int,
+                     hot_share: float) -> Workload:
+    """:data:`WARM_UP_REQUESTS` requests of four tenants whose system prompts share no block with
+    the measured workload's (another seed draws their words), so the warm-up fills no cache that
+    the measured pass could hit; repeats of those prompts warm the hit path (and pof's pool loads)."""
+    return make_workload(tokenize, tenants=4, system_tokens=system_tokens, requests=WARM_UP_REQUESTS,
+                         hot_share=hot_share, seed=work_seed + 1_000_003)
+
+
 def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clients: int, rate: float,
-           seed: int, progress: Progress) -> PhaseRun:
+           seed: int, progress: Progress, warm: Workload | None = None) -> PhaseRun:
+    if warm is not None:
+        _drive(url, warm, clients, rate, seed + 1)
+        progress(f"  {name}: warmed up ({len(warm.prompts)} requests of other tenants)")
     for s in servers:
         s.reset_prefix_cache()
     before = _counters(servers)
@@ -369,12 +388,13 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool 
     Tokenizer.from_file(str(model_dir / "tokenizer.json"))    # fail early on a model without tokenizer.json
     work = make_workload(tokenize, tenants=tenants, system_tokens=spec.system_tokens, requests=requests,
                          hot_share=spec.hot_share, seed=seed)
-    max_len = max(4096, max(len(t) for t in work.tokens) + 64)
+    warm = warm_up_workload(tokenize, seed, system_tokens=spec.system_tokens, hot_share=spec.hot_share)
+    max_len = max(4096, max(len(t) for t in (*work.tokens, *warm.tokens)) + 64)
     blocks = spec.kv_tokens // BLOCK
     tmp = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/tmp"))
     bed = _Bed(model_dir=model_dir, tmp=tmp, max_len=max_len, work=work, clients=clients, rate=rate, seed=seed,
                common=["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max(clients, 2))],
-               rr=rr, progress=progress)
+               rr=rr, progress=progress, warm=warm)
     how = f"Poisson arrivals at {rate:g}/s" if rate > 0 else f"{clients} closed-loop clients"
     progress(f"workload: {requests} requests, {tenants} tenants (hot share {spec.hot_share}), system prompts "
              f"~{spec.system_tokens} tokens, {how}; KV {blocks * BLOCK} tokens per server")
@@ -398,7 +418,8 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool 
         "goal_verdict": goal_verdict(ranked["ratio_vs_best_ci95"], spec.goal),
         "first_touch_bound_hit_rate": round(work.first_touch_bound() / prompt_tokens, 4),
         "workload": {**dataclasses.asdict(spec), "prompt_tokens": prompt_tokens,
-                     "kv_tokens_per_server": blocks * BLOCK, "seed": seed, "model": str(model_dir)},
+                     "kv_tokens_per_server": blocks * BLOCK, "seed": seed, "model": str(model_dir),
+                     "warm_up_requests": len(warm.prompts)},
     }
 
 
@@ -417,13 +438,15 @@ class _Bed:
     """vLLM flags of every server (KV size, batch)."""
     rr: bool
     progress: Progress
+    warm: Workload | None = None
+    """Served through each router before its measured pass (:func:`warm_up_workload`)."""
 
     def front_door(self, pid: int | None) -> None:
         if self.rr and pid is not None:
             make_realtime(pid)
 
     def phase(self, name: str, url: str, servers: list[VllmServer]) -> PhaseRun:
-        return _phase(name, url, servers, self.work, self.clients, self.rate, self.seed, self.progress)
+        return _phase(name, url, servers, self.work, self.clients, self.rate, self.seed, self.progress, self.warm)
 
 
 def round_order(r: int) -> list[str]:

@@ -10,7 +10,20 @@ import dataclasses
 import pytest
 
 from pof_connector.bench import BenchError
-from pof_connector.bench.router import STOCK, PhaseRun, Workload, engine_means, rank, round_order, routing_summary, run
+from pof_connector.bench.router import (
+    BLOCK,
+    STOCK,
+    WARM_UP_REQUESTS,
+    PhaseRun,
+    Workload,
+    engine_means,
+    make_workload,
+    rank,
+    round_order,
+    routing_summary,
+    run,
+    warm_up_workload,
+)
 
 
 def test_summary_of_pof_router_headers() -> None:
@@ -113,3 +126,21 @@ def test_the_engines_time_is_told_apart_from_the_time_outside_them() -> None:
     short = dataclasses.replace(runs[0], engine_s={**engine, "ttft": (0.03, 1)})
     assert engine_means([runs[0], short]) is None and engine_means([_pass([0.1])]) is None
     assert "engine" not in rank([{n: _pass([0.1, 0.1]) for n in (*STOCK, "pof")}], _work())["policies"]["pof"]
+
+
+def test_the_warm_up_shares_no_block_with_the_measured_workload() -> None:
+    def tokenize(text: str) -> list[int]:                # one token a character
+        return [ord(c) for c in text]
+
+    work = make_workload(tokenize, tenants=3, system_tokens=300, requests=20, hot_share=0.5, seed=7)
+    warm = warm_up_workload(tokenize, 7, system_tokens=300, hot_share=0.5)
+    assert len(warm.prompts) == WARM_UP_REQUESTS and len(set(warm.tenants)) > 1
+
+    def blocks(tokens: list[int]) -> set[tuple[int, ...]]:       # chained: a block stands for its prefix
+        return {tuple(tokens[:end]) for end in range(BLOCK, len(tokens) + 1, BLOCK)}
+
+    measured = set().union(*(blocks(t) for t in work.tokens))
+    warmed = set().union(*(blocks(t) for t in warm.tokens))
+    assert measured and warmed and not measured & warmed
+    # its prompts repeat tenants' system prompts, so the hit path is warmed too
+    assert Workload(warm.prompts, warm.tokens, warm.tenants).first_touch_bound() > 0
