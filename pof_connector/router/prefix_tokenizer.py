@@ -37,8 +37,8 @@ SEARCH_CHARS = 256
 
 class PrefixTokenizer:
     """``tokenizers.Tokenizer`` ``tok`` as a function of text to ids (special tokens added, as the
-    engine adds them to a completions prompt), caching leading text when ``tok`` allows it
-    (:attr:`cached`)."""
+    engine adds them to a completions prompt, unless ``special_tokens`` is false: a rendered chat
+    prompt), caching leading text when ``tok`` allows it (:attr:`cached`)."""
 
     def __init__(self, tok: Any, *, block_chars: int = BLOCK_CHARS, max_tokens: int = MAX_TOKENS) -> None:
         self.tok = tok
@@ -61,19 +61,20 @@ class PrefixTokenizer:
         self.cached = ends is not None
         self._pre, self._post = ends or ([], [])
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, text: str, special_tokens: bool = True) -> list[int]:
         if not self.cached:
-            return list(self.tok.encode(text, add_special_tokens=True).ids)
+            return list(self.tok.encode(text, add_special_tokens=special_tokens).ids)
         looked = self._looked
         cuts, at, head = looked[1:] if looked[0] is text else self._look(text)
         enc = self.tok.encode(text[at:] if at else text, add_special_tokens=False)
         # One list for the answer (special ids, the cached head, the rest): each copy of a
         # 3,000-token list costs a few microseconds, and this was four of them.
-        pre = len(self._pre)
-        out = self._pre.copy()
+        out = self._pre.copy() if special_tokens else []
+        pre = len(out)
         out += head
         out += enc.ids
-        out += self._post
+        if special_tokens:
+            out += self._post
         for c in cuts:
             if c > at:
                 # the ids before cut c: the tokens before the first of the piece that starts at its

@@ -17,8 +17,10 @@ computed closes the backend connection, so the engine aborts the request.
 
 Prompt tokens: token-id prompts are used as given; text prompts are tokenized locally with the
 model's ``tokenizer.json`` (:class:`~pof_connector.router.tokenizer_source.TokenizerSource`),
-chat messages by a backend's ``POST /tokenize`` (vLLM's; exact, chat template included). Without
-tokens the request still goes through, to the least loaded backend.
+chat requests rendered with the model's chat template and tokenized locally too
+(:class:`~pof_connector.router.chat_prompt.ChatPrompt`), or, those it does not render, by a backend's
+``POST /tokenize`` (vLLM's; exact, chat template included). Without tokens the request still goes
+through, to the least loaded backend.
 
 Every routed answer says how it was routed: ``x-pof-backend``, ``x-pof-reason`` (policy),
 ``x-pof-route-reason`` (why this node, :attr:`Decision.route
@@ -77,6 +79,9 @@ from pof_connector.router.tokenizer_source import TokenizerSource
 
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
+TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                        "chat_template", "chat_template_kwargs", "tools", "media_io_kwargs", "mm_processor_kwargs")
+"""What a chat request's ``/tokenize`` carries of it: the fields of vLLM's ``TokenizeChatRequest``."""
 INLINE_TOKENIZE_CHARS = 2048
 """Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
 longer ones on a thread, so one huge prompt does not stall every other request."""
@@ -105,7 +110,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
     cfg = router.config
     gate = InlineGate()
     metrics = ProxyMetrics(router, gate)
-    tokens_source = TokenizerSource(cfg.tokenizer if tokenizer is None else "backend")
+    tokens_source = TokenizerSource(cfg.tokenizer if tokenizer is None else "backend", cfg.chat_template)
     if tokenizer is not None:
         tokens_source.tokenizer, tokens_source.origin = tokenizer, "local"
     state: dict[str, httpx.AsyncClient] = {}       # health, /metrics, /tokenize, /v1/models
@@ -157,19 +162,28 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
                 return None, "none"
             local = tokens_source.tokenizer
             if local is not None:
-                # Short prompts in the event loop: a thread hop costs more than they do (so does a
-                # long one whose leading text the tokenizer has cached).
-                if len(prompt) <= INLINE_TOKENIZE_CHARS or (isinstance(local, PrefixTokenizer) and
-                                                            local.uncached_chars(prompt) <= INLINE_TOKENIZE_CHARS):
-                    return local(prompt), "local"
-                return await asyncio.to_thread(local, prompt), "local"
+                return await local_ids(local, prompt, True), "local"
             got = await tokenize(router, state["client"], {"model": body.get("model"), "prompt": prompt})
             return got, "backend" if got is not None else "none"
         messages = body.get("messages")
         if not isinstance(messages, list) or text_length(messages) > cfg.max_tokenize_chars:
             return None, "none"
-        got = await tokenize(router, state["client"], {"model": body.get("model"), "messages": messages})
+        chat, local = tokens_source.chat, tokens_source.tokenizer
+        if chat is not None and isinstance(local, PrefixTokenizer) and (rendered := chat.render(body)) is not None:
+            return await local_ids(local, *rendered), "local"
+        ask = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
+        got = await tokenize(router, state["client"], ask)
         return got, "backend" if got is not None else "none"
+
+    async def local_ids(local: Tokenizer, text: str, special_tokens: bool) -> list[int]:
+        """``text``'s ids from the local tokenizer (``special_tokens``: added, as for a completions
+        prompt). Short texts in the event loop: a thread hop costs more than they do (so does a
+        long one whose leading text the tokenizer has cached)."""
+        if isinstance(local, PrefixTokenizer):
+            if len(text) <= INLINE_TOKENIZE_CHARS or local.uncached_chars(text) <= INLINE_TOKENIZE_CHARS:
+                return local(text, special_tokens)
+            return await asyncio.to_thread(local, text, special_tokens)
+        return local(text) if len(text) <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(local, text)
 
     async def proxy(request: Request, path: str, *, route_by_prompt: bool = True) -> Response:
         """Forward ``request`` to the backend the router picks, routing on the prompt when

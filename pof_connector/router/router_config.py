@@ -108,6 +108,9 @@ class RouterConfig(_Frozen):
                                                      "always ask a backend's /tokenize; None: the tokenizer.json "
                                                      "in the model directory the backends serve (their "
                                                      "/v1/models root), else a backend's /tokenize")
+    chat_template: str | None = Field(None, description="a Jinja file the backends render chat requests with "
+                                                         "(their --chat-template); None: the model directory's "
+                                                         "own template (that of 'tokenizer')")
     request_timeout_s: float = Field(600.0, gt=0)
     max_body_bytes: int = Field(64 << 20, ge=1 << 10, description="larger request bodies are refused (413) "
                                                                   "before they are read whole")

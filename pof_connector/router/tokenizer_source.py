@@ -13,11 +13,16 @@ so the router tokenizes completions prompts itself:
   the log;
 - ``tokenizer: backend``: always a backend's ``/tokenize``.
 
-Chat messages always go to a backend's ``/tokenize``: the chat template is the engine's to apply.
+Chat requests are rendered with the same model directory's chat template (config
+``chat_template``: the backends' own ``--chat-template`` file instead) and tokenized here too
+(:class:`~pof_connector.router.chat_prompt.ChatPrompt`); those it does not render, and every one
+without a local tokenizer, go to a backend's ``/tokenize``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 from pathlib import Path
 
@@ -25,6 +30,7 @@ import httpx
 
 from pof_connector.config import ConfigError
 from pof_connector.locality.locator import Tokenizer, hf_tokenizer
+from pof_connector.router.chat_prompt import ChatPrompt
 from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 
 log = logging.getLogger("pof.router")
@@ -33,10 +39,19 @@ BACKEND = "backend"
 
 
 class TokenizerSource:
-    def __init__(self, setting: str | None) -> None:
+    def __init__(self, setting: str | None, chat_template: str | None = None) -> None:
         self.setting = setting
         self.tokenizer: Tokenizer | None = None
         """The local tokenizer; ``None``: ask a backend."""
+        self.chat: ChatPrompt | None = None
+        """Renders chat requests for :attr:`tokenizer`; ``None``: a backend tokenizes them."""
+        self._template: str | None = None
+        if chat_template is not None:
+            try:
+                self._template = Path(chat_template).read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"chat_template: cannot read {chat_template!r} ({e}); give the Jinja file the "
+                                  f"backends run with (--chat-template), or null for the model's own") from None
         self.origin = "backend"
         """'local:<path>' or 'backend' (header ``x-pof-tokens``, ``/pof/backends``)."""
         self.settled = setting is not None
@@ -49,6 +64,7 @@ class TokenizerSource:
                                   f"tokenizer.json, the file itself, '{BACKEND}' or null") from None
             self.origin = f"local:{setting}"
             log.info("pof router: text prompts are tokenized locally with %s", setting)
+            self.chat = ChatPrompt.load(_model_dir(setting), self._template)
 
     async def discover(self, client: httpx.AsyncClient, urls: list[str]) -> None:
         """Try the backends' model directory (``tokenizer: null``); settles after the first
@@ -73,8 +89,19 @@ class TokenizerSource:
                     self.origin = f"local:{path}"
                     log.info("pof router: text prompts are tokenized locally with %s/tokenizer.json (the "
                              "backends' model)", path)
+                    # transformers takes seconds to import: off the event loop, which serves meanwhile
+                    self.chat = await asyncio.to_thread(ChatPrompt.load, str(path), self._template)
+                    # What the import built lives as long as the process: out of the collector's
+                    # sight, as serve.py freezes what start-up built.
+                    gc.freeze()
                     return
             log.warning("pof router: no local tokenizer (the backends serve %s, which holds no tokenizer.json "
                         "on this host); text prompts are tokenized by a backend's /tokenize, a round trip per "
                         "request: set 'tokenizer: DIR' in the router config to avoid it", roots or "no model")
             return
+
+
+def _model_dir(path: str) -> str:
+    """The model directory of a ``tokenizer`` setting (a directory, or a tokenizer.json in one)."""
+    p = Path(path)
+    return str(p if p.is_dir() else p.parent)

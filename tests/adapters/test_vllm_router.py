@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,9 @@ from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config
 from pof_connector.index.server import RedisServer
 from pof_connector.locality.engine_load import MetricsPage, read_engine_load
-from pof_connector.locality.locator import load_tokenizer
+from pof_connector.locality.locator import hf_tokenizer, load_tokenizer
+from pof_connector.router.chat_prompt import ChatPrompt
+from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from tests.adapters.server_workdir import server_workdir
 from tests.adapters.test_vllm import DTYPE
 
@@ -45,6 +48,16 @@ def workload(seed: int, tenants: int, turns: int, system_tokens: int) -> list[tu
         for t in order:
             out.append((t, systems[t] + [rnd.randrange(3, 1900) for _ in range(rnd.randrange(20, 90))]))
     return out
+
+
+def chat_bodies(system: str) -> list[dict[str, Any]]:
+    """Chat requests of the shapes `pof router` renders itself (tests/router/test_chat_prompt.py)."""
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": "héllo — what is 日本?"}]
+    longer = [*turns, {"role": "assistant", "content": "a country"},
+              {"role": "user", "content": "and x * 2?", "name": "ann"}]
+    return [{"messages": turns}, {"messages": longer}, {"messages": longer, "add_generation_prompt": False},
+            {"messages": longer[:3], "add_generation_prompt": False, "continue_final_message": True},
+            {"messages": turns, "add_special_tokens": True}]
 
 
 def complete(url: str, prompt: list[int]) -> tuple[str, list[int]]:
@@ -120,6 +133,25 @@ def test_requests_land_where_their_prefix_lives(workdir: Path, redis_server: Red
             assert r.headers["x-pof-tokens"] == "local" and r.headers["x-pof-route-reason"] == "no-prefix"
             assert int(r.headers["x-pof-kv-need-blocks"]) == -(-(len(local) + 4) // 128)
             assert int(r.headers["x-pof-kv-free-blocks"]) > 0 and float(r.headers["x-pof-router-overhead"]) < 1.0
+        # chat requests: rendered with the model's template and tokenized as vLLM does (its
+        # /tokenize runs the renderer of its chat endpoint), then routed on those tokens
+        chat, tok = ChatPrompt.load(str(model)), PrefixTokenizer(hf_tokenizer(str(model)))
+        assert chat is not None
+        for body in chat_bodies(text):
+            rendered = chat.render(body)
+            assert rendered is not None, body
+            assert tok(*rendered) == servers["a"].post("/tokenize", {"model": "m", **body})["tokens"], body
+        chat_body = {"model": "m", "messages": chat_bodies(text)[0]["messages"], "max_tokens": 4, "temperature": 0}
+        deadline = time.monotonic() + 120        # the router imports transformers after finding the model
+        while True:
+            req = urllib.request.Request(router.url + "/v1/chat/completions", data=json.dumps(chat_body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                assert r.status == 200
+                if r.headers["x-pof-tokens"] == "local":
+                    break
+            assert time.monotonic() < deadline, router.tail()
+            time.sleep(0.5)
     finally:
         if router is not None:
             router.stop()

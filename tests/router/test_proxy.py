@@ -46,6 +46,7 @@ class StandInEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.prompts: list[Any] = []
         self.tokenized = 0
+        self.tokenize_bodies: list[dict[str, Any]] = []
         self.aborted = 0          # slow requests whose client went away (vLLM aborts those)
         self.metrics_text: str | None = None
         """What ``/metrics`` answers (vLLM's Prometheus text); ``None``: 404."""
@@ -95,6 +96,7 @@ class StandInEngine:
         async def tokenize(request: Request) -> dict[str, Any]:
             body = await request.json()
             self.tokenized += 1
+            self.tokenize_bodies.append(body)
             text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
             return {"tokens": [ord(c) for c in text], "count": len(text)}
 
