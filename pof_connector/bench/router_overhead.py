@@ -5,7 +5,10 @@ pages of a few long system prompts in it (so the router's lookup finds holders),
 stand-ins for vLLM servers (:mod:`pof_connector.bench.stand_in_engine`: they answer at once), and
 `pof router` itself as a subprocess, with the local tokenizer of the ``tiny`` model. A client
 sends text prompts of about ``prompt_tokens`` tokens (a tenant's system prompt and a short
-question), then the same prompts as token ids, one at a time and from ``concurrency`` clients.
+question), then the same prompts as token ids, as chat requests (the system prompt and the
+question as two messages, which the router renders with the model's chat template), one at a
+time, and the text prompts from ``concurrency`` clients. The pool nodes hold each tenant's system
+prompt both as a completions prompt and as the chat rendering's leading tokens.
 
 The router says what it spent per request (headers ``x-pof-router-overhead`` and
 ``x-pof-router-stages``: parse, tokenize, lookup, choose, proxy); the client's time to the first
@@ -35,10 +38,12 @@ from pof_connector.bench.vllm_server import build_model
 from pof_connector.config import PofConfig
 from pof_connector.index import redis_index
 from pof_connector.index.server import RedisServer
-from pof_connector.locality.locator import Tokenizer, load_tokenizer
+from pof_connector.locality.locator import Tokenizer, hf_tokenizer, load_tokenizer
 from pof_connector.pages.keys import Namespace
 from pof_connector.pages.layout import PageSpec
 from pof_connector.pool import Pool
+from pof_connector.router.chat_prompt import ChatPrompt
+from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.stage_clock import parse_header
 
 Progress = Callable[[str], None]
@@ -49,6 +54,7 @@ TENANTS = 4
 QUESTION_WORDS = 60
 """Words of a request's own question after its tenant's system prompt (about 100 tokens)."""
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 class Sample:
@@ -91,7 +97,8 @@ def _prompts(tokenize: Tokenizer, count: int, prompt_tokens: int, seed: int) -> 
 
 
 def _pools(index_url: str, workdir: Path, n: int, systems: list[list[int]]) -> list[Pool]:
-    """``n`` pool nodes; tenant ``t``'s system prompt pages are held by node ``t % n``."""
+    """``n`` pool nodes; the pages of ``systems[i]`` (tenant ``i % TENANTS``'s) are held by node
+    ``(i % TENANTS) % n``."""
     ns = Namespace(MODEL, "bfloat16", "mha", SPEC).digest
     seg = [np.zeros(SPEC.segment_bytes, np.uint8)] * SPEC.num_layers
     pools = []
@@ -102,8 +109,8 @@ def _pools(index_url: str, workdir: Path, n: int, systems: list[list[int]]) -> l
         pools.append(Pool(cfg, SPEC, ns, meta={"engine": "stand-in", "model": MODEL}))
     reader = redis_index(index_url, None)
     try:
-        for t, tokens in enumerate(systems):
-            pool = pools[t % n]
+        for i, tokens in enumerate(systems):
+            pool = pools[(i % TENANTS) % n]
             keys = pool.keys_for(tokens)
             pool.store([(k, seg) for k in keys]).result()
             deadline = time.monotonic() + 10
@@ -129,9 +136,9 @@ def _ping(index_url: str, n: int) -> dict[str, float]:
         r.close()
 
 
-def _send(conn: http.client.HTTPConnection, body: bytes) -> Sample:
+def _send(conn: http.client.HTTPConnection, path: str, body: bytes) -> Sample:
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    conn.request("POST", path, body, {"content-type": "application/json"})
     resp = conn.getresponse()
     ttfb = time.perf_counter() - t0
     sample = Sample(ttfb, resp.headers)
@@ -141,9 +148,9 @@ def _send(conn: http.client.HTTPConnection, body: bytes) -> Sample:
     return sample
 
 
-def _drive(url: str, bodies: list[bytes], concurrency: int, warmup: int) -> list[Sample]:
-    """Send ``bodies`` from ``concurrency`` clients, each on one kept-alive connection; the first
-    ``warmup`` answers of each are left out."""
+def _drive(url: str, bodies: list[bytes], concurrency: int, warmup: int, path: str = COMPLETIONS) -> list[Sample]:
+    """POST ``bodies`` to ``path`` from ``concurrency`` clients, each on one kept-alive connection;
+    the first ``warmup`` answers of each are left out."""
     host = urlsplit(url)
     out: list[Sample] = []
     lock = threading.Lock()
@@ -151,7 +158,7 @@ def _drive(url: str, bodies: list[bytes], concurrency: int, warmup: int) -> list
     def client(mine: list[bytes]) -> None:
         conn = http.client.HTTPConnection(host.hostname or "127.0.0.1", host.port, timeout=30)
         try:
-            got = [_send(conn, b) for b in mine]
+            got = [_send(conn, path, b) for b in mine]
         finally:
             conn.close()
         with lock:
@@ -183,6 +190,19 @@ def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt
     progress(f"prompts: {requests} of ~{prompt_tokens} tokens ({model_dir})")
     systems, texts = _prompts(tokenize, requests, prompt_tokens, seed)
     ids = [tokenize(t) for t in texts]
+    chat = ChatPrompt.load(str(model_dir))
+    if chat is None:
+        raise RuntimeError(f"{model_dir} has no chat template (or transformers is missing): the chat run needs one")
+    questions = [t[len(systems[i % TENANTS]):] for i, t in enumerate(texts)]
+    chat_bodies = [json.dumps({"model": MODEL, "messages": [{"role": "system", "content": systems[i % TENANTS]},
+                                                           {"role": "user", "content": q}],
+                               "max_tokens": 8, "stream": True}).encode() for i, q in enumerate(questions)]
+    chat_ids = PrefixTokenizer(hf_tokenizer(str(model_dir)))
+    chat_systems = []
+    for system in systems:
+        rendered = chat.render({"messages": [{"role": "system", "content": system}], "add_generation_prompt": False})
+        assert rendered is not None
+        chat_systems.append(chat_ids(*rendered))
     text_bodies = [json.dumps({"model": MODEL, "prompt": t, "max_tokens": 8, "stream": True}).encode() for t in texts]
     id_bodies = [json.dumps({"model": MODEL, "prompt": i, "max_tokens": 8, "stream": True}).encode() for i in ids]
     warmup = min(50, max(requests // 10, 1))
@@ -194,7 +214,7 @@ def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt
         router: RouterProcess | None = None
         try:
             progress(f"index {redis.url}; {backends} pool nodes, {backends} stand-in engines")
-            pools = _pools(redis.url, work, backends, [tokenize(s) for s in systems])
+            pools = _pools(redis.url, work, backends, [tokenize(s) for s in systems] + chat_systems)
             config = {"index_url": redis.url, "model": MODEL, "tokenizer": str(model_dir),
                       "health": {"interval_s": 1.0},
                       "backends": [{"name": f"e{i}", "url": u, "node_id": f"node-{i}"}
@@ -205,12 +225,14 @@ def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt
             router.wait_healthy(router.url + "/health", 60, interval_s=0.2)
             time.sleep(1.0)              # its first /metrics readings of the engines
             runs: dict[str, Any] = {}
-            plan = (("text", router.url, text_bodies, 1), ("ids", router.url, id_bodies, 1),
-                    (f"text_c{concurrency}", router.url, text_bodies, concurrency),
-                    ("text_direct", engines.urls[0], text_bodies, 1))
-            for name, url, bodies, clients in plan:
+            plan = (("text", router.url, text_bodies, 1, COMPLETIONS), ("ids", router.url, id_bodies, 1, COMPLETIONS),
+                    ("chat", router.url, chat_bodies, 1, CHAT),
+                    (f"text_c{concurrency}", router.url, text_bodies, concurrency, COMPLETIONS),
+                    ("text_direct", engines.urls[0], text_bodies, 1, COMPLETIONS))
+            for name, url, bodies, clients, path in plan:
                 progress(f"{name}: {len(bodies)} requests from {clients} client(s)")
-                runs[name] = _summary(_drive(url, bodies, clients, warmup if clients == 1 else warmup // clients))
+                runs[name] = _summary(_drive(url, bodies, clients, warmup if clients == 1 else warmup // clients,
+                                             path))
             hop = runs["text"]["ttfb_s"]["p50"] - runs["text_direct"]["ttfb_s"]["p50"]
             return {"setup": {"requests": requests, "backends": backends, "pool_nodes": backends,
                               "concurrency": concurrency, "prompt_tokens_mean": float(np.mean([len(i) for i in ids])),

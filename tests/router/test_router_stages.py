@@ -68,8 +68,12 @@ def test_bench_router_overhead_runs(tmp_path: Path) -> None:
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
-    assert set(result["runs"]) == {"text", "ids", "text_c2", "text_direct"}
+    assert set(result["runs"]) == {"text", "ids", "chat", "text_c2", "text_direct"}
     text = result["runs"]["text"]
     assert set(text["stages_s"]) == set(STAGES) and {"p50", "p99"} <= set(text["overhead_s"])
     assert text["routes"].get("prefix-holder", 0) > 0        # the lookup found the pages the pool nodes hold
+    # chat requests too: the router rendered and tokenized them as the pool nodes' chat pages were
+    # (the stand-ins have no /tokenize to ask)
+    chat = result["runs"]["chat"]
+    assert set(chat["stages_s"]) == set(STAGES) and chat["routes"].get("prefix-holder", 0) == chat["requests"]
     assert {"p50", "p99"} <= set(result["index_ping_s"]) and "proxy_hop_p50_s" in result
