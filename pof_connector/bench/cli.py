@@ -254,7 +254,7 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
-    names = ("model", "tenants", "system_tokens", "requests", "rate", "clients", "hot_share", "kv_tokens")
+    names = ("model", "tenants", "system_tokens", "requests", "rate", "clients", "hot_share", "kv_tokens", "api")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     result = bench_router.run(workloads=args.workload, overrides=overrides, seed=args.seed, progress=progress,
                               rounds=args.rounds)
@@ -413,6 +413,9 @@ def add_parser(sub: Any) -> None:
     router.add_argument("--clients", type=int, help="closed-loop clients when --rate is 0 (default 4)")
     router.add_argument("--hot-share", type=float, help="the hot tenant's share (default 0.7)")
     router.add_argument("--kv-tokens", type=int, help="KV cache tokens per server (default 12288 / 6144)")
+    router.add_argument("--api", choices=("completions", "chat"),
+                        help="send text prompts to /v1/completions, or the same words as a system and a user "
+                             "message to /v1/chat/completions (default completions)")
     router.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     router.add_argument("--rounds", type=int, default=1,
                         help="passes of every router over the same requests, each on fresh servers, the stock "

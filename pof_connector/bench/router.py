@@ -57,7 +57,14 @@ from pof_connector.bench.needs import VLLM, VLLM_ROUTER, Need, check
 from pof_connector.bench.router_process import RouterProcess
 from pof_connector.bench.router_stats import goal_verdict, ratio_interval
 from pof_connector.bench.service_process import ServiceProcess
-from pof_connector.bench.vllm_server import VllmServer, build_model, connector_config, free_port, stream_completion
+from pof_connector.bench.vllm_server import (
+    VllmServer,
+    build_model,
+    connector_config,
+    free_port,
+    stream_chat,
+    stream_completion,
+)
 from pof_connector.index.server import RedisServer
 from pof_connector.router.stage_clock import parse_header
 
@@ -72,11 +79,20 @@ say of a pass against the client's TTFT tells the routers' time apart from the e
 COUNTED = (*METRICS, *(f"{h}_{part}" for h in ENGINE_TIMES.values() for part in ("sum", "count")))
 
 
+Messages = list[dict[str, str]]
+ChatTokens = Callable[[Messages], list[int]]
+"""A chat request's prompt token ids, as the engine renders and tokenizes its messages."""
+
+
 @dataclass(frozen=True)
 class Workload:
     prompts: list[str]
     tokens: list[list[int]]
+    """Each request's prompt token ids (a chat request's: its messages rendered)."""
     tenants: list[int]
+    chats: list[Messages] | None = None
+    """The requests as chat messages (``--api chat``): the tenant's system prompt as a system
+    message, the request's own words as the user's; ``None``: completions of :attr:`prompts`."""
 
     def first_touch_bound(self) -> int:
         """Prompt tokens a perfect cluster cache serves: each tenant's first request computes its
@@ -97,7 +113,8 @@ class Workload:
 
 
 def make_workload(tokenize: Callable[[str], list[int]], *, tenants: int, system_tokens: int, requests: int,
-                  hot_share: float, seed: int) -> Workload:
+                  hot_share: float, seed: int, chat: ChatTokens | None = None) -> Workload:
+    """``chat``: send the requests as chat messages, tokenized by it (``None``: completions)."""
     rnd = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
 
@@ -112,8 +129,13 @@ def make_workload(tokenize: Callable[[str], list[int]], *, tenants: int, system_
     systems = [f"System prompt of tenant {t}. " + words(system_tokens) for t in range(tenants)]
     weights = [hot_share] + [(1 - hot_share) / (tenants - 1)] * (tenants - 1)
     chosen = rnd.choices(range(tenants), weights=weights, k=requests)
-    prompts = [f"{systems[t]}\nUser {i}: {words(rnd.randrange(40, 120))}\nAnswer:" for i, t in enumerate(chosen)]
-    return Workload(prompts, [tokenize(p) for p in prompts], chosen)
+    asks = [f"User {i}: {words(rnd.randrange(40, 120))}" for i in range(requests)]
+    prompts = [f"{systems[t]}\n{ask}\nAnswer:" for t, ask in zip(chosen, asks, strict=True)]
+    if chat is None:
+        return Workload(prompts, [tokenize(p) for p in prompts], chosen)
+    chats = [[{"role": "system", "content": systems[t]}, {"role": "user", "content": ask}]
+             for t, ask in zip(chosen, asks, strict=True)]
+    return Workload(prompts, [chat(m) for m in chats], chosen, chats)
 
 
 def _drive(url: str, work: Workload, clients: int, rate: float,
@@ -135,7 +157,7 @@ def _drive(url: str, work: Workload, clients: int, rate: float,
 
         def one(i: int) -> None:
             time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8, headers=headers[i])
+            ttfts[i], answers[i] = _send(url, work, i, headers[i])
 
         with ThreadPoolExecutor(len(work.prompts)) as ex:
             for f in [ex.submit(one, i) for i in range(len(work.prompts))]:
@@ -150,12 +172,19 @@ def _drive(url: str, work: Workload, clients: int, rate: float,
                 i = next(nxt, None)
             if i is None:
                 return
-            ttfts[i], answers[i] = stream_completion(url, work.prompts[i], max_tokens=8, headers=headers[i])
+            ttfts[i], answers[i] = _send(url, work, i, headers[i])
 
     with ThreadPoolExecutor(clients) as ex:
         for f in [ex.submit(client) for _ in range(clients)]:
             f.result()
     return ttfts, answers, headers, time.perf_counter() - t0
+
+
+def _send(url: str, work: Workload, i: int, headers: dict[str, str]) -> tuple[float, str]:
+    """Request ``i`` of ``work``, streamed: (TTFT, the answer's text)."""
+    if work.chats is not None:
+        return stream_chat(url, work.chats[i], max_tokens=8, headers=headers)
+    return stream_completion(url, work.prompts[i], max_tokens=8, headers=headers)
 
 
 def _counters(servers: list[VllmServer]) -> dict[str, float]:
@@ -190,12 +219,12 @@ among its first ten, and a mean TTFT 2.6x its round's best)."""
 
 
 def warm_up_workload(tokenize: Callable[[str], list[int]], work_seed: int, *, system_tokens: int,
-                     hot_share: float) -> Workload:
+                     hot_share: float, chat: ChatTokens | None = None) -> Workload:
     """:data:`WARM_UP_REQUESTS` requests of four tenants whose system prompts share no block with
     the measured workload's (another seed draws their words), so the warm-up fills no cache that
     the measured pass could hit; repeats of those prompts warm the hit path (and pof's pool loads)."""
     return make_workload(tokenize, tenants=4, system_tokens=system_tokens, requests=WARM_UP_REQUESTS,
-                         hot_share=hot_share, seed=work_seed + 1_000_003)
+                         hot_share=hot_share, seed=work_seed + 1_000_003, chat=chat)
 
 
 def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clients: int, rate: float,
@@ -324,6 +353,8 @@ class WorkloadSpec:
     """Issue 42's bound on pof's mean TTFT / the best stock policy's on this workload."""
     clients: int = 4
     hot_share: float = 0.7
+    api: str = "completions"
+    """'completions' (text prompts) or 'chat' (:attr:`Workload.chats`)."""
 
 
 WORKLOADS = {
@@ -386,9 +417,10 @@ def run_workload(spec: WorkloadSpec, *, seed: int, progress: Progress, rr: bool 
     model_dir = model_path(spec.model)
     tokenize = load_tokenizer(str(model_dir), special_tokens=True)
     Tokenizer.from_file(str(model_dir / "tokenizer.json"))    # fail early on a model without tokenizer.json
+    chat = _chat_tokens(model_dir) if spec.api == "chat" else None
     work = make_workload(tokenize, tenants=tenants, system_tokens=spec.system_tokens, requests=requests,
-                         hot_share=spec.hot_share, seed=seed)
-    warm = warm_up_workload(tokenize, seed, system_tokens=spec.system_tokens, hot_share=spec.hot_share)
+                         hot_share=spec.hot_share, seed=seed, chat=chat)
+    warm = warm_up_workload(tokenize, seed, system_tokens=spec.system_tokens, hot_share=spec.hot_share, chat=chat)
     max_len = max(4096, max(len(t) for t in (*work.tokens, *warm.tokens)) + 64)
     blocks = spec.kv_tokens // BLOCK
     tmp = Path(tempfile.mkdtemp(prefix="pof-bench-router-", dir="/tmp"))
@@ -622,6 +654,26 @@ def _own_cores(i: int) -> dict[str, str]:
 
 def _check_tokenizer(server: VllmServer, work: Workload) -> None:
     """The router tokenizes locally: it must agree with the engine, or it routes on wrong keys."""
-    theirs = server.post("/tokenize", {"model": "m", "prompt": work.prompts[0]})["tokens"]
+    ask = {"prompt": work.prompts[0]} if work.chats is None else {"messages": work.chats[0]}
+    theirs = server.post("/tokenize", {"model": "m", **ask})["tokens"]
     if theirs != work.tokens[0]:
         raise BenchError("the local tokenizer disagrees with the engine's /tokenize")
+
+
+def _chat_tokens(model_dir: Path) -> ChatTokens:
+    """A chat request's tokens as `pof router` renders and tokenizes them (checked against the
+    engine's by :func:`_check_tokenizer`)."""
+    from pof_connector.locality.locator import hf_tokenizer
+    from pof_connector.router.chat_prompt import ChatPrompt
+    from pof_connector.router.prefix_tokenizer import PrefixTokenizer
+
+    chat = ChatPrompt.load(str(model_dir))
+    if chat is None:
+        raise BenchError(f"--api chat: {model_dir} has no chat template, or transformers is missing")
+    tok = PrefixTokenizer(hf_tokenizer(str(model_dir)))
+
+    def tokens(messages: Messages) -> list[int]:
+        rendered = chat.render({"messages": messages})
+        assert rendered is not None, "a system and a user message of plain text always render"
+        return tok(*rendered)
+    return tokens

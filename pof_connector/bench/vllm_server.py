@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +162,22 @@ def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
                             "stream": True, "ignore_eos": True}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    return _stream(url + "/v1/completions", body, lambda choice: choice.get("text", ""), chunk_times, headers)
+
+
+def stream_chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16,
+                headers: dict[str, str] | None = None) -> tuple[float, str]:
+    """:func:`stream_completion` for a chat request of ``messages``. Its first token is the first
+    chunk with content, as ``vllm bench serve`` counts it (vLLM's first chunk names the role)."""
+    body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "ignore_eos": True}
+    return _stream(url + "/v1/chat/completions", body,
+                   lambda choice: (choice.get("delta") or {}).get("content") or "", None, headers)
+
+
+def _stream(url: str, body: dict[str, Any], piece_of: Callable[[dict[str, Any]], str],
+            chunk_times: list[float] | None, headers: dict[str, str] | None) -> tuple[float, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft, text = 0.0, []
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -173,7 +187,10 @@ def stream_completion(url: str, prompt: list[int] | str, max_tokens: int = 16,
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            piece = json.loads(line[6:])["choices"][0].get("text", "")
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            piece = piece_of(choices[0])
+            if not piece and "delta" in choices[0]:
+                continue                # a chat chunk without content (the role, the finish reason)
             if not ttft:
                 ttft = time.perf_counter() - t0
             if chunk_times is not None:

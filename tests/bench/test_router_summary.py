@@ -144,3 +144,23 @@ def test_the_warm_up_shares_no_block_with_the_measured_workload() -> None:
     assert measured and warmed and not measured & warmed
     # its prompts repeat tenants' system prompts, so the hit path is warmed too
     assert warm.first_touch_bound() > 0
+
+
+def test_a_chat_workload_sends_the_same_words_as_a_system_and_a_user_message() -> None:
+    def tokenize(text: str) -> list[int]:                # one token a character
+        return [ord(c) for c in text]
+
+    def chat(messages: list[dict[str, str]]) -> list[int]:     # a template of its own: role, then content
+        return tokenize("".join(f"<{m['role']}>{m['content']}" for m in messages))
+
+    text = make_workload(tokenize, tenants=3, system_tokens=300, requests=20, hot_share=0.5, seed=7)
+    work = make_workload(tokenize, tenants=3, system_tokens=300, requests=20, hot_share=0.5, seed=7, chat=chat)
+    assert text.chats is None and work.chats is not None and work.tenants == text.tenants
+    for prompt, messages, tokens in zip(text.prompts, work.chats, work.tokens, strict=True):
+        system, user = messages
+        assert (system["role"], user["role"]) == ("system", "user") and tokens == chat(messages)
+        assert prompt == f"{system['content']}\n{user['content']}\nAnswer:"
+    # a tenant's requests share its system message: the bound counts their hits
+    assert work.first_touch_bound() > 0
+    warm = warm_up_workload(tokenize, 7, system_tokens=300, hot_share=0.5, chat=chat)
+    assert warm.chats is not None and len(warm.chats) == WARM_UP_REQUESTS
