@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pof_connector.index import LocalityIndex, NodeInfo
+from pof_connector.index import IndexUnavailable, LocalityIndex, NodeInfo
 from pof_connector.index.base import MEDIA
 from pof_connector.index.reach import ENGINE, Run, gather_runs, reach_media
 from pof_connector.locality.engine_load import EngineLoad
@@ -37,6 +37,8 @@ from pof_connector.pages.keys import PageKey, page_keys
 Tokenizer = Callable[[str], list[int]]
 ENGINE_MEDIUM = ENGINE
 """The medium of an engine's own prefix cache in the index (published by `pof relay`)."""
+MAX_STALE_TTLS = 10
+"""How many ``nodes_ttl_s`` a node list may be old and still answered while the next is read."""
 REMOTE = "remote"
 """The ``usable`` tier of pages a node reads from other nodes' tiers over the fabric."""
 
@@ -112,6 +114,8 @@ class Locator:
         self.tokenizers = dict(tokenizers or {})
         self._nodes_ttl_s = nodes_ttl_s
         self._nodes: tuple[float, list[NodeInfo]] = (-1e9, [])
+        self._refreshing = False
+        """A thread is reading the node list (:meth:`nodes`)."""
         self._lock = threading.Lock()
         self._page_keys = PageKeyCache()
         """Page keys per shared prefix: most prompts begin with a system prompt seen before."""
@@ -119,13 +123,39 @@ class Locator:
         """The last node list read (:meth:`nodes` keeps one list for ``nodes_ttl_s``)."""
 
     def nodes(self, *, fresh: bool = False) -> list[NodeInfo]:
-        """Live nodes, cached for ``nodes_ttl_s``. Raises ``IndexUnavailable``."""
+        """Live nodes, read at most every ``nodes_ttl_s``. Raises ``IndexUnavailable``.
+
+        A list older than that is still answered while a thread reads the next one: reading it
+        takes three round trips, which a router paid on every other request at 3 requests/s,
+        and a lookup reads the nodes' leases itself, so a list read late only misses a node
+        that joined since. A list older than :data:`MAX_STALE_TTLS` ``nodes_ttl_s`` (the index
+        was unreachable, or no one asked), and every list when ``fresh``, is read before
+        answering."""
         with self._lock:
             stamp, cached = self._nodes
-            if fresh or time.monotonic() - stamp > self._nodes_ttl_s:
-                cached = self.index.nodes()
-                self._nodes = (time.monotonic(), cached)
+            age = time.monotonic() - stamp
+            if not fresh and age <= self._nodes_ttl_s:
+                return cached
+            if not fresh and age <= self._nodes_ttl_s * MAX_STALE_TTLS:
+                if not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(target=self._refresh, name="pof-locator-nodes", daemon=True).start()
+                return cached
+            cached = self.index.nodes()
+            self._nodes = (time.monotonic(), cached)
             return cached
+
+    def _refresh(self) -> None:
+        """Read the node list for :meth:`nodes` (on its own thread)."""
+        try:
+            got = self.index.nodes()
+        except IndexUnavailable:
+            return              # the next lookup meets the same error, and its caller falls back
+        finally:
+            with self._lock:
+                self._refreshing = False
+        with self._lock:
+            self._nodes = (time.monotonic(), got)
 
     def view(self, nodes: list[NodeInfo]) -> NodeView:
         """``nodes`` read (the same view while the same list comes back)."""

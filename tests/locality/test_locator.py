@@ -3,6 +3,7 @@ count, private ones of other nodes do not) and engine residency published under 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -144,3 +145,38 @@ def test_a_chain_split_over_nodes_counts_whole(redis_server: RedisServer, runtim
         for pool in (p, q, r):
             pool.close()
         reader.close()
+
+
+def test_a_late_node_list_is_answered_while_the_next_is_read_off_the_callers_path(cluster: dict[str, Any]) -> None:
+    class Counting:
+        """The index, counting its node-list reads and the threads they ran on."""
+
+        def __init__(self, index: RedisIndex) -> None:
+            self.index = index
+            self.reads: list[str] = []
+
+        def nodes(self) -> list[NodeInfo]:
+            self.reads.append(threading.current_thread().name)
+            return self.index.nodes()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.index, name)
+
+    index = Counting(cluster["index"])
+    loc = Locator(index, nodes_ttl_s=0.2)       # type: ignore[arg-type]
+    first = loc.nodes()                          # the first list: read before answering
+    assert [n.node_id for n in first] and index.reads == [threading.current_thread().name]
+    assert loc.nodes() is first and len(index.reads) == 1          # within the ttl: no read
+    time.sleep(0.25)
+    assert loc.nodes() is first                  # late: the same list at once ...
+    deadline = time.monotonic() + 5
+    while loc.nodes() is first:                  # ... and the next one, read on a thread
+        assert time.monotonic() < deadline, index.reads
+        time.sleep(0.01)
+    assert index.reads[1] == "pof-locator-nodes" and len(index.reads) == 2
+    assert loc.locate(cluster["tokens"]).nodes["a"].held == {"cpu_dram": 96}
+    # past ten ttls (an index unreachable that long, or no one asking): read before answering
+    time.sleep(2.1)
+    loc.nodes()
+    assert index.reads[-1] == threading.current_thread().name and len(index.reads) == 3
+    assert loc.nodes(fresh=True) is not None and len(index.reads) == 4
