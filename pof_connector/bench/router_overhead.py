@@ -8,7 +8,10 @@ sends text prompts of about ``prompt_tokens`` tokens (a tenant's system prompt a
 question), then the same prompts as token ids, as chat requests (the system prompt and the
 question as two messages, which the router renders with the model's chat template), one at a
 time, and the text prompts from ``concurrency`` clients. The pool nodes hold each tenant's system
-prompt both as a completions prompt and as the chat rendering's leading tokens.
+prompt both as a completions prompt and as the chat rendering's leading tokens. A last run sends
+``paced_requests`` text prompts one at a time at ``paced_rate`` per second, as the router bench's
+workloads arrive: between requests the host idles, and each request then pays for waking the
+index server and for cold caches, which requests sent back to back do not.
 
 The router says what it spent per request (headers ``x-pof-router-overhead`` and
 ``x-pof-router-stages``: parse, tokenize, lookup, choose, proxy); the client's time to the first
@@ -55,6 +58,7 @@ QUESTION_WORDS = 60
 """Words of a request's own question after its tenant's system prompt (about 100 tokens)."""
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+PACED_WARMUP = 5
 
 
 class Sample:
@@ -148,9 +152,11 @@ def _send(conn: http.client.HTTPConnection, path: str, body: bytes) -> Sample:
     return sample
 
 
-def _drive(url: str, bodies: list[bytes], concurrency: int, warmup: int, path: str = COMPLETIONS) -> list[Sample]:
-    """POST ``bodies`` to ``path`` from ``concurrency`` clients, each on one kept-alive connection;
-    the first ``warmup`` answers of each are left out."""
+def _drive(url: str, bodies: list[bytes], concurrency: int, warmup: int, path: str = COMPLETIONS,
+           rate: float = 0.0) -> list[Sample]:
+    """POST ``bodies`` to ``path`` from ``concurrency`` clients, each on one kept-alive connection
+    (``rate`` > 0: each client starts a request every 1 / ``rate`` seconds, else at once after the
+    last); the first ``warmup`` answers of each are left out."""
     host = urlsplit(url)
     out: list[Sample] = []
     lock = threading.Lock()
@@ -158,7 +164,12 @@ def _drive(url: str, bodies: list[bytes], concurrency: int, warmup: int, path: s
     def client(mine: list[bytes]) -> None:
         conn = http.client.HTTPConnection(host.hostname or "127.0.0.1", host.port, timeout=30)
         try:
-            got = [_send(conn, path, b) for b in mine]
+            got = []
+            for b in mine:
+                started = time.perf_counter()
+                got.append(_send(conn, path, b))
+                if rate > 0:
+                    time.sleep(max(0.0, 1 / rate - (time.perf_counter() - started)))
         finally:
             conn.close()
         with lock:
@@ -182,7 +193,8 @@ def _summary(samples: list[Sample]) -> dict[str, Any]:
 
 
 def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt_tokens: int = 2900,
-        model: str | None = None, seed: int = 7, progress: Progress = lambda _: None) -> dict[str, Any]:
+        model: str | None = None, seed: int = 7, paced_requests: int = 150, paced_rate: float = 3.0,
+        progress: Progress = lambda _: None) -> dict[str, Any]:
     import json
 
     model_dir = Path(model) if model else build_model("tiny")
@@ -233,8 +245,14 @@ def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt
                 progress(f"{name}: {len(bodies)} requests from {clients} client(s)")
                 runs[name] = _summary(_drive(url, bodies, clients, warmup if clients == 1 else warmup // clients,
                                              path))
+            if paced_requests > 0:
+                name = f"text_paced_{paced_rate:g}_per_s"
+                paced = text_bodies[:paced_requests + PACED_WARMUP]
+                progress(f"{name}: {len(paced)} requests at {paced_rate:g}/s from 1 client")
+                runs[name] = _summary(_drive(router.url, paced, 1, PACED_WARMUP, rate=paced_rate))
             hop = runs["text"]["ttfb_s"]["p50"] - runs["text_direct"]["ttfb_s"]["p50"]
             return {"setup": {"requests": requests, "backends": backends, "pool_nodes": backends,
+                              "paced_requests": paced_requests, "paced_rate": paced_rate,
                               "concurrency": concurrency, "prompt_tokens_mean": float(np.mean([len(i) for i in ids])),
                               "tenants": TENANTS, "warmup_per_client": warmup, "model": str(model_dir)},
                     "index_ping_s": _ping(redis.url, 1000), "runs": runs, "proxy_hop_p50_s": hop}

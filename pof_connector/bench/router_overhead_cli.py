@@ -18,7 +18,7 @@ def _ms(q: dict[str, float], key: str) -> str:
 def cmd_bench_router_overhead(args: argparse.Namespace) -> int:
     result = bench_overhead.run(requests=args.requests, backends=args.backends, concurrency=args.concurrency,
                                 prompt_tokens=args.prompt_tokens, model=args.model, seed=args.seed,
-                                progress=progress)
+                                paced_requests=args.paced_requests, paced_rate=args.paced_rate, progress=progress)
     if args.json:
         print_json(result)
         return 0
@@ -54,4 +54,9 @@ def add_router_overhead_parser(bsub: Any) -> None:
     p.add_argument("--prompt-tokens", type=int, default=2900, help="tokens per text prompt (default 2900)")
     p.add_argument("--model", metavar="DIR", help="model directory of the tokenizer (default: the local 'tiny')")
     p.add_argument("--seed", type=int, default=7, help="prompt seed (default 7)")
+    p.add_argument("--paced-requests", type=int, default=150,
+                   help="text prompts of the last run, sent one at a time at --paced-rate (0: no such run; "
+                        "default 150)")
+    p.add_argument("--paced-rate", type=float, default=3.0,
+                   help="requests per second of the paced run, as `pof bench router`'s cheap workload (default 3)")
     p.set_defaults(handler=cmd_bench_router_overhead)

@@ -64,11 +64,13 @@ def test_prefix_tokenizer_is_exact() -> None:
 def test_bench_router_overhead_runs(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "pof_connector.cli", "bench", "router-overhead", "--json",
-                          "--requests", "50", "--backends", "2", "--concurrency", "2"],
+                          "--requests", "50", "--backends", "2", "--concurrency", "2", "--paced-requests", "6",
+                          "--paced-rate", "20"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
-    assert set(result["runs"]) == {"text", "ids", "chat", "text_c2", "text_direct"}
+    assert set(result["runs"]) == {"text", "ids", "chat", "text_c2", "text_direct", "text_paced_20_per_s"}
+    assert result["runs"]["text_paced_20_per_s"]["requests"] == 6
     text = result["runs"]["text"]
     assert set(text["stages_s"]) == set(STAGES) and {"p50", "p99"} <= set(text["overhead_s"])
     assert text["routes"].get("prefix-holder", 0) > 0        # the lookup found the pages the pool nodes hold
