@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from pof_connector.router.chat_prompt import ChatPrompt
 from pof_connector.router.prefix_tokenizer import PrefixTokenizer
 from pof_connector.router.proxy import make_app
 from pof_connector.router.serve import build
-from tests.router.test_proxy import StandInEngine, router_config
+from tests.router.test_proxy import StandInEngine, engines, router_config  # noqa: F401  (fixture)
 
 SYSTEM = "you are a careful helper who answers in one line " * 40
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello world, what is new"}]
@@ -43,14 +42,6 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(str(out))
     return out
-
-
-@pytest.fixture
-def engines() -> Iterator[dict[str, StandInEngine]]:
-    es = {n: StandInEngine(n).start() for n in ("a", "b")}
-    yield es
-    for e in es.values():
-        e.stop()
 
 
 def test_a_chat_request_is_rendered_and_tokenized_as_the_engine_does(chat_model: Path) -> None:
@@ -92,7 +83,7 @@ def test_what_the_router_does_not_render_is_left_to_a_backend(chat_model: Path, 
 
 
 def test_chat_requests_are_tokenized_in_the_router_and_others_by_a_backend_with_their_fields(
-        engines: dict[str, StandInEngine], chat_model: Path) -> None:
+        engines: dict[str, StandInEngine], chat_model: Path) -> None:  # noqa: F811
     for e in engines.values():
         e.model_root = str(chat_model)
     router, _ = build(router_config(engines, policy="least_loaded"))
@@ -119,7 +110,8 @@ def test_chat_requests_are_tokenized_in_the_router_and_others_by_a_backend_with_
 
 
 def test_the_backends_own_chat_template_file_or_none(
-        engines: dict[str, StandInEngine], chat_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        engines: dict[str, StandInEngine], chat_model: Path, tmp_path: Path,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
     own = tmp_path / "template.jinja"
     own.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
     router, _ = build(router_config(engines, policy="least_loaded", tokenizer=str(chat_model),
