@@ -82,6 +82,8 @@ _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
                         "chat_template", "chat_template_kwargs", "tools", "media_io_kwargs", "mm_processor_kwargs")
 """What a chat request's ``/tokenize`` carries of it: the fields of vLLM's ``TokenizeChatRequest``."""
+INLINE_RENDER_MESSAGES = 64
+"""Chat requests of up to this many messages are rendered on the event loop, longer ones on a thread."""
 INLINE_TOKENIZE_CHARS = 2048
 """Text prompts up to this long are tokenized on the event loop (about a millisecond or less);
 longer ones on a thread, so one huge prompt does not stall every other request."""
@@ -169,8 +171,13 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
         if not isinstance(messages, list) or text_length(messages) > cfg.max_tokenize_chars:
             return None, "none"
         chat, local = tokens_source.chat, tokens_source.tokenizer
-        if chat is not None and isinstance(local, PrefixTokenizer) and (rendered := chat.render(body)) is not None:
-            return await local_ids(local, *rendered), "local"
+        if chat is not None and isinstance(local, PrefixTokenizer):
+            # Rendering walks every message: a long conversation (or a hostile list of empty
+            # messages, which the length check lets through) renders on a thread.
+            rendered = chat.render(body) if len(messages) <= INLINE_RENDER_MESSAGES else \
+                await asyncio.to_thread(chat.render, body)
+            if rendered is not None:
+                return await local_ids(local, *rendered), "local"
         ask = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
         got = await tokenize(router, state["client"], ask)
         return got, "backend" if got is not None else "none"

@@ -101,6 +101,11 @@ def test_chat_requests_are_tokenized_in_the_router_and_others_by_a_backend_with_
             r = client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 4})
             assert r.headers["x-pof-tokens"] == "local"
         assert sum(e.tokenized for e in engines.values()) == asked        # no /tokenize round trip
+        # a long conversation (rendered off the event loop) too
+        many = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(501)]
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": many, "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-pof-tokens"] == "local"
+        assert sum(e.tokenized for e in engines.values()) == asked
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         r = client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "tools": tools,
                                                       "temperature": 0, "max_tokens": 4})
