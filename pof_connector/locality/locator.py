@@ -147,15 +147,17 @@ class Locator:
 
     def _refresh(self) -> None:
         """Read the node list for :meth:`nodes` (on its own thread)."""
+        got: list[NodeInfo] | None = None
         try:
             got = self.index.nodes()
         except IndexUnavailable:
-            return              # the next lookup meets the same error, and its caller falls back
+            pass                # the next lookup meets the same error, and its caller falls back
         finally:
+            # one critical section: no caller sees the thread done and the old list still there
             with self._lock:
                 self._refreshing = False
-        with self._lock:
-            self._nodes = (time.monotonic(), got)
+                if got is not None:
+                    self._nodes = (time.monotonic(), got)
 
     def view(self, nodes: list[NodeInfo]) -> NodeView:
         """``nodes`` read (the same view while the same list comes back)."""
