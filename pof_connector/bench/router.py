@@ -673,7 +673,7 @@ def _chat_tokens(model_dir: Path) -> ChatTokens:
     tok = PrefixTokenizer(hf_tokenizer(str(model_dir)))
 
     def tokens(messages: Messages) -> list[int]:
-        rendered = chat.render({"messages": messages})
-        assert rendered is not None, "a system and a user message of plain text always render"
-        return tok(*rendered)
+        got = chat.tokens({"messages": messages}, tok)
+        assert got is not None, "a system and a user message of plain text always render"
+        return got
     return tokens

@@ -210,11 +210,12 @@ def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt
                                                            {"role": "user", "content": q}],
                                "max_tokens": 8, "stream": True}).encode() for i, q in enumerate(questions)]
     chat_ids = PrefixTokenizer(hf_tokenizer(str(model_dir)))
-    chat_systems = []
+    chat_systems: list[list[int]] = []
     for system in systems:
-        rendered = chat.render({"messages": [{"role": "system", "content": system}], "add_generation_prompt": False})
-        assert rendered is not None
-        chat_systems.append(chat_ids(*rendered))
+        got = chat.tokens({"messages": [{"role": "system", "content": system}], "add_generation_prompt": False},
+                          chat_ids)
+        assert got is not None, "a plain system message always renders"
+        chat_systems.append(got)
     text_bodies = [json.dumps({"model": MODEL, "prompt": t, "max_tokens": 8, "stream": True}).encode() for t in texts]
     id_bodies = [json.dumps({"model": MODEL, "prompt": i, "max_tokens": 8, "stream": True}).encode() for i in ids]
     warmup = min(50, max(requests // 10, 1))

@@ -20,6 +20,7 @@ loads, so routing never decides what KV the engine reads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("pof.router")
@@ -32,6 +33,10 @@ template or cuts the prompt): a request holding any of them is tokenized by a ba
 FLAGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
 DEFAULTS = {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False}
 """vLLM's defaults for a chat request's rendering flags."""
+TOKENIZE_FIELDS = ("model", "messages", *FLAGS, "chat_template", "chat_template_kwargs", "tools", "media_io_kwargs",
+                   "mm_processor_kwargs")
+"""What a chat request sent to a backend's ``/tokenize`` carries of it (a request not rendered
+here): the fields of vLLM's ``TokenizeChatRequest``."""
 
 
 class ChatPrompt:
@@ -39,8 +44,12 @@ class ChatPrompt:
     ``template`` (a Jinja template's text: the engine's ``--chat-template``) when given."""
 
     def __init__(self, tok: Any, template: str | None = None) -> None:
+        import jinja2
+
         self.tok = tok
         self.template = template
+        self._refusals = (jinja2.TemplateError, ValueError, TypeError)
+        """What a template raises for a request it refuses (the engine refuses it too, and says why)."""
 
     @classmethod
     def load(cls, model_dir: str, template: str | None = None) -> ChatPrompt | None:
@@ -86,12 +95,18 @@ class ChatPrompt:
             if (not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str)
                     or not MESSAGE_KEYS.issuperset(m) or not isinstance(m.get("name", ""), str)):
                 return None
-        import jinja2
-
         try:
             text = self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                 add_generation_prompt=flags["add_generation_prompt"],
                                                 continue_final_message=flags["continue_final_message"])
-        except (jinja2.TemplateError, ValueError, TypeError):
-            return None             # the engine refuses it too, and says why
+        except self._refusals:
+            return None
         return (text, flags["add_special_tokens"]) if isinstance(text, str) else None
+
+    def tokens(self, body: dict[str, Any], tokenize: Callable[[str, bool], list[int]]) -> list[int] | None:
+        """Chat request ``body``'s prompt ids: :meth:`render`, then ``tokenize(text,
+        special_tokens)`` (a :class:`~pof_connector.router.prefix_tokenizer.PrefixTokenizer`, as
+        the router's); ``None`` as for :meth:`render`. The router itself renders and tokenizes in
+        two steps, the second maybe on a thread."""
+        rendered = self.render(body)
+        return tokenize(*rendered) if rendered is not None else None

@@ -57,6 +57,7 @@ from pof_connector.body_limits import BodyLimits
 from pof_connector.locality.locator import Tokenizer
 from pof_connector.pages.keys import shared_salt_of
 from pof_connector.router.backend import Ticket
+from pof_connector.router.chat_prompt import TOKENIZE_FIELDS
 from pof_connector.router.forward import Answer, BackendError, Forwarder, Sent
 from pof_connector.router.inline_gate import InlineGate
 from pof_connector.router.openai_shapes import document
@@ -79,9 +80,6 @@ from pof_connector.router.tokenizer_source import TokenizerSource
 
 log = logging.getLogger("pof.router")
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
-TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                        "chat_template", "chat_template_kwargs", "tools", "media_io_kwargs", "mm_processor_kwargs")
-"""What a chat request's ``/tokenize`` carries of it: the fields of vLLM's ``TokenizeChatRequest``."""
 INLINE_RENDER_MESSAGES = 64
 """Chat requests of up to this many messages are rendered on the event loop, longer ones on a thread."""
 INLINE_TOKENIZE_CHARS = 2048
@@ -178,7 +176,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
                 await asyncio.to_thread(chat.render, body)
             if rendered is not None:
                 return await local_ids(local, *rendered), "local"
-        ask = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
+        ask = {k: body[k] for k in TOKENIZE_FIELDS if k in body}
         got = await tokenize(router, state["client"], ask)
         return got, "backend" if got is not None else "none"
 

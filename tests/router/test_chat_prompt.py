@@ -61,6 +61,13 @@ def test_a_chat_request_is_rendered_and_tokenized_as_the_engine_does(chat_model:
     closed, _ = chat.render({"messages": MESSAGES, "add_generation_prompt": False})
     assert closed == text.removesuffix("<|assistant|>\n")
     assert chat.render({"messages": MESSAGES, "add_special_tokens": True}) == (text, True)
+    # both steps at once, as the benches and tests build a request's ids
+    assert chat.tokens({"messages": MESSAGES}, local) == want
+    asked: list[tuple[str, bool]] = []
+    assert chat.tokens({"messages": MESSAGES, "add_special_tokens": True},
+                       lambda t, special: asked.append((t, special)) or [7]) == [7]
+    assert asked == [(text, True)]
+    assert chat.tokens({"messages": MESSAGES, "tools": []}, local) is None
 
 
 @pytest.mark.parametrize("body", [
