@@ -1,11 +1,13 @@
 """Build a small Llama model for real-engine tests, with no hub access.
 
-    python ci/make_model.py --preset tiny|tiny-long|bench --out DIR
+    python ci/make_model.py --preset tiny|tiny-long|bench --out DIR [--tokenizer-only]
 
 Run it with the vLLM venv's python (ci/vllm_venv.sh prints it). It trains a byte-level BPE
 tokenizer with `tokenizers` on the Python stdlib sources (sorted paths, a fixed byte budget),
 wraps it as a `PreTrainedTokenizerFast` with bos/eos/pad tokens and a plain chat template, and
 saves a `LlamaForCausalLM` with random weights drawn from a fixed seed as safetensors.
+``--tokenizer-only`` writes the tokenizer and its chat template alone, which needs no torch: what
+the router's tests and ``pof bench router-overhead`` (stand-in engines) read of a model.
 
 The output is deterministic for a given Python version (the corpus is its stdlib) and the
 pinned transformers/tokenizers/torch versions: the same command writes byte-identical files.
@@ -110,10 +112,8 @@ def build_tokenizer(preset: Preset) -> PreTrainedTokenizerFast:
     )
 
 
-def build(preset: Preset, out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def build(preset: Preset, out: Path, *, weights: bool = True) -> None:
+    """The model of ``preset`` in ``out``; ``weights`` false: its tokenizer files only."""
     tokenizer = build_tokenizer(preset)
     tokenizer.save_pretrained(out)
     # transformers 5 records its own class name ("TokenizersBackend"); the v4 name loads in both.
@@ -121,6 +121,11 @@ def build(preset: Preset, out: Path) -> None:
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
+    if not weights:
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     vocab = tokenizer.get_vocab()
     ids = {name: vocab[name] for name in (BOS, EOS, PAD)}
 
@@ -145,13 +150,16 @@ def build(preset: Preset, out: Path) -> None:
     model.save_pretrained(out)  # transformers 5 always writes safetensors
 
 
-def marker_for(name: str, preset: Preset) -> dict[str, object]:
-    return {
+def marker_for(name: str, preset: Preset, *, tokenizer_only: bool = False) -> dict[str, object]:
+    marker: dict[str, object] = {
         "script_version": SCRIPT_VERSION,
         "preset": name,
         "python": sys.version.split()[0],
         "params": asdict(preset),
     }
+    if tokenizer_only:       # absent otherwise: models built before the flag existed stay valid
+        marker["tokenizer_only"] = True
+    return marker
 
 
 def sha256_file(path: Path) -> str:
@@ -167,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--force", action="store_true", help="rebuild even if DIR holds a matching build")
+    ap.add_argument("--tokenizer-only", action="store_true", help="the tokenizer files alone (no torch needed)")
     args = ap.parse_args(argv)
 
     preset = PRESETS[args.preset]
     out: Path = args.out.resolve()
-    want = marker_for(args.preset, preset)
+    want = marker_for(args.preset, preset, tokenizer_only=args.tokenizer_only)
     marker = out / MARKER
     if not args.force and marker.is_file():
         try:
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        build(preset, tmp)
+        build(preset, tmp, weights=not args.tokenizer_only)
         (tmp / MARKER).write_text(json.dumps(want, indent=2, sort_keys=True) + "\n")
         tmp.chmod(0o755)  # mkdtemp made it 0700
         if out.exists():

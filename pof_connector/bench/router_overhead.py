@@ -197,7 +197,7 @@ def run(*, requests: int = 2000, backends: int = 4, concurrency: int = 8, prompt
         progress: Progress = lambda _: None) -> dict[str, Any]:
     import json
 
-    model_dir = Path(model) if model else build_model("tiny")
+    model_dir = Path(model) if model else build_model("tiny", tokenizer_only=True)
     tokenize = load_tokenizer(str(model_dir), special_tokens=True)
     progress(f"prompts: {requests} of ~{prompt_tokens} tokens ({model_dir})")
     systems, texts = _prompts(tokenize, requests, prompt_tokens, seed)

@@ -20,14 +20,17 @@ from pof_connector.bench.service_process import ServiceProcess
 MODEL_CACHE = Path(os.environ.get("POF_MODEL_CACHE", Path.home() / ".cache" / "pof" / "models"))
 
 
-def build_model(preset: str = "tiny", python: str | None = None) -> Path:
+def build_model(preset: str = "tiny", python: str | None = None, *, tokenizer_only: bool = False) -> Path:
     """A locally built Llama (no hub), reused when already built (make_model keeps a marker).
 
     ``python`` must have the pinned transformers/tokenizers of the vLLM venv (the default is
-    this interpreter): the files depend on their versions."""
-    out = MODEL_CACHE / preset
+    this interpreter): the files depend on their versions. ``tokenizer_only``: the preset's
+    tokenizer and chat template alone, in a directory of their own (``PRESET-tokenizer``); they
+    need no torch, so the core install can build them."""
+    out = MODEL_CACHE / (f"{preset}-tokenizer" if tokenizer_only else preset)
     subprocess.run([python or sys.executable, "-m", "pof_connector.bench.make_model", "--preset", preset,
-                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+                    "--out", str(out), *(["--tokenizer-only"] if tokenizer_only else [])],
+                   check=True, stdout=subprocess.DEVNULL)
     return out
 
 
