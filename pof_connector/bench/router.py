@@ -209,6 +209,9 @@ class PhaseRun:
     wall_s: float
     engine_s: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
     """Per :data:`ENGINE_TIMES` key, (seconds summed, requests) over both servers in this pass."""
+    steal_s: float | None = None
+    """CPU time the hypervisor gave other guests while this VM's vCPUs wanted it, over the pass
+    (all vCPUs; ``None``: not on Linux): a pass that ran slow for the host's sake shows it here."""
 
 
 WARM_UP_REQUESTS = 24
@@ -234,15 +237,16 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
         progress(f"  {name}: warmed up ({len(warm.prompts)} requests of other tenants)")
     for s in servers:
         s.reset_prefix_cache()
-    before = _counters(servers)
+    before, stolen = _counters(servers), steal_seconds()
     how = f"{rate:g} requests/s" if rate > 0 else f"{clients} clients"
     progress(f"  {name}: {len(work.prompts)} requests, {how} ...")
     ttfts, answers, headers, wall = _drive(url, work, clients, rate, seed)
-    after = _counters(servers)
+    after, stolen_after = _counters(servers), steal_seconds()
     delta = {k: after[k] - before[k] for k in COUNTED}
     engine_s = {key: (delta[f"{h}_sum"], int(delta[f"{h}_count"])) for key, h in ENGINE_TIMES.items()}
     run = PhaseRun(ttfts, answers, headers, pool_hit_tokens=int(delta["vllm:external_prefix_cache_hits_total"]),
-                   engine_hit_tokens=int(delta["vllm:prefix_cache_hits_total"]), wall_s=wall, engine_s=engine_s)
+                   engine_hit_tokens=int(delta["vllm:prefix_cache_hits_total"]), wall_s=wall, engine_s=engine_s,
+                   steal_s=None if stolen is None or stolen_after is None else round(stolen_after - stolen, 2))
     row = summarize([run], work)
     routing = row.get("routing")
     progress(f"  {name}: mean TTFT {row['mean_ttft_s']:.3f} s, p90 {row['p90_ttft_s']:.3f} s, hit rate "
@@ -251,8 +255,20 @@ def _phase(name: str, url: str, servers: list[VllmServer], work: Workload, clien
                 f"prefill {row['engine']['prefill_mean_s']:.3f}), outside them {row['outside_engine_mean_s']:.3f} s"
                 if "engine" in row else "")
              + (f"; router's own time p50 {routing['overhead_p50_ms']} ms, p99 {routing['overhead_p99_ms']} ms"
-                if routing else ""))
+                if routing else "")
+             + (f"; CPU stolen by the hypervisor {run.steal_s:.2f} s" if run.steal_s else ""))
     return run
+
+
+def steal_seconds() -> float | None:
+    """CPU seconds stolen from this VM so far, all vCPUs (``/proc/stat``'s ``steal``); ``None``
+    off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
 
 
 def summarize(runs: list[PhaseRun], work: Workload) -> dict[str, Any]:
@@ -277,6 +293,8 @@ def summarize(runs: list[PhaseRun], work: Workload) -> dict[str, Any]:
         row["outside_engine_mean_s"] = round(statistics.fmean(ttfts) - engine["ttft_mean_s"], 4)
     if len(runs) > 1:
         row["mean_ttft_s_by_round"] = [round(statistics.fmean(r.ttfts), 4) for r in runs]
+    if all(r.steal_s is not None for r in runs):
+        row["steal_s_by_round"] = [r.steal_s for r in runs]
     # kept so that a later reading can pair requests across routers (request i of every router
     # had the same prompt): the bootstrap of router_stats, or another test
     row["ttft_s_by_round"] = [[round(t, 4) for t in r.ttfts] for r in runs]
@@ -397,7 +415,8 @@ def run(*, workloads: list[str], overrides: dict[str, Any], seed: int, progress:
                    "rounds; goal_verdict: met when the whole interval is <= goal, not met when it is above, "
                    "else undecided; engine: the servers' own mean time per request from its arrival at their API "
                    "server (vllm:time_to_first_token_seconds, request_queue_time, request_prefill_time), "
-                   "outside_engine_mean_s: the client's mean TTFT minus the engines' (router, proxy, HTTP)")
+                   "outside_engine_mean_s: the client's mean TTFT minus the engines' (router, proxy, HTTP); "
+                   "steal_s_by_round: CPU seconds the hypervisor gave other guests during each pass (/proc/stat)")
     return out
 
 

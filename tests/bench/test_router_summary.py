@@ -22,6 +22,7 @@ from pof_connector.bench.router import (
     round_order,
     routing_summary,
     run,
+    steal_seconds,
     warm_up_workload,
 )
 
@@ -164,3 +165,16 @@ def test_a_chat_workload_sends_the_same_words_as_a_system_and_a_user_message() -
     assert work.first_touch_bound() > 0
     warm = warm_up_workload(tokenize, 7, system_tokens=300, hot_share=0.5, chat=chat)
     assert warm.chats is not None and len(warm.chats) == WARM_UP_REQUESTS
+
+
+def test_each_pass_reports_the_cpu_the_hypervisor_took() -> None:
+    # this VM's counter: it only grows
+    first = steal_seconds()
+    assert first is not None and first >= 0 and (steal_seconds() or 0) >= first
+    stolen = {n: dataclasses.replace(_pass([0.1, 0.1]), steal_s=s) for n, s in
+              (("round_robin", 0.0), ("power_of_two", 0.1), ("cache_aware", 0.0), ("pof", 3.5))}
+    out = rank([stolen, stolen], _work())
+    assert out["policies"]["pof"]["steal_s_by_round"] == [3.5, 3.5]
+    assert out["policies"]["round_robin"]["steal_s_by_round"] == [0.0, 0.0]
+    # off Linux (no reading) the row says nothing rather than zero
+    assert "steal_s_by_round" not in rank([{n: _pass([0.1, 0.1]) for n in (*STOCK, "pof")}], _work())["policies"]["pof"]
