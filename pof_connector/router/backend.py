@@ -37,10 +37,13 @@ without saturating it (:meth:`~pof_connector.router.kv_admission.KvAdmission.fit
 
 
 class Backend:
-    def __init__(self, config: BackendConfig, failures_to_remove: int, fit_tokens: FitTokens | None = None) -> None:
+    def __init__(self, config: BackendConfig, failures_to_remove: int, fit_tokens: FitTokens | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``fit_tokens``: the router's KV rule, kept in :attr:`pressure_state` (``None``: no
-        limit, the router does not weigh KV room)."""
+        limit, the router does not weigh KV room). ``clock``: seconds, the router's (`pof sim`
+        passes its simulated time)."""
         self.config = config
+        self._clock = clock
         self.name = config.name
         self.url = config.url
         self.pool_node = config.pool_node
@@ -53,6 +56,10 @@ class Backend:
         self.waiting = 0
         """Requests without a first token yet (also counted in ``running``)."""
         self.waiting_tokens = 0
+        self.busy_since = 0.0
+        """When the node began the prefill work it still owes this router (:meth:`tokens_left`):
+        when a request came to a node with none waiting, or the last first token came while others
+        still waited; by the clock of the constructor."""
         self.served = 0
         self.engine_load: EngineLoad | None = None
         """The engine's last ``/metrics`` reading; ``None`` before one, or when the last failed."""
@@ -73,6 +80,8 @@ class Backend:
 
     def admit(self, prefill_tokens: int, kv_blocks: int = 0) -> Ticket:
         with self._lock:
+            if self.waiting == 0:
+                self.busy_since = self._clock()
             self.running += 1
             self.waiting += 1
             self.waiting_tokens += prefill_tokens
@@ -89,7 +98,7 @@ class Backend:
             self.preempting = bool(load is not None and prev is not None and load.preemptions is not None
                                    and prev.preemptions is not None and load.preemptions > prev.preemptions)
             self.engine_load = load
-            self._load_at = time.monotonic()
+            self._load_at = self._clock()
             # The engine's gauge now counts what had begun by then; what it still queued, it does not.
             self._pending_blocks = 0
             for t in self._live:
@@ -112,24 +121,39 @@ class Backend:
         """:meth:`pressure`'s fields as a tuple (what the router reads of every backend per
         request); ``now``: ``time.monotonic()`` read once for all of them (``None``: read it)."""
         load, pending, preempting, at, _ = self.pressure_state
-        if load is None or (time.monotonic() if now is None else now) - at > stale_after_s:
+        if load is None or (self._clock() if now is None else now) - at > stale_after_s:
             return None, 0, False
         return load, pending, preempting
+
+    def tokens_left(self, now: float, s_per_token: float) -> int:
+        """Prefill tokens the node still has to compute for this router's waiting requests: their
+        tokens less what it computed since :attr:`busy_since` at ``s_per_token`` (0: none waiting,
+        or it should be done). Counting them whole until the first token made a node about to
+        finish look like one that had just begun, and the router queued behind it as readily."""
+        if not self.waiting:
+            return 0
+        left = int(self.waiting_tokens - (now - self.busy_since) * (1.0 / s_per_token))
+        return left if left > 0 else 0
 
     def first_token(self, t: Ticket) -> None:
         with self._lock:
             if not t.first_token_seen and not t.done:
                 t.first_token_seen = True
-                self.waiting -= 1
-                self.waiting_tokens -= t.prefill_tokens
+                self._stop_waiting(t)
+
+    def _stop_waiting(self, t: Ticket) -> None:
+        """``t`` computed its prefill or ended without (with the lock held); the node's progress on
+        the others counts from now, since what it did for them meanwhile is unknown."""
+        self.waiting -= 1
+        self.waiting_tokens -= t.prefill_tokens
+        self.busy_since = self._clock()
 
     def finish(self, t: Ticket) -> None:
         with self._lock:
             if t.done:
                 return
             if not t.first_token_seen:
-                self.waiting -= 1
-                self.waiting_tokens -= t.prefill_tokens
+                self._stop_waiting(t)
             t.done = True
             self.running -= 1
             self.served += 1

@@ -6,7 +6,8 @@
          + fetch_factor * fetch_s                         its pages loaded from the pool
 
 - ``waiting`` / ``waiting_tokens``: requests this router sent to the node that have no first
-  token yet, and the tokens they have to compute;
+  token yet, and the tokens they still have to compute: theirs less what the node computed since
+  it began them, at ``s_per_token`` (:meth:`~pof_connector.router.backend.Backend.tokens_left`);
 - ``recompute``: prompt tokens neither in the engine's prefix cache nor loadable from the pool
   (the last prompt token is always computed, as engines do);
 - ``fetch_s``: tokens loaded from the pool beyond the engine's own hit, times the KV bytes per
@@ -82,7 +83,7 @@ class Estimate:
     """(waiting + 1, tokens to compute before the first token / 1000, decoding requests, fetch_s)."""
     prompt_tokens: int = 0
     queued_tokens: int = 0
-    """Tokens of requests ahead of it (``waiting_tokens``)."""
+    """Tokens requests ahead of it still had to compute (``waiting_tokens``)."""
 
     def corrected(self, cached_tokens: int) -> tuple[float, float, float, float]:
         """The features had the engine computed only the prompt tokens it did not have cached

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -98,12 +99,17 @@ class Decision:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, locator: Locates | None) -> None:
+    def __init__(self, config: RouterConfig, locator: Locates | None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: seconds (`pof sim` passes its simulated time): when readings were taken and
+        how long a node has been computing what it was sent."""
         self.config = config
+        self._clock = clock
         self.locator = locator
         self.cost = CostModel(config.cost)
         self.kv = KvAdmission(config.capacity)
-        self.backends = [Backend(b, config.health.failures_to_remove, self.kv.fit_tokens) for b in config.backends]
+        self.backends = [Backend(b, config.health.failures_to_remove, self.kv.fit_tokens, clock=clock)
+                         for b in config.backends]
         self.sent = SentPrefixes(config.capacity.block_tokens)
         """Prefixes sent to each backend: the cached-token count of a sample the engine did not report."""
         self._rr = itertools.count()
@@ -205,18 +211,19 @@ class Router:
         # all such nodes of the entry (most nodes, most of the time)
         terms: dict[int, tuple[int, float, float, int, float, dict[int, float]]] = {}
         need_pos = need if need > 0 else 0
-        best: tuple[Backend, NodeLocality | None, float, int, float] | None = None
+        best: tuple[Backend, NodeLocality | None, float, int, float, int] | None = None
         best_ttft, best_held = 0.0, 0
         # the least loaded backend with room (the earliest in turn order of equals): the stock
         # load balancer's choice, taken when the lowest estimate beats it by less than the
         # estimates' measured error
-        lightest: tuple[Backend, NodeLocality | None, float, int, float] | None = None
+        lightest: tuple[Backend, NodeLocality | None, float, int, float, int] | None = None
         lightest_ttft, lightest_load = 0.0, (0, 0)
         holder: tuple[Backend, int] | None = None
         holder_held = -1
-        saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, float, EngineLoad | None, int,
-                              bool]] = []
-        now = time.monotonic()
+        saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, int, float, EngineLoad | None,
+                              int, bool]] = []
+        now = self._clock()
+        per_s = 1.0 / cost.s_per_token             # prefill tokens a node computes per second
         last: object = False                        # matches no entry: the first backend looks its entry up
         idle: dict[int, float] = {}
         recompute, fetch_s, bpt, held, move = 0, 0.0, 0.0, 0, 0.0
@@ -232,13 +239,17 @@ class Router:
                 recompute, fetch_s, bpt, held, move, idle = t
                 if move < least_move:
                     least_move = move
-            waiting, waiting_tokens, running = b.waiting, b.waiting_tokens, b.running
-            if waiting or waiting_tokens:
-                ttft = ttft_s(recompute, fetch_s, running, waiting, waiting_tokens) + move
+            waiting, running = b.waiting, b.running
+            if waiting:
+                # Backend.tokens_left written out: what the node still has to compute of them
+                left = int(b.waiting_tokens - (now - b.busy_since) * per_s)
+                queued = left if left > 0 else 0
+                ttft = ttft_s(recompute, fetch_s, running, waiting, queued) + move
             elif (known := idle.get(running)) is not None:
-                ttft = known
+                ttft, queued = known, 0
             else:
-                ttft = idle[running] = ttft_s(recompute, fetch_s, running, 0, 0) + move
+                ttft, queued = ttft_s(recompute, fetch_s, running, 0, 0) + move, 0
+                idle[running] = ttft
             # the node is saturated for this request when its need exceeds the most its KV reading
             # fits (KvAdmission.fit_tokens), which the backend keeps with its reading
             state = b.pressure_state
@@ -251,21 +262,21 @@ class Router:
                 fit = None
             if fit is None or need_pos <= fit:
                 if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
-                    best, best_ttft, best_held = (b, node, bpt, held, move), ttft, held
-                if lightest is None or (waiting_tokens, running) < lightest_load:
-                    lightest, lightest_ttft, lightest_load = (b, node, bpt, held, move), ttft, (waiting_tokens, running)
+                    best, best_ttft, best_held = (b, node, bpt, held, move, queued), ttft, held
+                if lightest is None or (queued, running) < lightest_load:
+                    lightest, lightest_ttft, lightest_load = (b, node, bpt, held, move, queued), ttft, (queued, running)
             else:
-                saturated.append((turn, b, node, bpt, held, move, ttft, state[0], state[1], state[2]))
+                saturated.append((turn, b, node, bpt, held, move, queued, ttft, state[0], state[1], state[2]))
             if held > holder_held:
                 holder, holder_held = (b, turn), held
         assert holder is not None
         roomy = best is not None
         if best is None:                           # all saturated: the least estimate plus admission cost
             s_per_token, overhead_s = cost.s_per_token, cost.overhead_s
-            for _, b, node, bpt, held, move, ttft, load, pending, preempting in saturated:
+            for _, b, node, bpt, held, move, queued, ttft, load, pending, preempting in saturated:
                 ttft += kv.verdict(load, pending, preempting, need, s_per_token, overhead_s)[4]
                 if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
-                    best, best_ttft, best_held = (b, node, bpt, held, move), ttft, held
+                    best, best_ttft, best_held = (b, node, bpt, held, move, queued), ttft, held
         assert best is not None
         gain = lightest_ttft - best_ttft if lightest is not None else 0.0
         margin = cost.error_s if self.config.cost.balance_within_error else 0.0
@@ -273,10 +284,10 @@ class Router:
         if balanced:
             assert lightest is not None
             best, best_held = lightest, lightest[3]
-        b, node, bpt, _, move = best
+        b, node, bpt, _, move, queued = best
         estimate = cost.estimate(Candidate(
             b.name, n_tokens, node.engine_tokens if node else 0, node.usable if node else {}, bpt,
-            b.running, b.waiting, b.waiting_tokens))
+            b.running, b.waiting, queued))
         admission = self._assess(b, need, node.load if node else None)
         holder_b, holder_turn = holder
         has_holder = holder_held > 0

@@ -21,8 +21,8 @@ from pof_connector.sim.sim_locator import SimLocator
 MIN_OVERHEAD_S = 1e-6
 """The least fixed cost per request the simulated router starts from (its config refuses 0)."""
 NEVER_STALE_S = 1e12
-"""The simulator records readings itself, in simulated time: the router's wall-clock staleness
-check must not drop them."""
+"""The simulator records every node's reading itself, on each tick: none is ever missing, so the
+router keeps its last one however far apart the ticks are set."""
 
 
 def router_config(profile: Profile, nodes: int, *, learn: bool = True) -> RouterConfig:
@@ -51,22 +51,28 @@ class PofPolicy(Policy):
         self.locator: SimLocator | None = None
         self._nodes: list[NodeView] = []
         self._index: dict[str, int] = {}
+        self._now = 0.0
+        """Simulated seconds of the last event: the router's clock, so it sees how long a node
+        has computed what it was sent in simulated time."""
 
     def bind(self, nodes: list[NodeView], pool: KvPool | None, cached: dict[str, set[int]] | None = None) -> None:
         self.locator = SimLocator(self.profile, nodes, pool, cached)
-        self.router = Router(router_config(self.profile, len(nodes), learn=self.learn), self.locator)
+        self.router = Router(router_config(self.profile, len(nodes), learn=self.learn), self.locator,
+                             clock=lambda: self._now)
         self._nodes = nodes
         self._index = {n.name: i for i, n in enumerate(nodes)}
         self.tick(0.0)
 
     def tick(self, now: float) -> None:
         assert self.router is not None and self.locator is not None
+        self._now = now
         self.locator.readings = [n.reading() for n in self._nodes]
         for b, load in zip(self.router.backends, self.locator.readings, strict=True):
             b.record_load(load)
 
     def choose(self, job: Job, nodes: list[NodeView], now: float) -> int:
         assert self.router is not None
+        self._now = now
         r = job.request
         d = self.router.choose(PromptRef(job), session=r.session, max_tokens=r.max_tokens)
         job.decision = d
@@ -74,10 +80,12 @@ class PofPolicy(Policy):
         return self._index[d.backend.name]
 
     def first_token(self, job: Job, now: float) -> None:
+        self._now = now
         t: Ticket = job.ticket
         t.backend.first_token(t)
 
     def finished(self, job: Job, now: float) -> None:
+        self._now = now
         t: Ticket = job.ticket
         b: Backend = t.backend
         b.finish(t)

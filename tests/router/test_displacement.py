@@ -39,7 +39,8 @@ def decide(weight: float, queued_tokens: int, *, pool: bool = True) -> Decision:
         "cost": {"learn": False, "displacement_weight": weight}})
     nodes = {"holder": NodeLocality("holder", PAGE, {}, HELD, {}, 0, None, INFO),
              "idle": NodeLocality("idle", PAGE, {}, 0, {"remote": HELD} if pool else {}, 0, None, INFO)}
-    router = Router(config, FixedLocator(Locality("m", PROMPT, PAGE, nodes)))
+    # a clock that stands still: the queued request has computed none of its tokens yet
+    router = Router(config, FixedLocator(Locality("m", PROMPT, PAGE, nodes)), clock=lambda: 0.0)
     router.backends[0].admit(queued_tokens)
     return router.choose(list(range(PROMPT)), max_tokens=16)
 

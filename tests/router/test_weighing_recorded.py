@@ -81,7 +81,9 @@ def replay(state: dict[str, Any]) -> dict[str, Any]:
         "policy": "pof", "backends": [{"name": n, "url": f"http://{n}.invalid"} for n in cfg["backends"]],
         # recorded before moves were priced for what they displace: the rule then (weight 0);
         # test_weighing.py checks the weighing with it on
-        "cost": {"displacement_weight": 0.0, **cfg["cost"]}, "capacity": cfg["capacity"]}), FixedLocator(found))
+        "cost": {"displacement_weight": 0.0, **cfg["cost"]}, "capacity": cfg["capacity"]}), FixedLocator(found),
+        # recorded before a node's progress on what it was sent counted: the rule then (no time passes)
+        clock=lambda: 0.0)
     router.cost._theta = np.array(state["theta"])
     router.cost._coef = tuple(state["theta"])
     by_name = {b.name: b for b in router.backends}
