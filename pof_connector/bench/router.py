@@ -301,7 +301,18 @@ def summarize(runs: list[PhaseRun], work: Workload) -> dict[str, Any]:
     routing = routing_summary([h for r in runs for h in r.headers], ttfts)
     if routing:
         row["routing"] = routing
+        # request by request, beside ttft_s_by_round: a request that ran slow is read against
+        # where it went, why, what the router expected and how long the router itself took
+        row["routing_by_round"] = [[request_routing(h) for h in r.headers] for r in runs]
     return row
+
+
+def request_routing(headers: dict[str, str]) -> list[Any]:
+    """One answer's ``x-pof-*`` headers as [backend, route reason, estimated TTFT s, router's own
+    time ms]; ``None`` for what the answer did not carry."""
+    est, own = headers.get("x-pof-estimated-ttft"), headers.get("x-pof-router-overhead")
+    return [headers.get("x-pof-backend"), headers.get("x-pof-route-reason", headers.get("x-pof-reason")),
+            None if est is None else round(float(est), 4), None if own is None else round(1e3 * float(own), 3)]
 
 
 def engine_means(runs: list[PhaseRun]) -> dict[str, float] | None:

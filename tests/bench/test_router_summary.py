@@ -19,10 +19,12 @@ from pof_connector.bench.router import (
     engine_means,
     make_workload,
     rank,
+    request_routing,
     round_order,
     routing_summary,
     run,
     steal_seconds,
+    summarize,
     warm_up_workload,
 )
 
@@ -43,6 +45,21 @@ def test_summary_of_pof_router_headers() -> None:
 
 def test_a_stock_router_has_no_summary() -> None:
     assert routing_summary([{"content-type": "text/event-stream"}] * 3, [0.1] * 3) == {}
+    assert "routing_by_round" not in summarize([_pass([0.1, 0.2])], _work())
+
+
+def test_each_request_keeps_where_pof_sent_it_and_what_it_expected() -> None:
+    """A slow request is read against its own routing, round by round (ttft_s_by_round's order)."""
+    sent = {"x-pof-router-overhead": "0.003100", "x-pof-backend": "n1", "x-pof-reason": "pof",
+            "x-pof-route-reason": "prefix-holder", "x-pof-estimated-ttft": "0.07123"}
+    fallback = {"x-pof-router-overhead": "0.000400", "x-pof-backend": "n0", "x-pof-reason": "fallback:IndexUnavailable"}
+    assert request_routing(sent) == ["n1", "prefix-holder", 0.0712, 3.1]
+    assert request_routing(fallback) == ["n0", "fallback:IndexUnavailable", None, 0.4]
+    runs = [dataclasses.replace(_pass([0.1, 0.2]), headers=[sent, fallback]),
+            dataclasses.replace(_pass([0.3, 0.4]), headers=[fallback, sent])]
+    row = summarize(runs, _work())
+    assert row["routing_by_round"] == [[request_routing(sent), request_routing(fallback)],
+                                       [request_routing(fallback), request_routing(sent)]]
 
 
 def test_an_unknown_workload_stops_before_anything_starts() -> None:
