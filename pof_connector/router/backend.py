@@ -119,7 +119,7 @@ class Backend:
 
     def pressure_fields(self, stale_after_s: float, now: float | None = None) -> tuple[EngineLoad | None, int, bool]:
         """:meth:`pressure`'s fields as a tuple (what the router reads of every backend per
-        request); ``now``: ``time.monotonic()`` read once for all of them (``None``: read it)."""
+        request); ``now``: the clock read once for all of them (``None``: read it)."""
         load, pending, preempting, at, _ = self.pressure_state
         if load is None or (self._clock() if now is None else now) - at > stale_after_s:
             return None, 0, False

@@ -77,10 +77,11 @@ def test_the_simulated_router_reads_simulated_time() -> None:
     """`pof sim` drives the real router: a node's progress counts in simulated seconds, not in the
     wall-clock microseconds the simulation takes."""
     p, sim = pof_cluster()
+    assert p.router is not None
     p.tick(40.0)
     j = job(0, "new", 0, 8)                       # 8 tokens no node holds
     p.choose(j, list(sim.nodes), 40.0)
-    b, s = j.ticket.backend, p.router.cost.s_per_token if p.router else 0.0
+    b, s = j.ticket.backend, p.router.cost.s_per_token
     assert b.busy_since == 40.0 and b.waiting_tokens == 8
     p.tick(40.0 + 2.5 * s)                        # the time 2.5 of its tokens take
-    assert p.router is not None and b.tokens_left(p.router._clock(), s) == 5
+    assert b.tokens_left(p.router._clock(), s) == 5
