@@ -103,6 +103,12 @@ class Locality:
     page_tokens: int
     nodes: dict[str, NodeLocality]
     """Every live pool node of the model, also those holding nothing of this prompt."""
+    chain: tuple[bytes, ...] = ()
+    """The digests of the prompt's full pages of ``page_tokens``, in order, in one namespace (the
+    last pool's, as ``page_tokens``): chained, so two prompts with the same digest at place k are
+    the same up to the end of page k. The router matches them against the prompts it has in flight
+    (:meth:`~pof_connector.router.backend.Backend.in_flight_tokens`); empty: not computed (the
+    simulator's locator)."""
 
 
 class Locator:
@@ -192,7 +198,9 @@ class Locator:
                 keys[space] = self._page_keys(space[0], tokens, space[1], cache_salt=cache_salt)
         # Asked once per namespace for every node: later rounds start where the longest run stops.
         runs = {space: gather_runs(ks, self.index.longest_prefix, _covered) for space, ks in keys.items()}
-        return Locality(model, len(tokens), of.pools[-1][1][1] if of.pools else 0, _per_node(view, of, runs))
+        last = of.pools[-1][1] if of.pools else None
+        chain = tuple(k.digest for k in keys[last]) if last is not None else ()
+        return Locality(model, len(tokens), last[1] if last is not None else 0, _per_node(view, of, runs), chain)
 
     def spaces(self, model: str | None) -> tuple[str, list[tuple[bytes, int]]]:
         """The model (see :meth:`pick_model`) and every (namespace, page tokens) its pool nodes

@@ -29,6 +29,9 @@ class Ticket:
     token then (queued in the engine, which allocates blocks only when it schedules a request)."""
     first_token_seen: bool = False
     done: bool = False
+    chain: tuple[bytes, ...] = ()
+    """Its prompt's page digests (:attr:`~pof_connector.locality.locator.Locality.chain`): in the
+    engine's KV from its prefill until it ends (:meth:`Backend.in_flight_tokens`)."""
 
 
 FitTokens = Callable[[EngineLoad | None, int, bool], int | None]
@@ -76,9 +79,13 @@ class Backend:
         request with one comparison (the limit changes with a reading or a request, not per
         request weighed)."""
         self._live: set[Ticket] = set()
+        self._in_flight: dict[bytes, int] = {}
+        """Page digest -> live tickets whose prompt has it (:meth:`in_flight_tokens`)."""
         self._lock = threading.Lock()
 
-    def admit(self, prefill_tokens: int, kv_blocks: int = 0) -> Ticket:
+    def admit(self, prefill_tokens: int, kv_blocks: int = 0, chain: tuple[bytes, ...] = ()) -> Ticket:
+        """``chain``: the prompt's page digests (empty: not known); the router counts them as in the
+        node's KV until the request ends."""
         with self._lock:
             if self.waiting == 0:
                 self.busy_since = self._clock()
@@ -87,8 +94,11 @@ class Backend:
             self.waiting_tokens += prefill_tokens
             self._pending_blocks += kv_blocks
             self._publish()
-            t = Ticket(self, prefill_tokens, kv_blocks)
+            t = Ticket(self, prefill_tokens, kv_blocks, chain=chain)
             self._live.add(t)
+            counts = self._in_flight
+            for d in chain:
+                counts[d] = counts.get(d, 0) + 1
             return t
 
     def record_load(self, load: EngineLoad | None) -> None:
@@ -135,6 +145,26 @@ class Backend:
         left = int(self.waiting_tokens - (now - self.busy_since) * (1.0 / s_per_token))
         return left if left > 0 else 0
 
+    def in_flight_tokens(self, chain: tuple[bytes, ...], page_tokens: int) -> int:
+        """Leading tokens of a prompt with page digests ``chain`` that a request this router sent
+        here and has not seen end shares: the engine computes them for that request (its prefill
+        comes first in the node's queue) and keeps them while it runs, before its relay tells the
+        index. Without this a second request of a new system prompt, sent while the first still
+        computes it, saw no holder and went to recompute it all elsewhere."""
+        counts = self._in_flight
+        if not counts or not chain or chain[0] not in counts:
+            return 0
+        # chained digests: a prompt that has page k's has every page's before it, so the pages
+        # present are a leading run, found by bisection
+        lo, hi = 1, len(chain)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[mid - 1] in counts:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * page_tokens
+
     def first_token(self, t: Ticket) -> None:
         with self._lock:
             if not t.first_token_seen and not t.done:
@@ -158,6 +188,13 @@ class Backend:
             self.running -= 1
             self.served += 1
             self._live.discard(t)
+            counts = self._in_flight
+            for d in t.chain:
+                left = counts[d] - 1
+                if left:
+                    counts[d] = left
+                else:
+                    del counts[d]
             if t.pending:
                 self._pending_blocks -= t.kv_blocks
                 self._publish()

@@ -50,7 +50,7 @@ async def prefill_half(prefill: Router, forwarder: Forwarder, path: str, body: d
         except NoBackend:
             return None, "none:no-prefill-server"
         b = decision.backend
-        ticket = b.admit(decision.prefill_tokens, decision.kv_blocks)
+        ticket = b.admit(decision.prefill_tokens, decision.kv_blocks, decision.chain)
         try:
             r = await forwarder.send("POST", b.url + path, json.dumps(prefill_body(body)).encode(),
                                      {**headers, "content-type": "application/json"})

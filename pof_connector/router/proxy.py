@@ -232,7 +232,7 @@ def make_app(router: Router, *, tokenizer: Tokenizer | None = None, prefill: Rou
             except NoBackend as e:
                 return _error(503, str(e))
             b = decision.backend
-            ticket = b.admit(decision.prefill_tokens, decision.kv_blocks)
+            ticket = b.admit(decision.prefill_tokens, decision.kv_blocks, decision.chain)
             sent = clock.lap("choose")
             clock.move(decision.lookup_s, source="choose", target="lookup")
             written = Sent()

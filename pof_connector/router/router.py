@@ -41,6 +41,12 @@ MAX_SESSIONS = 1 << 16
 clients, who could otherwise grow the table without end."""
 
 
+_Weighed = tuple[Backend, NodeLocality | None, float, int, float, int, int | None]
+"""A backend as :meth:`Router._by_cost` weighed it: (backend, its locality, KV bytes per token,
+leading tokens it holds, move, tokens queued ahead, tokens a request in flight there shares with
+the prompt beyond its engine's known cache, or ``None``)."""
+
+
 class Locates(Protocol):
     """Where a prompt's prefix lives: :class:`~pof_connector.locality.locator.Locator` on the index,
     or the simulator's view of its simulated nodes (``pof sim``), which drives this same router."""
@@ -88,6 +94,9 @@ class Decision:
     conversations it evicts there (``cost.displacement_weight`` x the difference in the two nodes'
     prefix costs; header ``x-pof-displacement``). It weighs in the choice, not in ``estimate``,
     which is the request's own TTFT the model learns from."""
+    chain: tuple[bytes, ...] = ()
+    """The prompt's page digests (:attr:`Locality.chain`), for the chosen backend to count as in
+    flight there (:meth:`Backend.admit`); empty: not looked up."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -211,23 +220,25 @@ class Router:
         # all such nodes of the entry (most nodes, most of the time)
         terms: dict[int, tuple[int, float, float, int, float, dict[int, float]]] = {}
         need_pos = need if need > 0 else 0
-        best: tuple[Backend, NodeLocality | None, float, int, float, int] | None = None
+        # (backend, locality, bytes per token, held, move, queued, tokens in flight there): a
+        # backend as weighed (the last: None unless a request in flight shares more of the prompt)
+        best: _Weighed | None = None
         best_ttft, best_held = 0.0, 0
         # the least loaded backend with room (the earliest in turn order of equals): the stock
         # load balancer's choice, taken when the lowest estimate beats it by less than the
         # estimates' measured error
-        lightest: tuple[Backend, NodeLocality | None, float, int, float, int] | None = None
+        lightest: _Weighed | None = None
         lightest_ttft, lightest_load = 0.0, (0, 0)
         holder: tuple[Backend, int] | None = None
         holder_held = -1
-        saturated: list[tuple[int, Backend, NodeLocality | None, float, int, float, int, float, EngineLoad | None,
-                              int, bool]] = []
+        saturated: list[tuple[int, _Weighed, float, EngineLoad | None, int, bool]] = []
         now = self._clock()
         per_s = 1.0 / cost.s_per_token             # prefill tokens a node computes per second
         last: object = False                        # matches no entry: the first backend looks its entry up
         idle: dict[int, float] = {}
         recompute, fetch_s, bpt, held, move = 0, 0.0, 0.0, 0, 0.0
         least_move = math.inf
+        chain, page = found.chain, found.page_tokens
         for turn, b in enumerate(order):
             node = nodes_get(b.pool_node)
             if node is not last:                   # most often the previous backend's entry
@@ -240,16 +251,29 @@ class Router:
                 if move < least_move:
                     least_move = move
             waiting, running = b.waiting, b.running
+            # this backend's own terms where a request in flight there shares more of the prompt
+            # than its engine's cache is known to (``own``: those tokens; None: the entry's terms)
+            own: int | None = None
+            b_recompute, b_fetch_s, b_held, b_move = recompute, fetch_s, held, move
+            if chain and running:
+                flying = b.in_flight_tokens(chain, page)
+                if flying > (node.engine_tokens if node is not None else 0):
+                    own = flying
+                    b_recompute, b_fetch_s, _, b_held = self._prefix_terms(node, n_tokens, flying)
+                    b_move = weight * cost.prefix_s(b_recompute, b_fetch_s)
+                    if b_move < least_move:
+                        least_move = b_move
             if waiting:
                 # Backend.tokens_left written out: what the node still has to compute of them
                 left = int(b.waiting_tokens - (now - b.busy_since) * per_s)
                 queued = left if left > 0 else 0
-                ttft = ttft_s(recompute, fetch_s, running, waiting, queued) + move
-            elif (known := idle.get(running)) is not None:
+                ttft = ttft_s(b_recompute, b_fetch_s, running, waiting, queued) + b_move
+            elif own is None and (known := idle.get(running)) is not None:
                 ttft, queued = known, 0
             else:
-                ttft, queued = ttft_s(recompute, fetch_s, running, 0, 0) + move, 0
-                idle[running] = ttft
+                ttft, queued = ttft_s(b_recompute, b_fetch_s, running, 0, 0) + b_move, 0
+                if own is None:
+                    idle[running] = ttft
             # the node is saturated for this request when its need exceeds the most its KV reading
             # fits (KvAdmission.fit_tokens), which the backend keeps with its reading
             state = b.pressure_state
@@ -260,23 +284,24 @@ class Router:
                 state = (node.load, 0, False, now, fit)     # the relay's reading, published in the index
             else:
                 fit = None
+            chosen = (b, node, bpt, b_held, b_move, queued, own)
             if fit is None or need_pos <= fit:
-                if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
-                    best, best_ttft, best_held = (b, node, bpt, held, move, queued), ttft, held
+                if best is None or ttft < best_ttft or (ttft == best_ttft and b_held > best_held):
+                    best, best_ttft, best_held = chosen, ttft, b_held
                 if lightest is None or (queued, running) < lightest_load:
-                    lightest, lightest_ttft, lightest_load = (b, node, bpt, held, move, queued), ttft, (queued, running)
+                    lightest, lightest_ttft, lightest_load = chosen, ttft, (queued, running)
             else:
-                saturated.append((turn, b, node, bpt, held, move, queued, ttft, state[0], state[1], state[2]))
-            if held > holder_held:
-                holder, holder_held = (b, turn), held
+                saturated.append((turn, chosen, ttft, state[0], state[1], state[2]))
+            if b_held > holder_held:
+                holder, holder_held = (b, turn), b_held
         assert holder is not None
         roomy = best is not None
         if best is None:                           # all saturated: the least estimate plus admission cost
             s_per_token, overhead_s = cost.s_per_token, cost.overhead_s
-            for _, b, node, bpt, held, move, queued, ttft, load, pending, preempting in saturated:
+            for _, weighed, ttft, load, pending, preempting in saturated:
                 ttft += kv.verdict(load, pending, preempting, need, s_per_token, overhead_s)[4]
-                if best is None or ttft < best_ttft or (ttft == best_ttft and held > best_held):
-                    best, best_ttft, best_held = (b, node, bpt, held, move, queued), ttft, held
+                if best is None or ttft < best_ttft or (ttft == best_ttft and weighed[3] > best_held):
+                    best, best_ttft, best_held = weighed, ttft, weighed[3]
         assert best is not None
         gain = lightest_ttft - best_ttft if lightest is not None else 0.0
         margin = cost.error_s if self.config.cost.balance_within_error else 0.0
@@ -284,10 +309,10 @@ class Router:
         if balanced:
             assert lightest is not None
             best, best_held = lightest, lightest[3]
-        b, node, bpt, _, move, queued = best
+        b, node, bpt, _, move, queued, own = best
+        engine_tokens = own if own is not None else node.engine_tokens if node else 0
         estimate = cost.estimate(Candidate(
-            b.name, n_tokens, node.engine_tokens if node else 0, node.usable if node else {}, bpt,
-            b.running, b.waiting, queued))
+            b.name, n_tokens, engine_tokens, node.usable if node else {}, bpt, b.running, b.waiting, queued))
         admission = self._assess(b, need, node.load if node else None)
         holder_b, holder_turn = holder
         has_holder = holder_held > 0
@@ -307,17 +332,21 @@ class Router:
         names = tuple(live[i].name for i in sorted((start + s[0]) % n_live for s in saturated)) if saturated else ()
         return Decision(b, "pof", estimate, n_tokens, route, admission, names,
                         holder_b.name if has_holder else None, estimate.fetch_tokens, lookup_s,
-                        (round(gain, 6), round(margin, 6)) if roomy else None, round(move - least_move, 6))
+                        (round(gain, 6), round(margin, 6)) if roomy else None, round(move - least_move, 6), chain)
 
-    def _prefix_terms(self, node: NodeLocality | None, n_tokens: int) -> tuple[int, float, float, int]:
+    def _prefix_terms(self, node: NodeLocality | None, n_tokens: int,
+                      engine_tokens: int | None = None) -> tuple[int, float, float, int]:
         """(recompute, fetch_s, bytes per token, held) of a prompt on a node with locality ``node``
-        (``None``: the index knows nothing of it)."""
+        (``None``: the index knows nothing of it); ``engine_tokens``: what its engine will hold of
+        the prompt when the request's turn comes (``None``: what the index says it holds)."""
         if node is None:
-            recompute, _, fetch_s = self.cost.prefix_terms(n_tokens, 0, {}, 0.0)
-            return recompute, fetch_s, 0.0, 0
+            engine = engine_tokens or 0
+            recompute, _, fetch_s = self.cost.prefix_terms(n_tokens, engine, {}, 0.0)
+            return recompute, fetch_s, 0.0, engine
+        engine = node.engine_tokens if engine_tokens is None else engine_tokens
         bpt = _bytes_per_token(node)
-        recompute, _, fetch_s = self.cost.prefix_terms(n_tokens, node.engine_tokens, node.usable, bpt)
-        return recompute, fetch_s, bpt, max(node.engine_tokens, node.held_tokens)
+        recompute, _, fetch_s = self.cost.prefix_terms(n_tokens, engine, node.usable, bpt)
+        return recompute, fetch_s, bpt, max(engine, node.held_tokens)
 
     def _least_loaded_decision(self, live: list[Backend], why: str, n_tokens: int, need: int | None) -> Decision:
         """The least loaded backend; with ``need`` (policy ``pof``) among those with KV room when any has."""

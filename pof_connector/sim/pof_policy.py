@@ -76,7 +76,7 @@ class PofPolicy(Policy):
         r = job.request
         d = self.router.choose(PromptRef(job), session=r.session, max_tokens=r.max_tokens)
         job.decision = d
-        job.ticket = d.backend.admit(d.prefill_tokens, d.kv_blocks)
+        job.ticket = d.backend.admit(d.prefill_tokens, d.kv_blocks, d.chain)
         return self._index[d.backend.name]
 
     def first_token(self, job: Job, now: float) -> None:

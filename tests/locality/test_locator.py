@@ -53,6 +53,11 @@ def test_held_and_usable_per_node(cluster: dict[str, Any]) -> None:
     assert b.held == {"cxl": 48} and b.usable == {"cxl": 64}
     assert c.held == {"cxl": 64} and c.usable == {"cxl": 64}
     assert a.engine_tokens == b.engine_tokens == 0
+    # the prompt's page digests as the pools key them: what the router matches its requests in
+    # flight by; a tenant's salt gives other pages
+    assert found.chain == tuple(k.digest for k in cluster["keys"])
+    salted = Locator(cluster["index"]).locate(cluster["tokens"], cache_salt="tenant-b")
+    assert len(salted.chain) == 8 and not set(salted.chain) & set(found.chain)
 
 
 def test_engine_residency_merges_into_its_node(cluster: dict[str, Any]) -> None:
