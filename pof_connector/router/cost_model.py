@@ -9,7 +9,9 @@
   token yet, and the tokens they still have to compute: theirs less what the node computed since
   it began them, at ``s_per_token`` (:meth:`~pof_connector.router.backend.Backend.tokens_left`);
 - ``recompute``: prompt tokens neither in the engine's prefix cache nor loadable from the pool
-  (the last prompt token is always computed, as engines do);
+  (the last prompt token is always computed, as engines do); the router counts a prompt's pages
+  that a request in flight on the node shares as in its cache
+  (:meth:`~pof_connector.router.backend.Backend.in_flight_tokens`);
 - ``fetch_s``: tokens loaded from the pool beyond the engine's own hit, times the KV bytes per
   token, over each tier's configured bandwidth; ``fetch_factor`` (start 1) is what loads really
   cost against that (per-page work, checksums, a busy host).
