@@ -165,7 +165,7 @@ class Router:
             decision = replace(decision, route="sticky-saturated:" + decision.route.split(":")[-1])
         if session is not None:
             with self._lock:
-                self._sessions[(cache_salt, session)] = (decision.backend.name, time.monotonic() + STICKY_TTL_S)
+                self._sessions[(cache_salt, session)] = (decision.backend.name, self._clock() + STICKY_TTL_S)
                 self._sessions.move_to_end((cache_salt, session))
                 while len(self._sessions) > MAX_SESSIONS:
                     self._sessions.popitem(last=False)
@@ -360,14 +360,16 @@ class Router:
                         saturated=tuple(b.name for b, a in assessed if a.saturated))
 
     def _least_loaded(self, live: list[Backend]) -> Backend:
-        start = next(self._rr)
+        """The backend with the least prefill left to compute, then the fewest requests (the
+        earliest in turn order of equals)."""
+        start, now, s_per_token = next(self._rr), self._clock(), self.cost.s_per_token
         return min((live[(start + i) % len(live)] for i in range(len(live))),
-                   key=lambda b: (b.waiting_tokens, b.running))
+                   key=lambda b: (b.tokens_left(now, s_per_token), b.running))
 
     def _sticky(self, session: tuple[str | None, str], live: list[Backend]) -> Backend | None:
         with self._lock:
             entry = self._sessions.get(session)
-            if entry is None or entry[1] < time.monotonic():
+            if entry is None or entry[1] < self._clock():
                 return None
             return next((b for b in live if b.name == entry[0]), None)
 

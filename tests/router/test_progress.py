@@ -8,7 +8,7 @@ tests set the time."""
 from __future__ import annotations
 
 from pof_connector.locality.locator import Locality
-from pof_connector.router.router import Router
+from pof_connector.router.router import STICKY_TTL_S, Router
 from pof_connector.router.router_config import RouterConfig
 from tests.sim.test_policies import job, pof_cluster
 
@@ -85,3 +85,29 @@ def test_the_simulated_router_reads_simulated_time() -> None:
     assert b.busy_since == 40.0 and b.waiting_tokens == 8
     p.tick(40.0 + 2.5 * s)                        # the time 2.5 of its tokens take
     assert b.tokens_left(p.router._clock(), s) == 5
+
+
+def test_the_fallback_weighs_what_a_node_still_owes_too() -> None:
+    """Without the index (or with policy ``least_loaded``) the least loaded backend is the one with
+    the least prefill left, as in the weighing, not the fewest tokens sent."""
+    router, clock = two_nodes()
+    a, b = router.backends
+    a.admit(1283)
+    clock[0] = 1.1
+    b.admit(1248)
+    clock[0] = 1.2
+    d = router.choose(None)                       # no tokens: the least loaded backend
+    assert d.reason == "fallback:no_tokens" and d.backend is a, d
+
+
+def test_a_session_sticks_for_its_time_by_the_routers_clock() -> None:
+    """A session's node is kept for STICKY_TTL_S by the router's clock: `pof sim` counts it in
+    simulated seconds, as it counts everything else."""
+    router, clock = two_nodes()
+    first = router.choose(list(range(100)), session="s")
+    clock[0] = STICKY_TTL_S - 1
+    assert router.choose(list(range(100)), session="s").reason == "sticky"
+    first.backend.admit(5000)                     # its node is now the busier by far
+    clock[0] = STICKY_TTL_S + 1
+    later = router.choose(list(range(100)), session="s")
+    assert later.reason == "pof" and later.backend is not first.backend, later
