@@ -22,6 +22,7 @@ from pof_connector.pool import Pool
 from pof_connector.pool import pool as pool_module
 from pof_connector.tiers import SlotRef
 from pof_connector.tiers.base import slot_bytes_for
+from pof_connector.tiers.cxl import TRADE_FLOOR, TRADE_SHORT_S
 
 SPEC = PageSpec(num_layers=3, segment_bytes=2048, page_tokens=16)
 
@@ -171,8 +172,14 @@ def test_a_node_short_of_room_gets_the_slots_its_neighbour_left_unused(runtime_d
         wait_for(lambda: a.stats.get("adopted_slots") > 0)
         for i in range(share + 1, 4 * share, 4):        # a keeps storing, and evicting when full
             a.store([(k, content(k)) for k in hot[i:i + 4]]).result()
+        # b gives a step of slots a heartbeat for TRADE_SHORT_S after a's last eviction, down to its
+        # floor: the checks below read a settled trade (on a loaded host a check between two steps
+        # saw pages that b's next step dropped, and their loads fail, as after any eviction)
+        floor = max(1, b.tiers[0].first_share // TRADE_FLOOR)
+        wait_for(lambda: b.tiers[0].capacity_slots == floor, timeout=TRADE_SHORT_S)
         wait_for(lambda: b.stats.get("given_slots") == a.stats.get("adopted_slots"))
         given = int(b.stats.get("given_slots"))
+        assert given == share - floor
         assert share < a.tiers[0].capacity_slots == share + given
         assert b.tiers[0].capacity_slots == share - given >= share // 4
         wait_for(lambda: a.lookup(cold).pages == b.tiers[0].used_slots)     # withdrawn as evicted
