@@ -220,8 +220,6 @@ class Router:
         # all such nodes of the entry (most nodes, most of the time)
         terms: dict[int, tuple[int, float, float, int, float, dict[int, float]]] = {}
         need_pos = need if need > 0 else 0
-        # (backend, locality, bytes per token, held, move, queued, tokens in flight there): a
-        # backend as weighed (the last: None unless a request in flight shares more of the prompt)
         best: _Weighed | None = None
         best_ttft, best_held = 0.0, 0
         # the least loaded backend with room (the earliest in turn order of equals): the stock
